@@ -1,0 +1,1 @@
+"""The untrusted side: a trunk server with per-session KV caches."""

@@ -1,0 +1,22 @@
+"""Configuration of a trunk server, built once by the CLI (or a test) and never mutated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class CloudConfig:
+    model_dir: Path  # checkpoint directory; only the trunk layers' tensors are read
+    edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
+    host: str = "127.0.0.1"  # interface to listen on
+    port: int = 8765  # TCP port; 0 picks a free one
+    auth_token: str | None = None  # shared secret required in the Hello; None = no auth
+    session_ttl_s: float = 300.0  # idle seconds before a session's cache is dropped
+    max_sessions: int = 64  # concurrent sessions across all connections
+    max_message_bytes: int = 16 * 1024 * 1024  # largest accepted frame, bytes
+    max_query_tokens: int = 2048  # largest number of query tokens in one step
+    dtype: str = "float32"  # compute and wire dtype: float32, bfloat16 or float16
+    attn_implementation: str = "sdpa"  # transformers attention kernel: sdpa or eager
+    sweep_interval_s: float | None = None  # TTL sweep period, seconds; None = ttl / 4 capped at 5

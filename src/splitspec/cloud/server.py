@@ -1,0 +1,249 @@
+"""The trunk server: runs the middle decoder layers for many edge sessions.
+
+Each connection handshakes once (protocol version, model fingerprint, layer range, dtype, auth),
+then opens sessions and sends steps. Model compute runs on a worker thread so the event loop keeps
+answering pings and other sessions while a step computes. Every refusal is a typed ``Error``
+reply; only handshake failures close the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+
+import torch
+
+from splitspec import __version__
+from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.sessions import SessionStore
+from splitspec.exceptions import (
+    AuthenticationFailed,
+    BadTensor,
+    HandshakeMismatch,
+    PositionOutOfRange,
+    ProtocolError,
+    ServerError,
+    UnexpectedMessage,
+)
+from splitspec.models.checkpoint import Checkpoint, fingerprint
+from splitspec.models.masks import depths
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import dtype_from_name, load_trunk
+from splitspec.protocol.messages import (
+    CacheCommand,
+    CloseSession,
+    Error,
+    Hello,
+    Message,
+    OpenSession,
+    SessionClosed,
+    SessionOpened,
+    Step,
+    StepResult,
+    Welcome,
+    decode_message,
+    encode_message,
+)
+from splitspec.protocol.state import ServerConnection, TrunkIdentity
+from splitspec.transport.server import FrameServer
+
+log = logging.getLogger(__name__)
+
+
+class TrunkServer:
+    """Loads the trunk of a checkpoint and serves it. Use as ``async with TrunkServer(cfg) as srv``."""
+
+    def __init__(self, config: CloudConfig) -> None:
+        self.config = config
+        self.checkpoint = Checkpoint(config.model_dir)
+        model_config = self.checkpoint.config
+        self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
+        self.dtype = dtype_from_name(config.dtype)
+        self.trunk = load_trunk(self.checkpoint, self.plan, self.dtype, config.attn_implementation)
+        self.identity = TrunkIdentity(
+            fingerprint=fingerprint(model_config),
+            layer_start=self.plan.trunk_layers.start,
+            layer_end=self.plan.trunk_layers.stop,
+            dtype=config.dtype,
+            hidden_size=model_config.hidden_size,
+        )
+        self.max_positions = int(model_config.max_position_embeddings)
+        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trunk")
+        self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._connection_ids = itertools.count()
+
+    @property
+    def port(self) -> int:
+        return self._frames.port
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self._frames.start()
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+        log.info(
+            "trunk server on %s: layers %d..%d of %s, dtype %s, fingerprint %s",
+            self.url,
+            self.identity.layer_start,
+            self.identity.layer_end - 1,
+            self.config.model_dir,
+            self.config.dtype,
+            self.identity.fingerprint,
+        )
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        await self._frames.stop()
+        self._executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> TrunkServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    async def _sweep_forever(self) -> None:
+        interval = self.config.sweep_interval_s or min(5.0, self.config.session_ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.sessions.sweep()
+
+    def _new_peer(self, remote: str) -> _TrunkPeer:
+        return _TrunkPeer(self, next(self._connection_ids), remote)
+
+    def validate_step(self, step: Step, cache_length: int, last_step: int) -> int:
+        """Check a step against the session; return the committed length after its cache command."""
+        hidden = step.hidden
+        if hidden.dtype != self.dtype:
+            raise BadTensor(f"hidden dtype {hidden.dtype} does not match the session dtype {self.dtype}")
+        if hidden.shape[2] != self.identity.hidden_size:
+            raise BadTensor(f"hidden size {hidden.shape[2]}, the model's is {self.identity.hidden_size}")
+        if hidden.shape[1] > self.config.max_query_tokens:
+            raise BadTensor(f"{hidden.shape[1]} query tokens exceed the limit of {self.config.max_query_tokens}")
+        length = _length_after(step.cache, cache_length, last_step)
+        expected = length + depths(step.parents)
+        if not torch.equal(step.positions.to(torch.long), expected):
+            raise PositionOutOfRange(
+                f"position ids must be the committed length ({length}) plus each token's depth in the step"
+            )
+        if int(expected.max()) >= self.max_positions:
+            raise PositionOutOfRange(f"position {int(expected.max())} exceeds the model's {self.max_positions}")
+        return length
+
+    async def run_step(self, step: Step, owner: int) -> StepResult:
+        session = self.sessions.get(step.session_id, owner)
+        cache = session.cache
+        self.validate_step(step, len(cache), cache.last_step)
+        if step.cache is not None:
+            if step.cache.truncate_to is not None:
+                cache.truncate(step.cache.truncate_to)
+            if step.cache.keep_last is not None:
+                cache.keep_last(step.cache.keep_last)
+        session.busy = True
+        try:
+            t0 = time.perf_counter()
+            loop = asyncio.get_running_loop()
+            out = await loop.run_in_executor(
+                self._executor, self.trunk, step.hidden, step.positions, step.parents, cache
+            )
+            cloud_ms = (time.perf_counter() - t0) * 1e3
+        finally:
+            session.busy = False
+            session.last_used = time.monotonic()
+        return StepResult(session_id=step.session_id, seq=step.seq, hidden=out, cloud_ms=cloud_ms)
+
+
+def _length_after(command: CacheCommand | None, length: int, last_step: int) -> int:
+    """Committed cache length once ``command`` is applied; raises if the command is impossible."""
+    if command is None:
+        return length
+    if command.truncate_to is not None:
+        if command.truncate_to > length:
+            raise PositionOutOfRange(f"cannot truncate a cache of {length} entries to {command.truncate_to}")
+        length, last_step = command.truncate_to, 0
+    if command.keep_last is not None:
+        if any(i >= last_step for i in command.keep_last):
+            raise PositionOutOfRange(f"keep_last {command.keep_last} outside the last step of {last_step} tokens")
+        length = length - last_step + len(command.keep_last)
+    return length
+
+
+class _TrunkPeer:
+    """One connection's protocol handling on the server."""
+
+    def __init__(self, server: TrunkServer, conn_id: int, remote: str) -> None:
+        self.server = server
+        self.conn_id = conn_id
+        self.remote = remote
+        self.state = ServerConnection(server.identity, server.config.auth_token)
+
+    async def handle(self, data: bytes) -> tuple[bytes, bool]:
+        message: Message | None = None
+        try:
+            self.state.admit(data)  # before the handshake, nothing but a Hello is decoded
+            message = decode_message(data, max_bytes=self.server.config.max_message_bytes)
+            reply = await self._dispatch(message)
+            return encode_message(reply), False
+        except ProtocolError as exc:
+            fatal = isinstance(exc, (AuthenticationFailed, HandshakeMismatch)) or not self.state.ready
+            log.info("connection %d (%s): refused %s: %s", self.conn_id, self.remote, exc.code, exc)
+            return self._error(exc, message, fatal), fatal
+        except Exception as exc:  # a bug of ours: report it, keep serving
+            log.exception("connection %d: step failed", self.conn_id)
+            return self._error(ServerError(f"{type(exc).__name__}: {exc}"), message, False), False
+
+    @staticmethod
+    def _error(exc: ProtocolError, message: Message | None, fatal: bool) -> bytes:
+        session_id = getattr(message, "session_id", None)
+        seq = getattr(message, "seq", None)
+        return encode_message(Error(code=exc.code, message=str(exc), session_id=session_id, seq=seq, fatal=fatal))
+
+    async def _dispatch(self, message: Message) -> Message:
+        server = self.server
+        if isinstance(message, Hello):
+            self.state.accept_hello(message)
+            log.info("connection %d (%s): handshake ok, client %s", self.conn_id, self.remote, message.client)
+            return Welcome(
+                server=f"splitspec-trunk/{__version__}",
+                max_message_bytes=server.config.max_message_bytes,
+                max_query_tokens=server.config.max_query_tokens,
+                session_ttl_s=server.config.session_ttl_s,
+            )
+        if isinstance(message, OpenSession):
+            session = server.sessions.open(self.conn_id)
+            return SessionOpened(request_id=message.request_id, session_id=session.session_id)
+        if isinstance(message, Step):
+            return await server.run_step(message, self.conn_id)
+        if isinstance(message, CloseSession):
+            server.sessions.get(message.session_id, self.conn_id)
+            server.sessions.close(message.session_id, "closed by the edge")
+            return SessionClosed(session_id=message.session_id)
+        raise UnexpectedMessage(f"a server does not accept {message.TYPE!r} messages")
+
+    async def closed(self) -> None:
+        self.server.sessions.close_owned_by(self.conn_id)
+
+
+async def serve_forever(config: CloudConfig) -> None:
+    """Run a trunk server until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with TrunkServer(config):
+        await stop.wait()
+    log.info("trunk server stopped")

@@ -1,0 +1,1 @@
+"""Token selection and generation loops shared by split, local and federated decoding."""

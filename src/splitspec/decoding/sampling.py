@@ -1,0 +1,57 @@
+"""Turning logits into tokens: greedy, temperature and nucleus (top-p) sampling.
+
+The probability transform matches transformers' ``TemperatureLogitsWarper`` followed by
+``TopPLogitsWarper`` (a test checks it), so sampled split output has exactly the distribution of
+sampled local output.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.exceptions import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # softmax temperature; 0 means greedy (argmax)
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1 keeps every token
+    seed: int | None = None  # generator seed; None draws one (recorded in results)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> tuple[torch.Generator, int]:
+        seed = self.seed if self.seed is not None else secrets.randbits(63)
+        return torch.Generator().manual_seed(seed), seed
+
+
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature and top-p."""
+    scores = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1 - top_p)
+        drop_sorted[..., -1:] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, -float("inf"))
+    return scores.softmax(dim=-1)
+
+
+def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Pick the next token from (V,) logits: argmax when greedy, else a draw from the warped distribution."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = probabilities(logits, params.temperature, params.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))

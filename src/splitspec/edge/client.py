@@ -1,0 +1,370 @@
+"""The split client: edge head -> remote trunk -> edge tail, with recovery.
+
+:class:`SplitClient` is a :class:`~splitspec.decoding.generate.Verifier`: ``forward(tokens)``
+embeds the tokens, runs the edge's head layers, sends the hidden states to the cloud, runs the
+tail layers on what comes back and returns logits. It keeps the token ids behind every cache
+entry, so when the cloud loses the session (TTL expiry, restart) it reconnects, opens a new
+session and replays that history; the caller sees the same logits as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Collection, Sequence
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from splitspec.decoding.generate import decode_sequential
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.edge.config import EdgeConfig
+from splitspec.exceptions import BadTensor, ProtocolError, TransportError, UnexpectedMessage, UnknownSession
+from splitspec.models.checkpoint import Checkpoint, fingerprint
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.masks import depths
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import EdgeModel, dtype_from_name, load_edge
+from splitspec.protocol.frames import MAX_HEADER_BYTES
+from splitspec.protocol.messages import (
+    CacheCommand,
+    CloseSession,
+    Hello,
+    OpenSession,
+    SessionOpened,
+    Step,
+    StepResult,
+    Welcome,
+)
+from splitspec.transport.client import Channel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one round trip cost, as the edge saw it."""
+
+    kind: str  # "prefill", "decode" or "replay"
+    query_tokens: int  # tokens in the step
+    network_ms: float  # round trip minus the cloud's compute, milliseconds
+    edge_ms: float  # head + tail compute on the edge, milliseconds
+    cloud_ms: float  # trunk compute reported by the cloud, milliseconds
+    serialize_ms: float  # encoding the request + decoding the reply on the edge, milliseconds
+    bytes_up: int  # request frame, bytes
+    bytes_down: int  # reply frame, bytes
+
+
+@dataclass
+class GenerationResult:
+    """Tokens produced by one generation and what each step cost."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    seed: int
+    wall_s: float  # whole generation including prefill, seconds
+    steps: list[StepStats] = field(default_factory=list)
+    recoveries: int = 0
+
+    @property
+    def decode_steps(self) -> list[StepStats]:
+        return [s for s in self.steps if s.kind == "decode"]
+
+    def summary(self) -> dict[str, Any]:
+        """Medians of the per-step figures over decode steps, and totals."""
+        decode = self.decode_steps
+
+        def median(key: str) -> float:
+            values = sorted(getattr(s, key) for s in decode)
+            return float(values[len(values) // 2]) if values else 0.0
+
+        return {
+            "new_tokens": len(self.token_ids),
+            "wall_s": self.wall_s,
+            "tokens_per_s": len(self.token_ids) / self.wall_s if self.wall_s > 0 else 0.0,
+            "steps": len(self.steps),
+            "recoveries": self.recoveries,
+            "median_step_ms": {k: median(k) for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")},
+            "median_bytes": {k: median(k) for k in ("bytes_up", "bytes_down")},
+            "total_bytes": {
+                "up": sum(s.bytes_up for s in self.steps),
+                "down": sum(s.bytes_down for s in self.steps),
+            },
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "prompt_ids": self.prompt_ids,
+            "token_ids": self.token_ids,
+            "seed": self.seed,
+            "summary": self.summary(),
+            "steps": [asdict(s) for s in self.steps],
+        }
+
+
+def chain(q: int) -> list[int]:
+    """Parents of a plain sequence of q tokens: -1, 0, 1, ..."""
+    return list(range(-1, q - 1))
+
+
+class SplitClient:
+    """Edge side of split inference. Use as ``async with SplitClient(cfg) as client``."""
+
+    def __init__(self, config: EdgeConfig, edge: EdgeModel | None = None) -> None:
+        self.config = config
+        ckpt = Checkpoint(config.model_dir)
+        self.plan = SplitPlan(ckpt.config.num_hidden_layers, *config.edge_layers)
+        self.dtype = dtype_from_name(config.dtype)
+        self.model = edge if edge is not None else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation)
+        self.hello = Hello(
+            fingerprint=fingerprint(ckpt.config),
+            layer_start=self.plan.trunk_layers.start,
+            layer_end=self.plan.trunk_layers.stop,
+            dtype=config.dtype,
+            hidden_size=self.model.hidden_size,
+            auth_token=config.auth_token,
+            client="splitspec-edge",
+        )
+        self.eos_token_ids = _eos_ids(ckpt.config.eos_token_id)
+        self._channel: Channel | None = None
+        self._welcome: Welcome | None = None
+        self._session_id: str | None = None
+        self._seq = 0
+        self._head_cache = KVCache()
+        self._tail_cache = KVCache()
+        self._tokens: list[int] = []  # token id behind every committed cache entry
+        self._command: CacheCommand | None = None  # rides on the next step
+        self.steps: list[StepStats] = []
+        self.recoveries = 0
+
+    # -- connection ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> SplitClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Connect, handshake and open a session."""
+        cfg = self.config
+        self._channel = await Channel.connect(
+            cfg.cloud_url, max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.connect_timeout_s
+        )
+        try:
+            welcome, _ = await self._channel.request(self.hello, cfg.request_timeout_s)
+            if not isinstance(welcome, Welcome):
+                raise UnexpectedMessage(f"expected a Welcome, got {welcome.TYPE!r}")
+            self._welcome = welcome
+            opened, _ = await self._channel.request(OpenSession(request_id=0), cfg.request_timeout_s)
+            if not isinstance(opened, SessionOpened):
+                raise UnexpectedMessage(f"expected SessionOpened, got {opened.TYPE!r}")
+        except BaseException:
+            await self._drop_channel()
+            raise
+        self._session_id = opened.session_id
+        log.info("session %s opened on %s", self._session_id, cfg.cloud_url)
+
+    async def close(self) -> None:
+        if self._channel is not None and self._session_id is not None:
+            try:
+                await self._channel.request(CloseSession(self._session_id), 5.0)
+            except (ProtocolError, TransportError) as exc:
+                log.debug("closing session %s: %s", self._session_id, exc)
+        await self._drop_channel()
+
+    async def _drop_channel(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            await channel.close()
+        self._session_id = None
+
+    @property
+    def session_id(self) -> str | None:
+        return self._session_id
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Most query tokens one step may carry without hitting either side's caps."""
+        if self._welcome is None:
+            raise TransportError("not connected")
+        cap = min(self._welcome.max_message_bytes, self.config.max_message_bytes)
+        per_token = self.model.hidden_size * self.dtype.itemsize + 8  # hidden + position + parent
+        return max(1, min(self._welcome.max_query_tokens, (cap - MAX_HEADER_BYTES - 64) // per_token))
+
+    # -- the verifier interface ------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Start a new sequence: the cloud cache is truncated on the next step."""
+        self._head_cache = KVCache()
+        self._tail_cache = KVCache()
+        self._command = CacheCommand(truncate_to=0) if self._tokens else None
+        self._tokens = []
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep only ``indices`` of the last step's entries (the accepted path), on both sides.
+
+        The edge caches change now; the cloud's change rides on the next step (no extra trip).
+        """
+        if self._command is not None:
+            raise RuntimeError("a cache command is already pending")
+        keep = tuple(indices)
+        start = len(self._tokens) - self._tail_cache.last_step
+        self._head_cache.keep_last(keep)
+        self._tail_cache.keep_last(keep)
+        self._tokens = self._tokens[:start] + [self._tokens[start + i] for i in keep]
+        self._command = CacheCommand(keep_last=keep)
+
+    async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
+        """Run ``tokens`` (a chain unless ``parents`` says otherwise) -> logits (q, V) float32."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        parents = chain(len(tokens)) if parents is None else list(parents)
+        if len(parents) != len(tokens):
+            raise ValueError("tokens and parents must have the same length")
+        kind = "prefill" if len(tokens) > 1 and not self._tokens else "decode"
+        for attempt in range(self.config.max_recoveries + 1):
+            try:
+                return await self._forward_chunked(tokens, parents, kind)
+            except (UnknownSession, TransportError) as exc:
+                if attempt == self.config.max_recoveries:
+                    raise
+                log.warning("lost the cloud session (%s); recovering by replaying %d tokens", exc, len(self._tokens))
+                await self._recover()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _forward_chunked(self, tokens: list[int], parents: list[int], kind: str) -> torch.Tensor:
+        size = self.chunk_tokens
+        if len(tokens) <= size:
+            return await self._forward_once(tokens, parents, kind)
+        if parents != chain(len(tokens)):
+            raise ValueError(f"a draft tree of {len(tokens)} tokens exceeds one step's {size}-token limit")
+        out = [
+            await self._forward_once(tokens[i : i + size], chain(len(tokens[i : i + size])), kind)
+            for i in range(0, len(tokens), size)
+        ]
+        return torch.cat(out, dim=0)
+
+    async def _forward_once(self, tokens: list[int], parents: list[int], kind: str) -> torch.Tensor:
+        if self._channel is None or self._session_id is None:
+            raise TransportError("not connected")
+        base = len(self._tokens)
+        parent_t = torch.tensor(parents, dtype=torch.int32)
+        positions = (base + depths(parent_t)).to(torch.int32)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        try:
+            t0 = time.perf_counter()
+            hidden = self.model.run_head(ids, positions, parent_t, self._head_cache)  # (1, q, H)
+            t1 = time.perf_counter()
+            self._seq += 1
+            step = Step(self._session_id, self._seq, hidden, positions, parent_t, self._command)
+            raw_reply, exchange = await self._channel.request(step, self.config.request_timeout_s)
+            reply = _checked_reply(raw_reply, step)
+            t2 = time.perf_counter()
+            logits = self.model.run_tail(reply.hidden, positions, parent_t, self._tail_cache)  # (q, V)
+            t3 = time.perf_counter()
+        except BaseException:
+            for cache in (self._head_cache, self._tail_cache):  # leave no half-run step behind
+                if len(cache) > base:
+                    cache.truncate(base)
+            raise
+        self._command = None
+        self._tokens.extend(tokens)
+        self.steps.append(
+            StepStats(
+                kind=kind,
+                query_tokens=len(tokens),
+                network_ms=max(0.0, exchange.roundtrip_ms - reply.cloud_ms),
+                edge_ms=((t1 - t0) + (t3 - t2)) * 1e3,
+                cloud_ms=reply.cloud_ms,
+                serialize_ms=exchange.encode_ms + exchange.decode_ms,
+                bytes_up=exchange.bytes_up,
+                bytes_down=exchange.bytes_down,
+            )
+        )
+        return logits
+
+    async def _recover(self) -> None:
+        """Reconnect if needed, open a fresh session and replay every committed token."""
+        self.recoveries += 1
+        history = self._tokens
+        await self._drop_channel()
+        deadline = time.monotonic() + self.config.reconnect_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                await self.connect()
+                break
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+        self._head_cache, self._tail_cache = KVCache(), KVCache()
+        self._tokens, self._command = [], None
+        if history:
+            await self._forward_chunked(history, chain(len(history)), "replay")
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def stream(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        stop_token_ids: Collection[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> AsyncIterator[int]:
+        """Yield new tokens as they are produced (sequential decoding: one round trip each)."""
+        params = params or SamplingParams()
+        if generator is None:
+            generator, _ = params.generator()
+        stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
+        async for token in decode_sequential(self, prompt_ids, max_new_tokens, params, generator, stops):
+            yield token
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        stop_token_ids: Collection[int] | None = None,
+    ) -> GenerationResult:
+        """Generate and return the tokens with per-step figures."""
+        params = params or SamplingParams()
+        generator, seed = params.generator()
+        first_step, recoveries = len(self.steps), self.recoveries
+        t0 = time.perf_counter()
+        tokens = [t async for t in self.stream(prompt_ids, max_new_tokens, params, stop_token_ids, generator)]
+        return GenerationResult(
+            prompt_ids=list(prompt_ids),
+            token_ids=tokens,
+            seed=seed,
+            wall_s=time.perf_counter() - t0,
+            steps=self.steps[first_step:],
+            recoveries=self.recoveries - recoveries,
+        )
+
+
+def _checked_reply(reply: object, step: Step) -> StepResult:
+    """The cloud is untrusted too: its reply must answer this step, with matching tensors."""
+    if not isinstance(reply, StepResult):
+        raise UnexpectedMessage(f"expected a StepResult, got {getattr(reply, 'TYPE', reply)!r}")
+    if reply.session_id != step.session_id or reply.seq != step.seq:
+        raise UnexpectedMessage(f"reply for {reply.session_id}/{reply.seq}, sent {step.session_id}/{step.seq}")
+    if reply.hidden.shape != step.hidden.shape or reply.hidden.dtype != step.hidden.dtype:
+        raise BadTensor(f"reply hidden {tuple(reply.hidden.shape)} {reply.hidden.dtype} does not match the step")
+    return reply
+
+
+def _eos_ids(eos: int | list[int] | None) -> frozenset[int]:
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)

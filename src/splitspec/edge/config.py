@@ -1,0 +1,21 @@
+"""Configuration of the edge client, built once by the CLI (or a test) and never mutated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EdgeConfig:
+    model_dir: Path  # checkpoint directory; only edge tensors are read
+    cloud_url: str  # trunk server, e.g. ws://127.0.0.1:8765
+    edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
+    dtype: str = "float32"  # compute and wire dtype; must equal the server's
+    auth_token: str | None = None  # shared secret, if the server requires one
+    max_message_bytes: int = 16 * 1024 * 1024  # our own frame cap, bytes (the server's may be lower)
+    connect_timeout_s: float = 10.0  # one connection attempt, seconds
+    request_timeout_s: float = 120.0  # waiting for one reply, seconds
+    reconnect_timeout_s: float = 30.0  # how long recovery keeps retrying the cloud, seconds
+    max_recoveries: int = 3  # recoveries allowed for one step before giving up
+    attn_implementation: str = "sdpa"  # transformers attention kernel: sdpa or eager

@@ -1,0 +1,130 @@
+"""The exception tree of splitspec.
+
+Every error raised on purpose by splitspec derives from :class:`SplitspecError`::
+
+    SplitspecError
+    ├── ConfigError                 bad local configuration (split plan, checkpoint dir, CLI values)
+    │   └── CheckpointError         a checkpoint directory is missing files or tensors
+    ├── ProtocolError               a peer sent something we refuse; carries a wire ``code``
+    │   ├── MalformedFrame          not a frame: too short, bad header JSON, trailing bytes
+    │   ├── BadMagic                wrong magic bytes
+    │   ├── UnsupportedVersion      protocol version we do not speak
+    │   ├── BadDtype                tensor dtype outside the whitelist
+    │   ├── BadTensor               shape / byte length / hidden size / field mismatch
+    │   ├── PositionOutOfRange      position ids or parents inconsistent with the session
+    │   ├── MessageTooLarge         frame above the negotiated cap
+    │   ├── UnexpectedMessage       a message type not allowed in the current state
+    │   ├── HandshakeMismatch       model fingerprint, layer range or dtype differ
+    │   ├── AuthenticationFailed    missing or wrong shared secret
+    │   ├── UnknownSession          session id unknown, expired, or owned by another connection
+    │   ├── TooManySessions         the server's max-sessions limit is reached
+    │   └── ServerError             the server failed while computing (its bug, not ours)
+    └── TransportError              the connection could not be made or was lost
+
+A :class:`ProtocolError` travels over the wire as an ``Error`` message holding its ``code``;
+:func:`error_from_code` turns the code back into the same class on the other side, so both ends
+raise the same type.
+"""
+
+from __future__ import annotations
+
+
+class SplitspecError(Exception):
+    """Base class of every error splitspec raises on purpose."""
+
+
+class ConfigError(SplitspecError):
+    """A local configuration value is invalid (split plan, paths, CLI arguments)."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint directory lacks a file or a tensor that the requested role needs."""
+
+
+class TransportError(SplitspecError):
+    """The connection to a peer could not be established or was lost."""
+
+
+class ProtocolError(SplitspecError):
+    """A peer sent a message we refuse. ``code`` is the stable wire identifier."""
+
+    code = "protocol_error"
+
+
+class MalformedFrame(ProtocolError):
+    code = "malformed_frame"
+
+
+class BadMagic(ProtocolError):
+    code = "bad_magic"
+
+
+class UnsupportedVersion(ProtocolError):
+    code = "unsupported_version"
+
+
+class BadDtype(ProtocolError):
+    code = "bad_dtype"
+
+
+class BadTensor(ProtocolError):
+    code = "bad_tensor"
+
+
+class PositionOutOfRange(ProtocolError):
+    code = "position_out_of_range"
+
+
+class MessageTooLarge(ProtocolError):
+    code = "message_too_large"
+
+
+class UnexpectedMessage(ProtocolError):
+    code = "unexpected_message"
+
+
+class HandshakeMismatch(ProtocolError):
+    code = "handshake_mismatch"
+
+
+class AuthenticationFailed(ProtocolError):
+    code = "authentication_failed"
+
+
+class UnknownSession(ProtocolError):
+    code = "unknown_session"
+
+
+class TooManySessions(ProtocolError):
+    code = "too_many_sessions"
+
+
+class ServerError(ProtocolError):
+    code = "server_error"
+
+
+_BY_CODE: dict[str, type[ProtocolError]] = {
+    cls.code: cls
+    for cls in (
+        ProtocolError,
+        MalformedFrame,
+        BadMagic,
+        UnsupportedVersion,
+        BadDtype,
+        BadTensor,
+        PositionOutOfRange,
+        MessageTooLarge,
+        UnexpectedMessage,
+        HandshakeMismatch,
+        AuthenticationFailed,
+        UnknownSession,
+        TooManySessions,
+        ServerError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> ProtocolError:
+    """Rebuild the typed error a peer reported; unknown codes become a plain ProtocolError."""
+    cls = _BY_CODE.get(code, ProtocolError)
+    return cls(message)

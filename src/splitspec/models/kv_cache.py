@@ -1,0 +1,75 @@
+"""A per-sequence KV cache that can keep an accepted path and drop the rest.
+
+transformers' attention layers call ``cache.update(key, value, layer_idx)`` and attend over what
+it returns; :class:`KVCache` implements that call over growable buffers (amortised O(1) append)
+and adds the two edits speculative decoding needs: ``truncate(n)`` and ``keep_last(indices)``.
+Entries are stored in position order: entry i holds position i once a step is committed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for a set of layers of one sequence. Shapes are (1, kv_heads, T, head_dim)."""
+
+    def __init__(self) -> None:
+        self._keys: dict[int, torch.Tensor] = {}
+        self._values: dict[int, torch.Tensor] = {}
+        self._length = 0  # committed entries, identical across layers
+        self._pending = 0  # entries appended by the step in flight (same for each layer)
+        self.last_step = 0  # query tokens of the most recent step
+
+    def __len__(self) -> int:
+        return self._length
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a step's keys/values (1, kv, q, d) for ``layer_idx``; return all (1, kv, T+q, d)."""
+        q = key.shape[2]
+        end = self._length + q
+        buf_k = self._keys.get(layer_idx)
+        if buf_k is None or buf_k.shape[2] < end:
+            capacity = max(end, 2 * (0 if buf_k is None else buf_k.shape[2]), 64)
+            new_k = key.new_empty((*key.shape[:2], capacity, key.shape[3]))
+            new_v = value.new_empty((*value.shape[:2], capacity, value.shape[3]))
+            if buf_k is not None:
+                new_k[:, :, : self._length] = buf_k[:, :, : self._length]
+                new_v[:, :, : self._length] = self._values[layer_idx][:, :, : self._length]
+            self._keys[layer_idx], self._values[layer_idx] = new_k, new_v
+        self._keys[layer_idx][:, :, self._length : end] = key
+        self._values[layer_idx][:, :, self._length : end] = value
+        self._pending = q
+        return self._keys[layer_idx][:, :, :end], self._values[layer_idx][:, :, :end]
+
+    def commit(self) -> None:
+        """Make the step in flight part of the cache (called after every layer ran)."""
+        self._length += self._pending
+        self.last_step = self._pending
+        self._pending = 0
+
+    def rollback(self) -> None:
+        """Forget the step in flight (its forward pass failed)."""
+        self._pending = 0
+
+    def truncate(self, length: int) -> None:
+        """Drop every entry at index >= ``length``."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot truncate a cache of {self._length} entries to {length}")
+        self._length = length
+        self.last_step = 0
+
+    def keep_last(self, indices: tuple[int, ...]) -> None:
+        """Keep only ``indices`` (strictly increasing, within the last step) of the last step's entries."""
+        start = self._length - self.last_step
+        if any(not 0 <= i < self.last_step for i in indices):
+            raise ValueError(f"keep indices {indices} outside the last step of {self.last_step} tokens")
+        if list(indices) != list(range(len(indices))):  # a prefix of the step is already in place
+            src = torch.tensor([start + i for i in indices], dtype=torch.long)
+            dst = slice(start, start + len(indices))
+            for layer_idx, buf in self._keys.items():
+                buf[:, :, dst] = buf.index_select(2, src)
+                vals = self._values[layer_idx]
+                vals[:, :, dst] = vals.index_select(2, src)
+        self._length = start + len(indices)
+        self.last_step = 0

@@ -1,0 +1,367 @@
+"""Typed wire messages and their (de)serialization.
+
+Conversation (edge -> cloud on the left)::
+
+    Hello            ->   <- Welcome                 once per connection; pins version, model
+                                                     fingerprint, trunk layer range, dtype, auth
+    OpenSession      ->   <- SessionOpened           a session owns one KV cache on the cloud
+    Step             ->   <- StepResult              hidden states in, hidden states out
+    CloseSession     ->   <- SessionClosed
+    (anything)       ->   <- Error                   typed refusal; the connection stays usable
+                                                     unless the error is about the handshake
+
+A :class:`Step` carries, for each of its q query tokens, the position id and the index of its
+parent within the step (-1 = the committed prefix). The trunk rebuilds the attention mask from
+those, so a step's size depends on q only, never on the context length. The optional
+:class:`CacheCommand` edits the cache *before* the step runs: it is how the edge tells the cloud
+which speculative tokens of the previous step were accepted, without an extra round trip.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from splitspec.exceptions import BadTensor, MalformedFrame, PositionOutOfRange
+from splitspec.protocol.frames import Frame, decode_frame, encode_frame
+
+MAX_ID_LEN = 128
+
+
+def _int(header: dict[str, Any], key: str, *, minimum: int = 0, optional: bool = False) -> Any:
+    value = header.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise MalformedFrame(f"field {key!r} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(header: dict[str, Any], key: str) -> float:
+    value = header.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise MalformedFrame(f"field {key!r} must be a non-negative number, got {value!r}")
+    return float(value)
+
+
+def _str(header: dict[str, Any], key: str, *, optional: bool = False, max_len: int = 4096) -> Any:
+    value = header.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or len(value) > max_len:
+        raise MalformedFrame(f"field {key!r} must be a string of <= {max_len} chars, got {value!r:.80}")
+    return value
+
+
+def _tensor(frame: Frame, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    tensor = frame.tensors.get(name)
+    if tensor is None:
+        raise BadTensor(f"message lacks tensor {name!r}")
+    if dtype is not None and tensor.dtype != dtype:
+        raise BadTensor(f"tensor {name!r} must be {dtype}, got {tensor.dtype}")
+    return tensor
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Edge -> cloud, first message of a connection: what the edge expects the trunk to be."""
+
+    TYPE: ClassVar[str] = "hello"
+    fingerprint: str  # model fingerprint (config hash), see models.checkpoint.fingerprint
+    layer_start: int  # first trunk layer index (inclusive)
+    layer_end: int  # last trunk layer index (exclusive)
+    dtype: str  # hidden-state dtype on the wire and in compute, e.g. "float32"
+    hidden_size: int  # width of the hidden states, in elements
+    auth_token: str | None = None  # shared secret, when the server requires one
+    client: str = "splitspec"  # free-form client name, for logs
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {
+            "fingerprint": self.fingerprint,
+            "layer_start": self.layer_start,
+            "layer_end": self.layer_end,
+            "dtype": self.dtype,
+            "hidden_size": self.hidden_size,
+            "auth_token": self.auth_token,
+            "client": self.client,
+        }, {}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> Hello:
+        h = frame.header
+        return cls(
+            fingerprint=_str(h, "fingerprint", max_len=256),
+            layer_start=_int(h, "layer_start"),
+            layer_end=_int(h, "layer_end"),
+            dtype=_str(h, "dtype", max_len=32),
+            hidden_size=_int(h, "hidden_size", minimum=1),
+            auth_token=_str(h, "auth_token", optional=True, max_len=1024),
+            client=_str(h, "client", max_len=256),
+        )
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Cloud -> edge: the handshake is accepted; the limits the edge must respect."""
+
+    TYPE: ClassVar[str] = "welcome"
+    server: str  # server name and version, for logs
+    max_message_bytes: int  # largest frame the server accepts, in bytes
+    max_query_tokens: int  # largest q of one Step, in tokens
+    session_ttl_s: float  # idle seconds after which a session is dropped
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {
+            "server": self.server,
+            "max_message_bytes": self.max_message_bytes,
+            "max_query_tokens": self.max_query_tokens,
+            "session_ttl_s": self.session_ttl_s,
+        }, {}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> Welcome:
+        h = frame.header
+        return cls(
+            server=_str(h, "server", max_len=256),
+            max_message_bytes=_int(h, "max_message_bytes", minimum=1),
+            max_query_tokens=_int(h, "max_query_tokens", minimum=1),
+            session_ttl_s=_float(h, "session_ttl_s"),
+        )
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    """Edge -> cloud: create a fresh session (an empty KV cache)."""
+
+    TYPE: ClassVar[str] = "open_session"
+    request_id: int  # echoed in SessionOpened
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {"request_id": self.request_id}, {}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> OpenSession:
+        return cls(request_id=_int(frame.header, "request_id"))
+
+
+@dataclass(frozen=True)
+class SessionOpened:
+    """Cloud -> edge: the new session's id."""
+
+    TYPE: ClassVar[str] = "session_opened"
+    request_id: int
+    session_id: str
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {"request_id": self.request_id, "session_id": self.session_id}, {}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> SessionOpened:
+        h = frame.header
+        return cls(request_id=_int(h, "request_id"), session_id=_str(h, "session_id", max_len=MAX_ID_LEN))
+
+
+@dataclass(frozen=True)
+class CacheCommand:
+    """Cache edit applied before a step runs.
+
+    ``truncate_to``: drop every cache entry at index >= this (tokens). ``keep_last``: indices,
+    within the previous step's query tokens, of the entries to keep (in order); the previous
+    step's other entries are dropped. ``truncate_to`` applies first.
+    """
+
+    truncate_to: int | None = None
+    keep_last: tuple[int, ...] | None = None
+
+    def to_header(self) -> dict[str, Any]:
+        return {
+            "truncate_to": self.truncate_to,
+            "keep_last": None if self.keep_last is None else list(self.keep_last),
+        }
+
+    @classmethod
+    def from_header(cls, raw: object, max_keep: int) -> CacheCommand:
+        if not isinstance(raw, dict):
+            raise MalformedFrame("cache command is not an object")
+        truncate_to = _int(raw, "truncate_to", optional=True)
+        keep = raw.get("keep_last")
+        if keep is not None:
+            if (
+                not isinstance(keep, list)
+                or len(keep) > max_keep
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in keep)
+            ):
+                raise MalformedFrame(f"keep_last must be a list of <= {max_keep} non-negative ints")
+            if any(b <= a for a, b in itertools.pairwise(keep)):
+                raise MalformedFrame("keep_last must be strictly increasing")
+            keep = tuple(keep)
+        return cls(truncate_to=truncate_to, keep_last=keep)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Edge -> cloud: run the trunk over q query tokens of a session.
+
+    ``hidden`` (1, q, H) in the session dtype; ``positions`` (q,) int32 absolute position ids;
+    ``parents`` (q,) int32, parent index within the step or -1 for the committed prefix.
+    """
+
+    TYPE: ClassVar[str] = "step"
+    session_id: str
+    seq: int  # per-session step counter, echoed in the reply
+    hidden: torch.Tensor  # (1, q, H)
+    positions: torch.Tensor  # (q,) int32
+    parents: torch.Tensor  # (q,) int32
+    cache: CacheCommand | None = None
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        header: dict[str, Any] = {"session_id": self.session_id, "seq": self.seq}
+        if self.cache is not None:
+            header["cache"] = self.cache.to_header()
+        return header, {"hidden": self.hidden, "positions": self.positions, "parents": self.parents}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> Step:
+        h = frame.header
+        hidden = _tensor(frame, "hidden")
+        positions = _tensor(frame, "positions", torch.int32)
+        parents = _tensor(frame, "parents", torch.int32)
+        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1:
+            raise BadTensor(f"hidden must have shape (1, q>=1, H), got {tuple(hidden.shape)}")
+        q = hidden.shape[1]
+        if tuple(positions.shape) != (q,) or tuple(parents.shape) != (q,):
+            raise BadTensor(f"positions and parents must have shape ({q},)")
+        check_parents(parents)
+        cache = h.get("cache")
+        return cls(
+            session_id=_str(h, "session_id", max_len=MAX_ID_LEN),
+            seq=_int(h, "seq"),
+            hidden=hidden,
+            positions=positions,
+            parents=parents,
+            cache=None if cache is None else CacheCommand.from_header(cache, max_keep=1 << 16),
+        )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Cloud -> edge: the trunk's output hidden states (1, q, H) and its compute time."""
+
+    TYPE: ClassVar[str] = "step_result"
+    session_id: str
+    seq: int
+    hidden: torch.Tensor  # (1, q, H)
+    cloud_ms: float  # trunk compute time on the cloud, milliseconds
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {"session_id": self.session_id, "seq": self.seq, "cloud_ms": self.cloud_ms}, {"hidden": self.hidden}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> StepResult:
+        h = frame.header
+        hidden = _tensor(frame, "hidden")
+        if hidden.dim() != 3 or hidden.shape[0] != 1:
+            raise BadTensor(f"hidden must have shape (1, q, H), got {tuple(hidden.shape)}")
+        return cls(
+            session_id=_str(h, "session_id", max_len=MAX_ID_LEN),
+            seq=_int(h, "seq"),
+            hidden=hidden,
+            cloud_ms=_float(h, "cloud_ms"),
+        )
+
+
+@dataclass(frozen=True)
+class CloseSession:
+    """Edge -> cloud: free a session's cache."""
+
+    TYPE: ClassVar[str] = "close_session"
+    session_id: str
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {"session_id": self.session_id}, {}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> CloseSession:
+        return cls(session_id=_str(frame.header, "session_id", max_len=MAX_ID_LEN))
+
+
+@dataclass(frozen=True)
+class SessionClosed:
+    """Cloud -> edge: the session is gone."""
+
+    TYPE: ClassVar[str] = "session_closed"
+    session_id: str
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {"session_id": self.session_id}, {}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> SessionClosed:
+        return cls(session_id=_str(frame.header, "session_id", max_len=MAX_ID_LEN))
+
+
+@dataclass(frozen=True)
+class Error:
+    """Either direction: a typed refusal. ``code`` names a ProtocolError subclass."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    session_id: str | None = None
+    seq: int | None = None
+    fatal: bool = field(default=False)  # the sender closes the connection after this
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {
+            "code": self.code,
+            "message": self.message,
+            "session_id": self.session_id,
+            "seq": self.seq,
+            "fatal": self.fatal,
+        }, {}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> Error:
+        h = frame.header
+        return cls(
+            code=_str(h, "code", max_len=64),
+            message=_str(h, "message"),
+            session_id=_str(h, "session_id", optional=True, max_len=MAX_ID_LEN),
+            seq=_int(h, "seq", optional=True),
+            fatal=bool(h.get("fatal", False)),
+        )
+
+
+Message = Hello | Welcome | OpenSession | SessionOpened | Step | StepResult | CloseSession | SessionClosed | Error
+_TYPES: dict[str, Any] = {
+    cls.TYPE: cls
+    for cls in (Hello, Welcome, OpenSession, SessionOpened, Step, StepResult, CloseSession, SessionClosed, Error)
+}
+
+
+def check_parents(parents: torch.Tensor) -> None:
+    """Each query token's parent must be -1 (the committed prefix) or an earlier token of the step."""
+    q = parents.shape[0]
+    limit = torch.arange(q, dtype=parents.dtype)
+    if bool(((parents < -1) | (parents >= limit)).any()):
+        raise PositionOutOfRange("every parent must be -1 or the index of an earlier query token")
+
+
+def encode_message(message: Message) -> bytes:
+    """Serialize a typed message into one frame."""
+    header, tensors = message.to_wire()
+    return encode_frame({"type": message.TYPE, **header}, tensors)
+
+
+def decode_message(data: bytes, *, max_bytes: int | None = None) -> Message:
+    """Parse one frame into a typed message, validating every field."""
+    frame = decode_frame(data, max_bytes=max_bytes)
+    kind = frame.header.get("type")
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MalformedFrame(f"unknown message type {kind!r}")
+    message: Message = cls.from_wire(frame)
+    return message

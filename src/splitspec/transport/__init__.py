@@ -1,0 +1,1 @@
+"""The only package that imports websockets: binary frames over WebSocket connections."""

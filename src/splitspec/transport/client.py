@@ -1,0 +1,103 @@
+"""Client side: one WebSocket connection carrying splitspec frames, request by request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.frames import CloseCode
+
+from splitspec.exceptions import MessageTooLarge, TransportError, error_from_code
+from splitspec.protocol.messages import Error, Message, decode_message, encode_message
+
+
+def websocket_max_size(max_message_bytes: int) -> int:
+    """The WebSocket-level cap for a given protocol cap.
+
+    Frames between the two caps are read and refused with a typed ``message_too_large`` reply
+    while the connection stays up; only frames beyond this hard cap close the connection (1009).
+    """
+    return 2 * max_message_bytes + (1 << 20)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Costs of one request/reply on the edge side."""
+
+    roundtrip_ms: float  # from the first byte sent to the reply received, milliseconds
+    encode_ms: float  # serializing the request, milliseconds
+    decode_ms: float  # parsing the reply, milliseconds
+    bytes_up: int  # request frame size, bytes
+    bytes_down: int  # reply frame size, bytes
+
+
+class Channel:
+    """A connection to a splitspec server. Errors the server reports are raised as their own type."""
+
+    def __init__(self, ws: ClientConnection, max_message_bytes: int) -> None:
+        self._ws = ws
+        self.max_message_bytes = max_message_bytes
+
+    @classmethod
+    async def connect(cls, url: str, *, max_message_bytes: int, timeout_s: float) -> Channel:
+        try:
+            ws = await connect(
+                url,
+                max_size=websocket_max_size(max_message_bytes),
+                compression=None,  # tensors do not compress; deflate only costs time
+                open_timeout=timeout_s,
+                ping_interval=20,
+                ping_timeout=60,
+            )
+        except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
+            raise TransportError(f"cannot connect to {url}: {exc}") from exc
+        return cls(ws, max_message_bytes)
+
+    async def send_raw(self, data: bytes) -> None:
+        try:
+            await self._ws.send(data)
+        except ConnectionClosed as exc:
+            raise _closed_error(exc) from exc
+
+    async def recv_raw(self, timeout_s: float) -> bytes:
+        try:
+            data = await asyncio.wait_for(self._ws.recv(), timeout_s)
+        except ConnectionClosed as exc:
+            raise _closed_error(exc) from exc
+        except TimeoutError as exc:
+            raise TransportError(f"no reply within {timeout_s:.1f} s") from exc
+        return data if isinstance(data, bytes) else data.encode()
+
+    async def request(self, message: Message, timeout_s: float) -> tuple[Message, Exchange]:
+        """Send ``message``, wait for the reply; raise the typed error if the reply is an Error."""
+        t0 = time.perf_counter()
+        data = encode_message(message)
+        t1 = time.perf_counter()
+        await self.send_raw(data)
+        raw = await self.recv_raw(timeout_s)
+        t2 = time.perf_counter()
+        reply = decode_message(raw, max_bytes=websocket_max_size(self.max_message_bytes))
+        t3 = time.perf_counter()
+        if isinstance(reply, Error):
+            raise error_from_code(reply.code, reply.message)
+        return reply, Exchange(
+            roundtrip_ms=(t2 - t1) * 1e3,
+            encode_ms=(t1 - t0) * 1e3,
+            decode_ms=(t3 - t2) * 1e3,
+            bytes_up=len(data),
+            bytes_down=len(raw),
+        )
+
+    async def close(self) -> None:
+        await self._ws.close()
+
+
+def _closed_error(exc: ConnectionClosed) -> Exception:
+    if exc.rcvd is not None and exc.rcvd.code == CloseCode.MESSAGE_TOO_BIG:
+        return MessageTooLarge(f"connection closed by the server: {exc.rcvd.reason or 'message too big'}")
+    if exc.sent is not None and exc.sent.code == CloseCode.MESSAGE_TOO_BIG:
+        return MessageTooLarge("the server's reply exceeded our size limit")
+    return TransportError(f"connection lost: {exc}")

@@ -1,0 +1,79 @@
+"""Server side: accept WebSocket connections and hand each binary frame to a per-connection peer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+
+from splitspec.transport.client import websocket_max_size
+
+log = logging.getLogger(__name__)
+
+
+class Peer(Protocol):
+    """Per-connection logic. ``handle`` returns the reply frame and whether to close afterwards."""
+
+    async def handle(self, data: bytes) -> tuple[bytes, bool]: ...
+
+    async def closed(self) -> None: ...
+
+
+class FrameServer:
+    """A WebSocket server whose connections each get a :class:`Peer` from ``peer_factory``."""
+
+    def __init__(
+        self,
+        peer_factory: Callable[[str], Peer],
+        host: str,
+        port: int,
+        max_message_bytes: int,
+    ) -> None:
+        self._factory = peer_factory
+        self._host = host
+        self._port = port
+        self._max = max_message_bytes
+        self._server: Server | None = None
+
+    async def start(self) -> None:
+        self._server = await serve(
+            self._serve_connection,
+            self._host,
+            self._port,
+            max_size=websocket_max_size(self._max),
+            compression=None,
+            ping_interval=20,
+            ping_timeout=60,
+        )
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("server not started")
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    async def _serve_connection(self, ws: ServerConnection) -> None:
+        remote = "{}:{}".format(*ws.remote_address[:2]) if ws.remote_address else "?"
+        peer = self._factory(remote)
+        try:
+            async for data in ws:
+                raw = data if isinstance(data, bytes) else data.encode()
+                reply, close = await peer.handle(raw)
+                await ws.send(reply)
+                if close:
+                    await ws.close(code=1008, reason="refused")
+                    break
+        except ConnectionClosed:
+            pass
+        finally:
+            await peer.closed()
