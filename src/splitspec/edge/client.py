@@ -28,7 +28,6 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, dtype_from_name, load_edge
-from splitspec.protocol.frames import MAX_HEADER_BYTES
 from splitspec.protocol.messages import (
     CacheCommand,
     CloseSession,
@@ -42,6 +41,8 @@ from splitspec.protocol.messages import (
 from splitspec.transport.client import Channel
 
 log = logging.getLogger(__name__)
+
+_HEADER_RESERVE = 2048  # bytes kept free in every step frame for the prefix and JSON header
 
 
 @dataclass(frozen=True)
@@ -195,8 +196,9 @@ class SplitClient:
         if self._welcome is None:
             raise TransportError("not connected")
         cap = min(self._welcome.max_message_bytes, self.config.max_message_bytes)
-        per_token = self.model.hidden_size * self.dtype.itemsize + 8  # hidden + position + parent
-        return max(1, min(self._welcome.max_query_tokens, (cap - MAX_HEADER_BYTES - 64) // per_token))
+        # per token: hidden state, int32 position, int32 parent, and up to 8 header bytes of keep_last
+        per_token = self.model.hidden_size * self.dtype.itemsize + 16
+        return max(1, min(self._welcome.max_query_tokens, (cap - _HEADER_RESERVE) // per_token))
 
     # -- the verifier interface ------------------------------------------------------------------
 

@@ -6,8 +6,8 @@ server listening on port 8765, and point the edge at port 9000::
     splitspec netem --listen 127.0.0.1:9000 --upstream 127.0.0.1:8765 --rtt-ms 80 \\
         --jitter-ms 5 --bandwidth-mbit 100 --seed 1
 
-The main CLI wires this in with :func:`register` (which sets ``func=run`` on the subparser);
-``python -m splitspec.netem.cli ...`` runs it stand-alone.
+The main CLI wires this in with :func:`register`, which sets ``run=run`` on the subparser like the
+other subcommands; ``python -m splitspec.netem.cli netem ...`` runs it stand-alone.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from splitspec.exceptions import ConfigError
 from splitspec.netem.emulator import NetemConfig, WanEmulator
@@ -89,15 +88,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="jitter seed (default 0)")
 
 
-def register(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``netem`` subcommand to an ``argparse`` subparsers object; returns its parser."""
-    parser: argparse.ArgumentParser = subparsers.add_parser(
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add the ``netem`` subcommand to ``subparsers``; sets ``run=run`` on it; returns its parser."""
+    parser = subparsers.add_parser(
         "netem",
         help="run the WAN emulator (delay, jitter, bandwidth) as a TCP proxy",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     _add_arguments(parser)
-    parser.set_defaults(func=run)
+    parser.set_defaults(run=run)
     return parser
 
 
@@ -143,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     register(subparsers)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    status: int = args.func(args)
+    status: int = args.run(args)
     return status
 
 

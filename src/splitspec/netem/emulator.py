@@ -18,6 +18,11 @@ lives in :class:`LinkSchedule` (no I/O, testable with plain numbers):
   release), so jitter never reorders bytes: TCP is a byte stream and a real path that reorders
   segments still delivers them in order to the application. A consequence is that negative
   jitter is partly masked and mean added latency slightly exceeds ``rtt/2`` under heavy jitter.
+* **Never early, slightly late.** A chunk is never written before its release time. asyncio on
+  Linux sleeps with millisecond-granular epoll timeouts, so each direction wakes up to ~1 ms
+  late: the measured added RTT exceeds the setting by about 0.5-1.5 ms on an idle machine
+  (``benchmarks/results/netem_accuracy.md``). Measure RTT through the emulator (a ping) rather
+  than trusting the setting when separating RTT from fixed overhead.
 
 The I/O shell (:class:`WanEmulator`) reads chunks from one socket, stamps them with the schedule's
 release time, queues them and writes each one at its release time. The per-direction queue is
@@ -193,6 +198,7 @@ class EmulatorStats:
     connections_failed: int  # connections whose upstream could not be reached, count
     bytes_upstream: int  # bytes forwarded client -> upstream, bytes
     bytes_downstream: int  # bytes forwarded upstream -> client, bytes
+    queue_peak_bytes: int  # largest backlog held by one direction of one connection, bytes
 
 
 class _LinkAborted(Exception):
@@ -235,6 +241,7 @@ class _Direction:
             release = self._schedule.release_time(loop.time(), len(data))
             self._queue.append((release, data))
             self._queued += len(data)
+            self._on_bytes.note_backlog(self._queued)
             self._has_data.set()
             if not data:
                 return
@@ -272,6 +279,10 @@ class _ByteCounter:
     def __init__(self) -> None:
         self.upstream = 0
         self.downstream = 0
+        self.queue_peak = 0
+
+    def note_backlog(self, nbytes: int) -> None:
+        self.queue_peak = max(self.queue_peak, nbytes)
 
     def __call__(self, direction: str, nbytes: int) -> None:
         if direction == "up":
@@ -328,6 +339,7 @@ class WanEmulator:
             connections_failed=self._connections_failed,
             bytes_upstream=self._bytes.upstream,
             bytes_downstream=self._bytes.downstream,
+            queue_peak_bytes=self._bytes.queue_peak,
         )
 
     async def start(self) -> WanEmulator:
@@ -389,15 +401,24 @@ class WanEmulator:
     ) -> None:
         await self.aclose()
 
-    async def _on_client(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        if self._closing or task is None:
+    def _on_client(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        # A plain callback: the connection runs in a task we own, so that aclose() may cancel it
+        # (cancelling the task asyncio.start_server itself creates makes 3.11 log a spurious error).
+        if self._closing:
             _abort(client_w)
             return
-        self._handlers.add(task)
-        self._writers.add(client_w)
         conn_id = self._connections_total
         self._connections_total += 1
+        self._writers.add(client_w)
+        task = asyncio.get_running_loop().create_task(
+            self._serve_connection(conn_id, client_r, client_w), name=f"netem-conn-{conn_id}"
+        )
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _serve_connection(
+        self, conn_id: int, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
+    ) -> None:
         peer = client_w.get_extra_info("peername")
         try:
             await self._proxy(conn_id, peer, client_r, client_w)
@@ -409,7 +430,6 @@ class WanEmulator:
         finally:
             _abort(client_w)
             self._writers.discard(client_w)
-            self._handlers.discard(task)
 
     async def _proxy(
         self,

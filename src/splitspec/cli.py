@@ -1,0 +1,187 @@
+"""The ``splitspec`` command: one entry point, one subcommand per job.
+
+    splitspec cloud serve --model DIR [--edge-layers 2,2] [--port 8765] ...
+    splitspec generate --model DIR --cloud ws://HOST:PORT --prompt TEXT [--max-new-tokens N] ...
+
+Each subcommand builds its frozen config once from the arguments and hands it to the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from splitspec.exceptions import ConfigError, SplitspecError
+from splitspec.models.split import parse_edge_layers
+
+log = logging.getLogger("splitspec")
+
+Runner = Callable[[argparse.Namespace], int]
+
+
+def read_token_file(path: Path | None) -> str | None:
+    """The shared secret stored in ``path`` (surrounding whitespace ignored), or None."""
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc}") from None
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    return token
+
+
+def _edge_layers(text: str) -> tuple[int, int]:
+    try:
+        return parse_edge_layers(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_split_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, required=True, help="checkpoint directory (config.json + safetensors)")
+    p.add_argument(
+        "--edge-layers",
+        type=_edge_layers,
+        default=(2, 2),
+        metavar="HEAD,TAIL",
+        help="decoder layers kept on the edge before and after the trunk (default 2,2)",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--token-file", type=Path, help="file holding the shared secret")
+
+
+# -- cloud serve ---------------------------------------------------------------------------------
+
+
+def _run_cloud_serve(args: argparse.Namespace) -> int:
+    from splitspec.cloud.config import CloudConfig
+    from splitspec.cloud.server import serve_forever
+
+    config = CloudConfig(
+        model_dir=args.model,
+        edge_layers=args.edge_layers,
+        host=args.host,
+        port=args.port,
+        auth_token=read_token_file(args.token_file),
+        session_ttl_s=args.session_ttl,
+        max_sessions=args.max_sessions,
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        dtype=args.dtype,
+    )
+    asyncio.run(serve_forever(config))
+    return 0
+
+
+def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    cloud = sub.add_parser("cloud", help="the untrusted trunk server")
+    cloud_sub = cloud.add_subparsers(dest="cloud_command", required=True)
+    p = cloud_sub.add_parser("serve", help="serve the middle layers of a model")
+    _add_split_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks one)")
+    p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session is dropped")
+    p.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (default 64)")
+    p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")
+    p.set_defaults(run=_run_cloud_serve)
+
+
+# -- generate ------------------------------------------------------------------------------------
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from splitspec.decoding.sampling import SamplingParams
+    from splitspec.edge import EdgeConfig, SplitClient
+
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be at least 1")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    config = EdgeConfig(
+        model_dir=args.model,
+        cloud_url=args.cloud,
+        edge_layers=args.edge_layers,
+        dtype=args.dtype,
+        auth_token=read_token_file(args.token_file),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise ConfigError("the prompt encodes to no tokens")
+
+    async def run() -> int:
+        async with SplitClient(config) as client:
+            if args.json:
+                result = await client.generate(prompt_ids, args.max_new_tokens, params)
+                out = result.to_json()
+                out["text"] = tokenizer.decode(result.token_ids)
+                print(json.dumps(out, indent=2))
+                return 0
+            generated: list[int] = []
+            shown = ""
+            async for token in client.stream(prompt_ids, args.max_new_tokens, params):
+                generated.append(token)
+                text = str(tokenizer.decode(generated))
+                sys.stdout.write(text[len(shown) :])
+                sys.stdout.flush()
+                shown = text
+            sys.stdout.write("\n")
+            return 0
+
+    return asyncio.run(run())
+
+
+def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("generate", help="generate text with the edge half of a split model")
+    _add_split_args(p)
+    p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
+    p.add_argument("--json", action="store_true", help="print token ids, text and per-step figures as JSON")
+    p.set_defaults(run=_run_generate)
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
+    _register_cloud,
+    _register_generate,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitspec", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in REGISTRARS:
+        register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLevelName(args.log_level)))
+    run: Runner = args.run
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return 130
+    except SplitspecError as exc:
+        log.error("%s: %s", type(exc).__name__, exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random checkpoints of each family, saved with save_pretrained."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+VOCAB = 96
+TOKENIZER_TEXT = (
+    "to be or not to be that is the question whether tis nobler in the mind to suffer "
+    "def main(): return print(value) for x in range(10): yield x class Split: pass"
+)
+
+
+def tiny_config(family: str, layers: int = 6, vocab: int = VOCAB, hidden: int = 64) -> object:
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        bos_token_id=0,
+        pad_token_id=None,
+    )
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=8)  # small window: exercised by short prompts
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    raise ValueError(family)
+
+
+_MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM}
+
+
+def save_tiny_tokenizer(directory: Path, vocab: int = VOCAB) -> None:
+    """A small BPE tokenizer whose ids all fall inside the tiny models' vocabulary."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>", "<unk>"])
+    tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Build (once per arguments) a random checkpoint directory with a tokenizer."""
+    cache: dict[tuple[object, ...], Path] = {}
+
+    def build(
+        family: str = "llama",
+        *,
+        layers: int = 6,
+        sharded: bool = False,
+        hidden: int = 64,
+        vocab: int = VOCAB,
+        logit_scale: float = 1.0,
+    ) -> Path:
+        """``logit_scale`` multiplies the LM head so the next-token law is far from uniform."""
+        key = (family, layers, sharded, hidden, vocab, logit_scale)
+        if key not in cache:
+            torch.manual_seed(1234)
+            model = _MODEL_CLASSES[family](tiny_config(family, layers, vocab=vocab, hidden=hidden)).eval()
+            with torch.no_grad():
+                model.lm_head.weight.mul_(logit_scale)
+            directory = tmp_path_factory.mktemp(f"{family}-{layers}{'-sharded' if sharded else ''}")
+            model.save_pretrained(directory, max_shard_size="60KB" if sharded else "2GB")
+            if vocab >= VOCAB:
+                save_tiny_tokenizer(directory)
+            cache[key] = directory
+        return cache[key]
+
+    return build
+
+
+def local_model(directory: Path) -> torch.nn.Module:
+    """The whole checkpoint in one process, as transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def local_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model = local_model(directory)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
+    return list(out[0, len(prompt) :].tolist())

@@ -1,0 +1,81 @@
+"""Each side loads only its own tensors; split plans are validated against the model's depth."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.server import TrunkServer
+from splitspec.exceptions import CheckpointError, ConfigError
+from splitspec.models.checkpoint import Checkpoint, fingerprint
+from splitspec.models.split import SplitPlan, parse_edge_layers
+from splitspec.models.stack import load_edge
+
+LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_of(name: str) -> int | None:
+    match = LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+@pytest.mark.parametrize("split", [(1, 1), (2, 2), (3, 1)])
+def test_cloud_loads_only_trunk_tensors(make_checkpoint: Callable[..., Path], split: tuple[int, int]) -> None:
+    model = make_checkpoint("llama", sharded=True)
+    server = TrunkServer(CloudConfig(model_dir=model, port=0, edge_layers=split))
+    trunk = range(split[0], 6 - split[1])
+    read = server.checkpoint.read_names
+    assert read, "the trunk read nothing"
+    assert all(layer_of(n) in trunk for n in read), sorted(read)
+    assert not any("embed_tokens" in n or "lm_head" in n or n.startswith("model.norm") for n in read)
+    # the module holds exactly the trunk layers' parameters, nothing else
+    params = {n for n, _ in server.trunk.named_parameters()}
+    expected = {n for n in Checkpoint(model).tensor_names if layer_of(n) in trunk}
+    assert len(params) == len(expected)
+    assert {int(n.split(".")[1]) for n in params} == set(range(len(trunk)))
+    assert server.trunk.layer_indices == trunk
+
+
+def test_edge_reads_no_trunk_tensor(make_checkpoint: Callable[..., Path]) -> None:
+    model = make_checkpoint("qwen2")
+    ckpt = Checkpoint(model)
+    edge = load_edge(ckpt, SplitPlan(6, 2, 2), torch.float32)
+    assert {layer_of(n) for n in ckpt.read_names} - {None} == {0, 1, 4, 5}
+    assert "model.embed_tokens.weight" in ckpt.read_names
+    assert edge.lm_head.weight is edge.embed_tokens.weight  # qwen2 test model ties embeddings
+
+
+@pytest.mark.parametrize(("head", "tail"), [(0, 2), (2, 0), (3, 3), (5, 1)])
+def test_split_plan_rejects_bad_depths(head: int, tail: int) -> None:
+    with pytest.raises(ConfigError):
+        SplitPlan(6, head, tail)
+
+
+@pytest.mark.parametrize("text", ["2", "2,2,2", "a,b", "-1,2", ""])
+def test_parse_edge_layers_errors(text: str) -> None:
+    with pytest.raises(ConfigError):
+        parse_edge_layers(text)
+
+
+def test_checkpoint_errors(tmp_path: Path, make_checkpoint: Callable[..., Path]) -> None:
+    with pytest.raises(CheckpointError, match="config.json"):
+        Checkpoint(tmp_path)
+    model = make_checkpoint("llama")
+    (tmp_path / "config.json").write_text((model / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="safetensors"):
+        Checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="lacks"):
+        Checkpoint(model).read(["model.layers.99.mlp.up_proj.weight"], torch.float32)
+
+
+def test_fingerprint_tracks_architecture_not_paths(make_checkpoint: Callable[..., Path]) -> None:
+    a = Checkpoint(make_checkpoint("llama")).config
+    b = Checkpoint(make_checkpoint("llama", sharded=True)).config
+    c = Checkpoint(make_checkpoint("llama", layers=8)).config
+    assert fingerprint(a) == fingerprint(b)
+    assert fingerprint(a) != fingerprint(c)

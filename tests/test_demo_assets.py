@@ -1,0 +1,153 @@
+"""Checks of the embedded demo assets: corpus manifest, tokenizer and the trained demo models.
+
+The models and held-out documents are produced by ``scripts/build_corpus.py`` and
+``scripts/train_demo_models.py`` and ship inside the package (``splitspec/assets``). Everything
+here loads from the installed package path with ``local_files_only=True``, i.e. fully offline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+import splitspec
+
+ASSETS = Path(splitspec.__file__).parent / "assets"
+MODELS = ASSETS / "models"
+CORPUS = ASSETS / "corpus"
+MODEL_NAMES = ("base", "draft")
+MAX_MODELS_BYTES = 20 * 1024 * 1024
+MAX_HELDOUT_BYTES = 1_500_000
+EXCERPT_TOKENS = 384
+
+# Held-out perplexity ceilings on the excerpts below. The trained models score far lower (see the
+# model cards); an untrained model scores about the vocabulary size (8192).
+PPL_CEILING = {
+    ("base", "prose"): 120.0,
+    ("base", "code"): 40.0,
+    ("draft", "prose"): 250.0,
+    ("draft", "code"): 90.0,
+}
+HELDOUT_EXCERPTS = {"prose": "rape_of_lucrece.txt", "code": "pkgutil.txt"}
+
+
+@pytest.fixture(scope="module")
+def manifest() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((CORPUS / "manifest.json").read_text(encoding="utf-8"))
+    return data
+
+
+@pytest.fixture(scope="module")
+def tokenizers() -> dict[str, PreTrainedTokenizerBase]:
+    return {n: AutoTokenizer.from_pretrained(MODELS / n, local_files_only=True) for n in MODEL_NAMES}
+
+
+@pytest.fixture(scope="module")
+def models() -> dict[str, PreTrainedModel]:
+    torch.set_num_threads(1)
+    loaded = {}
+    for name in MODEL_NAMES:
+        model = AutoModelForCausalLM.from_pretrained(
+            MODELS / name, dtype=torch.float32, local_files_only=True
+        )
+        loaded[name] = model.eval()
+    return loaded
+
+
+def test_manifest_splits_are_disjoint(manifest: dict[str, Any]) -> None:
+    docs = manifest["documents"]
+    keys = [(d["domain"], d["doc_id"]) for d in docs]
+    assert len(keys) == len(set(keys)), "a document appears twice (i.e. in two splits)"
+    texts = [d["sha256"] for d in docs]
+    assert len(texts) == len(set(texts)), "two documents have identical text"
+    for domain in ("prose", "code"):
+        splits = {d["split"] for d in docs if d["domain"] == domain}
+        assert splits == {"train", "val", "test"}, domain
+    for d in docs:
+        assert d["source"] and d["licence"]
+
+
+def test_heldout_files_match_manifest(manifest: dict[str, Any]) -> None:
+    shipped = [d for d in manifest["documents"] if d["heldout_file"]]
+    assert {d["domain"] for d in shipped} == {"prose", "code"}
+    total = 0
+    for d in shipped:
+        assert d["split"] == "test", f"{d['doc_id']} is shipped as held-out but is in {d['split']}"
+        data = (CORPUS / d["heldout_file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == d["sha256"]
+        total += len(data)
+    on_disk = sorted(p.relative_to(CORPUS).as_posix() for p in (CORPUS / "heldout").rglob("*.txt"))
+    assert on_disk == sorted(d["heldout_file"] for d in shipped)
+    assert total <= MAX_HELDOUT_BYTES
+
+
+def test_models_total_size() -> None:
+    total = sum(f.stat().st_size for f in MODELS.rglob("*") if f.is_file())
+    assert total <= MAX_MODELS_BYTES, f"{total} bytes"
+    for name in MODEL_NAMES:
+        for fname in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"):
+            assert (MODELS / name / fname).is_file(), f"{name}/{fname}"
+
+
+def test_tokenizer_vocab_and_round_trip(tokenizers: dict[str, PreTrainedTokenizerBase]) -> None:
+    base, draft = tokenizers["base"], tokenizers["draft"]
+    assert 8000 <= len(base) <= 8500
+    assert base.get_vocab() == draft.get_vocab()
+    assert base.bos_token is not None and base.eos_token is not None
+    assert base.bos_token_id != base.eos_token_id
+    text = "O, what a rogue and peasant slave am I!\n\ndef f(x: int) -> int:\n    return x ** 2  # é\n"
+    ids = base(text)["input_ids"]
+    assert ids[0] == base.bos_token_id
+    assert base.decode(ids, skip_special_tokens=True) == text
+    assert len(ids) < len(text.encode("utf-8")) / 2  # BPE actually merges
+
+
+def test_models_load_with_expected_shapes(
+    models: dict[str, PreTrainedModel], tokenizers: dict[str, PreTrainedTokenizerBase]
+) -> None:
+    base, draft = models["base"], models["draft"]
+    assert base.config.model_type == draft.config.model_type == "llama"
+    assert base.config.num_hidden_layers >= 8
+    assert base.config.vocab_size == draft.config.vocab_size == len(tokenizers["base"])
+    n_base = sum(p.numel() for p in base.parameters())
+    n_draft = sum(p.numel() for p in draft.parameters())
+    assert 5_000_000 <= n_base <= 10_000_000
+    assert 1_000_000 <= n_draft <= 2_000_000
+    assert base.get_input_embeddings().weight.dtype == torch.float32
+    assert base.config.eos_token_id == tokenizers["base"].eos_token_id
+
+
+def _excerpt_ppl(model: PreTrainedModel, tok: PreTrainedTokenizerBase, domain: str) -> float:
+    text = (CORPUS / "heldout" / domain / HELDOUT_EXCERPTS[domain]).read_text(encoding="utf-8")
+    ids = tok(text, return_tensors="pt")["input_ids"][:, :EXCERPT_TOKENS]
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss
+    return math.exp(float(loss))
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+@pytest.mark.parametrize("domain", ["prose", "code"])
+def test_heldout_perplexity(
+    name: str,
+    domain: str,
+    models: dict[str, PreTrainedModel],
+    tokenizers: dict[str, PreTrainedTokenizerBase],
+) -> None:
+    ppl = _excerpt_ppl(models[name], tokenizers[name], domain)
+    assert ppl < PPL_CEILING[(name, domain)], f"{name} {domain} held-out ppl {ppl:.1f}"
+
+
+def test_base_beats_draft_on_heldout(
+    models: dict[str, PreTrainedModel], tokenizers: dict[str, PreTrainedTokenizerBase]
+) -> None:
+    for domain in ("prose", "code"):
+        base = _excerpt_ppl(models["base"], tokenizers["base"], domain)
+        draft = _excerpt_ppl(models["draft"], tokenizers["draft"], domain)
+        assert base < draft, domain
