@@ -63,7 +63,7 @@ def test_parse_edge_layers_errors(text: str) -> None:
 
 
 def test_checkpoint_errors(tmp_path: Path, make_checkpoint: Callable[..., Path]) -> None:
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
         Checkpoint(tmp_path)
     model = make_checkpoint("llama")
     (tmp_path / "config.json").write_text((model / "config.json").read_text())

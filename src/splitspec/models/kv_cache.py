@@ -59,6 +59,7 @@ class KVCache:
         self._length = length
         self.last_step = 0
 
+    @torch.inference_mode()  # the buffers were created under inference mode
     def keep_last(self, indices: tuple[int, ...]) -> None:
         """Keep only ``indices`` (strictly increasing, within the last step) of the last step's entries."""
         start = self._length - self.last_step

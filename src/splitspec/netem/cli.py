@@ -88,8 +88,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="jitter seed (default 0)")
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add the ``netem`` subcommand to ``subparsers``; sets ``run=run`` on it; returns its parser."""
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``netem`` subcommand to ``subparsers`` and set ``run=run`` on it."""
     parser = subparsers.add_parser(
         "netem",
         help="run the WAN emulator (delay, jitter, bandwidth) as a TCP proxy",
@@ -97,7 +97,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     _add_arguments(parser)
     parser.set_defaults(run=run)
-    return parser
 
 
 def build_config(args: argparse.Namespace) -> NetemConfig:

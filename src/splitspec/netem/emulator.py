@@ -92,10 +92,8 @@ class NetemConfig:
     connect_timeout_s: float = 10.0  # timeout for connecting to the upstream, seconds
 
     def __post_init__(self) -> None:
-        for name in ("upstream_port",):
-            port = getattr(self, name)
-            if not 1 <= port <= 65535:
-                raise ConfigError(f"{name} must be in 1..65535, got {port}")
+        if not 1 <= self.upstream_port <= 65535:
+            raise ConfigError(f"upstream_port must be in 1..65535, got {self.upstream_port}")
         if not 0 <= self.listen_port <= 65535:
             raise ConfigError(f"listen_port must be in 0..65535, got {self.listen_port}")
         if not math.isfinite(self.rtt_ms) or self.rtt_ms < 0:

@@ -1,0 +1,33 @@
+"""Our temperature/top-p transform equals transformers' warpers; parameters are validated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+from splitspec.decoding.sampling import SamplingParams, choose_token, probabilities
+from splitspec.exceptions import ConfigError
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (1.5, 0.5), (0.3, 0.05)])
+def test_probabilities_match_transformers(temperature: float, top_p: float) -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    torch.testing.assert_close(probabilities(logits, temperature, top_p), scores.softmax(-1))
+
+
+def test_greedy_and_seeded_choice() -> None:
+    logits = torch.tensor([0.1, 3.0, 0.2])
+    assert choose_token(logits, SamplingParams(), torch.Generator()) == 1
+    params = SamplingParams(temperature=1.0, seed=3)
+    draws = [choose_token(torch.zeros(1000), params, params.generator()[0]) for _ in range(2)]
+    assert draws[0] == draws[1]
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(-0.1, 1.0), (1.0, 0.0), (1.0, 1.5), (float("nan"), 1.0)])
+def test_bad_parameters(temperature: float, top_p: float) -> None:
+    with pytest.raises(ConfigError):
+        SamplingParams(temperature=temperature, top_p=top_p)

@@ -1,0 +1,122 @@
+"""Tree masks and cache edits: a drafted token sees the prefix and its ancestors, nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.masks import ancestor_matrix, depths, step_mask
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import EdgeModel, load_edge
+
+# step: 0 <- prefix, 1 <- 0, 2 <- prefix (sibling branch of 0), 3 <- 2, 4 <- 1
+PARENTS = torch.tensor([-1, 0, -1, 2, 1], dtype=torch.int32)
+
+
+def test_ancestors_and_depths() -> None:
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [1, 1, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(ancestor_matrix(PARENTS), expected)
+    assert depths(PARENTS).tolist() == [0, 1, 0, 1, 2]
+    chain = torch.arange(-1, 4, dtype=torch.int32)
+    assert torch.equal(ancestor_matrix(chain), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_step_mask_hides_siblings_and_later_tokens() -> None:
+    mask = step_mask(PARENTS, 3 + depths(PARENTS), past_length=3, dtype=torch.float32)[0, 0]
+    visible = mask == 0
+    assert visible.shape == (5, 8)
+    assert visible[:, :3].all()  # every query sees the committed prefix
+    assert not visible[2, 3] and not visible[2, 4]  # branch 2 does not see branch 0/1
+    assert not visible[0, 4] and not visible[1, 7]  # nothing sees a later token
+    assert visible[4, 3] and visible[4, 4] and visible[4, 7]
+
+
+def test_sliding_window_mask() -> None:
+    chain = torch.arange(-1, 2, dtype=torch.int32)
+    positions = torch.arange(5, 8, dtype=torch.int32)
+    visible = step_mask(chain, positions, past_length=5, dtype=torch.float32, sliding_window=3)[0, 0] == 0
+    # query at position 7 sees keys at positions 5, 6, 7 only
+    assert visible[2].tolist() == [False] * 5 + [True, True, True]
+
+
+@pytest.fixture
+def edge(make_checkpoint: Callable[..., Path]) -> EdgeModel:
+    model = make_checkpoint("llama")
+    return load_edge(Checkpoint(model), SplitPlan(6, 2, 2), torch.float32)
+
+
+def run_chain(edge: EdgeModel, tokens: list[int]) -> torch.Tensor:
+    cache = KVCache()
+    q = len(tokens)
+    return edge.run_head(
+        torch.tensor(tokens), torch.arange(q, dtype=torch.int32), torch.arange(-1, q - 1, dtype=torch.int32), cache
+    )[0]
+
+
+PREFIX = [5, 9, 17, 3]
+TREE_TOKENS = [20, 21, 30, 31, 22]  # branch A: 20 -> 21 -> 22 ; branch B: 30 -> 31
+
+
+def run_tree(edge: EdgeModel, cache: KVCache) -> torch.Tensor:
+    run_chain_into(edge, PREFIX, cache)
+    positions = (len(PREFIX) + depths(PARENTS)).to(torch.int32)
+    return edge.run_head(torch.tensor(TREE_TOKENS), positions, PARENTS, cache)[0]
+
+
+def run_chain_into(edge: EdgeModel, tokens: list[int], cache: KVCache) -> torch.Tensor:
+    start, q = len(cache), len(tokens)
+    return edge.run_head(
+        torch.tensor(tokens),
+        torch.arange(start, start + q, dtype=torch.int32),
+        torch.arange(-1, q - 1, dtype=torch.int32),
+        cache,
+    )[0]
+
+
+def test_tree_step_equals_each_branch_run_alone(edge: EdgeModel) -> None:
+    """Fails if a drafted token could see a sibling branch (e.g. with is_causal=True)."""
+    tree = run_tree(edge, KVCache())
+    branch_a = run_chain(edge, [*PREFIX, 20, 21, 22])[len(PREFIX) :]
+    branch_b = run_chain(edge, [*PREFIX, 30, 31])[len(PREFIX) :]
+    torch.testing.assert_close(tree[[0, 1, 4]], branch_a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tree[[2, 3]], branch_b, rtol=1e-5, atol=1e-5)
+
+
+def test_keep_last_commits_the_accepted_branch(edge: EdgeModel) -> None:
+    cache = KVCache()
+    run_tree(edge, cache)
+    cache.keep_last((2, 3))  # accept branch B: 30 -> 31
+    assert len(cache) == len(PREFIX) + 2
+    after = run_chain_into(edge, [40], cache)
+    reference = run_chain(edge, [*PREFIX, 30, 31, 40])[-1:]
+    torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_edits_validate() -> None:
+    cache = KVCache()
+    k = torch.zeros(1, 2, 3, 4)
+    cache.update(k, k, 0)
+    cache.commit()
+    with pytest.raises(ValueError):
+        cache.truncate(4)
+    with pytest.raises(ValueError):
+        cache.keep_last((3,))
+    cache.update(torch.ones(1, 2, 200, 4), torch.ones(1, 2, 200, 4), 0)  # grows past initial capacity
+    cache.rollback()
+    assert len(cache) == 3
+    cache.truncate(1)
+    assert len(cache) == 1

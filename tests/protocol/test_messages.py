@@ -1,0 +1,176 @@
+"""Typed messages: round trips, field validation, and the sans-I/O import rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from splitspec.exceptions import (
+    AuthenticationFailed,
+    BadTensor,
+    HandshakeMismatch,
+    MalformedFrame,
+    PositionOutOfRange,
+    UnexpectedMessage,
+)
+from splitspec.protocol.frames import encode_frame
+from splitspec.protocol.messages import (
+    CacheCommand,
+    CloseSession,
+    Error,
+    Hello,
+    OpenSession,
+    SessionClosed,
+    SessionOpened,
+    Step,
+    StepResult,
+    Welcome,
+    decode_message,
+    encode_message,
+)
+from splitspec.protocol.state import ServerConnection, TrunkIdentity
+
+HELLO = Hello(fingerprint="abc", layer_start=2, layer_end=4, dtype="float32", hidden_size=8, auth_token="t")
+
+
+def step(q: int = 3, **kw: object) -> Step:
+    args: dict[str, object] = {
+        "session_id": "s1",
+        "seq": 4,
+        "hidden": torch.randn(1, q, 8),
+        "positions": torch.arange(10, 10 + q, dtype=torch.int32),
+        "parents": torch.arange(-1, q - 1, dtype=torch.int32),
+    }
+    args.update(kw)
+    return Step(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        HELLO,
+        Welcome(server="x", max_message_bytes=10, max_query_tokens=4, session_ttl_s=1.5),
+        OpenSession(request_id=3),
+        SessionOpened(request_id=3, session_id="abc"),
+        CloseSession(session_id="abc"),
+        SessionClosed(session_id="abc"),
+        Error(code="bad_tensor", message="m", session_id="s", seq=2, fatal=True),
+    ],
+)
+def test_round_trip_plain_messages(message: object) -> None:
+    assert decode_message(encode_message(message)) == message  # type: ignore[arg-type]
+
+
+def test_round_trip_step_with_cache_command() -> None:
+    original = step(cache=CacheCommand(truncate_to=12, keep_last=(0, 2)))
+    out = decode_message(encode_message(original))
+    assert isinstance(out, Step)
+    assert out.cache == original.cache
+    assert torch.equal(out.hidden, original.hidden)
+    assert torch.equal(out.parents, original.parents)
+    result = StepResult(session_id="s1", seq=4, hidden=original.hidden, cloud_ms=1.25)
+    back = decode_message(encode_message(result))
+    assert isinstance(back, StepResult) and back.cloud_ms == 1.25
+
+
+def test_step_size_does_not_grow_with_context() -> None:
+    near = encode_message(step(4, positions=torch.arange(100, 104, dtype=torch.int32)))
+    far = encode_message(step(4, positions=torch.arange(10_000, 10_004, dtype=torch.int32)))
+    assert len(near) == len(far)
+
+
+def raw(header: dict[str, object], tensors: dict[str, torch.Tensor] | None = None) -> bytes:
+    return encode_frame(header, tensors or {})
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        (raw({"type": "nope"}), MalformedFrame),
+        (raw({"type": 3}), MalformedFrame),
+        (raw({"type": "open_session", "request_id": -1}), MalformedFrame),
+        (raw({"type": "open_session", "request_id": True}), MalformedFrame),
+        (raw({"type": "session_opened", "request_id": 1, "session_id": "x" * 500}), MalformedFrame),
+        (raw({"type": "welcome", "server": "s", "max_message_bytes": 1, "max_query_tokens": 1,
+              "session_ttl_s": "soon"}), MalformedFrame),
+        (raw({"type": "step", "session_id": "s", "seq": 1}), BadTensor),
+        (encode_message(step(parents=torch.tensor([-1, 1, 0], dtype=torch.int32))), PositionOutOfRange),
+        (encode_message(step(parents=torch.tensor([-2, 0, 1], dtype=torch.int32))), PositionOutOfRange),
+        (encode_message(step(positions=torch.arange(3))), BadTensor),  # int64 positions
+        (encode_message(step(positions=torch.arange(2, dtype=torch.int32))), BadTensor),
+        (encode_message(step(hidden=torch.randn(2, 3, 8))), BadTensor),
+        (encode_message(step(cache=CacheCommand(keep_last=(2, 1)))), MalformedFrame),
+        (raw({"type": "step", "session_id": "s", "seq": 1, "cache": [1]},
+             {"hidden": torch.zeros(1, 1, 8), "positions": torch.zeros(1, dtype=torch.int32),
+              "parents": torch.tensor([-1], dtype=torch.int32)}), MalformedFrame),
+        (raw({"type": "step_result", "session_id": "s", "seq": 1, "cloud_ms": 1.0},
+             {"hidden": torch.zeros(1, 8)}), BadTensor),
+    ],
+)
+def test_invalid_messages_are_refused(data: bytes, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        decode_message(data)
+
+
+IDENTITY = TrunkIdentity(fingerprint="abc", layer_start=2, layer_end=4, dtype="float32", hidden_size=8)
+
+
+def test_server_state_refuses_everything_before_hello() -> None:
+    conn = ServerConnection(IDENTITY, auth_token="t")
+    with pytest.raises(AuthenticationFailed):
+        conn.admit(encode_message(OpenSession(request_id=1)))
+    anonymous = ServerConnection(IDENTITY, auth_token=None)
+    with pytest.raises(UnexpectedMessage):
+        anonymous.admit(encode_message(OpenSession(request_id=1)))
+    conn.admit(encode_message(HELLO))
+    conn.accept_hello(HELLO)
+    conn.admit(encode_message(OpenSession(request_id=1)))
+    with pytest.raises(UnexpectedMessage):
+        conn.admit(encode_message(HELLO))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("auth_token", None, AuthenticationFailed),
+        ("auth_token", "T", AuthenticationFailed),
+        ("fingerprint", "abd", HandshakeMismatch),
+        ("layer_start", 1, HandshakeMismatch),
+        ("layer_end", 5, HandshakeMismatch),
+        ("dtype", "float16", HandshakeMismatch),
+        ("hidden_size", 16, HandshakeMismatch),
+    ],
+)
+def test_hello_pins_identity_and_auth(field: str, value: object, error: type[Exception]) -> None:
+    import dataclasses
+
+    conn = ServerConnection(IDENTITY, auth_token="t")
+    with pytest.raises(error):
+        conn.accept_hello(dataclasses.replace(HELLO, **{field: value}))
+    assert not conn.ready
+
+
+def test_protocol_package_is_sans_io() -> None:
+    """No module of splitspec.protocol imports asyncio, websockets or transformers (torch itself
+    pulls in asyncio, so the source is checked statically, and loading is checked at run time)."""
+    import ast
+    from pathlib import Path
+
+    import splitspec.protocol
+
+    forbidden = {"asyncio", "websockets", "transformers"}
+    for path in Path(splitspec.protocol.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not {n.split(".")[0] for n in names} & forbidden, f"{path.name} imports {names}"
+    code = (
+        "import sys, splitspec.protocol, splitspec.protocol.state\n"
+        "print(','.join(m for m in ('websockets', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
