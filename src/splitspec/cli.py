@@ -153,9 +153,16 @@ def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 # -- entry point ---------------------------------------------------------------------------------
 
+def _register_netem(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from splitspec.netem.cli import register
+
+    register(sub)
+
+
 REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _register_cloud,
     _register_generate,
+    _register_netem,
 ]
 
 
