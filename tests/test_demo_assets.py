@@ -54,9 +54,7 @@ def models() -> dict[str, PreTrainedModel]:
     torch.set_num_threads(1)
     loaded = {}
     for name in MODEL_NAMES:
-        model = AutoModelForCausalLM.from_pretrained(
-            MODELS / name, dtype=torch.float32, local_files_only=True
-        )
+        model = AutoModelForCausalLM.from_pretrained(MODELS / name, dtype=torch.float32, local_files_only=True)
         loaded[name] = model.eval()
     return loaded
 

@@ -1,0 +1,74 @@
+"""Acceptance rules for speculative decoding: which drafted tokens the target model keeps.
+
+Greedy: a drafted token is accepted while it equals the target's argmax; the first mismatch is
+replaced by the argmax, so the output is token-for-token what greedy decoding would produce.
+
+Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): drafted token x drawn from q is
+accepted with probability min(1, p(x) / q(x)); on rejection the replacement is drawn from
+norm(max(0, p - q)). The emitted tokens then follow p exactly. A deterministic drafter (n-gram,
+prompt lookup) has q one-hot on its token: acceptance becomes p(x), and the residual is p with x
+removed. When every drafted token is accepted, a bonus token is drawn from p at the next position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one linear draft."""
+
+    accepted: int  # number of drafted tokens kept
+    next_token: int  # the target's correction (or bonus token after a full acceptance)
+
+    def tokens(self, draft: Sequence[int]) -> list[int]:
+        """The tokens this step emits: the accepted prefix of ``draft`` plus ``next_token``."""
+        return [*draft[: self.accepted], self.next_token]
+
+
+def greedy_verify(draft: Sequence[int], target_logits: torch.Tensor) -> Verdict:
+    """target_logits (len(draft)+1, V): row i scores the token after draft[:i]."""
+    choices = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == choices[accepted]:
+        accepted += 1
+    return Verdict(accepted=accepted, next_token=int(choices[accepted]))
+
+
+def one_hot_draft(draft: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """q for a deterministic drafter: (len(draft), V), one-hot on each drafted token."""
+    q = torch.zeros(len(draft), vocab_size)
+    if draft:
+        q[torch.arange(len(draft)), torch.tensor(list(draft))] = 1.0
+    return q
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)); falls back to p when p <= q everywhere (then rejection has probability 0)."""
+    r = (p - q).clamp_min(0)
+    total = r.sum()
+    return r / total if total > 0 else p
+
+
+def speculative_verify(
+    draft: Sequence[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator
+) -> Verdict:
+    """Lossless speculative sampling.
+
+    draft_probs (γ, V): q for each drafted position; target_probs (γ+1, V): p at each position,
+    both after the same temperature / top-p transform.
+    """
+    for i, token in enumerate(draft):
+        p_x, q_x = float(target_probs[i, token]), float(draft_probs[i, token])
+        # accept x ~ q with probability min(1, p(x) / q(x))
+        if q_x > 0 and torch.rand((), generator=generator).item() < min(1.0, p_x / q_x):
+            continue
+        # rejected: draw the replacement from norm(max(0, p - q))
+        replacement = torch.multinomial(residual(target_probs[i], draft_probs[i]), 1, generator=generator)
+        return Verdict(accepted=i, next_token=int(replacement))
+    bonus = torch.multinomial(target_probs[len(draft)], 1, generator=generator)
+    return Verdict(accepted=len(draft), next_token=int(bonus))

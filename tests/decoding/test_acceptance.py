@@ -1,0 +1,65 @@
+"""Acceptance rules: greedy is exact; speculative sampling emits tokens distributed as p."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from splitspec.decoding.acceptance import greedy_verify, one_hot_draft, residual, speculative_verify
+
+
+def logits_for(choices: list[int], vocab: int = 6) -> torch.Tensor:
+    out = torch.zeros(len(choices), vocab)
+    out[torch.arange(len(choices)), torch.tensor(choices)] = 5.0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("draft", "choices", "accepted", "emitted"),
+    [
+        ([1, 2, 3], [1, 2, 3, 4], 3, [1, 2, 3, 4]),  # all accepted + bonus
+        ([1, 2, 3], [1, 5, 3, 4], 1, [1, 5]),  # first mismatch replaced by the argmax
+        ([1, 2, 3], [0, 2, 3, 4], 0, [0]),
+        ([], [4], 0, [4]),
+    ],
+)
+def test_greedy_verify(draft: list[int], choices: list[int], accepted: int, emitted: list[int]) -> None:
+    verdict = greedy_verify(draft, logits_for(choices))
+    assert verdict.accepted == accepted
+    assert verdict.tokens(draft) == emitted
+
+
+def test_residual() -> None:
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.6, 0.1, 0.3])
+    torch.testing.assert_close(residual(p, q), torch.tensor([0.0, 1.0, 0.0]))
+    torch.testing.assert_close(residual(p, p), p)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_speculative_sampling_first_token_follows_p(deterministic: bool) -> None:
+    """Whatever q is, the first emitted token is distributed exactly as p (chi-square, 5 tokens)."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.05, 0.4, 0.25, 0.2, 0.1], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q_model = torch.tensor([[0.5, 0.1, 0.1, 0.1, 0.2]])
+    n = 6000
+    counts: Counter[int] = Counter()
+    accepted = 0
+    for _ in range(n):
+        if deterministic:
+            draft = [0]  # an n-gram drafter always proposing token 0
+            q = one_hot_draft(draft, 5)
+        else:
+            draft = [int(torch.multinomial(q_model[0], 1, generator=gen))]
+            q = q_model
+        verdict = speculative_verify(draft, q, p, gen)
+        counts[verdict.tokens(draft)[0]] += 1
+        accepted += verdict.accepted
+    observed = [counts[t] for t in range(5)]
+    assert chisquare(observed, (p[0] * n).tolist()).pvalue > 1e-3
+    # acceptance rate matches sum_x min(p, q)
+    expected_rate = float(torch.minimum(p[0], q[0]).sum())
+    assert abs(accepted / n - expected_rate) < 0.03
