@@ -74,6 +74,7 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         dtype=args.dtype,
+        torch_threads=args.threads,
     )
     asyncio.run(serve_forever(config))
     return 0
@@ -89,6 +90,7 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session is dropped")
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (default 64)")
     p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")
+    p.add_argument("--threads", type=int, help="CPU threads for the trunk's compute (default: torch's choice)")
     p.set_defaults(run=_run_cloud_serve)
 
 

@@ -145,3 +145,30 @@ async def test_cloud_restart_mid_generation_recovers_identically(make_checkpoint
         await servers[-1].stop()
     assert len(servers) == 2
     assert tokens == expected
+
+
+async def test_tree_step_and_cache_command_ride_on_the_next_step(make_checkpoint: Callable[..., Path]) -> None:
+    """A draft tree verified in one trip; keeping one branch costs no extra round trip."""
+    model = make_checkpoint("llama")
+    local = local_model(model)
+    prefix, tree, parents = [5, 9, 17, 3], [20, 21, 30, 31, 22], [-1, 0, -1, 2, 1]
+
+    def local_logits(tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return local(torch.tensor([tokens])).logits[0]
+
+    async with TrunkServer(cloud_config(model)) as server:
+        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url)) as client:
+            client.reset()
+            await client.forward(prefix)
+            logits = await client.forward(tree, parents)
+            steps_before = len(client.steps)
+            client.keep((2, 3))  # accept branch 30 -> 31
+            after = await client.forward([40])
+            assert len(client.steps) == steps_before + 1
+            assert client.steps[-1].query_tokens == 1
+    branch_a = local_logits([*prefix, 20, 21, 22])[len(prefix) - 1 :]
+    branch_b = local_logits([*prefix, 30, 31, 40])
+    torch.testing.assert_close(logits[[0, 1, 4]], branch_a[1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits[[2, 3]], branch_b[len(prefix) : len(prefix) + 2], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after[0], branch_b[-1], rtol=1e-4, atol=1e-4)

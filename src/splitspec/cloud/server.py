@@ -60,6 +60,8 @@ class TrunkServer:
 
     def __init__(self, config: CloudConfig) -> None:
         self.config = config
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
         self.checkpoint = Checkpoint(config.model_dir)
         model_config = self.checkpoint.config
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)

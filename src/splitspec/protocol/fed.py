@@ -1,0 +1,295 @@
+"""Typed wire messages of federated speculative inference (SpecFed), sans-I/O.
+
+Conversation (coordinator -> worker on the left), one session per connection::
+
+    FedHello         ->   <- FedWelcome              pins protocol version, vocabulary size and
+                                                     tokenizer fingerprint, auth
+    FedScore         ->   <- FedScores               draft tokens in, compact top-K laws out
+    (anything)       ->   <- Error                   typed refusal (protocol.messages.Error)
+
+A :class:`FedScore` says how many tokens of the worker's cache to keep (``keep``: the accepted
+prefix of the previous round, so rollback costs no extra round trip), the new tokens to append
+(the tokens committed since, then the γ draft tokens) and how many of the last positions to score
+(γ + 1). The worker answers, per scored position, only its top-K (token id, probability) pairs in
+the compact encoding of :mod:`splitspec.federated.topk`: a varint byte stream packed into int32
+words plus a float16 / float32 probability vector; in audit mode it adds the full distributions.
+
+Frames are those of :mod:`splitspec.protocol.frames`. Nothing here imports asyncio, websockets or
+transformers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from splitspec.exceptions import AuthenticationFailed, BadTensor, HandshakeMismatch, MalformedFrame
+from splitspec.protocol.frames import Frame, decode_frame, encode_frame
+from splitspec.protocol.messages import Error, _int, _str, _tensor
+
+FED_VERSION = 1  # version of the federated conversation (the frame version is separate)
+PROB_CODEC_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
+
+
+def _number(header: dict[str, Any], key: str, *, optional: bool = False, upper: float | None = None) -> Any:
+    value = header.get(key)
+    if value is None and optional:
+        return None
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or value < 0
+        or (upper is not None and value > upper)
+    ):
+        raise MalformedFrame(f"field {key!r} must be a finite number in [0, {upper}], got {value!r}")
+    return float(value)
+
+
+def _bool(header: dict[str, Any], key: str) -> bool:
+    value = header.get(key, False)
+    if not isinstance(value, bool):
+        raise MalformedFrame(f"field {key!r} must be a boolean, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class FedHello:
+    """Coordinator -> worker, first message: the vocabulary the coordinator's drafts live in."""
+
+    TYPE: ClassVar[str] = "fed_hello"
+    vocab_size: int  # logits width of the draft model, tokens
+    tokenizer_fingerprint: str  # hash of the tokenizer's vocabulary, see federated.lm
+    auth_token: str | None = None  # shared secret, when the worker requires one
+    client: str = "splitspec-fed"  # free-form client name, for logs
+    fed_version: int = FED_VERSION
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {
+            "vocab_size": self.vocab_size,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
+            "auth_token": self.auth_token,
+            "client": self.client,
+            "fed_version": self.fed_version,
+        }, {}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> FedHello:
+        h = frame.header
+        return cls(
+            vocab_size=_int(h, "vocab_size", minimum=1),
+            tokenizer_fingerprint=_str(h, "tokenizer_fingerprint", max_len=128),
+            auth_token=_str(h, "auth_token", optional=True, max_len=1024),
+            client=_str(h, "client", max_len=256),
+            fed_version=_int(h, "fed_version", minimum=1),
+        )
+
+
+@dataclass(frozen=True)
+class FedWelcome:
+    """Worker -> coordinator: the handshake is accepted; the worker's limits."""
+
+    TYPE: ClassVar[str] = "fed_welcome"
+    worker: str  # worker name and version, for logs
+    model_fingerprint: str  # config hash of the worker's model (models.checkpoint.fingerprint)
+    vocab_size: int  # logits width, tokens
+    tokenizer_fingerprint: str  # same hash as in the Hello
+    max_message_bytes: int  # largest frame the worker accepts, bytes
+    max_query_tokens: int  # most tokens one FedScore may append, tokens
+    max_positions: int  # longest sequence the worker's model supports, tokens
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {
+            "worker": self.worker,
+            "model_fingerprint": self.model_fingerprint,
+            "vocab_size": self.vocab_size,
+            "tokenizer_fingerprint": self.tokenizer_fingerprint,
+            "max_message_bytes": self.max_message_bytes,
+            "max_query_tokens": self.max_query_tokens,
+            "max_positions": self.max_positions,
+        }, {}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> FedWelcome:
+        h = frame.header
+        return cls(
+            worker=_str(h, "worker", max_len=256),
+            model_fingerprint=_str(h, "model_fingerprint", max_len=128),
+            vocab_size=_int(h, "vocab_size", minimum=1),
+            tokenizer_fingerprint=_str(h, "tokenizer_fingerprint", max_len=128),
+            max_message_bytes=_int(h, "max_message_bytes", minimum=1),
+            max_query_tokens=_int(h, "max_query_tokens", minimum=1),
+            max_positions=_int(h, "max_positions", minimum=1),
+        )
+
+
+@dataclass(frozen=True)
+class FedScore:
+    """Coordinator -> worker: keep ``keep`` cached tokens, append ``tokens``, score the last positions.
+
+    Row j of the reply is the next-token law after ``context[: keep + n − num_scored + j + 1]``.
+    Exactly one of ``k`` (fixed K) and ``target_epsilon`` (adaptive K, capped at ``max_k``) is set.
+    """
+
+    TYPE: ClassVar[str] = "fed_score"
+    seq: int  # per-connection round counter, echoed in the reply
+    keep: int  # cached tokens to keep before appending, tokens
+    tokens: torch.Tensor  # (n,) int32 token ids to append
+    num_scored: int  # positions to score, the last ones of ``tokens`` (γ + 1)
+    temperature: float  # softmax temperature the worker applies; 0 means 1 (greedy uses argmax)
+    k: int | None = None  # fixed K per position, tokens
+    target_epsilon: float | None = None  # adaptive K: largest residual mass allowed, probability
+    max_k: int = 4096  # cap on adaptive K, tokens
+    prob_codec: str = "float16"  # wire dtype of the top-K probabilities
+    audit: bool = False  # also return the full distributions (n_scored, V) float32
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {
+            "seq": self.seq,
+            "keep": self.keep,
+            "num_scored": self.num_scored,
+            "temperature": self.temperature,
+            "k": self.k,
+            "target_epsilon": self.target_epsilon,
+            "max_k": self.max_k,
+            "prob_codec": self.prob_codec,
+            "audit": self.audit,
+        }, {"tokens": self.tokens}
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> FedScore:
+        h = frame.header
+        tokens = _tensor(frame, "tokens", torch.int32)
+        if tokens.dim() != 1 or tokens.numel() < 1:
+            raise BadTensor(f"tokens must have shape (n>=1,), got {tuple(tokens.shape)}")
+        num_scored = _int(h, "num_scored", minimum=1)
+        if num_scored > tokens.numel():
+            raise BadTensor(f"cannot score {num_scored} positions of {tokens.numel()} new tokens")
+        k = _int(h, "k", minimum=1, optional=True)
+        target_epsilon = _number(h, "target_epsilon", optional=True, upper=1.0)
+        if (k is None) == (target_epsilon is None):
+            raise MalformedFrame("give exactly one of 'k' and 'target_epsilon'")
+        prob_codec = _str(h, "prob_codec", max_len=16)
+        if prob_codec not in PROB_CODEC_DTYPES:
+            raise MalformedFrame(f"prob_codec must be one of {sorted(PROB_CODEC_DTYPES)}, got {prob_codec!r}")
+        return cls(
+            seq=_int(h, "seq"),
+            keep=_int(h, "keep"),
+            tokens=tokens,
+            num_scored=num_scored,
+            temperature=_number(h, "temperature", upper=100.0),
+            k=k,
+            target_epsilon=target_epsilon,
+            max_k=_int(h, "max_k", minimum=1),
+            prob_codec=prob_codec,
+            audit=_bool(h, "audit"),
+        )
+
+
+@dataclass(frozen=True)
+class FedScores:
+    """Worker -> coordinator: per scored position, the top-K in the compact encoding.
+
+    ``stream`` (words,) int32: the varint stream of :func:`splitspec.federated.topk.encode_topk`,
+    zero padded to whole words, ``stream_bytes`` long; ``probs`` (ΣK,) float16 or float32;
+    ``full`` (positions, V) float32 only in audit mode.
+    """
+
+    TYPE: ClassVar[str] = "fed_scores"
+    seq: int
+    positions: int  # scored positions, = num_scored of the request
+    vocab_size: int  # tokens
+    stream_bytes: int  # meaningful bytes of ``stream``
+    stream: torch.Tensor  # (words,) int32
+    probs: torch.Tensor  # (ΣK,) float16 / float32
+    worker_ms: float  # model compute time on the worker, milliseconds
+    full: torch.Tensor | None = None  # (positions, V) float32, audit mode only
+
+    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        tensors = {"stream": self.stream, "probs": self.probs}
+        if self.full is not None:
+            tensors["full"] = self.full
+        return {
+            "seq": self.seq,
+            "positions": self.positions,
+            "vocab_size": self.vocab_size,
+            "stream_bytes": self.stream_bytes,
+            "worker_ms": self.worker_ms,
+        }, tensors
+
+    @classmethod
+    def from_wire(cls, frame: Frame) -> FedScores:
+        h = frame.header
+        stream = _tensor(frame, "stream", torch.int32)
+        probs = _tensor(frame, "probs")
+        if stream.dim() != 1 or probs.dim() != 1:
+            raise BadTensor("stream and probs must be 1-D")
+        if probs.dtype not in PROB_CODEC_DTYPES.values():
+            raise BadTensor(f"probs must be float16 or float32, got {probs.dtype}")
+        positions = _int(h, "positions", minimum=1)
+        vocab_size = _int(h, "vocab_size", minimum=1)
+        full = frame.tensors.get("full")
+        if full is not None and (full.dtype != torch.float32 or tuple(full.shape) != (positions, vocab_size)):
+            raise BadTensor(f"full must be float32 of shape ({positions}, {vocab_size})")
+        return cls(
+            seq=_int(h, "seq"),
+            positions=positions,
+            vocab_size=vocab_size,
+            stream_bytes=_int(h, "stream_bytes"),
+            stream=stream,
+            probs=probs,
+            worker_ms=_number(h, "worker_ms"),
+            full=full,
+        )
+
+
+FedMessage = FedHello | FedWelcome | FedScore | FedScores | Error
+_TYPES: dict[str, Any] = {cls.TYPE: cls for cls in (FedHello, FedWelcome, FedScore, FedScores, Error)}
+
+
+def encode_fed(message: FedMessage) -> bytes:
+    """Serialize a federated message into one frame."""
+    header, tensors = message.to_wire()
+    return encode_frame({"type": message.TYPE, **header}, tensors)
+
+
+def decode_fed(data: bytes, *, max_bytes: int | None = None) -> FedMessage:
+    """Parse one frame into a typed federated message, validating every field."""
+    frame = decode_frame(data, max_bytes=max_bytes)
+    kind = frame.header.get("type")
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MalformedFrame(f"unknown federated message type {kind!r}")
+    message: FedMessage = cls.from_wire(frame)
+    return message
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """What a worker is: the coordinator's FedHello must match it."""
+
+    vocab_size: int  # logits width, tokens
+    tokenizer_fingerprint: str  # hash of the tokenizer's vocabulary
+
+
+def check_fed_hello(hello: FedHello, identity: WorkerIdentity, auth_token: str | None) -> None:
+    """Check auth, version, vocabulary size and tokenizer; raise a typed error on any mismatch."""
+    if auth_token is not None and not (
+        hello.auth_token is not None and hmac.compare_digest(hello.auth_token.encode(), auth_token.encode())
+    ):
+        raise AuthenticationFailed("missing or wrong shared secret")
+    mismatches = [
+        f"{name}: coordinator has {theirs!r}, worker has {ours!r}"
+        for name, theirs, ours in (
+            ("fed_version", hello.fed_version, FED_VERSION),
+            ("vocab_size", hello.vocab_size, identity.vocab_size),
+            ("tokenizer_fingerprint", hello.tokenizer_fingerprint, identity.tokenizer_fingerprint),
+        )
+        if theirs != ours
+    ]
+    if mismatches:
+        raise HandshakeMismatch("; ".join(mismatches))

@@ -1,0 +1,104 @@
+"""The command line, as a user runs it: real processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import local_greedy
+
+CLI = [sys.executable, "-m", "splitspec.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited early: {proc.stderr.read() if proc.stderr else ''}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on {port}")
+
+
+@pytest.fixture
+def cloud(make_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[tuple[Path, int, Path, subprocess.Popen[str]]]:
+    model = make_checkpoint("llama")
+    token_file = tmp_path / "token"
+    token_file.write_text("hunter2\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [*CLI, "cloud", "serve", "--model", str(model), "--port", str(port), "--token-file", str(token_file)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_port(port, proc)
+        yield model, port, token_file, proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subprocess.Popen[str]]) -> None:
+    model, port, token_file, proc = cloud
+    prompt = "to be or not to be"
+    out = subprocess.run(
+        [*CLI, "generate", "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", "--prompt", prompt,
+         "--max-new-tokens", "8", "--token-file", str(token_file), "--json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    result = json.loads(out.stdout)
+    ids = AutoTokenizer.from_pretrained(model).encode(prompt)
+    assert result["token_ids"] == local_greedy(model, ids, 8)
+    assert isinstance(result["text"], str)
+    step = result["steps"][-1]
+    assert step["query_tokens"] == 1 and step["bytes_up"] > 64 * 4 and step["cloud_ms"] > 0
+    plain = subprocess.run(
+        [*CLI, "generate", "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", "--prompt", prompt,
+         "--max-new-tokens", "8", "--token-file", str(token_file)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )
+    assert plain.stdout.strip() == result["text"].strip()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    log = proc.stderr.read() if proc.stderr else ""
+    opened = [line.split("session ")[1].split()[0] for line in log.splitlines() if "opened (" in line]
+    closed = [line.split("session ")[1].split()[0] for line in log.splitlines() if "closed (" in line]
+    assert len(opened) == 2 and sorted(opened) == sorted(closed)
+
+
+def test_generate_errors_are_clear(cloud: tuple[Path, int, Path, subprocess.Popen[str]], tmp_path: Path) -> None:
+    model, port, _, _ = cloud
+    wrong = tmp_path / "wrong"
+    wrong.write_text("nope")
+    base = [*CLI, "generate", "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", "--prompt", "to be"]
+    out = subprocess.run([*base, "--token-file", str(wrong)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "AuthenticationFailed" in out.stderr
+    out = subprocess.run([*base, "--edge-layers", "3,3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "leave no trunk" in out.stderr
+    out = subprocess.run([*base, "--edge-layers", "two"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "HEAD,TAIL" in out.stderr
+    out = subprocess.run(
+        [*CLI, "generate", "--model", str(model), "--cloud", "ws://127.0.0.1:1", "--prompt", "to be"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2 and "TransportError" in out.stderr
