@@ -40,7 +40,9 @@ def wait_for_port(port: int, proc: subprocess.Popen[str], timeout: float = 60) -
 
 
 @pytest.fixture
-def cloud(make_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[tuple[Path, int, Path, subprocess.Popen[str]]]:
+def cloud(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> Iterator[tuple[Path, int, Path, subprocess.Popen[str]]]:
     model = make_checkpoint("llama")
     token_file = tmp_path / "token"
     token_file.write_text("hunter2\n")
@@ -62,9 +64,25 @@ def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subpro
     model, port, token_file, proc = cloud
     prompt = "to be or not to be"
     out = subprocess.run(
-        [*CLI, "generate", "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", "--prompt", prompt,
-         "--max-new-tokens", "8", "--token-file", str(token_file), "--json"],
-        capture_output=True, text=True, timeout=120, check=True,
+        [
+            *CLI,
+            "generate",
+            "--model",
+            str(model),
+            "--cloud",
+            f"ws://127.0.0.1:{port}",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "8",
+            "--token-file",
+            str(token_file),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     result = json.loads(out.stdout)
     ids = AutoTokenizer.from_pretrained(model).encode(prompt)
@@ -73,9 +91,24 @@ def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subpro
     step = result["steps"][-1]
     assert step["query_tokens"] == 1 and step["bytes_up"] > 64 * 4 and step["cloud_ms"] > 0
     plain = subprocess.run(
-        [*CLI, "generate", "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", "--prompt", prompt,
-         "--max-new-tokens", "8", "--token-file", str(token_file)],
-        capture_output=True, text=True, timeout=120, check=True,
+        [
+            *CLI,
+            "generate",
+            "--model",
+            str(model),
+            "--cloud",
+            f"ws://127.0.0.1:{port}",
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "8",
+            "--token-file",
+            str(token_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert plain.stdout.strip() == result["text"].strip()
     proc.send_signal(signal.SIGTERM)
@@ -99,6 +132,8 @@ def test_generate_errors_are_clear(cloud: tuple[Path, int, Path, subprocess.Pope
     assert out.returncode == 2 and "HEAD,TAIL" in out.stderr
     out = subprocess.run(
         [*CLI, "generate", "--model", str(model), "--cloud", "ws://127.0.0.1:1", "--prompt", "to be"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 2 and "TransportError" in out.stderr

@@ -32,8 +32,14 @@ H = 64  # hidden size of the tiny models
 CAP = 256 * 1024
 
 
-def step_frame(session_id: str, q: int = 1, *, hidden: torch.Tensor | None = None, positions: list[int] | None = None,
-               **header: object) -> bytes:
+def step_frame(
+    session_id: str,
+    q: int = 1,
+    *,
+    hidden: torch.Tensor | None = None,
+    positions: list[int] | None = None,
+    **header: object,
+) -> bytes:
     tensors = {
         "hidden": torch.zeros(1, q, H) if hidden is None else hidden,
         "positions": torch.tensor(positions if positions is not None else list(range(q)), dtype=torch.int32),

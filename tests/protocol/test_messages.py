@@ -94,8 +94,18 @@ def raw(header: dict[str, object], tensors: dict[str, torch.Tensor] | None = Non
         (raw({"type": "open_session", "request_id": -1}), MalformedFrame),
         (raw({"type": "open_session", "request_id": True}), MalformedFrame),
         (raw({"type": "session_opened", "request_id": 1, "session_id": "x" * 500}), MalformedFrame),
-        (raw({"type": "welcome", "server": "s", "max_message_bytes": 1, "max_query_tokens": 1,
-              "session_ttl_s": "soon"}), MalformedFrame),
+        (
+            raw(
+                {
+                    "type": "welcome",
+                    "server": "s",
+                    "max_message_bytes": 1,
+                    "max_query_tokens": 1,
+                    "session_ttl_s": "soon",
+                }
+            ),
+            MalformedFrame,
+        ),
         (raw({"type": "step", "session_id": "s", "seq": 1}), BadTensor),
         (encode_message(step(parents=torch.tensor([-1, 1, 0], dtype=torch.int32))), PositionOutOfRange),
         (encode_message(step(parents=torch.tensor([-2, 0, 1], dtype=torch.int32))), PositionOutOfRange),
@@ -103,11 +113,21 @@ def raw(header: dict[str, object], tensors: dict[str, torch.Tensor] | None = Non
         (encode_message(step(positions=torch.arange(2, dtype=torch.int32))), BadTensor),
         (encode_message(step(hidden=torch.randn(2, 3, 8))), BadTensor),
         (encode_message(step(cache=CacheCommand(keep_last=(2, 1)))), MalformedFrame),
-        (raw({"type": "step", "session_id": "s", "seq": 1, "cache": [1]},
-             {"hidden": torch.zeros(1, 1, 8), "positions": torch.zeros(1, dtype=torch.int32),
-              "parents": torch.tensor([-1], dtype=torch.int32)}), MalformedFrame),
-        (raw({"type": "step_result", "session_id": "s", "seq": 1, "cloud_ms": 1.0},
-             {"hidden": torch.zeros(1, 8)}), BadTensor),
+        (
+            raw(
+                {"type": "step", "session_id": "s", "seq": 1, "cache": [1]},
+                {
+                    "hidden": torch.zeros(1, 1, 8),
+                    "positions": torch.zeros(1, dtype=torch.int32),
+                    "parents": torch.tensor([-1], dtype=torch.int32),
+                },
+            ),
+            MalformedFrame,
+        ),
+        (
+            raw({"type": "step_result", "session_id": "s", "seq": 1, "cloud_ms": 1.0}, {"hidden": torch.zeros(1, 8)}),
+            BadTensor,
+        ),
     ],
 )
 def test_invalid_messages_are_refused(data: bytes, error: type[Exception]) -> None:

@@ -1,0 +1,106 @@
+"""Scenario files: defaults, relative paths, and a clear ConfigError for every mistake."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from splitspec.bench.prompts import build_prompts, literal_runs
+from splitspec.bench.scenario import DEFAULT_CORPUS_DIR, load_scenario
+from splitspec.exceptions import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "s.toml"
+    path.write_text(body)
+    return path
+
+
+def test_minimal_scenario_and_relative_model(tmp_path: Path, make_checkpoint: Callable[..., Path]) -> None:
+    model = make_checkpoint("llama")
+    (tmp_path / "m").symlink_to(model)
+    sc = load_scenario(write(tmp_path, 'name = "x"\nmodel = "m"\n'))
+    assert sc.model_dir == (tmp_path / "m").resolve()
+    assert sc.modes == ("sequential",)
+    assert sc.rtt_ms == (0.0, 5.0, 20.0, 80.0, 150.0)
+    assert sc.prompts.corpus_dir == DEFAULT_CORPUS_DIR
+    quick = sc.quick()
+    assert quick.repeats == 1 and quick.prompts.per_set == 1 and quick.max_new_tokens <= 16
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('name = "x"\nmodel = "M"\nrtt = [1]\n', "unknown key"),
+        ('model = "M"\n', "missing required key 'name'"),
+        ('name = "x"\nmodel = "M"\nrtt_ms = []\n', "rtt_ms"),
+        ('name = "x"\nmodel = "M"\nrtt_ms = [-5]\n', "rtt_ms"),
+        ('name = "x"\nmodel = "M"\nmodes = ["lookahead9"]\n', "unknown value"),
+        ('name = "x"\nmodel = "M"\nrepeats = 0\n', "repeats"),
+        ('name = "x"\nmodel = "M"\nedge_layers = [2]\n', "edge_layers"),
+        ('name = "x"\nmodel = "M"\n[prompts]\nsets = ["poetry"]\n', "unknown value"),
+        ('name = "x"\nmodel = "M"\n[baselines]\nhf_generate = "yes"\n', "true or false"),
+        ('name = "x"\nmodel = "M"\nmax_new_tokens = 1.5\n', "max_new_tokens"),
+        ('name = "a/b"\nmodel = "M"\n', "'name' may only"),
+        ('name = "x"\nmodel = "/nonexistent/model"\n', "no checkpoint"),
+        ("name = [\n", "not valid TOML"),
+    ],
+)
+def test_bad_scenarios(tmp_path: Path, make_checkpoint: Callable[..., Path], body: str, message: str) -> None:
+    body = body.replace('"M"', f'"{make_checkpoint("llama")}"')
+    with pytest.raises(ConfigError, match=message):
+        load_scenario(write(tmp_path, body))
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_scenario(Path("/nonexistent/s.toml"))
+
+
+def test_repo_scenarios_parse_when_the_demo_model_exists() -> None:
+    for path in sorted((REPO / "benchmarks" / "scenarios").glob("*.toml")):
+        try:
+            load_scenario(path)
+        except ConfigError as exc:
+            if "no checkpoint" not in str(exc):
+                raise
+
+
+class CharTokenizer:
+    """One token per character: enough to check the windowing."""
+
+    bos_token_id = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+
+def test_prompts_are_fixed_length_windows(tmp_path: Path) -> None:
+    (tmp_path / "prose").mkdir()
+    (tmp_path / "code").mkdir()
+    for i in range(3):
+        (tmp_path / "prose" / f"p{i}.txt").write_text(f"Title {i}\n" + "a line of verse\n" * 20)
+        (tmp_path / "code" / f"c{i}.txt").write_text(
+            "import os\n\nTABLE = {\n" + "".join(f"    'k{j}': {j},\n" for j in range(6)) + "}\n" + "x = 1\n" * 20
+        )
+    (tmp_path / "code" / "zz_plain.txt").write_text("def f():\n    return 1\n" * 10)
+    prompts = build_prompts(CharTokenizer(), tmp_path, ("prose", "code", "structured"), 2, 20)
+    assert [p.prompt_id for p in prompts] == ["prose0", "prose1", "code0", "code1", "structured0", "structured1"]
+    assert all(len(p.token_ids) == 20 and p.token_ids[0] == 0 for p in prompts)
+    structured = CharTokenizer().decode(list(prompts[4].token_ids[1:]))
+    assert structured.endswith(",\n") and "'k" in structured  # cut inside the table, after whole rows
+    assert prompts[4].source != "zz_plain.txt"
+    with pytest.raises(ConfigError, match="only"):
+        build_prompts(CharTokenizer(), tmp_path, ("prose",), 5, 20)
+
+
+def test_literal_runs() -> None:
+    text = "x = [\n  1,\n  2,\n  3,\n]\ny = (\n 'a',\n)\n"
+    assert literal_runs(text) == [(1, 3)]
