@@ -19,13 +19,16 @@ from transformers import (
 )
 
 VOCAB = 96
+torch.set_num_threads(1)  # tiny models: threads only add sync overhead on a loaded 2-core machine
 TOKENIZER_TEXT = (
     "to be or not to be that is the question whether tis nobler in the mind to suffer "
     "def main(): return print(value) for x in range(10): yield x class Split: pass"
 )
 
 
-def tiny_config(family: str, layers: int = 6, vocab: int = VOCAB, hidden: int = 64) -> object:
+def tiny_config(
+    family: str, layers: int = 6, vocab: int = VOCAB, hidden: int = 64, max_positions: int = 4096
+) -> object:
     common = dict(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -33,7 +36,7 @@ def tiny_config(family: str, layers: int = 6, vocab: int = VOCAB, hidden: int = 
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_positions,
         eos_token_id=None,
         bos_token_id=0,
         pad_token_id=None,
@@ -73,12 +76,15 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         hidden: int = 64,
         vocab: int = VOCAB,
         logit_scale: float = 1.0,
+        max_positions: int = 4096,
+        seed: int = 1234,
     ) -> Path:
         """``logit_scale`` multiplies the LM head so the next-token law is far from uniform."""
-        key = (family, layers, sharded, hidden, vocab, logit_scale)
+        key = (family, layers, sharded, hidden, vocab, logit_scale, max_positions, seed)
         if key not in cache:
-            torch.manual_seed(1234)
-            model = _MODEL_CLASSES[family](tiny_config(family, layers, vocab=vocab, hidden=hidden)).eval()
+            torch.manual_seed(seed)
+            config = tiny_config(family, layers, vocab=vocab, hidden=hidden, max_positions=max_positions)
+            model = _MODEL_CLASSES[family](config).eval()
             with torch.no_grad():
                 model.lm_head.weight.mul_(logit_scale)
             directory = tmp_path_factory.mktemp(f"{family}-{layers}{'-sharded' if sharded else ''}")

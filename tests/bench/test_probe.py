@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +38,7 @@ def check_sane(report: ProbeReport) -> None:
     # Break-even falls as RTT grows (same f(k)), and projected tok/s falls with RTT.
     rows = report.projection
     assert [r.rtt_ms for r in rows] == [5.0, 20.0, 40.0, 80.0, 150.0]
-    assert all(a.tok_s > b.tok_s for a, b in zip(rows, rows[1:], strict=False))
+    assert all(a.tok_s > b.tok_s for a, b in itertools.pairwise(rows))
     for k in KS[1:]:
         if report.overhead_ms(k) > report.overhead_ms(1):
             assert rows[0].break_even[k] > rows[-1].break_even[k] > 1.0
@@ -69,13 +70,27 @@ async def test_probe_loopback_and_emulated_rtt(make_checkpoint: Callable[..., Pa
 def test_build_report_is_pure_arithmetic() -> None:
     """f(k) = step − RTT and a*(k) from hand-made timings."""
     steps = [
-        StepStats("decode", k, network_ms=10.0 + 0.1 * k, edge_ms=2.0 * k, cloud_ms=1.0, serialize_ms=0.5,
-                  bytes_up=100 * k, bytes_down=90 * k)
+        StepStats(
+            "decode",
+            k,
+            network_ms=10.0 + 0.1 * k,
+            edge_ms=2.0 * k,
+            cloud_ms=1.0,
+            serialize_ms=0.5,
+            bytes_up=100 * k,
+            bytes_down=90 * k,
+        )
         for k in (1, 2, 4)
         for _ in range(3)
     ]
-    config = ProbeConfig(cloud_url="ws://x", model_dir=Path("."), query_tokens=(1, 2, 4), repeats=3,
-                         projection_rtt_ms=(10.0,), dollars_per_hour=None)
+    config = ProbeConfig(
+        cloud_url="ws://x",
+        model_dir=Path("."),
+        query_tokens=(1, 2, 4),
+        repeats=3,
+        projection_rtt_ms=(10.0,),
+        dollars_per_hour=None,
+    )
     report = build_report(config, [10.0, 10.0, 10.0], steps)
     # step(k) = 10 + 0.1k + 2k + 1 + 0.5  =>  f(k) = 1.5 + 2.1k
     assert report.overhead_ms(1) == pytest.approx(3.6)

@@ -63,3 +63,29 @@ def test_speculative_sampling_first_token_follows_p(deterministic: bool) -> None
     # acceptance rate matches sum_x min(p, q)
     expected_rate = float(torch.minimum(p[0], q[0]).sum())
     assert abs(accepted / n - expected_rate) < 0.03
+
+
+def test_tree_recursive_rejection_follows_p() -> None:
+    """Two deterministic branches at the root (tokens 1 and 2): the emitted first token is ~ p."""
+    from splitspec.decoding.acceptance import sample_verify_tree
+
+    gen = torch.Generator().manual_seed(1)
+    p = torch.tensor([[0.1, 0.3, 0.2, 0.4], [0.25] * 4, [0.25] * 4])
+    tokens, parents = [1, 2], [-1, -1]
+    n = 6000
+    counts: Counter[int] = Counter()
+    for _ in range(n):
+        verdict = sample_verify_tree(tokens, parents, None, p, gen)
+        first = tokens[verdict.path[0]] if verdict.path else verdict.next_token
+        counts[first] += 1
+    assert chisquare([counts[t] for t in range(4)], (p[0].double() * n).tolist()).pvalue > 1e-3
+
+
+def test_greedy_tree_walks_the_matching_branch() -> None:
+    from splitspec.decoding.acceptance import greedy_verify_tree
+
+    # tree: 0:a(3) <- root, 1:b(4) <- 0, 2:c(5) <- root, 3:d(1) <- 2
+    tokens, parents = [3, 4, 5, 1], [-1, 0, -1, 2]
+    logits = logits_for([5, 0, 0, 1, 2])  # root picks 5 (node 2), node 2's row (3) picks 1 (node 3), then 2
+    verdict = greedy_verify_tree(tokens, parents, logits)
+    assert verdict.path == [2, 3] and verdict.next_token == 2

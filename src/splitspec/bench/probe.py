@@ -176,8 +176,7 @@ class ProbeReport:
             "break_even_measured": {str(k): v for k, v in self.break_even_measured.items()},
             "dollars_per_hour": self.dollars_per_hour,
             "projection": [
-                {**asdict(row), "break_even": {str(k): v for k, v in row.break_even.items()}}
-                for row in self.projection
+                {**asdict(row), "break_even": {str(k): v for k, v in row.break_even.items()}} for row in self.projection
             ],
         }
 
@@ -338,7 +337,8 @@ def format_report(report: ProbeReport) -> str:
     """The human-readable tables the CLI prints."""
     fit = report.fit
     lines = [
-        f"cloud {report.cloud_url}  model {report.model_dir}  edge layers {report.edge_layers[0]},{report.edge_layers[1]}",
+        f"cloud {report.cloud_url}  model {report.model_dir}  "
+        f"edge layers {report.edge_layers[0]},{report.edge_layers[1]}",
         f"RTT (control round trips): median {fit.rtt_ms:.2f} ms, IQR {fit.rtt_iqr_ms:.2f} ms, n={fit.n_pings}",
         f"fixed overhead fit: f(k) = {fit.f0_ms:.2f} ms + {fit.f1_ms_per_token:.3f} ms/token * k"
         f"  (residual RMS {fit.residual_rms_ms:.2f} ms over {fit.n_steps} steps)",

@@ -40,7 +40,8 @@ _Candidate = tuple[Path, str, int]  # document, its text, cut offset
 class TokenizerLike(Protocol):
     """The slice of a Hugging Face tokenizer the prompt builder needs."""
 
-    bos_token_id: int | None
+    @property
+    def bos_token_id(self) -> int | None: ...
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 

@@ -10,6 +10,7 @@ of one benchmark. Example (``benchmarks/scenarios/default.toml``)::
     modes = ["sequential"]             # keys of splitspec.bench.harness.MODES
     repeats = 3
     max_new_tokens = 48
+    torch_threads = 1                  # torch intra-op threads during the run
 
     [prompts]
     sets = ["code", "prose", "structured"]
@@ -21,6 +22,7 @@ of one benchmark. Example (``benchmarks/scenarios/default.toml``)::
     hf_generate = true
     prompt_lookup = true
     prompt_lookup_num_tokens = 10
+    local_loop = true
 
 Relative paths are resolved against the scenario file's folder. Every mistake (unknown key,
 wrong type, out-of-range value, missing model) is a :class:`~splitspec.exceptions.ConfigError`
@@ -72,6 +74,7 @@ class BaselineSpec:
     hf_generate: bool = True  # plain transformers greedy generate
     prompt_lookup: bool = True  # transformers prompt-lookup decoding (greedy)
     prompt_lookup_num_tokens: int = 10  # draft tokens per prompt-lookup step, tokens
+    local_loop: bool = True  # a bare KV-cached greedy loop over the full model (no generate() overhead)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class Scenario:
     pings: int = 10  # control round trips per emulated link for its measured RTT, count
     jitter_ms: float = 0.0  # emulated jitter per direction, ms
     bandwidth_mbit: float | None = None  # emulated link rate per direction, Mbit/s; None = unlimited
+    torch_threads: int = 1  # torch intra-op threads for the run (1 = least noise on a shared CPU), count
     prompts: PromptSpec = PromptSpec()
     baselines: BaselineSpec = BaselineSpec()
     description: str = ""  # free text shown in the report
@@ -118,6 +122,7 @@ class Scenario:
             "pings": self.pings,
             "jitter_ms": self.jitter_ms,
             "bandwidth_mbit": self.bandwidth_mbit,
+            "torch_threads": self.torch_threads,
             "prompts": {
                 "sets": list(self.prompts.sets),
                 "per_set": self.prompts.per_set,
@@ -128,6 +133,7 @@ class Scenario:
                 "hf_generate": self.baselines.hf_generate,
                 "prompt_lookup": self.baselines.prompt_lookup,
                 "prompt_lookup_num_tokens": self.baselines.prompt_lookup_num_tokens,
+                "local_loop": self.baselines.local_loop,
             },
         }
 
@@ -145,11 +151,12 @@ _TOP_KEYS = {
     "pings",
     "jitter_ms",
     "bandwidth_mbit",
+    "torch_threads",
     "prompts",
     "baselines",
 }
 _PROMPT_KEYS = {"sets", "per_set", "prompt_tokens", "corpus"}
-_BASELINE_KEYS = {"hf_generate", "prompt_lookup", "prompt_lookup_num_tokens"}
+_BASELINE_KEYS = {"hf_generate", "prompt_lookup", "prompt_lookup_num_tokens", "local_loop"}
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -219,8 +226,12 @@ class _Reader:
         return path if path.is_absolute() else (base_dir / path).resolve()
 
 
-def scenario_from_dict(data: dict[str, Any], *, base_dir: Path, where: str = "scenario") -> Scenario:
-    """Validate a parsed scenario table; relative paths resolve against ``base_dir``."""
+def scenario_from_dict(
+    data: dict[str, Any], *, base_dir: Path, where: str = "scenario", model_dir: Path | None = None
+) -> Scenario:
+    """Validate a parsed scenario table; relative paths resolve against ``base_dir``.
+
+    ``model_dir``, when given, replaces the scenario's model (a command-line override)."""
     from splitspec.bench.harness import MODES  # the registry lives with the runners
 
     top = _Reader(data, where, _TOP_KEYS)
@@ -265,11 +276,12 @@ def scenario_from_dict(data: dict[str, Any], *, base_dir: Path, where: str = "sc
         hf_generate=bl.boolean("hf_generate", True),
         prompt_lookup=bl.boolean("prompt_lookup", True),
         prompt_lookup_num_tokens=bl.integer("prompt_lookup_num_tokens", 10, 1),
+        local_loop=bl.boolean("local_loop", True),
     )
     scenario = Scenario(
         name=name,
         description=str(data.get("description", "")),
-        model_dir=top.path("model", DEFAULT_MODEL_DIR, base_dir),
+        model_dir=model_dir.resolve() if model_dir is not None else top.path("model", DEFAULT_MODEL_DIR, base_dir),
         edge_layers=(int(layers[0]), int(layers[1])),
         rtt_ms=tuple(float(v) for v in rtts),
         modes=top.str_list("modes", ("sequential",), tuple(MODES)),
@@ -279,6 +291,7 @@ def scenario_from_dict(data: dict[str, Any], *, base_dir: Path, where: str = "sc
         pings=top.integer("pings", 10, 1),
         jitter_ms=top.number("jitter_ms", 0.0),
         bandwidth_mbit=bandwidth,
+        torch_threads=top.integer("torch_threads", 1, 1),
         prompts=prompts,
         baselines=baselines,
     )
@@ -301,8 +314,8 @@ def check_paths(scenario: Scenario, where: str = "scenario") -> None:
             raise ConfigError(f"{where}: no held-out documents in {docs} (needed by the prompt sets)")
 
 
-def load_scenario(path: Path) -> Scenario:
-    """Read and validate a scenario TOML file."""
+def load_scenario(path: Path, *, model_dir: Path | None = None) -> Scenario:
+    """Read and validate a scenario TOML file (``model_dir`` overrides its model)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -311,4 +324,4 @@ def load_scenario(path: Path) -> Scenario:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"scenario file {path} is not valid TOML: {exc}") from None
-    return scenario_from_dict(data, base_dir=path.resolve().parent, where=f"scenario {path}")
+    return scenario_from_dict(data, base_dir=path.resolve().parent, where=f"scenario {path}", model_dir=model_dir)

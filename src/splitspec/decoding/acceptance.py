@@ -72,3 +72,76 @@ def speculative_verify(
         return Verdict(accepted=i, next_token=int(replacement))
     bonus = torch.multinomial(target_probs[len(draft)], 1, generator=generator)
     return Verdict(accepted=len(draft), next_token=int(bonus))
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    """Outcome of verifying a draft tree: the accepted root-to-node path and the next token."""
+
+    path: list[int]  # accepted draft-node indices, root first
+    next_token: int  # correction, or bonus token after the deepest accepted node
+
+
+def _children(parents: Sequence[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        out.setdefault(parent, []).append(node)
+    return out
+
+
+def greedy_verify_tree(tokens: Sequence[int], parents: Sequence[int], target_logits: torch.Tensor) -> TreeVerdict:
+    """target_logits (1 + n, V): row 0 scores the roots, row i + 1 scores the children of node i.
+
+    Walk down from the root, following the child equal to the target's argmax; stop at the first
+    position where no child matches. Output is exactly greedy decoding's.
+    """
+    children = _children(parents)
+    choices = target_logits.argmax(dim=-1).tolist()
+    path: list[int] = []
+    node, row = -1, 0
+    while True:
+        match = next((c for c in children.get(node, []) if tokens[c] == choices[row]), None)
+        if match is None:
+            return TreeVerdict(path=path, next_token=int(choices[row]))
+        path.append(match)
+        node, row = match, match + 1
+
+
+def sample_verify_tree(
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: torch.Generator,
+) -> TreeVerdict:
+    """Recursive rejection sampling over a draft tree (SpecInfer-style); lossless.
+
+    At each accepted node, try its children in order: child x with proposal q is accepted with
+    probability min(1, p(x) / q(x)); on rejection p becomes norm(max(0, p - q)) and the next child
+    is tried. If every child is rejected, the next token is drawn from the final p. ``draft_probs``
+    None means deterministic drafts (q one-hot), where this is exact sampling from p. With model
+    drafts, siblings must be independent draws (our draft model proposes chains: one child each).
+    """
+    children = _children(parents)
+    path: list[int] = []
+    node, row = -1, 0
+    while True:
+        p = target_probs[row]
+        accepted = None
+        for child in children.get(node, []):
+            x = tokens[child]
+            if draft_probs is None:
+                q = torch.zeros_like(p)
+                q[x] = 1.0
+            else:
+                q = draft_probs[child]
+            q_x, p_x = float(q[x]), float(p[x])
+            # accept x ~ q with probability min(1, p(x) / q(x))
+            if q_x > 0 and torch.rand((), generator=generator).item() < min(1.0, p_x / q_x):
+                accepted = child
+                break
+            p = residual(p, q)  # rejected: the target law conditioned on not taking x
+        if accepted is None:
+            return TreeVerdict(path=path, next_token=int(torch.multinomial(p, 1, generator=generator)))
+        path.append(accepted)
+        node, row = accepted, accepted + 1

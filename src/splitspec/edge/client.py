@@ -19,15 +19,25 @@ from typing import Any
 
 import torch
 
+from splitspec.decoding.controller import SpeculationController
 from splitspec.decoding.generate import decode_sequential
+from splitspec.decoding.local import chain
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
 from splitspec.edge.config import EdgeConfig
-from splitspec.exceptions import BadTensor, ProtocolError, TransportError, UnexpectedMessage, UnknownSession
+from splitspec.exceptions import (
+    BadTensor,
+    ConfigError,
+    ProtocolError,
+    TransportError,
+    UnexpectedMessage,
+    UnknownSession,
+)
 from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import EdgeModel, dtype_from_name, load_edge
+from splitspec.models.stack import EdgeModel, FullModel, dtype_from_name, load_edge, load_full
 from splitspec.protocol.messages import (
     CacheCommand,
     CloseSession,
@@ -69,6 +79,8 @@ class GenerationResult:
     wall_s: float  # whole generation including prefill, seconds
     steps: list[StepStats] = field(default_factory=list)
     recoveries: int = 0
+    speculate: str = "off"  # the --speculate mode used
+    spec_steps: list[SpecStep] = field(default_factory=list)  # per step, when speculating
 
     @property
     def decode_steps(self) -> list[StepStats]:
@@ -82,7 +94,10 @@ class GenerationResult:
             values = sorted(getattr(s, key) for s in decode)
             return float(values[len(values) // 2]) if values else 0.0
 
+        decode_tokens = len(self.token_ids) - 1  # the first token comes from the prefill
         return {
+            "speculate": self.speculate,
+            "tokens_per_decode_step": decode_tokens / len(decode) if decode else 0.0,
             "new_tokens": len(self.token_ids),
             "wall_s": self.wall_s,
             "tokens_per_s": len(self.token_ids) / self.wall_s if self.wall_s > 0 else 0.0,
@@ -103,12 +118,8 @@ class GenerationResult:
             "seed": self.seed,
             "summary": self.summary(),
             "steps": [asdict(s) for s in self.steps],
+            "spec_steps": [asdict(s) for s in self.spec_steps],
         }
-
-
-def chain(q: int) -> list[int]:
-    """Parents of a plain sequence of q tokens: -1, 0, 1, ..."""
-    return list(range(-1, q - 1))
 
 
 class SplitClient:
@@ -130,6 +141,15 @@ class SplitClient:
             client="splitspec-edge",
         )
         self.eos_token_ids = _eos_ids(ckpt.config.eos_token_id)
+        self.draft_model: FullModel | None = None
+        if config.draft_model_dir is not None:
+            draft_ckpt = Checkpoint(config.draft_model_dir)
+            if draft_ckpt.config.vocab_size != ckpt.config.vocab_size:
+                raise ConfigError(
+                    f"draft model vocabulary ({draft_ckpt.config.vocab_size}) differs from the model's "
+                    f"({ckpt.config.vocab_size}): they must share one tokenizer"
+                )
+            self.draft_model = load_full(draft_ckpt, torch.float32, config.attn_implementation)
         self._channel: Channel | None = None
         self._welcome: Welcome | None = None
         self._session_id: str | None = None
@@ -323,13 +343,28 @@ class SplitClient:
         params: SamplingParams | None = None,
         stop_token_ids: Collection[int] | None = None,
         generator: torch.Generator | None = None,
+        speculate: str = "off",
+        trace: list[SpecStep] | None = None,
     ) -> AsyncIterator[int]:
-        """Yield new tokens as they are produced (sequential decoding: one round trip each)."""
+        """Yield new tokens as they are produced.
+
+        ``speculate``: ``off`` (one round trip per token) or a drafter (``ngram``,
+        ``prompt-lookup``, ``draft``) or ``auto``; the adaptive controller then drafts only when
+        it pays, so output is the same (greedy: token for token; sampling: in law).
+        """
         params = params or SamplingParams()
         if generator is None:
             generator, _ = params.generator()
         stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
-        async for token in decode_sequential(self, prompt_ids, max_new_tokens, params, generator, stops):
+        drafters = make_drafters(speculate, params, self.draft_model, generator)
+        if not drafters:
+            async for token in decode_sequential(self, prompt_ids, max_new_tokens, params, generator, stops):
+                yield token
+            return
+        controller = SpeculationController(list(drafters))
+        async for token in speculative_decode(
+            self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace
+        ):
             yield token
 
     async def generate(
@@ -338,13 +373,20 @@ class SplitClient:
         max_new_tokens: int,
         params: SamplingParams | None = None,
         stop_token_ids: Collection[int] | None = None,
+        speculate: str = "off",
     ) -> GenerationResult:
         """Generate and return the tokens with per-step figures."""
         params = params or SamplingParams()
         generator, seed = params.generator()
         first_step, recoveries = len(self.steps), self.recoveries
+        trace: list[SpecStep] = []
         t0 = time.perf_counter()
-        tokens = [t async for t in self.stream(prompt_ids, max_new_tokens, params, stop_token_ids, generator)]
+        tokens = [
+            t
+            async for t in self.stream(
+                prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace
+            )
+        ]
         return GenerationResult(
             prompt_ids=list(prompt_ids),
             token_ids=tokens,
@@ -352,6 +394,8 @@ class SplitClient:
             wall_s=time.perf_counter() - t0,
             steps=self.steps[first_step:],
             recoveries=self.recoveries - recoveries,
+            speculate=speculate,
+            spec_steps=trace,
         )
 
 

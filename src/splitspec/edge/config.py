@@ -19,3 +19,4 @@ class EdgeConfig:
     reconnect_timeout_s: float = 30.0  # how long recovery keeps retrying the cloud, seconds
     max_recoveries: int = 3  # recoveries allowed for one step before giving up
     attn_implementation: str = "sdpa"  # transformers attention kernel: sdpa or eager
+    draft_model_dir: Path | None = None  # small local model sharing the tokenizer, for drafting

@@ -143,7 +143,9 @@ def _varint_encode(values: torch.Tensor) -> bytes:
     v = values.long()
     if bool((v < 0).any()) or bool((v >= 1 << (7 * MAX_VARINT_BYTES)).any()):
         raise ValueError("varint values must be in [0, 2**28)")
-    nbytes = 1 + sum((v >= (1 << (7 * j))).long() for j in range(1, MAX_VARINT_BYTES))
+    nbytes = torch.ones_like(v)
+    for j in range(1, MAX_VARINT_BYTES):
+        nbytes += (v >= (1 << (7 * j))).long()
     shifts = torch.arange(MAX_VARINT_BYTES) * 7
     groups = (v[:, None] >> shifts) & 0x7F
     more = torch.arange(MAX_VARINT_BYTES)[None, :] < (nbytes[:, None] - 1)
@@ -199,7 +201,10 @@ def decode_topk(stream: bytes | torch.Tensor, probs: torch.Tensor, positions: in
     """Inverse of :func:`encode_topk`, validating every field a peer could get wrong."""
     if not 1 <= vocab_size <= MAX_VOCAB:
         raise BadTensor(f"vocabulary size {vocab_size} is out of range")
-    raw = torch.frombuffer(bytearray(stream), dtype=torch.uint8) if isinstance(stream, bytes) else stream
+    if isinstance(stream, bytes):
+        raw = torch.frombuffer(bytearray(stream), dtype=torch.uint8) if stream else torch.zeros(0, dtype=torch.uint8)
+    else:
+        raw = stream
     if raw.dtype != torch.uint8 or raw.dim() != 1:
         raise BadTensor("top-K stream must be a 1-D byte tensor")
     if len(raw) == 0 and positions > 0:
@@ -239,7 +244,9 @@ def decode_topk(stream: bytes | torch.Tensor, probs: torch.Tensor, positions: in
 def stream_to_words(stream: bytes) -> torch.Tensor:
     """Pack a byte stream into int32 words (zero padded) for the frame dtype whitelist."""
     padded = stream + b"\0" * (-len(stream) % 4)
-    return torch.frombuffer(bytearray(padded), dtype=torch.int32).clone() if padded else torch.zeros(0, dtype=torch.int32)
+    if not padded:
+        return torch.zeros(0, dtype=torch.int32)
+    return torch.frombuffer(bytearray(padded), dtype=torch.int32).clone()
 
 
 def words_to_stream(words: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -386,7 +393,9 @@ class BoundReport:
         drift = self.drift
         if drift is not None:
             for pos in torch.nonzero(drift > 0.5 * self.delta[: drift.numel()] + t).flatten().tolist():
-                out.append(f"position {pos}: |α − α̂| = {float(drift[pos]):.3g} > ½Δ = {0.5 * float(self.delta[pos]):.3g}")
+                out.append(
+                    f"position {pos}: |α − α̂| = {float(drift[pos]):.3g} > ½Δ = {0.5 * float(self.delta[pos]):.3g}"
+                )
         return out
 
 

@@ -180,14 +180,13 @@ class EdgeModel(nn.Module):
         return logits[0].float()
 
 
-def load_edge(ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype, attn_implementation: str = "sdpa") -> EdgeModel:
-    """The edge's piece: embedding, head and tail layers, final norm, LM head. No trunk tensor is read."""
-    config = prepare_config(ckpt.config, attn_implementation)
+def _load_ends(
+    ckpt: Checkpoint, config: PretrainedConfig, dtype: torch.dtype
+) -> tuple[nn.Embedding, nn.Module, nn.Linear]:
+    """Embedding, final norm and LM head (tied to the embedding when the checkpoint says so)."""
     family = family_of(config)
     embed_w = ckpt.read(["model.embed_tokens.weight"], dtype)["model.embed_tokens.weight"]
     embed = nn.Embedding.from_pretrained(embed_w, freeze=True, padding_idx=config.pad_token_id)
-    head = _build_layers(ckpt, config, plan.head_layers, dtype)
-    tail = _build_layers(ckpt, config, plan.tail_layers, dtype)
     norm_args: dict[str, Any] = {"eps": config.rms_norm_eps}
     norm = family.norm(config.hidden_size, **norm_args)
     norm.load_state_dict(ckpt.read_prefix("model.norm.", dtype), strict=True)
@@ -199,7 +198,54 @@ def load_edge(ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype, attn_implem
         lm_head.weight = embed.weight
     else:
         raise CheckpointError(f"{ckpt.directory} has no lm_head.weight and does not tie embeddings")
+    return embed, norm, lm_head
+
+
+def load_edge(
+    ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype, attn_implementation: str = "sdpa"
+) -> EdgeModel:
+    """The edge's piece: embedding, head and tail layers, final norm, LM head. No trunk tensor is read."""
+    config = prepare_config(ckpt.config, attn_implementation)
+    embed, norm, lm_head = _load_ends(ckpt, config, dtype)
+    head = _build_layers(ckpt, config, plan.head_layers, dtype)
+    tail = _build_layers(ckpt, config, plan.tail_layers, dtype)
     return EdgeModel(config, embed, head, tail, norm, lm_head).eval()
+
+
+class FullModel(nn.Module):
+    """A whole model in one process (for drafting and local verification), on the same stacks."""
+
+    def __init__(
+        self, config: PretrainedConfig, embed: nn.Embedding, layers: LayerStack, norm: nn.Module, lm_head: nn.Linear
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """token_ids (q,) -> logits (q, V) float32; appends q entries to ``cache``."""
+        hidden = self.embed_tokens(token_ids.to(torch.long)[None])  # (1, q, H)
+        hidden = self.layers(hidden, positions, parents, cache)
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))  # (1, q, V)
+        return logits[0].float()
+
+
+def load_full(ckpt: Checkpoint, dtype: torch.dtype, attn_implementation: str = "sdpa") -> FullModel:
+    """Every piece of a checkpoint, for running it whole on one machine."""
+    config = prepare_config(ckpt.config, attn_implementation)
+    embed, norm, lm_head = _load_ends(ckpt, config, dtype)
+    layers = _build_layers(ckpt, config, range(config.num_hidden_layers), dtype)
+    return FullModel(config, embed, layers, norm, lm_head).eval()
 
 
 def dtype_from_name(name: str) -> torch.dtype:

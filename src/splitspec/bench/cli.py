@@ -1,0 +1,218 @@
+"""The ``splitspec probe`` and ``splitspec bench`` subcommands.
+
+Probe a running trunk server (directly or through ``splitspec netem``) for its RTT and per-step
+overhead, with break-even acceptance, projected tok/s and cost per million tokens::
+
+    splitspec probe --cloud ws://127.0.0.1:9000 [--model DIR] [--edge-layers 2,2] \\
+        [--dollars-per-hour 1.35] [--repeats 10] [--json]
+
+Run a benchmark scenario (in-process server, emulated links, local baselines) and write its
+report (JSON, markdown, PNG plots)::
+
+    splitspec bench benchmarks/scenarios/default.toml [--out DIR] [--quick]
+
+The main CLI wires both in with :func:`register`, which sets ``run=<function>`` on each subparser;
+``python -m splitspec.bench.cli probe ...`` runs them stand-alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from splitspec.bench.scenario import DEFAULT_MODEL_DIR
+from splitspec.exceptions import ConfigError, SplitspecError
+from splitspec.models.split import parse_edge_layers
+
+__all__ = ["main", "register", "run_bench", "run_probe"]
+
+log = logging.getLogger(__name__)
+
+SCENARIO_DIR = Path("benchmarks") / "scenarios"  # where bare scenario names are looked up
+RESULTS_DIR = Path("benchmarks") / "results"  # default parent of a bench's output folder
+
+
+def _edge_layers(text: str) -> tuple[int, int]:
+    try:
+        return parse_edge_layers(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if any(not v >= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers >= 0, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+# -- probe ---------------------------------------------------------------------------------------
+
+
+def run_probe(args: argparse.Namespace) -> int:
+    """Probe the server and print the tables (or JSON). Returns an exit status."""
+    from splitspec.bench.probe import ProbeConfig, format_report, probe
+    from splitspec.cli import read_token_file
+
+    config = ProbeConfig(
+        cloud_url=args.cloud,
+        model_dir=args.model,
+        edge_layers=args.edge_layers,
+        dtype=args.dtype,
+        auth_token=read_token_file(args.token_file),
+        query_tokens=args.query_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        pings=args.pings,
+        context_tokens=args.context_tokens,
+        projection_rtt_ms=args.project_rtt,
+        dollars_per_hour=args.dollars_per_hour,
+    )
+    if args.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    report = asyncio.run(probe(config))
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "probe",
+        help="measure RTT and per-step overhead f(k) of a trunk server; break-even, tok/s, cost",
+        description="Separate link RTT from the fixed per-step overhead f(k) of a split deployment.",
+    )
+    p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765")
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help="checkpoint directory; only edge tensors are loaded (default: the demo base model)",
+    )
+    p.add_argument(
+        "--edge-layers", type=_edge_layers, default=(2, 2), metavar="HEAD,TAIL", help="edge layers (default 2,2)"
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--token-file", type=Path, help="file holding the shared secret")
+    p.add_argument("--dollars-per-hour", type=float, help="cloud rental price, USD/hour (adds $/M tokens)")
+    p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per k (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per k first (default 2)")
+    p.add_argument("--pings", type=_positive_int, default=20, help="control round-trip pairs, before and after")
+    p.add_argument(
+        "--query-tokens",
+        type=_int_list,
+        default=(1, 2, 4, 8, 16),
+        metavar="K,...",
+        help="step sizes (default 1,2,4,8,16)",
+    )
+    p.add_argument("--context-tokens", type=_positive_int, default=32, help="committed prefix, tokens (default 32)")
+    p.add_argument(
+        "--project-rtt",
+        type=_float_list,
+        default=(5.0, 20.0, 40.0, 80.0, 150.0),
+        metavar="MS,...",
+        help="RTTs to project to, ms (default 5,20,40,80,150)",
+    )
+    p.add_argument("--torch-threads", type=_positive_int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(run=run_probe)
+
+
+# -- bench ---------------------------------------------------------------------------------------
+
+
+def resolve_scenario(text: str) -> Path:
+    """A scenario path, or a bare name looked up as ``benchmarks/scenarios/NAME.toml``."""
+    path = Path(text)
+    if path.is_file():
+        return path
+    named = SCENARIO_DIR / f"{text}.toml"
+    if named.is_file():
+        return named
+    raise ConfigError(f"no scenario file {path} (nor {named})")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run a scenario and write its report. Returns an exit status."""
+    from splitspec.bench.harness import run_benchmark
+    from splitspec.bench.scenario import load_scenario
+
+    scenario = load_scenario(resolve_scenario(args.scenario), model_dir=args.model)
+    if args.quick:
+        scenario = scenario.quick()
+    out = args.out if args.out is not None else RESULTS_DIR / scenario.name
+    run_benchmark(scenario, out, progress=not args.no_progress, write_runs=not args.no_runs)
+    print(f"wrote {out / 'summary.md'}, {out / 'summary.json'} and plots")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark scenario over emulated WAN links and write its report",
+        description="Run a benchmark scenario (TOML) in-process on loopback and write JSON, markdown and PNGs.",
+    )
+    p.add_argument("scenario", help="scenario TOML file, or NAME for benchmarks/scenarios/NAME.toml")
+    p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<scenario name>)")
+    p.add_argument("--model", type=Path, help="checkpoint directory, instead of the scenario's model")
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 prompt per set, <= 16 tokens")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--no-runs", action="store_true", help="skip the per-run JSON files")
+    p.set_defaults(run=run_bench)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``probe`` and ``bench`` subcommands, each with ``run=<function>``."""
+    _add_probe(sub)
+    _add_bench(sub)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry point: ``python -m splitspec.bench.cli {probe,bench} ...``."""
+    parser = argparse.ArgumentParser(prog="splitspec")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        status: int = args.run(args)
+    except SplitspecError as exc:
+        log.error("%s: %s", type(exc).__name__, exc)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""The adaptive speculation controller: how much to draft, with what, or not at all.
+
+Each step costs T(q) = RTT + f(q) seconds for q query tokens (measured online, per q), plus the
+drafter's own time. A draft of k tokens yields 1 + E[accepted | k] tokens, where
+E[accepted | k] = sum_{d=1..k} prod_{j<=d} alpha_j and alpha_j is the drafter's measured
+probability of accepting depth j given depth j-1 was accepted. The controller picks the
+(drafter, k) with the highest expected tokens per second, and plain sequential steps (1 token in
+T(1)) whenever no draft beats them: speculation below break-even makes decoding slower, and the
+break-even rises as RTT falls. Estimates decay exponentially so they follow the text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@dataclass
+class _Ema:
+    value: float = math.nan
+    weight: float = 0.0
+
+    def update(self, x: float, decay: float) -> None:
+        self.weight = decay * self.weight + 1.0
+        self.value = x if math.isnan(self.value) else self.value + (x - self.value) / self.weight
+
+
+@dataclass
+class _DrafterStats:
+    # per depth j (1-based): decayed counts of drafts that reached depth j and of acceptances there
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+    cost_per_token: _Ema = field(default_factory=_Ema)  # drafting seconds per drafted token
+    proposals: float = 0.0  # decayed count of steps where the drafter was asked
+    hits: float = 0.0  # ... and proposed something
+
+
+@dataclass(frozen=True)
+class Choice:
+    drafter: str | None  # None = a plain sequential step
+    budget: int  # draft tokens requested (0 for sequential)
+    expected_tokens_per_s: float
+
+
+class SpeculationPolicy(Protocol):
+    """Decides each step's drafter and budget; told what happened afterwards."""
+
+    def ranked(self) -> list[Choice]: ...
+
+    def observe_step(self, query_tokens: int, seconds: float) -> None: ...
+
+    def observe_draft(
+        self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
+    ) -> None: ...
+
+
+class FixedPolicy:
+    """Always draft ``budget`` tokens with ``drafter`` (sequential only when it has nothing)."""
+
+    def __init__(self, drafter: str, budget: int) -> None:
+        self.choice = Choice(drafter, budget, math.inf)
+
+    def ranked(self) -> list[Choice]:
+        return [self.choice, Choice(None, 0, 0.0)]
+
+    def observe_step(self, query_tokens: int, seconds: float) -> None:
+        return None
+
+    def observe_draft(
+        self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
+    ) -> None:
+        return None
+
+
+class SpeculationController:
+    """Online estimates of step time and acceptance; chooses each step's drafter and budget."""
+
+    def __init__(
+        self,
+        drafters: Sequence[str],
+        budgets: Sequence[int] = DEFAULT_BUDGETS,
+        prior_alpha: float = 0.5,  # optimistic-ish acceptance prior for untried depths
+        prior_weight: float = 2.0,  # pseudo-observations behind that prior
+        decay: float = 0.97,  # per-observation decay of every estimate
+        probe_every: int = 24,  # sequential steps before a drafter is re-tried with a short draft
+    ) -> None:
+        self.drafters = list(drafters)
+        self.budgets = sorted(set(budgets))
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.probe_every = probe_every
+        self._step_time: dict[int, _Ema] = {}  # query tokens -> seconds
+        self._stats = {name: _DrafterStats() for name in self.drafters}
+        self._since_speculation = 0
+
+    # -- estimates ---------------------------------------------------------------------------------
+
+    def step_time(self, q: int) -> float:
+        """Predicted seconds for a step of q query tokens (linear interpolation between measured q)."""
+        known = sorted((k, e.value) for k, e in self._step_time.items() if not math.isnan(e.value))
+        if not known:
+            return 1.0
+        if len(known) == 1:
+            k0, t0 = known[0]
+            return t0 * (1 + 0.02 * (q - k0))  # before any slope is measured: +2% per extra token
+        below = [(k, t) for k, t in known if k <= q]
+        above = [(k, t) for k, t in known if k >= q]
+        if below and above:
+            (k0, t0), (k1, t1) = below[-1], above[0]
+            return t0 if k1 == k0 else t0 + (t1 - t0) * (q - k0) / (k1 - k0)
+        (k0, t0), (k1, t1) = (known[-2], known[-1]) if not above else (known[0], known[1])
+        slope = max(0.0, (t1 - t0) / (k1 - k0))
+        return max(1e-6, t0 + slope * (q - k0))
+
+    def alphas(self, drafter: str, depth: int) -> list[float]:
+        stats = self._stats[drafter]
+        out = []
+        for j in range(depth):
+            reached = stats.reached[j] if j < len(stats.reached) else 0.0
+            accepted = stats.accepted[j] if j < len(stats.accepted) else 0.0
+            out.append((accepted + self.prior_alpha * self.prior_weight) / (reached + self.prior_weight))
+        return out
+
+    def expected_accepted(self, drafter: str, budget: int) -> float:
+        total, run = 0.0, 1.0
+        for alpha in self.alphas(drafter, budget):
+            run *= alpha
+            total += run
+        stats = self._stats[drafter]
+        hit_rate = (stats.hits + 1.0) / (stats.proposals + 1.0)
+        return hit_rate * total
+
+    def value(self, drafter: str | None, budget: int) -> float:
+        """Expected tokens per second of one step."""
+        if drafter is None or budget == 0:
+            return 1.0 / self.step_time(1)
+        cost = self._stats[drafter].cost_per_token.value
+        draft_s = 0.0 if math.isnan(cost) else cost * budget
+        return (1.0 + self.expected_accepted(drafter, budget)) / (self.step_time(budget + 1) + draft_s)
+
+    # -- decisions ---------------------------------------------------------------------------------
+
+    def ranked(self) -> list[Choice]:
+        """Every option, best first; sequential is always among them."""
+        options = [Choice(None, 0, self.value(None, 0))]
+        for name in self.drafters:
+            options += [Choice(name, k, self.value(name, k)) for k in self.budgets]
+        options.sort(key=lambda c: c.expected_tokens_per_s, reverse=True)
+        if options[0].drafter is None and self.drafters and self._since_speculation >= self.probe_every:
+            # re-probe cheaply: estimates of a drafter we stopped using cannot improve otherwise
+            best_drafter = max(self.drafters, key=lambda n: self.value(n, self.budgets[0]))
+            options.insert(0, Choice(best_drafter, self.budgets[0], self.value(best_drafter, self.budgets[0])))
+        return options
+
+    # -- observations ------------------------------------------------------------------------------
+
+    def observe_step(self, query_tokens: int, seconds: float) -> None:
+        self._step_time.setdefault(query_tokens, _Ema()).update(seconds, self.decay)
+        if query_tokens == 1:
+            self._since_speculation += 1
+        else:
+            self._since_speculation = 0
+
+    def observe_draft(
+        self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
+    ) -> None:
+        """A drafter proposed a tree ``proposed_depth`` deep; ``accepted`` of its tokens were kept."""
+        stats = self._stats[drafter]
+        stats.proposals = self.decay * stats.proposals + 1.0
+        stats.hits = self.decay * stats.hits + (1.0 if draft_tokens else 0.0)
+        if draft_tokens:
+            stats.cost_per_token.update(draft_seconds / draft_tokens, self.decay)
+        while len(stats.reached) < proposed_depth:
+            stats.reached.append(0.0)
+            stats.accepted.append(0.0)
+        for j in range(proposed_depth):
+            stats.reached[j] *= self.decay
+            stats.accepted[j] *= self.decay
+        for j in range(min(proposed_depth, accepted + 1)):  # depths the verifier actually judged
+            stats.reached[j] += 1.0
+            if j < accepted:
+                stats.accepted[j] += 1.0

@@ -1,0 +1,184 @@
+"""Drafters: cheap guesses of the next tokens, all computed on the edge (nothing private leaves it).
+
+Every drafter answers ``propose(context, budget)`` with a :class:`Draft`: up to ``budget`` tokens
+arranged as a tree whose roots continue ``context`` (parent -1). Deterministic drafters (n-gram
+pool, prompt lookup) give no probabilities: their q is one-hot. The draft model gives q.
+
+* :class:`NgramPool` keeps, for every key of ``key_len`` tokens seen in the prompt or the output,
+  the most recent continuations (recent ones replace old ones: the reference implementation kept
+  its oldest n-grams forever).
+* :class:`PromptLookup` copies the continuation of the latest earlier match of the context's last
+  n tokens (n from ``max_ngram`` down to ``min_ngram``), like transformers' prompt lookup, but can
+  offer several matches as branches.
+* :class:`DraftModel` runs a small local model autoregressively with its own KV cache.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from splitspec.decoding.local import LocalSequence
+from splitspec.decoding.sampling import SamplingParams, probabilities
+from splitspec.models.stack import FullModel
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Drafted tokens as a tree. ``parents[i]`` is an earlier index, or -1 for a root."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: torch.Tensor | None = None  # (len(tokens), V): q of each token; None = deterministic
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def empty(cls) -> Draft:
+        return cls([], [])
+
+
+def build_tree(chains: Sequence[Sequence[int]], budget: int) -> Draft:
+    """Merge candidate continuations into a trie of at most ``budget`` nodes (shared prefixes once)."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}  # (parent index, token) -> node index
+    for candidate in chains:
+        parent = -1
+        for token in candidate:
+            node = children.get((parent, token))
+            if node is None:
+                if len(tokens) >= budget:
+                    break
+                node = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                children[(parent, token)] = node
+            parent = node
+    return Draft(tokens, parents)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft: ...
+
+
+class NgramPool:
+    """Recent n-grams of the prompt and output, indexed by their first ``key_len`` tokens."""
+
+    name = "ngram"
+
+    def __init__(self, key_len: int = 2, span: int = 8, per_key: int = 4) -> None:
+        self.key_len = key_len  # tokens of context that select continuations
+        self.span = span  # longest continuation stored, tokens
+        self.per_key = per_key  # continuations kept per key (most recent win)
+        self._pool: dict[tuple[int, ...], OrderedDict[tuple[int, ...], None]] = {}
+        self._seen: list[int] = []  # the context indexed so far
+
+    def _index(self, context: Sequence[int]) -> None:
+        common = 0
+        limit = min(len(self._seen), len(context))
+        while common < limit and self._seen[common] == context[common]:
+            common += 1
+        if common < len(self._seen):  # the context diverged (new prompt): start over
+            self._pool.clear()
+            self._seen = []
+            common = 0
+        self._seen = list(context)
+        # (re)index every n-gram whose continuation may have grown since last time
+        first = max(0, common - self.span - self.key_len)
+        for start in range(first, len(context) - self.key_len):
+            key = tuple(context[start : start + self.key_len])
+            cont = tuple(context[start + self.key_len : start + self.key_len + self.span])
+            if not cont:
+                continue
+            bucket = self._pool.setdefault(key, OrderedDict())
+            for shorter in [c for c in bucket if cont[: len(c)] == c and len(c) < len(cont)]:
+                del bucket[shorter]  # a longer observation of the same continuation
+            bucket[cont] = None
+            bucket.move_to_end(cont)
+            while len(bucket) > self.per_key:
+                bucket.popitem(last=False)  # evict the oldest
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        self._index(context)
+        if len(context) < self.key_len or budget < 1:
+            return Draft.empty()
+        bucket = self._pool.get(tuple(context[-self.key_len :]))
+        if not bucket:
+            return Draft.empty()
+        recent_first = list(reversed(bucket))
+        return build_tree(recent_first, budget)
+
+
+class PromptLookup:
+    """Copy what followed the latest earlier occurrences of the context's last n tokens."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 2) -> None:
+        self.max_ngram = max_ngram  # longest suffix matched, tokens
+        self.min_ngram = min_ngram  # shortest suffix matched, tokens
+        self.branches = branches  # distinct matches offered as branches
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        ctx = list(context)
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(ctx) <= n:
+                continue
+            suffix = ctx[-n:]
+            chains: list[list[int]] = []
+            for start in range(len(ctx) - n - 1, -1, -1):  # latest match first
+                if ctx[start : start + n] == suffix:
+                    cont = ctx[start + n : start + n + budget]
+                    if cont and cont not in chains:
+                        chains.append(cont)
+                        if len(chains) == self.branches:
+                            break
+            if chains:
+                return build_tree(chains, budget)
+        return Draft.empty()
+
+
+class DraftModel:
+    """A small local model drafting a chain, greedily or by sampling (then q is recorded)."""
+
+    name = "draft"
+
+    def __init__(self, model: FullModel, params: SamplingParams, generator: torch.Generator | None = None) -> None:
+        self.sequence = LocalSequence(model)
+        self.params = params
+        if generator is None and not params.greedy:
+            raise ValueError("a sampling draft model needs its own seeded generator")
+        self.generator = generator or torch.Generator()
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        if budget < 1 or not context:
+            return Draft.empty()
+        seq = self.sequence
+        common = 0
+        limit = min(len(seq.tokens), len(context) - 1)  # always re-run the last context token
+        while common < limit and seq.tokens[common] == context[common]:
+            common += 1
+        seq.truncate(common)
+        logits = seq.run(context[common:])[-1]
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(budget):
+            if self.params.greedy:
+                token = int(logits.argmax())
+            else:
+                q = probabilities(logits, self.params.temperature, self.params.top_p)
+                token = int(torch.multinomial(q, 1, generator=self.generator))
+                qs.append(q)
+            tokens.append(token)
+            if i + 1 < budget:
+                logits = seq.run([token])[-1]
+        probs = torch.stack(qs) if qs else None
+        return Draft(tokens, list(range(-1, len(tokens) - 1)), probs)

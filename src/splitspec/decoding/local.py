@@ -1,0 +1,55 @@
+"""A whole model on this machine, behind the same Verifier interface as the split client.
+
+Used for local baselines, for the draft model, and for tests that need the decoding loops
+without a network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.masks import depths
+from splitspec.models.stack import FullModel
+
+
+def chain(q: int) -> list[int]:
+    """Parents of a plain sequence of q tokens: -1, 0, 1, ..."""
+    return list(range(-1, q - 1))
+
+
+class LocalSequence:
+    """One sequence on a local :class:`FullModel`: tokens, their KV cache, forward / keep / truncate."""
+
+    def __init__(self, model: FullModel) -> None:
+        self.model = model
+        self.cache = KVCache()
+        self.tokens: list[int] = []  # token id behind every committed cache entry
+
+    def reset(self) -> None:
+        self.cache = KVCache()
+        self.tokens = []
+
+    def run(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
+        """tokens (q,) -> logits (q, V); appends them to the cache."""
+        parent_t = torch.tensor(chain(len(tokens)) if parents is None else list(parents), dtype=torch.int32)
+        positions = (len(self.tokens) + depths(parent_t)).to(torch.int32)
+        logits = self.model(torch.tensor(list(tokens), dtype=torch.long), positions, parent_t, self.cache)
+        self.tokens.extend(tokens)
+        return logits
+
+    async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
+        return self.run(tokens, parents)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep only ``indices`` of the last step's entries."""
+        keep = tuple(indices)
+        start = len(self.tokens) - self.cache.last_step
+        self.cache.keep_last(keep)
+        self.tokens = self.tokens[:start] + [self.tokens[start + i] for i in keep]
+
+    def truncate(self, length: int) -> None:
+        self.cache.truncate(length)
+        del self.tokens[length:]

@@ -1,0 +1,182 @@
+"""The ``splitspec fed`` subcommands: a SpecFed worker and the coordinator's generate.
+
+    splitspec fed worker --model DIR --host 127.0.0.1 --port 8781 [--token-file F]
+    splitspec fed generate --draft DIR --worker ws://127.0.0.1:8781 --worker ws://127.0.0.1:8782 \\
+        [--weights 0.5,0.5] [--top-k 320 | --target-epsilon 0.01] [--reconstruct renorm|residual] \\
+        [--gamma 4] [--temperature T] [--top-p P] [--seed S] [--max-new-tokens N] \\
+        [--prompt TEXT] [--json] [--audit]
+
+The main CLI wires this in with :func:`register`; each subparser sets ``run`` to a function
+``(args) -> int``. ``python -m splitspec.federated.cli fed ...`` runs it stand-alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from splitspec.exceptions import ConfigError, SplitspecError
+
+log = logging.getLogger(__name__)
+
+
+def _read_token_file(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc}") from None
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    return token
+
+
+def _weights(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"weights must be comma-separated numbers, got {text!r}") from None
+    if any(v < 0 for v in values) or sum(values) <= 0:
+        raise argparse.ArgumentTypeError("weights must be non-negative with a positive sum")
+    return values
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from splitspec.federated.worker import WorkerConfig, serve_forever
+
+    config = WorkerConfig(
+        model_dir=args.model,
+        host=args.host,
+        port=args.port,
+        auth_token=_read_token_file(args.token_file),
+        max_message_bytes=args.max_message_mb * 1024 * 1024,
+        max_sessions=args.max_sessions,
+    )
+    asyncio.run(serve_forever(config))
+    return 0
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from splitspec.decoding.sampling import SamplingParams
+    from splitspec.federated.coordinator import Coordinator, CoordinatorConfig
+    from splitspec.federated.lm import load_model
+
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be at least 1")
+    top_k = None if args.target_epsilon is not None else (args.top_k if args.top_k is not None else 320)
+    config = CoordinatorConfig(
+        draft_dir=args.draft,
+        worker_urls=tuple(args.worker),
+        weights=args.weights,
+        top_k=top_k,
+        target_epsilon=args.target_epsilon,
+        max_k=args.max_k,
+        reconstruct=args.reconstruct,
+        gamma=args.gamma,
+        prob_codec=args.prob_codec,
+        audit=args.audit,
+        auth_token=_read_token_file(args.token_file),
+        round_timeout_s=args.round_timeout,
+    )
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    draft = load_model(config.draft_dir)
+    prompt_ids = list(draft.tokenizer.encode(args.prompt))
+    if not prompt_ids:
+        raise ConfigError("the prompt encodes to no tokens")
+
+    async def run() -> int:
+        async with Coordinator(config, draft) as coordinator:
+            if args.json:
+                result = await coordinator.generate(prompt_ids, args.max_new_tokens, params)
+                print(json.dumps(result.to_json(), indent=2))
+                return 0
+            generator, seed = params.generator()
+            generated: list[int] = []
+            shown = ""
+            async for token in coordinator.stream(prompt_ids, args.max_new_tokens, params, generator):
+                generated.append(token)
+                text = str(draft.tokenizer.decode(generated))
+                sys.stdout.write(text[len(shown) :])
+                sys.stdout.flush()
+                shown = text
+            sys.stdout.write("\n")
+            rounds = coordinator.rounds
+            drafted = sum(r.drafted for r in rounds)
+            accepted = sum(r.accepted for r in rounds)
+            log.info(
+                "%d tokens in %d rounds, accepted %d/%d drafts, seed %d",
+                len(generated),
+                len(rounds),
+                accepted,
+                drafted,
+                seed,
+            )
+            return 0
+
+    return asyncio.run(run())
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``fed worker`` and ``fed generate`` to the main CLI's subparsers."""
+    fed = sub.add_parser("fed", help="federated speculative inference (SpecFed)")
+    fed_sub = fed.add_subparsers(dest="fed_command", required=True)
+
+    w = fed_sub.add_parser("worker", help="serve a whole model that scores draft tokens with top-K replies")
+    w.add_argument("--model", type=Path, required=True, help="checkpoint directory with tokenizer")
+    w.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    w.add_argument("--port", type=int, default=8781, help="TCP port (default 8781; 0 picks one)")
+    w.add_argument("--token-file", type=Path, help="file holding the shared secret")
+    w.add_argument("--max-message-mb", type=int, default=64, help="largest message, MiB (default 64)")
+    w.add_argument("--max-sessions", type=int, default=16, help="concurrent coordinator sessions (default 16)")
+    w.set_defaults(run=_run_worker)
+
+    g = fed_sub.add_parser("generate", help="draft locally, verify against the workers' aggregate")
+    g.add_argument("--draft", type=Path, required=True, help="draft model checkpoint directory with tokenizer")
+    g.add_argument("--worker", action="append", required=True, help="worker URL (repeat), e.g. ws://127.0.0.1:8781")
+    g.add_argument("--weights", type=_weights, help="aggregation weights, comma-separated (default equal)")
+    k = g.add_mutually_exclusive_group()
+    k.add_argument("--top-k", type=int, help="fixed K per position (default 320)")
+    k.add_argument("--target-epsilon", type=float, help="adaptive K: largest residual mass per position")
+    g.add_argument("--max-k", type=int, default=4096, help="cap on adaptive K (default 4096)")
+    g.add_argument("--reconstruct", choices=["renorm", "residual"], default="renorm", help="reconstruction")
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass applied to the aggregate (default 1)")
+    g.add_argument("--seed", type=int, help="sampling seed")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    g.add_argument("--prompt", default="The", help="prompt text")
+    g.add_argument("--prob-codec", choices=["float16", "float32"], default="float16", help="top-K probability dtype")
+    g.add_argument("--round-timeout", type=float, default=30.0, help="seconds before a slow worker is dropped")
+    g.add_argument("--token-file", type=Path, help="file holding the shared secret")
+    g.add_argument("--json", action="store_true", help="print tokens, text and per-round figures as JSON")
+    g.add_argument("--audit", action="store_true", help="workers also send full laws: check the bounds each round")
+    g.set_defaults(run=_run_generate)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry point: ``python -m splitspec.federated.cli fed {worker,generate} ...``."""
+    parser = argparse.ArgumentParser(prog="splitspec")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+    try:
+        code: int = args.run(args)
+        return code
+    except KeyboardInterrupt:
+        return 130
+    except SplitspecError as exc:
+        log.error("%s: %s", type(exc).__name__, exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

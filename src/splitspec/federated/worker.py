@@ -1,0 +1,244 @@
+"""The SpecFed worker: a whole local LLM that scores a coordinator's draft tokens.
+
+Each connection is one session with its own KV cache. Per round the worker keeps the accepted
+prefix of its cache (``FedScore.keep``), appends the new tokens in one forward pass, turns the
+last γ + 1 positions into probabilities at the requested temperature and answers with only their
+top-K (fixed K or adaptive by target ε) in the compact encoding of
+:mod:`splitspec.federated.topk`; in audit mode it adds the full distributions.
+
+The handshake pins the vocabulary size and the tokenizer fingerprint: a coordinator whose drafts
+live in another vocabulary is refused with ``HandshakeMismatch`` and the connection is closed.
+Model compute runs on one worker thread so the event loop keeps answering pings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from splitspec import __version__
+from splitspec.decoding.sampling import probabilities
+from splitspec.exceptions import (
+    AuthenticationFailed,
+    BadTensor,
+    HandshakeMismatch,
+    PositionOutOfRange,
+    ProtocolError,
+    ServerError,
+    TooManySessions,
+    UnexpectedMessage,
+)
+from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
+from splitspec.federated.topk import TopKPolicy, encode_topk, select_topk, stream_to_words
+from splitspec.protocol.fed import (
+    FedHello,
+    FedMessage,
+    FedScore,
+    FedScores,
+    FedWelcome,
+    WorkerIdentity,
+    check_fed_hello,
+    decode_fed,
+    encode_fed,
+)
+from splitspec.protocol.frames import peek_type
+from splitspec.protocol.messages import Error
+from splitspec.transport.server import FrameServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs, built once by the CLI."""
+
+    model_dir: Path  # HF checkpoint directory with tokenizer
+    host: str = "127.0.0.1"  # interface to listen on
+    port: int = 8780  # TCP port; 0 picks a free one
+    auth_token: str | None = None  # shared secret the coordinator must present
+    max_message_bytes: int = 64 * 1024 * 1024  # largest frame accepted or sent, bytes
+    max_query_tokens: int = 4096  # most tokens one FedScore may append, tokens
+    max_sessions: int = 16  # concurrent connections (each holds a KV cache)
+    delay_s: float = 0.0  # artificial extra compute time per round, seconds (tests, demos)
+
+
+class FedWorker:
+    """Loads a model and serves FedScore requests. Use as ``async with FedWorker(cfg) as worker``."""
+
+    def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded if loaded is not None else load_model(config.model_dir)
+        self.identity = WorkerIdentity(
+            vocab_size=self.loaded.vocab_size, tokenizer_fingerprint=self.loaded.tokenizer_fingerprint
+        )
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fed-worker")
+        self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes)
+        self._connections = 0
+        self.active: set[int] = set()  # connection ids past their handshake (each holds a cache)
+        self.rounds_served = 0  # FedScore requests answered, all sessions
+
+    @property
+    def port(self) -> int:
+        return self._frames.port
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self._frames.start()
+        log.info(
+            "fed worker on %s: %s (vocab %d, tokenizer %s, model %s)",
+            self.url,
+            self.config.model_dir,
+            self.identity.vocab_size,
+            self.identity.tokenizer_fingerprint,
+            self.loaded.model_fingerprint,
+        )
+
+    async def stop(self) -> None:
+        await self._frames.stop()
+        self._executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> FedWorker:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+    def _new_peer(self, remote: str) -> _WorkerPeer:
+        self._connections += 1
+        return _WorkerPeer(self, self._connections, remote)
+
+    def score(self, lm: IncrementalLM, request: FedScore) -> FedScores:
+        """Run one round for a session (on the compute thread)."""
+        t0 = time.perf_counter()
+        lm.truncate(request.keep)
+        logits = lm.append(request.tokens.tolist(), request.num_scored)
+        temperature = request.temperature if request.temperature > 0 else 1.0
+        probs = probabilities(logits, temperature)
+        policy = TopKPolicy(k=request.k, target_epsilon=request.target_epsilon, max_k=request.max_k)
+        topk = select_topk(probs, policy)
+        stream, values = encode_topk(topk, "float32" if request.prob_codec == "float32" else "float16")
+        if self.config.delay_s > 0:
+            time.sleep(self.config.delay_s)
+        self.rounds_served += 1
+        return FedScores(
+            seq=request.seq,
+            positions=request.num_scored,
+            vocab_size=self.identity.vocab_size,
+            stream_bytes=len(stream),
+            stream=stream_to_words(stream),
+            probs=values,
+            worker_ms=(time.perf_counter() - t0) * 1e3,
+            full=probs.float().contiguous() if request.audit else None,
+        )
+
+
+class _WorkerPeer:
+    """One connection: handshake state and the session's cache."""
+
+    def __init__(self, worker: FedWorker, conn_id: int, remote: str) -> None:
+        self.worker = worker
+        self.conn_id = conn_id
+        self.remote = remote
+        self.ready = False
+        self.lm: IncrementalLM | None = None
+
+    async def handle(self, data: bytes) -> tuple[bytes, bool]:
+        message: FedMessage | None = None
+        try:
+            kind = peek_type(data)
+            if not self.ready and kind != FedHello.TYPE:
+                raise UnexpectedMessage(f"expected a fed_hello first, got {kind!r}")
+            message = decode_fed(data, max_bytes=self.worker.config.max_message_bytes)
+            reply = await self._dispatch(message)
+            return encode_fed(reply), False
+        except ProtocolError as exc:
+            fatal = isinstance(exc, (AuthenticationFailed, HandshakeMismatch)) or not self.ready
+            log.info("fed connection %d (%s): refused %s: %s", self.conn_id, self.remote, exc.code, exc)
+            return self._error(exc, message, fatal), fatal
+        except Exception as exc:  # a bug of ours: report it, keep serving
+            log.exception("fed connection %d: round failed", self.conn_id)
+            return self._error(ServerError(f"{type(exc).__name__}: {exc}"), message, False), False
+
+    @staticmethod
+    def _error(exc: ProtocolError, message: FedMessage | None, fatal: bool) -> bytes:
+        seq = getattr(message, "seq", None)
+        error = Error(code=exc.code, message=str(exc), seq=seq if isinstance(seq, int) else None, fatal=fatal)
+        return encode_fed(error)
+
+    async def _dispatch(self, message: FedMessage) -> FedMessage:
+        worker = self.worker
+        config = worker.config
+        if isinstance(message, FedHello):
+            if self.ready:
+                raise UnexpectedMessage("this connection has already completed its handshake")
+            check_fed_hello(message, worker.identity, config.auth_token)
+            if len(worker.active) >= config.max_sessions:
+                raise TooManySessions(f"the worker already serves {len(worker.active)} sessions")
+            self.ready = True
+            worker.active.add(self.conn_id)
+            self.lm = IncrementalLM(worker.loaded.model)
+            log.info("fed connection %d (%s): handshake ok, client %s", self.conn_id, self.remote, message.client)
+            return FedWelcome(
+                worker=f"splitspec-fed-worker/{__version__}",
+                model_fingerprint=worker.loaded.model_fingerprint,
+                vocab_size=worker.identity.vocab_size,
+                tokenizer_fingerprint=worker.identity.tokenizer_fingerprint,
+                max_message_bytes=config.max_message_bytes,
+                max_query_tokens=config.max_query_tokens,
+                max_positions=worker.loaded.max_positions,
+            )
+        if isinstance(message, FedScore):
+            lm = self.lm
+            if lm is None:
+                raise UnexpectedMessage("no session")
+            self._validate(message, lm)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(worker._executor, worker.score, lm, message)
+        raise UnexpectedMessage(f"a worker does not accept {message.TYPE!r} messages")
+
+    def _validate(self, request: FedScore, lm: IncrementalLM) -> None:
+        worker = self.worker
+        n = request.tokens.numel()
+        if request.keep > len(lm.tokens):
+            raise PositionOutOfRange(f"cannot keep {request.keep} tokens of a cache holding {len(lm.tokens)}")
+        if n > worker.config.max_query_tokens:
+            raise BadTensor(f"{n} new tokens exceed the limit of {worker.config.max_query_tokens}")
+        if request.keep + n > worker.loaded.max_positions:
+            raise PositionOutOfRange(f"sequence of {request.keep + n} tokens exceeds {worker.loaded.max_positions}")
+        vocab = worker.identity.vocab_size
+        if bool(((request.tokens < 0) | (request.tokens >= vocab)).any()):
+            raise BadTensor(f"token ids must be in [0, {vocab})")
+        if request.k is not None and request.k > vocab:
+            raise BadTensor(f"K = {request.k} exceeds the vocabulary of {vocab}")
+        cap = request.k if request.k is not None else min(request.max_k, vocab)
+        # the reply must fit the frame cap: ids <= 4 bytes, probs <= 4 bytes, audit adds 4·V per position
+        reply_bytes = request.num_scored * (8 * cap + (4 * vocab if request.audit else 0)) + 4096
+        if reply_bytes > worker.config.max_message_bytes:
+            raise BadTensor(f"the reply could reach {reply_bytes} bytes, above the cap")
+
+    async def closed(self) -> None:
+        self.lm = None
+        self.worker.active.discard(self.conn_id)
+
+
+async def serve_forever(config: WorkerConfig) -> None:
+    """Run a worker until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with FedWorker(config):
+        await stop.wait()
+    log.info("fed worker stopped")

@@ -1,0 +1,52 @@
+"""The adaptive controller drafts when it pays and falls back to sequential when it does not."""
+
+from __future__ import annotations
+
+from splitspec.decoding.controller import SpeculationController
+
+
+def trained(rtt_s: float, per_token_s: float, accept_rate: float, steps: int = 200) -> SpeculationController:
+    ctl = SpeculationController(["ngram"], budgets=(1, 2, 4, 8))
+    for i in range(steps):
+        for q in (1, 2, 3, 5, 9):
+            ctl.observe_step(q, rtt_s + per_token_s * q)
+        depth = 4
+        accepted = 0
+        while accepted < depth and (i * 7919 + accepted * 104729) % 1000 < accept_rate * 1000:
+            accepted += 1
+        ctl.observe_draft("ngram", depth, accepted, depth, 1e-5)
+    return ctl
+
+
+def test_speculates_when_acceptance_is_high_and_rtt_long() -> None:
+    best = trained(rtt_s=0.08, per_token_s=0.002, accept_rate=0.9).ranked()[0]
+    assert best.drafter == "ngram" and best.budget >= 4
+
+
+def test_falls_back_to_sequential_when_acceptance_is_low() -> None:
+    best = trained(rtt_s=0.005, per_token_s=0.01, accept_rate=0.05).ranked()[0]
+    assert best.drafter is None
+
+
+def test_break_even_moves_with_rtt() -> None:
+    """The same acceptance can pay at long RTT and not at short RTT."""
+    long_rtt = trained(rtt_s=0.15, per_token_s=0.01, accept_rate=0.3).ranked()[0]
+    short_rtt = trained(rtt_s=0.001, per_token_s=0.01, accept_rate=0.3).ranked()[0]
+    assert long_rtt.drafter == "ngram"
+    assert short_rtt.drafter is None
+
+
+def test_step_time_interpolates_and_extrapolates() -> None:
+    ctl = SpeculationController(["ngram"])
+    ctl.observe_step(1, 0.010)
+    ctl.observe_step(5, 0.018)
+    assert abs(ctl.step_time(3) - 0.014) < 1e-9
+    assert abs(ctl.step_time(9) - 0.026) < 1e-9
+
+
+def test_probes_again_after_a_long_sequential_run() -> None:
+    ctl = trained(rtt_s=0.005, per_token_s=0.01, accept_rate=0.05)
+    for _ in range(ctl.probe_every):
+        ctl.observe_step(1, 0.015)
+    assert ctl.ranked()[0].drafter == "ngram"
+    assert ctl.ranked()[0].budget == 1

@@ -1,0 +1,151 @@
+"""Speculative decoding: greedy output is token-identical, sampling keeps the model's law."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from splitspec.decoding.controller import FixedPolicy, SpeculationController, SpeculationPolicy
+from splitspec.decoding.drafters import DraftModel, NgramPool, PromptLookup, build_tree
+from splitspec.decoding.local import LocalSequence
+from splitspec.decoding.sampling import SamplingParams, probabilities
+from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
+from splitspec.exceptions import ConfigError
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.stack import FullModel, load_full
+from tests.conftest import local_greedy
+
+PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9]
+
+
+def full(directory: Path) -> FullModel:
+    return load_full(Checkpoint(directory), torch.float32)
+
+
+async def run(
+    model: FullModel,
+    mode: str,
+    prompt: list[int],
+    n: int,
+    params: SamplingParams,
+    seed: int = 0,
+    draft: FullModel | None = None,
+    trace: list[SpecStep] | None = None,
+    budget: int = 4,
+) -> list[int]:
+    """``auto`` runs the adaptive controller; a single drafter always drafts ``budget`` tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    drafters = make_drafters(mode, params, draft, generator)
+    policy: SpeculationPolicy = (
+        SpeculationController(list(drafters)) if mode == "auto" else FixedPolicy(mode, budget)
+    )
+    out = speculative_decode(LocalSequence(model), prompt, n, params, generator, drafters, policy, trace=trace)
+    return [t async for t in out]
+
+
+def test_build_tree_merges_shared_prefixes() -> None:
+    draft = build_tree([[1, 2, 3], [1, 2, 4], [5]], budget=10)
+    assert draft.tokens == [1, 2, 3, 4, 5]
+    assert draft.parents == [-1, 0, 1, 1, -1]
+    assert build_tree([[1, 2, 3], [4, 5]], budget=4).tokens == [1, 2, 3, 4]
+
+
+def test_ngram_pool_prefers_recent_continuations() -> None:
+    pool = NgramPool(key_len=2, span=3, per_key=1)
+    assert pool.propose([1, 2, 3, 4, 1, 2], 3).tokens == [3, 4, 1]
+    assert pool.propose([1, 2, 3, 4, 1, 2, 9, 9, 1, 2], 3).tokens == [9, 9, 1]  # the recent one replaced it
+    assert len(pool.propose([7, 8], 3)) == 0
+
+
+def test_prompt_lookup_branches_on_distinct_matches() -> None:
+    lookup = PromptLookup(max_ngram=2, min_ngram=1, branches=2)
+    draft = lookup.propose([1, 2, 3, 1, 2, 4, 1, 2], 4)  # budget: 4 tree nodes in all
+    assert draft.tokens == [4, 1, 2, 3] and draft.parents == [-1, 0, 1, -1]
+    assert len(lookup.propose([1, 2, 3], 4)) == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("mode", ["ngram", "prompt-lookup", "draft", "auto"])
+async def test_greedy_speculation_is_token_identical(
+    make_checkpoint: Callable[..., Path], family: str, mode: str
+) -> None:
+    directory = make_checkpoint(family)
+    draft = full(make_checkpoint(family, layers=2, seed=99))
+    trace: list[SpecStep] = []
+    out = await run(full(directory), mode, PROMPT, 40, SamplingParams(), draft=draft, trace=trace)
+    assert out == local_greedy(directory, PROMPT, 40)
+    assert any(s.draft_tokens > 0 for s in trace), "the drafter never drafted"
+    if mode in ("ngram", "prompt-lookup"):
+        assert sum(s.accepted for s in trace) > 0  # repetitive random-model output is easy to draft
+
+
+async def test_tree_shapes_are_token_identical(make_checkpoint: Callable[..., Path]) -> None:
+    """Prompt lookup with several branches and deep budgets: still exactly greedy."""
+    directory = make_checkpoint("llama")
+    model = full(directory)
+    drafters = {"prompt-lookup": PromptLookup(max_ngram=2, min_ngram=1, branches=4)}
+    controller = FixedPolicy("prompt-lookup", 16)
+    trace: list[SpecStep] = []
+    gen = speculative_decode(
+        LocalSequence(model), PROMPT, 40, SamplingParams(), torch.Generator(), drafters, controller, trace=trace
+    )
+    assert [t async for t in gen] == local_greedy(directory, PROMPT, 40)
+    assert max(s.draft_tokens for s in trace) >= 8
+
+
+@pytest.mark.parametrize("mode", ["draft", "prompt-lookup"])
+async def test_speculative_sampling_keeps_the_model_law(make_checkpoint: Callable[..., Path], mode: str) -> None:
+    """Joint law of the first two tokens (the second one comes out of a verified draft)."""
+    directory = make_checkpoint("llama", vocab=16, logit_scale=5.0)
+    model = full(directory)
+    draft = full(make_checkpoint("llama", vocab=16, layers=2, seed=7, logit_scale=3.0))
+    params = SamplingParams(temperature=0.9, top_p=0.95)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1]
+    with torch.no_grad():
+        seq = LocalSequence(model)
+        p1 = probabilities(seq.run(prompt)[-1], params.temperature, params.top_p)
+        p2 = torch.stack(
+            [probabilities(LocalSequence(model).run([*prompt, t])[-1], params.temperature, params.top_p)
+             for t in range(16)]
+        )
+    joint = p1[:, None] * p2  # (16, 16)
+    n = 2500
+    counts: Counter[tuple[int, int]] = Counter()
+    drafted = 0
+    for seed in range(n):
+        trace: list[SpecStep] = []
+        out = await run(model, mode, prompt, 3, params, seed=seed, draft=draft, trace=trace, budget=1)
+        counts[(out[0], out[1])] += 1
+        drafted += trace[0].draft_tokens > 0
+    assert drafted > n // 2, "the second token must mostly come from a verified draft"
+    cells = [(a, b) for a in range(16) for b in range(16) if joint[a, b] * n >= 5]
+    observed = [counts[c] for c in cells]
+    expected = [float(joint[c]) * n for c in cells]
+    observed.append(n - sum(observed))
+    expected.append(max(0.0, n - sum(expected)))
+    expected = [e * n / sum(expected) for e in expected]
+    assert all(joint[c] > 0 for c in counts), "sampled a token pair outside the law's support"
+    assert chisquare(observed, expected).pvalue > 1e-3
+
+
+def test_make_drafters_errors() -> None:
+    with pytest.raises(ConfigError):
+        make_drafters("bogus", SamplingParams(), None)
+    with pytest.raises(ConfigError):
+        make_drafters("draft", SamplingParams(), None)
+    assert set(make_drafters("auto", SamplingParams(), None)) == {"ngram", "prompt-lookup"}
+    assert make_drafters("off", SamplingParams(), None) == {}
+
+
+def test_draft_model_reuses_its_cache(make_checkpoint: Callable[..., Path]) -> None:
+    drafter = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams())
+    first = drafter.propose(PROMPT, 4)
+    again = drafter.propose([*PROMPT, *first.tokens[:2]], 2)
+    fresh = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams())
+    assert again.tokens == fresh.propose([*PROMPT, *first.tokens[:2]], 2).tokens
+    assert again.tokens == first.tokens[2:4]  # greedy drafting is consistent with itself

@@ -1,0 +1,73 @@
+"""The ``fed worker`` / ``fed generate`` commands: a worker process with a shared secret on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from splitspec.federated.cli import main
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def worker_url(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    token = tmp_path_factory.mktemp("tok") / "token"
+    token.write_text("s3cret\n")
+    port = _free_port()
+    model = make_checkpoint("llama", layers=2, logit_scale=6.0)
+    cmd = [sys.executable, "-m", "splitspec.federated.cli", "fed", "worker", "--model", str(model)]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), "--token-file", str(token)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if proc.poll() is not None:
+            pytest.fail(f"worker exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        time.sleep(0.2)
+    yield f"ws://127.0.0.1:{port}|{token}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def test_generate_json_against_a_worker_process(
+    worker_url: str, make_checkpoint: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, token = worker_url.split("|")
+    draft = make_checkpoint("llama", layers=1, logit_scale=6.0)
+    args = ["fed", "generate", "--draft", str(draft), "--worker", url, "--worker", url, "--weights", "2,1"]
+    args += ["--top-k", "5", "--gamma", "3", "--max-new-tokens", "9", "--prompt", "to be or not"]
+    args += ["--temperature", "0.9", "--seed", "4", "--json", "--audit", "--token-file", token]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    ids = out["token_ids"]
+    assert out["seed"] == 4 and (len(ids) == 9 or (len(ids) < 9 and ids[-1] == 1))  # 1 = </s> stops early
+    assert out["summary"]["audit"]["violations"] == 0
+    assert all(w["k"] == [5] * (r["drafted"] + 1) for r in out["rounds"] for w in r["workers"])
+
+
+def test_wrong_secret_is_refused(
+    worker_url: str, make_checkpoint: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url, _ = worker_url.split("|")
+    wrong = tmp_path / "wrong"
+    wrong.write_text("nope")
+    draft = make_checkpoint("llama", layers=1, logit_scale=6.0)
+    args = ["fed", "generate", "--draft", str(draft), "--worker", url, "--token-file", str(wrong)]
+    assert main(args) == 2
+    assert "AuthenticationFailed" in caplog.text
