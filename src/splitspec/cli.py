@@ -57,6 +57,20 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", type=Path, help="file holding the shared secret")
 
 
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    from splitspec.decoding.speculative import SPECULATE_MODES
+
+    p.add_argument(
+        "--speculate",
+        choices=SPECULATE_MODES,
+        default="auto",
+        help="draft tokens locally and verify several per round trip; auto (default) picks the drafter "
+        "and draft length from measured RTT, step cost and acceptance, and falls back to one token "
+        "per trip when speculation would not pay",
+    )
+    p.add_argument("--draft-model", type=Path, help="small local model sharing the tokenizer, for --speculate draft")
+
+
 # -- cloud serve ---------------------------------------------------------------------------------
 
 
@@ -112,6 +126,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         edge_layers=args.edge_layers,
         dtype=args.dtype,
         auth_token=read_token_file(args.token_file),
+        draft_model_dir=args.draft_model,
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     prompt_ids = tokenizer.encode(args.prompt)
@@ -121,14 +136,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     async def run() -> int:
         async with SplitClient(config) as client:
             if args.json:
-                result = await client.generate(prompt_ids, args.max_new_tokens, params)
+                result = await client.generate(prompt_ids, args.max_new_tokens, params, speculate=args.speculate)
                 out = result.to_json()
                 out["text"] = tokenizer.decode(result.token_ids)
                 print(json.dumps(out, indent=2))
                 return 0
             generated: list[int] = []
             shown = ""
-            async for token in client.stream(prompt_ids, args.max_new_tokens, params):
+            async for token in client.stream(prompt_ids, args.max_new_tokens, params, speculate=args.speculate):
                 generated.append(token)
                 text = str(tokenizer.decode(generated))
                 sys.stdout.write(text[len(shown) :])
@@ -150,6 +165,7 @@ def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
     p.add_argument("--json", action="store_true", help="print token ids, text and per-step figures as JSON")
+    add_speculation_args(p)
     p.set_defaults(run=_run_generate)
 
 
