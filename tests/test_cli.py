@@ -137,3 +137,40 @@ def test_generate_errors_are_clear(cloud: tuple[Path, int, Path, subprocess.Pope
         timeout=120,
     )
     assert out.returncode == 2 and "TransportError" in out.stderr
+
+
+@pytest.mark.parametrize("speculate", ["off", "auto"])
+def test_chat_keeps_the_cache_across_turns(
+    cloud: tuple[Path, int, Path, subprocess.Popen[str]], speculate: str
+) -> None:
+    model, port, token_file, _ = cloud
+    out = subprocess.run(
+        [
+            *CLI,
+            "chat",
+            "--model",
+            str(model),
+            "--cloud",
+            f"ws://127.0.0.1:{port}",
+            "--token-file",
+            str(token_file),
+            "--max-new-tokens",
+            "6",
+            "--json",
+            "--speculate",
+            speculate,
+        ],
+        input="to be or not\nwhether tis nobler\n/quit\nnever read\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    turns = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [t["turn"] for t in turns] == [1, 2]  # /quit stops before the third line
+    first, second = turns
+    assert second["input_ids"][0] == first["token_ids"][-1]  # the carried token, not yet cached
+    history = first["input_ids"] + first["token_ids"][:-1] + second["input_ids"]
+    assert second["token_ids"] == local_greedy(model, history, 6)
+    if speculate == "off":  # only the new tokens went up: the earlier turn stayed in the caches
+        assert second["sent_tokens"] == len(second["input_ids"]) + len(second["token_ids"]) - 1

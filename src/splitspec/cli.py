@@ -37,6 +37,17 @@ def read_token_file(path: Path | None) -> str | None:
     return token
 
 
+def set_threads(threads: int | None) -> None:
+    """Pin torch's intra-op threads (small models run fastest on one thread of a shared CPU)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ConfigError("--threads must be at least 1")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 def _edge_layers(text: str) -> tuple[int, int]:
     try:
         return parse_edge_layers(text)
@@ -55,6 +66,7 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--token-file", type=Path, help="file holding the shared secret")
+    p.add_argument("--threads", type=int, help="CPU threads for this side's compute (default: torch's choice)")
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -104,7 +116,6 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session is dropped")
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (default 64)")
     p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")
-    p.add_argument("--threads", type=int, help="CPU threads for the trunk's compute (default: torch's choice)")
     p.set_defaults(run=_run_cloud_serve)
 
 
@@ -119,6 +130,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens must be at least 1")
+    set_threads(args.threads)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     config = EdgeConfig(
         model_dir=args.model,
@@ -171,6 +183,85 @@ def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 # -- entry point ---------------------------------------------------------------------------------
 
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from splitspec.chat import ChatConfig, chat
+    from splitspec.decoding.sampling import SamplingParams
+    from splitspec.edge import EdgeConfig
+
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be at least 1")
+    set_threads(args.threads)
+    config = ChatConfig(
+        edge=EdgeConfig(
+            model_dir=args.model,
+            cloud_url=args.cloud,
+            edge_layers=args.edge_layers,
+            dtype=args.dtype,
+            auth_token=read_token_file(args.token_file),
+            draft_model_dir=args.draft_model,
+        ),
+        max_new_tokens=args.max_new_tokens,
+        params=SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
+        speculate=args.speculate,
+        json_lines=args.json,
+    )
+    asyncio.run(chat(config, sys.stdin))
+    return 0
+
+
+def _register_chat(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("chat", help="interactive multi-turn generation; the KV cache is kept across turns")
+    _add_split_args(p)
+    p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per turn (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, help="sampling seed")
+    p.add_argument("--json", action="store_true", help="one JSON object per turn (for scripts)")
+    add_speculation_args(p)
+    p.set_defaults(run=_run_chat)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from splitspec.demo import SHOWCASE, DemoConfig, embedded_model, run_demo
+
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be at least 1")
+    if args.rtt_ms < 0:
+        raise ConfigError("--rtt-ms must be >= 0")
+    set_threads(args.threads)
+    model = args.model or embedded_model("base")
+    draft = args.draft_model or (embedded_model("draft") if args.model is None else None)
+    config = DemoConfig(
+        model_dir=model,
+        draft_model_dir=draft,
+        prompts=(("prompt", args.prompt),) if args.prompt else SHOWCASE,
+        max_new_tokens=args.max_new_tokens,
+        rtt_ms=args.rtt_ms,
+        mode=args.mode,
+        temperature=args.temperature,
+        edge_layers=args.edge_layers,
+    )
+    return run_demo(config)
+
+
+def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from splitspec.decoding.speculative import SPECULATE_MODES
+
+    p = sub.add_parser("demo", help="run cloud, WAN emulator and edge on this machine with the embedded models")
+    p.add_argument("--prompt", help="prompt text (default: a short prose and code showcase)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per prompt (default 48)")
+    p.add_argument("--rtt-ms", type=float, default=80.0, help="emulated round-trip time, ms (default 80)")
+    p.add_argument("--mode", choices=SPECULATE_MODES, default="auto", help="speculation mode (default auto)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--model", type=Path, help="checkpoint to split (default: the embedded base model)")
+    p.add_argument("--draft-model", type=Path, help="drafter (default: the embedded draft model)")
+    p.add_argument("--edge-layers", type=_edge_layers, default=(2, 2), metavar="HEAD,TAIL")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for the edge (default 1: small models)")
+    p.set_defaults(run=_run_demo)
+
+
 def _register_netem(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from splitspec.netem.cli import register
 
@@ -181,6 +272,8 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     _register_cloud,
     _register_generate,
     _register_netem,
+    _register_demo,
+    _register_chat,
 ]
 
 

@@ -30,7 +30,8 @@ from splitspec.exceptions import ConfigError
 
 __all__ = ["Prompt", "TokenizerLike", "build_prompts", "literal_runs"]
 
-_CONTEXT_CHARS = 4000  # text before the cut that is tokenized; plenty for a few hundred tokens
+_CHARS_PER_TOKEN = 12  # text tokenized before the cut, characters per wanted token (BPE needs ~3-4)
+_MIN_CONTEXT_CHARS = 256  # ... and at least this many characters
 _LITERAL_LINE = re.compile(r"""^\s*(['"(\[{]|[-+]?\d).*,\s*(#.*)?$""")
 _MIN_RUN_LINES = 3
 
@@ -105,7 +106,8 @@ def _spread(items: list[_Candidate], n: int) -> list[_Candidate]:
 
 def _window(tokenizer: TokenizerLike, text: str, cut: int, n_tokens: int) -> tuple[int, ...] | None:
     body = n_tokens - (1 if tokenizer.bos_token_id is not None else 0)
-    ids = tokenizer.encode(text[max(0, cut - _CONTEXT_CHARS) : cut], add_special_tokens=False)
+    chars = max(_MIN_CONTEXT_CHARS, n_tokens * _CHARS_PER_TOKEN)
+    ids = tokenizer.encode(text[max(0, cut - chars) : cut], add_special_tokens=False)
     if len(ids) < body:
         return None
     window = ids[len(ids) - body :]

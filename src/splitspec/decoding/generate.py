@@ -33,11 +33,17 @@ async def decode_sequential(
     params: SamplingParams,
     generator: torch.Generator,
     stop_token_ids: Collection[int] = (),
+    fresh: bool = True,
 ) -> AsyncIterator[int]:
-    """Prefill the prompt, then yield up to ``max_new_tokens`` tokens, one forward step each."""
+    """Prefill the prompt, then yield up to ``max_new_tokens`` tokens, one forward step each.
+
+    ``fresh=False`` continues the verifier's sequence: ``prompt_ids`` are appended to what its
+    cache already holds (multi-turn chat).
+    """
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
-    verifier.reset()
+    if fresh:
+        verifier.reset()
     logits = await verifier.forward(prompt_ids)  # prefill: (len(prompt), V)
     for produced in range(1, max_new_tokens + 1):
         token = choose_token(logits[-1], params, generator)

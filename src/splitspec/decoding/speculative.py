@@ -62,14 +62,20 @@ async def speculative_decode(
     controller: SpeculationPolicy,
     stop_token_ids: Collection[int] = (),
     trace: list[SpecStep] | None = None,
+    history: Sequence[int] | None = None,
 ) -> AsyncIterator[int]:
-    """Yield up to ``max_new_tokens`` tokens; identical in law (greedy: identical) to sequential decoding."""
+    """Yield up to ``max_new_tokens`` tokens; identical in law (greedy: identical) to sequential decoding.
+
+    ``history`` (tokens already in the verifier's cache) continues that sequence instead of
+    starting a new one; the drafters see history + prompt.
+    """
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
-    verifier.reset()
+    if history is None:
+        verifier.reset()
     logits = await verifier.forward(prompt_ids)  # prefill
     pending = choose_token(logits[-1], params, generator)
-    context = [*prompt_ids, pending]
+    context = [*(history or ()), *prompt_ids, pending]
     produced = 1
     yield pending
     if pending in stop_token_ids:

@@ -160,6 +160,7 @@ class SplitClient:
         self._command: CacheCommand | None = None  # rides on the next step
         self.steps: list[StepStats] = []
         self.recoveries = 0
+        self._controller: SpeculationController | None = None  # kept across chat turns
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -190,7 +191,7 @@ class SplitClient:
             await self._drop_channel()
             raise
         self._session_id = opened.session_id
-        log.info("session %s opened on %s", self._session_id, cfg.cloud_url)
+        log.debug("session %s opened on %s", self._session_id, cfg.cloud_url)
 
     async def close(self) -> None:
         if self._channel is not None and self._session_id is not None:
@@ -345,12 +346,16 @@ class SplitClient:
         generator: torch.Generator | None = None,
         speculate: str = "off",
         trace: list[SpecStep] | None = None,
+        fresh: bool = True,
     ) -> AsyncIterator[int]:
         """Yield new tokens as they are produced.
 
         ``speculate``: ``off`` (one round trip per token) or a drafter (``ngram``,
         ``prompt-lookup``, ``draft``) or ``auto``; the adaptive controller then drafts only when
         it pays, so output is the same (greedy: token for token; sampling: in law).
+        ``fresh=False`` appends ``prompt_ids`` to the sequence already in the caches instead of
+        starting over (multi-turn chat); the last token generated before is not in the caches yet,
+        so a continuation should start with it.
         """
         params = params or SamplingParams()
         if generator is None:
@@ -358,12 +363,16 @@ class SplitClient:
         stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
         drafters = make_drafters(speculate, params, self.draft_model, generator)
         if not drafters:
-            async for token in decode_sequential(self, prompt_ids, max_new_tokens, params, generator, stops):
+            async for token in decode_sequential(
+                self, prompt_ids, max_new_tokens, params, generator, stops, fresh=fresh
+            ):
                 yield token
             return
-        controller = SpeculationController(list(drafters))
+        controller = self._controller if not fresh and self._controller else SpeculationController(list(drafters))
+        self._controller = controller
+        history = None if fresh else list(self._tokens)
         async for token in speculative_decode(
-            self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace
+            self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace, history
         ):
             yield token
 
