@@ -28,6 +28,7 @@ Usage::
     python scripts/train_demo_models.py                 # tokenizer + base + draft
     python scripts/train_demo_models.py --stage draft   # one stage (needs the tokenizer)
     python scripts/train_demo_models.py --stage base --steps 20 --measure  # time a few steps
+    python scripts/train_demo_models.py --eval-only     # re-measure saved models, rewrite cards
 """
 
 from __future__ import annotations
@@ -351,6 +352,7 @@ def samples(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, max_new_token
                 ids,
                 max_new_tokens=max_new_tokens,
                 do_sample=True,
+                min_new_tokens=max_new_tokens // 2,
                 temperature=0.7,
                 top_p=0.9,
                 pad_token_id=tok.pad_token_id,
@@ -445,7 +447,8 @@ model scores about the vocabulary size, {info["vocab_size"]}.)
 
 ## Samples
 
-Sampling with temperature 0.7, top-p 0.9, seed {SEED}, {info["sample_tokens"]} new tokens:
+Sampling with temperature 0.7, top-p 0.9, seed {SEED}, {info["sample_tokens"] // 2} to {info["sample_tokens"]}
+new tokens (generation stops at `<|eos|>`):
 
 {sample_md}
 
@@ -471,14 +474,32 @@ def write_card(spec: ModelSpec, info: dict) -> None:
     (WORK_DIR / f"{spec.name}_metrics.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
 
 
-def rewrite_card(name: str) -> None:
-    """Re-render a model card from the metrics saved by a previous training run (no training)."""
+def reevaluate(name: str, tok: PreTrainedTokenizerFast, eval_max_tokens: int) -> dict:
+    """Re-measure held-out perplexity and samples of a *saved* model and rewrite its card.
+
+    Uses the training metrics saved by a previous run (``build/demo_models/<name>_metrics.json``);
+    does not train.
+    """
     path = WORK_DIR / f"{name}_metrics.json"
     if not path.exists():
         raise SystemExit(f"{path} missing; train the model first")
     info = json.loads(path.read_text(encoding="utf-8"))
-    write_card(ModelSpec(**info["spec"]), info)
-    log(f"{name}: model card rewritten")
+    spec = ModelSpec(**info["spec"])
+    model = LlamaForCausalLM.from_pretrained(str(MODELS_DIR / name), dtype=torch.float32)
+    info["heldout"] = heldout_perplexity(model, tok, spec.seq_len, eval_max_tokens)
+    info["eval_max_tokens"] = eval_max_tokens
+    info["samples"] = samples(model, tok, info["sample_tokens"])
+    write_card(spec, info)
+    log_report(name, info)
+    return info
+
+
+def log_report(name: str, info: dict) -> None:
+    ppl = info["heldout"]
+    log(f"{name}: {MODELS_DIR / name} ({info['dir_bytes']:,} bytes); held-out ppl "
+        f"prose {ppl['prose']['ppl']:.2f} code {ppl['code']['ppl']:.2f}")  # fmt: skip
+    for s in info["samples"]:
+        log(f"sample [{s['domain']}]\n{s['prompt']}{s['continuation']}\n---")
 
 
 def save_and_report(spec: ModelSpec, tok: PreTrainedTokenizerFast, result: dict, eval_max_tokens: int) -> dict:
@@ -520,10 +541,7 @@ def save_and_report(spec: ModelSpec, tok: PreTrainedTokenizerFast, result: dict,
         "torch": torch.__version__,
     }
     write_card(spec, info)
-    log(f"{spec.name}: saved to {out_dir} ({info['dir_bytes']:,} bytes); held-out ppl "
-        f"prose {after['prose']['ppl']:.2f} code {after['code']['ppl']:.2f}")  # fmt: skip
-    for s in info["samples"]:
-        log(f"sample [{s['domain']}]\n{s['prompt']}{s['continuation']}\n---")
+    log_report(spec.name, info)
     return info
 
 
@@ -532,24 +550,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage", choices=["all", "tokenizer", "base", "draft"], default="all")
     parser.add_argument("--steps", type=int, default=None, help="override the spec's step count")
     parser.add_argument("--measure", action="store_true", help="only time --steps steps; save nothing")
-    parser.add_argument("--cards-only", action="store_true", help="re-render model cards from saved metrics")
+    parser.add_argument(
+        "--eval-only", action="store_true", help="re-evaluate the saved model(s) and rewrite the card(s); no training"
+    )
     parser.add_argument("--eval-max-tokens", type=int, default=65536, help="held-out tokens per domain")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     WORK_DIR.mkdir(parents=True, exist_ok=True)
-    if args.cards_only:
-        for name in ("base", "draft"):
-            if args.stage in ("all", name):
-                rewrite_card(name)
-        return 0
     tok_dir = WORK_DIR / "tokenizer"
     t_start = time.perf_counter()
-    if args.stage in ("all", "tokenizer"):
+    if args.stage in ("all", "tokenizer") and not args.eval_only:
         seed_everything(SEED)
         tok = train_tokenizer(tok_dir)
     else:
         tok = load_tokenizer(tok_dir)
+    if args.eval_only:
+        for name in ("base", "draft"):
+            if args.stage in ("all", name):
+                reevaluate(name, tok, args.eval_max_tokens)
+        return 0
     for name in ("base", "draft"):
         if args.stage not in ("all", name):
             continue

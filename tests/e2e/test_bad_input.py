@@ -57,8 +57,8 @@ def with_descriptor(frame: bytes, **changes: object) -> bytes:
     return frame[:6] + struct.pack(">I", len(new)) + new + frame[10 + header_len :]
 
 
-async def raw_channel(server: TrunkServer, hello: Hello) -> tuple[Channel, str]:
-    channel = await Channel.connect(server.url, max_message_bytes=CAP, timeout_s=5)
+async def raw_channel(server: TrunkServer, hello: Hello, max_bytes: int = CAP) -> tuple[Channel, str]:
+    channel = await Channel.connect(server.url, max_message_bytes=max_bytes, timeout_s=5)
     await channel.request(hello, 5)
     opened, _ = await channel.request(OpenSession(request_id=1), 5)
     assert isinstance(opened, SessionOpened)

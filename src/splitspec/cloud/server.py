@@ -31,6 +31,7 @@ from splitspec.exceptions import (
     UnexpectedMessage,
 )
 from splitspec.models.checkpoint import Checkpoint, fingerprint
+from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import dtype_from_name, load_trunk
@@ -76,7 +77,9 @@ class TrunkServer:
         )
         self.max_positions = int(model_config.max_position_embeddings)
         self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trunk")
+        # each connection handles its messages in order, so one session never runs two steps at
+        # once; different sessions compute in parallel (torch releases the GIL in its kernels)
+        self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")
         self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes)
         self._sweeper: asyncio.Task[None] | None = None
         self._connection_ids = itertools.count()
@@ -127,6 +130,12 @@ class TrunkServer:
     def _new_peer(self, remote: str) -> _TrunkPeer:
         return _TrunkPeer(self, next(self._connection_ids), remote)
 
+    def _compute(self, step: Step, cache: KVCache) -> tuple[torch.Tensor, float]:
+        """Run the trunk (on a worker thread); return the output and its compute time in ms."""
+        t0 = time.perf_counter()
+        out = self.trunk(step.hidden, step.positions, step.parents, cache)
+        return out, (time.perf_counter() - t0) * 1e3
+
     def validate_step(self, step: Step, cache_length: int, last_step: int) -> int:
         """Check a step against the session; return the committed length after its cache command."""
         hidden = step.hidden
@@ -157,12 +166,8 @@ class TrunkServer:
                 cache.keep_last(step.cache.keep_last)
         session.busy = True
         try:
-            t0 = time.perf_counter()
             loop = asyncio.get_running_loop()
-            out = await loop.run_in_executor(
-                self._executor, self.trunk, step.hidden, step.positions, step.parents, cache
-            )
-            cloud_ms = (time.perf_counter() - t0) * 1e3
+            out, cloud_ms = await loop.run_in_executor(self._executor, self._compute, step, cache)
         finally:
             session.busy = False
             session.last_used = time.monotonic()

@@ -1,0 +1,111 @@
+"""Statistics for the privacy audit: intervals and paired tests on per-token outcomes.
+
+* :func:`wilson_interval` - Wilson score interval of a binomial proportion (no normal-approx
+  collapse at 0 or 1, sane at small n).
+* :func:`mcnemar_exact` - exact (binomial) McNemar test on paired 0/1 outcomes: the right test
+  when the *same* test tokens are attacked at two split depths.
+* :func:`cluster_bootstrap_diff` - percentile CI of a difference of two paired recovery rates,
+  resampling whole documents (tokens of one document are not independent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats as sps
+
+Z95 = 1.959963984540054  # two-sided 95% normal quantile
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for ``successes`` out of ``n`` (returns (0, 1) when n == 0)."""
+    if n < 0 or not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n, got {successes}/{n}")
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, float(centre - half)), min(1.0, float(centre + half))
+
+
+@dataclass(frozen=True)
+class McNemarResult:
+    """Exact McNemar test on a paired 2x2 table."""
+
+    both: int  # tokens recovered under A and under B
+    only_a: int  # recovered under A only (discordant)
+    only_b: int  # recovered under B only (discordant)
+    neither: int  # recovered under neither
+    p_value: float  # two-sided exact binomial p on the discordant pairs
+
+    @property
+    def discordant(self) -> int:
+        return self.only_a + self.only_b
+
+
+def mcnemar_table(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """2x2 table [[both, only_a], [only_b, neither]] of two paired boolean outcome vectors."""
+    a = np.asarray(a, dtype=bool)
+    b = np.asarray(b, dtype=bool)
+    if a.shape != b.shape:
+        raise ValueError(f"paired outcomes must have the same shape, got {a.shape} and {b.shape}")
+    return np.array(
+        [[int(np.sum(a & b)), int(np.sum(a & ~b))], [int(np.sum(~a & b)), int(np.sum(~a & ~b))]], dtype=np.int64
+    )
+
+
+def mcnemar_exact_table(table: np.ndarray) -> McNemarResult:
+    """Exact McNemar test of a 2x2 table [[both, only_a], [only_b, neither]].
+
+    The p-value is the two-sided binomial test of min(b, c) out of b + c at 1/2, clipped to 1
+    (the same convention as ``statsmodels.stats.contingency_tables.mcnemar(exact=True)``).
+    """
+    t = np.asarray(table, dtype=np.int64)
+    if t.shape != (2, 2) or (t < 0).any():
+        raise ValueError(f"need a non-negative 2x2 table, got {t.tolist()}")
+    b, c = int(t[0, 1]), int(t[1, 0])
+    n = b + c
+    p = 1.0 if n == 0 else min(1.0, 2.0 * float(sps.binom.cdf(min(b, c), n, 0.5)))
+    return McNemarResult(int(t[0, 0]), b, c, int(t[1, 1]), p)
+
+
+def mcnemar_exact(a: np.ndarray, b: np.ndarray) -> McNemarResult:
+    """Exact McNemar test of paired boolean outcomes ``a`` and ``b`` (same tokens, two conditions)."""
+    return mcnemar_exact_table(mcnemar_table(a, b))
+
+
+@dataclass(frozen=True)
+class BootstrapCI:
+    """Document-clustered bootstrap of mean(a) - mean(b)."""
+
+    diff: float  # observed difference of recovery rates (a - b)
+    low: float  # 2.5th percentile of the bootstrap distribution
+    high: float  # 97.5th percentile
+    clusters: int  # documents resampled
+    resamples: int  # bootstrap replicates
+
+
+def cluster_bootstrap_diff(
+    a: np.ndarray, b: np.ndarray, clusters: np.ndarray, resamples: int = 2000, seed: int = 0
+) -> BootstrapCI:
+    """95% percentile CI for mean(a) - mean(b), resampling whole clusters (documents) with replacement."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    clusters = np.asarray(clusters)
+    if not (a.shape == b.shape == clusters.shape):
+        raise ValueError("a, b and clusters must have the same shape")
+    if a.size == 0:
+        raise ValueError("no outcomes to bootstrap")
+    _, idx = np.unique(clusters, return_inverse=True)
+    k = int(idx.max()) + 1
+    sum_a = np.bincount(idx, weights=a, minlength=k)
+    sum_b = np.bincount(idx, weights=b, minlength=k)
+    count = np.bincount(idx, minlength=k).astype(np.float64)
+    rng = np.random.default_rng(seed)
+    draws = rng.multinomial(k, np.full(k, 1.0 / k), size=resamples).astype(np.float64)  # (R, k)
+    diffs = (draws @ sum_a - draws @ sum_b) / np.maximum(draws @ count, 1.0)
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    return BootstrapCI(float(a.mean() - b.mean()), float(low), float(high), k, resamples)
