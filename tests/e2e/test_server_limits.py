@@ -42,20 +42,22 @@ async def test_heavy_step_does_not_block_other_sessions(make_checkpoint: Callabl
         async with SplitClient(config) as light:
             channel, sid = await raw_channel(server, light.hello, 16 << 20)  # heavy session: raw frames
             heavy_step = Step(
-                sid, 1, torch.randn(1, q, 256), torch.arange(q, dtype=torch.int32),
+                sid,
+                1,
+                torch.randn(1, q, 256),
+                torch.arange(q, dtype=torch.int32),
                 torch.arange(-1, q - 1, dtype=torch.int32),
             )
             light.reset()
             await light.forward(PROMPT)
             heavy = asyncio.create_task(channel.request(heavy_step, 120))
-            await asyncio.sleep(0.02)
-            order = []
+            while not server.sessions.busy():  # wait until the heavy step is computing
+                await asyncio.sleep(0.002)
             for token in (3, 4, 5):
                 await light.forward([token])
-                order.append("light")
             reply, _ = await heavy
-            order.append("heavy")
             await channel.close()
     assert isinstance(reply, StepResult) and reply.hidden.shape == (1, q, 256)
-    assert order == ["light", "light", "light", "heavy"], order
-    assert reply.cloud_ms > 5 * max(s.cloud_ms for s in light.steps[-3:])  # compute time, not queueing
+    light_trips = [s.network_ms + s.cloud_ms for s in light.steps[-3:]]
+    # each light round trip was short next to the heavy compute: it never waited behind it
+    assert max(light_trips) < reply.cloud_ms / 2, (light_trips, reply.cloud_ms)

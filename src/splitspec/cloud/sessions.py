@@ -33,6 +33,10 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def busy(self) -> int:
+        """Sessions with a step computing right now."""
+        return sum(s.busy for s in self._sessions.values())
+
     def open(self, owner: int) -> Session:
         if len(self._sessions) >= self.max_sessions:
             raise TooManySessions(f"the server already holds its maximum of {self.max_sessions} sessions")

@@ -1,0 +1,87 @@
+"""What the untrusted cloud sees, collected in batches from a split model's own layers.
+
+For a model of L decoder layers let h_k be the residual stream after k layers (h_0 is the token
+embedding). With the edge holding ``head`` layers before the trunk and ``tail`` after it, the cloud
+receives h_head (the *input side*) and returns h_{L-tail} (the *output side*). At audit depth d
+we therefore record h_d and h_{L-d}. The layers are the same transformers decoder layers the
+deployment runs (:class:`splitspec.models.stack.LayerStack`), run over a batch of windows with the
+same explicit causal mask; a test checks the result against :meth:`EdgeModel.run_head` and the
+trunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from splitspec.models.masks import step_mask
+from splitspec.models.stack import FullModel, LayerStack
+
+log = logging.getLogger(__name__)
+
+
+def run_layers(
+    stack: LayerStack, hidden: torch.Tensor, layers: Iterable[int] | None = None
+) -> list[torch.Tensor]:
+    """Run windows (B, q, H) through ``stack`` (or its local layers ``layers``); one output per layer.
+
+    Every window starts at position 0 with an empty cache. Gradients flow when enabled by the
+    caller (unlike ``LayerStack.forward``, which is inference-only).
+    """
+    q = hidden.shape[1]
+    positions = torch.arange(q, dtype=torch.int32)
+    parents = torch.arange(-1, q - 1, dtype=torch.int32)
+    pos = positions.to(torch.long)[None]
+    cos_sin = stack.rotary(hidden, pos)
+    masks = {w: step_mask(parents, positions, 0, hidden.dtype, w) for w in set(stack.windows)}
+    chosen = range(len(stack.layers)) if layers is None else list(layers)
+    outs: list[torch.Tensor] = []
+    for j in chosen:
+        layer: nn.Module = stack.layers[j]
+        hidden = layer(hidden, attention_mask=masks[stack.windows[j]], position_ids=pos, position_embeddings=cos_sin)
+        outs.append(hidden)
+    return outs
+
+
+def residual_stream(model: FullModel, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """[h_0, h_1, ..., h_L] for windows ``tokens`` (B, q); h_k is the stream after k layers."""
+    h0 = model.embed_tokens(tokens.to(torch.long))
+    return [h0, *run_layers(model.layers, h0)]
+
+
+@torch.no_grad()
+def collect_layers(
+    model: FullModel, tokens: np.ndarray, layer_ks: Iterable[int], batch: int = 16
+) -> dict[int, np.ndarray]:
+    """{k: h_k as float32 (n_windows, q, H)} for the requested stream indices k."""
+    ks = sorted(set(layer_ks))
+    n_layers = len(model.layers.layers)
+    if any(k < 0 or k > n_layers for k in ks):
+        raise ValueError(f"stream indices must lie in 0..{n_layers}, got {ks}")
+    out: dict[int, list[np.ndarray]] = {k: [] for k in ks}
+    for s in range(0, tokens.shape[0], batch):
+        stream = residual_stream(model, torch.from_numpy(tokens[s : s + batch]))
+        for k in ks:
+            out[k].append(stream[k].float().numpy())
+    return {k: np.concatenate(v) for k, v in out.items()}
+
+
+@torch.no_grad()
+def stock_tail_top5(public: FullModel, hidden: np.ndarray, depth: int, batch: int = 16) -> np.ndarray:
+    """The public tail attack: published last ``depth`` layers + norm + LM head on returned states.
+
+    ``hidden`` is the output side (n, q, H); returns (n, q, 5) top-5 next-token ids per position.
+    """
+    n_layers = len(public.layers.layers)
+    tail = range(n_layers - depth, n_layers)
+    tops: list[np.ndarray] = []
+    for s in range(0, hidden.shape[0], batch):
+        h = torch.from_numpy(hidden[s : s + batch]).to(public.embed_tokens.weight.dtype)
+        h = run_layers(public.layers, h, tail)[-1]
+        logits = public.lm_head(public.norm(h)).float()
+        tops.append(logits.topk(5, dim=-1).indices.numpy())
+    return np.concatenate(tops)
