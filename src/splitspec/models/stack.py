@@ -88,7 +88,14 @@ class LayerStack(nn.Module):
         """hidden (1, q, H), positions (q,), parents (q,) -> hidden (1, q, H); appends q entries to cache."""
         pos = positions.to(torch.long)[None]  # (1, q)
         cos_sin = self.rotary(hidden, pos)
-        masks = {w: step_mask(parents, positions, len(cache), hidden.dtype, w) for w in set(self.windows)}
+        past = len(cache)
+        masks = {
+            # one query token with the whole prefix in view needs no mask at all
+            w: None
+            if hidden.shape[1] == 1 and (w is None or past < w)
+            else step_mask(parents, positions, past, hidden.dtype, w)
+            for w in set(self.windows)
+        }
         try:
             for layer, window in zip(self.layers, self.windows, strict=True):
                 hidden = layer(
