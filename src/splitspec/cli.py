@@ -15,9 +15,14 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from splitspec.exceptions import ConfigError, SplitspecError
 from splitspec.models.split import parse_edge_layers
+
+if TYPE_CHECKING:
+    from splitspec.decoding.sampling import SamplingParams
+    from splitspec.edge import EdgeConfig
 
 log = logging.getLogger("splitspec")
 
@@ -125,21 +130,10 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _run_generate(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from splitspec.decoding.sampling import SamplingParams
-    from splitspec.edge import EdgeConfig, SplitClient
+    from splitspec.edge import SplitClient
 
-    if args.max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens must be at least 1")
-    set_threads(args.threads)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    config = EdgeConfig(
-        model_dir=args.model,
-        cloud_url=args.cloud,
-        edge_layers=args.edge_layers,
-        dtype=args.dtype,
-        auth_token=read_token_file(args.token_file),
-        draft_model_dir=args.draft_model,
-    )
+    config = _edge_config(args)
+    params = _sampling(args)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
@@ -167,17 +161,44 @@ def _run_generate(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
-def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("generate", help="generate text with the edge half of a split model")
+def _add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
+    """Arguments of every edge-side command that talks to a trunk server."""
     _add_split_args(p)
     p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765")
-    p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help=f"{tokens_help} (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
-    p.add_argument("--json", action="store_true", help="print token ids, text and per-step figures as JSON")
     add_speculation_args(p)
+
+
+def _edge_config(args: argparse.Namespace) -> EdgeConfig:
+    from splitspec.edge import EdgeConfig
+
+    if args.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens must be at least 1")
+    set_threads(args.threads)
+    return EdgeConfig(
+        model_dir=args.model,
+        cloud_url=args.cloud,
+        edge_layers=args.edge_layers,
+        dtype=args.dtype,
+        auth_token=read_token_file(args.token_file),
+        draft_model_dir=args.draft_model,
+    )
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    from splitspec.decoding.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+
+
+def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("generate", help="generate text with the edge half of a split model")
+    _add_edge_args(p, "tokens to generate")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--json", action="store_true", help="print token ids, text and per-step figures as JSON")
     p.set_defaults(run=_run_generate)
 
 
@@ -186,23 +207,11 @@ def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def _run_chat(args: argparse.Namespace) -> int:
     from splitspec.chat import ChatConfig, chat
-    from splitspec.decoding.sampling import SamplingParams
-    from splitspec.edge import EdgeConfig
 
-    if args.max_new_tokens < 1:
-        raise ConfigError("--max-new-tokens must be at least 1")
-    set_threads(args.threads)
     config = ChatConfig(
-        edge=EdgeConfig(
-            model_dir=args.model,
-            cloud_url=args.cloud,
-            edge_layers=args.edge_layers,
-            dtype=args.dtype,
-            auth_token=read_token_file(args.token_file),
-            draft_model_dir=args.draft_model,
-        ),
+        edge=_edge_config(args),
         max_new_tokens=args.max_new_tokens,
-        params=SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed),
+        params=_sampling(args),
         speculate=args.speculate,
         json_lines=args.json,
     )
@@ -212,14 +221,8 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 def _register_chat(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("chat", help="interactive multi-turn generation; the KV cache is kept across turns")
-    _add_split_args(p)
-    p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per turn (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--seed", type=int, help="sampling seed")
+    _add_edge_args(p, "tokens per turn")
     p.add_argument("--json", action="store_true", help="one JSON object per turn (for scripts)")
-    add_speculation_args(p)
     p.set_defaults(run=_run_chat)
 
 
