@@ -72,7 +72,7 @@ AUTOCAST_BF16 = True
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 PROSE_PROMPTS = ["ROMEO.\nO gentle night,", "KING.\nWhat say you, lords? Shall we"]
-CODE_PROMPTS = ["def read_lines(path):\n", "class Stack:\n    def __init__(self):\n"]
+CODE_PROMPTS = ['def read_lines(path):\n    """', "class Stack:\n    def __init__(self):\n        self."]
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from splitspec.decoding.controller import FixedPolicy, SpeculationController, SpeculationPolicy
-from splitspec.decoding.drafters import DraftModel, NgramPool, PromptLookup, build_tree
+from splitspec.decoding.drafters import DraftModel, NgramPool, PromptLookup, build_tree, leaf_chains
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
@@ -70,7 +70,7 @@ def test_prompt_lookup_branches_on_distinct_matches() -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("mode", ["ngram", "prompt-lookup", "draft", "auto"])
+@pytest.mark.parametrize("mode", ["ngram", "prompt-lookup", "draft", "mix", "auto"])
 async def test_greedy_speculation_is_token_identical(
     make_checkpoint: Callable[..., Path], family: str, mode: str
 ) -> None:
@@ -80,7 +80,7 @@ async def test_greedy_speculation_is_token_identical(
     out = await run(full(directory), mode, PROMPT, 40, SamplingParams(), draft=draft, trace=trace)
     assert out == local_greedy(directory, PROMPT, 40)
     assert any(s.draft_tokens > 0 for s in trace), "the drafter never drafted"
-    if mode in ("ngram", "prompt-lookup"):
+    if mode in ("ngram", "prompt-lookup", "mix"):
         assert sum(s.accepted for s in trace) > 0  # repetitive random-model output is easy to draft
 
 
@@ -98,7 +98,7 @@ async def test_tree_shapes_are_token_identical(make_checkpoint: Callable[..., Pa
     assert max(s.draft_tokens for s in trace) >= 8
 
 
-@pytest.mark.parametrize("mode", ["draft", "prompt-lookup"])
+@pytest.mark.parametrize("mode", ["draft", "prompt-lookup", "mix"])
 async def test_speculative_sampling_keeps_the_model_law(make_checkpoint: Callable[..., Path], mode: str) -> None:
     """Joint law of the first two tokens (the second one comes out of a verified draft)."""
     directory = make_checkpoint("llama", vocab=16, logit_scale=5.0)
@@ -119,7 +119,7 @@ async def test_speculative_sampling_keeps_the_model_law(make_checkpoint: Callabl
     drafted = 0
     for seed in range(n):
         trace: list[SpecStep] = []
-        out = await run(model, mode, prompt, 3, params, seed=seed, draft=draft, trace=trace, budget=1)
+        out = await run(model, mode, prompt, 4, params, seed=seed, draft=draft, trace=trace, budget=2)
         counts[(out[0], out[1])] += 1
         drafted += trace[0].draft_tokens > 0
     assert drafted > n // 2, "the second token must mostly come from a verified draft"
@@ -138,14 +138,23 @@ def test_make_drafters_errors() -> None:
         make_drafters("bogus", SamplingParams(), None)
     with pytest.raises(ConfigError):
         make_drafters("draft", SamplingParams(), None)
-    assert set(make_drafters("auto", SamplingParams(), None)) == {"ngram", "prompt-lookup"}
+    assert set(make_drafters("auto", SamplingParams(), None)) == {"ngram", "prompt-lookup", "mix"}
     assert make_drafters("off", SamplingParams(), None) == {}
 
 
 def test_draft_model_reuses_its_cache(make_checkpoint: Callable[..., Path]) -> None:
-    drafter = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams())
+    drafter = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams(), alternatives=0)
     first = drafter.propose(PROMPT, 4)
     again = drafter.propose([*PROMPT, *first.tokens[:2]], 2)
-    fresh = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams())
+    fresh = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams(), alternatives=0)
     assert again.tokens == fresh.propose([*PROMPT, *first.tokens[:2]], 2).tokens
     assert again.tokens == first.tokens[2:4]  # greedy drafting is consistent with itself
+
+
+def test_greedy_draft_model_adds_runner_up_branches(make_checkpoint: Callable[..., Path]) -> None:
+    model = full(make_checkpoint("llama", layers=2, seed=99))
+    tree = DraftModel(model, SamplingParams(), alternatives=2).propose(PROMPT, 12)
+    chain = DraftModel(model, SamplingParams(), alternatives=0).propose(PROMPT, 12)
+    assert len(tree) == 12 and tree.parents.count(-1) == 2  # a second root: the runner-up first token
+    assert tree.tokens[:8] == chain.tokens[:8]  # the main chain is the greedy chain
+    assert leaf_chains(tree)[0] == tree.tokens[:8]

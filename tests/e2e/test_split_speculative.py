@@ -17,7 +17,7 @@ PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9]
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-@pytest.mark.parametrize("mode", ["ngram", "prompt-lookup", "draft", "auto"])
+@pytest.mark.parametrize("mode", ["ngram", "prompt-lookup", "draft", "mix", "auto"])
 async def test_split_speculation_equals_local_greedy(
     make_checkpoint: Callable[..., Path], family: str, mode: str
 ) -> None:

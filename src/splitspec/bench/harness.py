@@ -735,7 +735,7 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
     styles = {"hf_generate": ("k", "--"), "hf_prompt_lookup": ("tab:green", ":"), "local_loop": ("tab:red", "-.")}
     for name, b in summary["baselines"].items():
         color, style = styles.get(name, ("gray", "-."))
-        ax.axhline(b["e2e_tok_s"], color=color, linestyle=style, label=f"{name} local (e2e)")
+        ax.axhline(b["e2e_tok_s"], color=color, linestyle=style, label=f"{name}, local: {b['e2e_tok_s']:.1f} tok/s e2e")
     ax.set_xlabel("measured RTT (ms)")
     ax.set_ylabel("tokens / s")
     ax.set_title(f"{summary['scenario']['name']}: decode throughput vs RTT")

@@ -147,38 +147,107 @@ class PromptLookup:
 
 
 class DraftModel:
-    """A small local model drafting a chain, greedily or by sampling (then q is recorded)."""
+    """A small local model drafting with its own KV cache.
+
+    Sampling: a chain drawn from q (recorded, for speculative sampling). Greedy: the argmax chain
+    plus ``alternatives`` side branches (the runner-up token at the shallowest depths, each
+    continued greedily), so one verification covers the draft model's likeliest disagreements.
+    """
 
     name = "draft"
 
-    def __init__(self, model: FullModel, params: SamplingParams, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        model: FullModel,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        alternatives: int = 2,
+    ) -> None:
         self.sequence = LocalSequence(model)
         self.params = params
         if generator is None and not params.greedy:
             raise ValueError("a sampling draft model needs its own seeded generator")
         self.generator = generator or torch.Generator()
+        self.alternatives = alternatives  # greedy only: runner-up branches at depths 0, 1, ...
 
-    def propose(self, context: Sequence[int], budget: int) -> Draft:
-        if budget < 1 or not context:
-            return Draft.empty()
+    def _sync(self, context: Sequence[int]) -> torch.Tensor:
+        """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits."""
         seq = self.sequence
         common = 0
         limit = min(len(seq.tokens), len(context) - 1)  # always re-run the last context token
         while common < limit and seq.tokens[common] == context[common]:
             common += 1
         seq.truncate(common)
-        logits = seq.run(context[common:])[-1]
+        return seq.run(context[common:])[-1]
+
+    def _greedy_chain(self, logits: torch.Tensor, length: int) -> tuple[list[int], list[torch.Tensor]]:
         tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        for i in range(budget):
-            if self.params.greedy:
-                token = int(logits.argmax())
-            else:
+        rows: list[torch.Tensor] = []
+        for i in range(length):
+            rows.append(logits)
+            tokens.append(int(logits.argmax()))
+            if i + 1 < length:
+                logits = self.sequence.run([tokens[-1]])[-1]
+        return tokens, rows
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        if budget < 1 or not context:
+            return Draft.empty()
+        logits = self._sync(context)
+        if not self.params.greedy:
+            tokens: list[int] = []
+            qs: list[torch.Tensor] = []
+            for i in range(budget):
                 q = probabilities(logits, self.params.temperature, self.params.top_p)
-                token = int(torch.multinomial(q, 1, generator=self.generator))
+                tokens.append(int(torch.multinomial(q, 1, generator=self.generator)))
                 qs.append(q)
-            tokens.append(token)
-            if i + 1 < budget:
-                logits = seq.run([token])[-1]
-        probs = torch.stack(qs) if qs else None
-        return Draft(tokens, list(range(-1, len(tokens) - 1)), probs)
+                if i + 1 < budget:
+                    logits = self.sequence.run([tokens[-1]])[-1]
+            return Draft(tokens, list(range(-1, len(tokens) - 1)), torch.stack(qs))
+        branches = min(self.alternatives, budget // 4)  # side branches only when the budget allows
+        main_len = budget - 2 * branches if branches else budget
+        main, rows = self._greedy_chain(logits, main_len)
+        chains = [main]
+        for depth in range(min(branches, len(main))):
+            runner_up = int(rows[depth].topk(2).indices[1])
+            self.sequence.truncate(len(context) + depth)
+            follow = self.sequence.run([runner_up])[-1]
+            chains.append([*main[:depth], runner_up, int(follow.argmax())])
+        return build_tree(chains, budget)
+
+
+def leaf_chains(draft: Draft) -> list[list[int]]:
+    """Every root-to-leaf token chain of a draft tree, in node order."""
+    has_child = {p for p in draft.parents if p >= 0}
+    chains = []
+    for node in range(len(draft)):
+        if node in has_child:
+            continue
+        chain = []
+        while node >= 0:
+            chain.append(draft.tokens[node])
+            node = draft.parents[node]
+        chains.append(chain[::-1])
+    return chains
+
+
+class MixedDrafter:
+    """One tree from several deterministic drafters: their candidates merged, by priority, into a trie.
+
+    Deterministic candidates keep speculative sampling exact (q one-hot for each branch), so the
+    mix serves greedy and sampled decoding alike.
+    """
+
+    name = "mix"
+
+    def __init__(self, sources: Sequence[Drafter]) -> None:
+        self.sources = list(sources)
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        chains: list[list[int]] = []
+        for source in self.sources:
+            draft = source.propose(context, budget)
+            if draft.probs is not None:
+                raise ValueError(f"drafter {source.name!r} is not deterministic; it cannot join a mixed tree")
+            chains.extend(leaf_chains(draft))
+        return build_tree(chains, budget)

@@ -19,7 +19,7 @@ import torch
 
 from splitspec.decoding.acceptance import greedy_verify_tree, sample_verify_tree
 from splitspec.decoding.controller import SpeculationPolicy
-from splitspec.decoding.drafters import Draft, Drafter, DraftModel, NgramPool, PromptLookup
+from splitspec.decoding.drafters import Draft, Drafter, DraftModel, MixedDrafter, NgramPool, PromptLookup
 from splitspec.decoding.sampling import SamplingParams, choose_token, probabilities
 from splitspec.exceptions import ConfigError
 from splitspec.models.stack import FullModel
@@ -128,7 +128,7 @@ async def speculative_decode(
             return
 
 
-SPECULATE_MODES = ("off", "ngram", "prompt-lookup", "draft", "auto")
+SPECULATE_MODES = ("off", "ngram", "prompt-lookup", "draft", "mix", "auto")
 
 
 def make_drafters(
@@ -141,7 +141,7 @@ def make_drafters(
     """
     if mode not in SPECULATE_MODES:
         raise ConfigError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
-    if mode == "draft" and draft_model is None:
+    if mode in ("draft",) and draft_model is None:
         raise ConfigError("--speculate draft needs a draft model (--draft-model DIR)")
     drafters: dict[str, Drafter] = {}
     if mode in ("ngram", "auto"):
@@ -153,4 +153,10 @@ def make_drafters(
         drafters["draft"] = DraftModel(
             draft_model, params, None if seed is None else torch.Generator().manual_seed(seed)
         )
+    if mode in ("mix", "auto"):
+        # deterministic sources only: the draft model proposes its greedy tree here
+        sources: list[Drafter] = [PromptLookup(), NgramPool()]
+        if draft_model is not None:
+            sources.append(DraftModel(draft_model, SamplingParams()))
+        drafters["mix"] = MixedDrafter(sources)
     return drafters

@@ -24,9 +24,7 @@ from splitspec.models.stack import FullModel, LayerStack
 log = logging.getLogger(__name__)
 
 
-def run_layers(
-    stack: LayerStack, hidden: torch.Tensor, layers: Iterable[int] | None = None
-) -> list[torch.Tensor]:
+def run_layers(stack: LayerStack, hidden: torch.Tensor, layers: Iterable[int] | None = None) -> list[torch.Tensor]:
     """Run windows (B, q, H) through ``stack`` (or its local layers ``layers``); one output per layer.
 
     Every window starts at position 0 with an empty cache. Gradients flow when enabled by the

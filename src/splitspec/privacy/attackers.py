@@ -9,7 +9,9 @@ token j - see :mod:`splitspec.privacy.activations`). Outcomes are then scored to
 * ``nn-embed``: white-box nearest neighbour (cosine) against the public embedding matrix;
 * ``mlp``: the paper's per-token MLP inverter (activation -> token logits), trained on
   attacker-train (activation, token) pairs;
-* ``bigru``: a sequence-aware inverter, a bidirectional GRU over each window's activations.
+* ``bigru``: a sequence-aware inverter, a bidirectional GRU over each window's activations;
+* ``search``: white-box inversion with the *published* edge layers: the MLP proposes candidates,
+  the published layers recompute h_k for each after the decoded prefix, the closest wins.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.stack import FullModel, LayerStack
+
 log = logging.getLogger(__name__)
 
 TOPK = 5
@@ -32,11 +37,12 @@ TOPK = 5
 class TrainConfig:
     """Training knobs of the learned inverters."""
 
-    epochs: int = 4  # passes over the attacker-train tokens
+    epochs: int = 3  # passes over the attacker-train tokens
     lr: float = 2e-3  # Adam learning rate
     batch_tokens: int = 256  # tokens per step for the MLP
     batch_windows: int = 16  # windows per step for the GRU
-    mlp_hidden: int = 512  # width of the MLP's hidden layers (the paper: 2048 for H = 4096)
+    mlp_hidden: int = 512  # width of the MLP's first hidden layer (the paper: 2048 for H = 4096)
+    bottleneck: int = 256  # width of the last hidden layer before the (vocabulary-sized) output
     gru_hidden: int = 192  # GRU units per direction
     dropout: float = 0.1  # on hidden features during training
     seed: int = 0  # init and shuffling
@@ -58,9 +64,7 @@ def frequency_prior(train_targets: np.ndarray, shape: tuple[int, ...]) -> np.nda
     return np.broadcast_to(top, (*shape, TOPK)).copy()
 
 
-def positional_prior(
-    train_targets: np.ndarray, train_pos: np.ndarray, test_pos: np.ndarray
-) -> np.ndarray:
+def positional_prior(train_targets: np.ndarray, train_pos: np.ndarray, test_pos: np.ndarray) -> np.ndarray:
     """Per position-in-document bucket, the 5 most frequent train tokens (global top-5 fills gaps)."""
     global_top = frequency_prior(train_targets.ravel(), (1,))[0]
     tb = position_bucket(train_pos).ravel()
@@ -104,6 +108,9 @@ def nearest_embedding(acts: np.ndarray, embedding: torch.Tensor, chunk: int = 40
 class _Standardize(nn.Module):
     """Fixed per-feature standardisation fitted on the attacker's training activations."""
 
+    mean: torch.Tensor
+    std: torch.Tensor
+
     def __init__(self, mean: torch.Tensor, std: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("mean", mean)
@@ -114,19 +121,21 @@ class _Standardize(nn.Module):
 
 
 class MLPInverter(nn.Module):
-    """Per-token inverter: H -> hidden -> hidden -> classes (the paper's 3-layer MLP, scaled down)."""
+    """Per-token inverter: H -> width -> bottleneck -> classes (the paper's 3-layer MLP, scaled down)."""
 
-    def __init__(self, scaler: _Standardize, hidden_size: int, width: int, classes: int, dropout: float) -> None:
+    def __init__(
+        self, scaler: _Standardize, hidden_size: int, width: int, bottleneck: int, classes: int, dropout: float
+    ) -> None:
         super().__init__()
         self.scaler = scaler
         self.net = nn.Sequential(
             nn.Linear(hidden_size, width),
             nn.GELU(),
             nn.Dropout(dropout),
-            nn.Linear(width, width),
+            nn.Linear(width, bottleneck),
             nn.GELU(),
             nn.Dropout(dropout),
-            nn.Linear(width, classes),
+            nn.Linear(bottleneck, classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,18 +146,22 @@ class MLPInverter(nn.Module):
 class GRUInverter(nn.Module):
     """Sequence-aware inverter: a bidirectional GRU over a window of activations, per-token logits."""
 
-    def __init__(self, scaler: _Standardize, hidden_size: int, units: int, classes: int, dropout: float) -> None:
+    def __init__(
+        self, scaler: _Standardize, hidden_size: int, units: int, bottleneck: int, classes: int, dropout: float
+    ) -> None:
         super().__init__()
         self.scaler = scaler
         self.proj = nn.Linear(hidden_size, 2 * units)
         self.gru = nn.GRU(2 * units, units, batch_first=True, bidirectional=True)
         self.drop = nn.Dropout(dropout)
-        self.out = nn.Linear(4 * units, classes)
+        self.mix = nn.Linear(4 * units, bottleneck)
+        self.out = nn.Linear(bottleneck, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = nn.functional.gelu(self.proj(self.scaler(x)))  # (B, q, 2u)
         seq, _ = self.gru(p)  # (B, q, 2u)
-        out: torch.Tensor = self.out(self.drop(torch.cat([p, seq], dim=-1)))
+        mixed = nn.functional.gelu(self.mix(self.drop(torch.cat([p, seq], dim=-1))))
+        out: torch.Tensor = self.out(self.drop(mixed))
         return out
 
 
@@ -162,19 +175,23 @@ class TrainedInverter:
     final_loss: float  # mean training cross-entropy of the last epoch (nats)
 
     @torch.no_grad()
-    def predict_top5(self, acts: np.ndarray, batch: int = 64) -> np.ndarray:
-        """(n, q, H) -> (n, q, 5) token ids."""
+    def predict_topk(self, acts: np.ndarray, k: int = TOPK, batch: int = 64) -> np.ndarray:
+        """(n, q, H) -> (n, q, k) token ids, best first (the best class repeats if there are < k)."""
         self.model.eval()
         tops: list[np.ndarray] = []
         for s in range(0, acts.shape[0], batch):
             x = torch.from_numpy(acts[s : s + batch]).float()
             logits = self.model(x)
-            k = min(TOPK, logits.shape[-1])
-            idx = logits.topk(k, dim=-1).indices.numpy()
-            if k < TOPK:
-                idx = np.concatenate([idx, np.repeat(idx[..., :1], TOPK - k, axis=-1)], axis=-1)
+            kk = min(k, logits.shape[-1])
+            idx = logits.topk(kk, dim=-1).indices.numpy()
+            if kk < k:
+                idx = np.concatenate([idx, np.repeat(idx[..., :1], k - kk, axis=-1)], axis=-1)
             tops.append(self.classes[idx])
         return np.concatenate(tops)
+
+    def predict_top5(self, acts: np.ndarray) -> np.ndarray:
+        """(n, q, H) -> (n, q, 5) token ids."""
+        return self.predict_topk(acts, TOPK)
 
 
 def _scaler(acts: np.ndarray) -> _Standardize:
@@ -194,12 +211,12 @@ def train_inverter(
     scaler = _scaler(acts)
     model: nn.Module
     if kind == "mlp":
-        model = MLPInverter(scaler, hidden_size, config.mlp_hidden, len(classes), config.dropout)
+        model = MLPInverter(scaler, hidden_size, config.mlp_hidden, config.bottleneck, len(classes), config.dropout)
         x_all = torch.from_numpy(acts.reshape(-1, hidden_size)).float()
         y_all = torch.from_numpy(labels.reshape(-1)).long()
         step_size = config.batch_tokens
     elif kind == "bigru":
-        model = GRUInverter(scaler, hidden_size, config.gru_hidden, len(classes), config.dropout)
+        model = GRUInverter(scaler, hidden_size, config.gru_hidden, config.bottleneck, len(classes), config.dropout)
         x_all = torch.from_numpy(acts).float()
         y_all = torch.from_numpy(labels).long()
         step_size = config.batch_windows
@@ -224,11 +241,60 @@ def train_inverter(
                 loss.backward()
                 opt.step()
                 sched.step()
-                losses.append(float(loss))
+                losses.append(loss.item())
                 bar.update(1)
             last = float(np.mean(losses))
     log.info("%s: %d classes, final train CE %.3f", desc or kind, len(classes), last)
     return TrainedInverter(kind, model.eval(), classes, last)
+
+
+# ---------------------------------------------------------------- white-box search
+
+
+@torch.no_grad()
+def whitebox_search_top5(public: FullModel, observed: np.ndarray, k: int, candidates: np.ndarray) -> np.ndarray:
+    """Invert h_k with the *published* first k layers, position by position.
+
+    ``observed`` (n, W+1, H) holds what the cloud saw for BOS-led windows; ``candidates`` (n, W, K)
+    token guesses per position (from a learned inverter). At each position j every window tries
+    its K candidates after its already-decoded prefix (one tree step: all candidates are children
+    of the prefix), ranks them by cosine distance between the recomputed and the observed h_k, and
+    commits the best. With stock edge weights the true token reproduces h_k exactly, so recovery
+    reaches the candidate set's recall; against a diverged edge the match is only approximate.
+    Returns (n, W, 5) token ids.
+    """
+    n, w1, _ = observed.shape
+    n_cand = candidates.shape[-1]
+    stack = LayerStack(public.config, list(public.layers.layers)[:k], range(k)).eval()
+    obs = nn.functional.normalize(torch.from_numpy(observed).float(), dim=-1)
+    cand = torch.from_numpy(candidates).long()
+    out = np.empty((n, w1 - 1, TOPK), dtype=np.int64)
+    cache = KVCache()
+    bos = int(public.config.bos_token_id)
+    one = torch.zeros(1, dtype=torch.int32)
+    stack(public.embed_tokens(torch.full((n, 1), bos)), one, one - 1, cache)
+    chosen = torch.empty(n, dtype=torch.long)
+    for j in tqdm(range(1, w1), desc=f"search h{k}", leave=False, mininterval=2.0):
+        positions = torch.full((n_cand,), j, dtype=torch.int32)
+        parents = torch.full((n_cand,), -1, dtype=torch.int32)
+        h = stack(public.embed_tokens(cand[:, j - 1]), positions, parents, cache)  # (n, K, H)
+        sim = (nn.functional.normalize(h.float(), dim=-1) * obs[:, j : j + 1]).sum(-1)  # (n, K)
+        order = sim.argsort(dim=-1, descending=True)
+        ranked = cand[:, j - 1].gather(1, order)
+        # Keep the ranking's distinct tokens (candidates may repeat).
+        for b in range(n):
+            seen: list[int] = []
+            for t in ranked[b].tolist():
+                if t not in seen:
+                    seen.append(t)
+                if len(seen) == TOPK:
+                    break
+            seen += [seen[0]] * (TOPK - len(seen))
+            out[b, j - 1] = seen
+        chosen = ranked[:, 0]
+        cache.truncate(j)
+        stack(public.embed_tokens(chosen[:, None]), positions[:1], parents[:1], cache)
+    return out
 
 
 def score(top5: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -129,6 +129,8 @@ def make_windows(
 def tokenize_documents(tokenizer: object, docs: tuple[Document, ...]) -> list[list[int]]:
     """Token ids of each document without special tokens (BOS is added per window)."""
     out: list[list[int]] = []
+    if hasattr(tokenizer, "model_max_length"):
+        tokenizer.model_max_length = 1 << 40  # whole documents are tokenised, then cut into windows
     for d in docs:
         ids = tokenizer(d.text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
         out.append([int(t) for t in ids])

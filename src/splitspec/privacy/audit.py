@@ -1,0 +1,425 @@
+"""The privacy audit: how much of the user's text the cloud can recover from what it sees.
+
+For each split depth d the cloud receives h_d (input side) and returns h_{L-d} (output side);
+see :mod:`splitspec.privacy.activations`. The held-out corpus is split *by document* into
+attacker-train and test windows; every attacker is scored on the *same* test tokens at every
+depth and condition, so comparisons are paired (exact McNemar, document-clustered bootstrap).
+
+Conditions:
+
+* ``stock`` - the edge runs the published weights; learned attackers train on stock activations
+  of the attacker-train documents (anyone can compute those: the weights are public).
+* ``diverged/non-adaptive`` - the edge runs privately fine-tuned layers
+  (:mod:`splitspec.privacy.diverge`); the attackers are the stock-trained ones.
+* ``diverged/adaptive`` - the attacker is a client of the diverged deployment (chosen plaintext):
+  it sends the attacker-train documents through it and trains on what the cloud saw.
+
+Outputs (under ``out_dir``): ``report.json``, ``report.md``, ``recovery_vs_depth.png`` and
+``outcomes.csv.gz`` (per test token, per measured series: rank of the true token in the top-5
+guesses, 0 = not in the top-5), so anyone can re-run the tests.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from splitspec.exceptions import ConfigError
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import load_full
+from splitspec.privacy import attackers as atk
+from splitspec.privacy.activations import collect_layers, stock_tail_top5
+from splitspec.privacy.corpus import (
+    DEFAULT_CORPUS,
+    Windows,
+    load_documents,
+    make_windows,
+    split_documents,
+    tokenize_documents,
+)
+from splitspec.privacy.diverge import DivergeConfig, diverge
+from splitspec.privacy.stats import cluster_bootstrap_diff, mcnemar_exact, wilson_interval
+from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
+
+log = logging.getLogger(__name__)
+
+ALL_ATTACKERS = ("freq", "freq-pos", "nn-embed", "mlp", "bigru", "search", "stock-tail")
+LEARNED = ("mlp", "bigru")
+ALPHA = 0.05  # family-wise significance level (Holm)
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """One audit run."""
+
+    model_dir: Path  # the published checkpoint
+    out_dir: Path  # report files land here
+    depths: tuple[int, ...]  # split depths d (edge layers on the side measured)
+    corpus_dir: Path = DEFAULT_CORPUS  # <domain>/*.txt documents
+    window: int = 128  # tokens per window (plus BOS)
+    max_train_tokens: int = 24_000  # cap on attacker-train tokens
+    max_test_tokens: int = 6_000  # cap on test tokens (same tokens at every depth)
+    test_fraction: float = 0.3  # per-domain fraction of documents held out for testing
+    seed: int = 0  # document split, training, bootstrap
+    attackers: tuple[str, ...] = ALL_ATTACKERS
+    train: atk.TrainConfig = field(default_factory=atk.TrainConfig)  # inverter training
+    diverge_steps: int = 80  # LoRA steps per diverged edge; 0 = no stock-vs-diverged comparison
+    edges: tuple[tuple[int, Path], ...] = ()  # pre-built diverged checkpoints, (depth, dir)
+    bootstrap: int = 2000  # document-clustered bootstrap resamples
+    search_candidates: int = 32  # MLP top-K tokens the white-box search tries per position
+
+    def __post_init__(self) -> None:
+        unknown = set(self.attackers) - set(ALL_ATTACKERS)
+        if unknown:
+            raise ConfigError(f"unknown attackers {sorted(unknown)}; choose from {', '.join(ALL_ATTACKERS)}")
+        if not self.depths or any(d < 1 for d in self.depths):
+            raise ConfigError(f"depths must be positive integers, got {self.depths}")
+        if self.max_train_tokens < self.window or self.max_test_tokens < self.window:
+            raise ConfigError(f"token caps must be at least one window ({self.window} tokens)")
+
+
+@dataclass(frozen=True)
+class SeriesKey:
+    """One measured series: a condition, an attacker, a side and a depth."""
+
+    condition: str  # "stock", "diverged/non-adaptive", "diverged/adaptive", or "-" for baselines
+    attacker: str
+    side: str  # "input", "output", or "-" for baselines
+    depth: int  # 0 for baselines
+
+    @property
+    def column(self) -> str:
+        return f"{self.condition}|{self.attacker}|{self.side}|{self.depth}"
+
+
+@dataclass
+class AuditData:
+    """Per-token ranks of every series on the shared test tokens."""
+
+    test: Windows
+    targets: np.ndarray  # (n, W) test token ids
+    vocab_size: int  # model vocabulary (for the uniform reference)
+    ranks: dict[SeriesKey, np.ndarray] = field(default_factory=dict)  # (n, W) int8: 1..5, 0 = miss
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def _ranks(top5: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    match = top5 == targets[..., None]
+    return np.where(match.any(-1), match.argmax(-1) + 1, 0).astype(np.int8)
+
+
+def _depth_plans(n_layers: int, depths: tuple[int, ...]) -> None:
+    for d in depths:
+        if d > n_layers - 2:
+            raise ConfigError(
+                f"depth {d} is too deep for a {n_layers}-layer model: the other side needs at least one edge "
+                f"layer and the trunk at least one, so depths must be at most {n_layers - 2}"
+            )
+
+
+def run_audit(config: AuditConfig) -> dict[str, object]:
+    """Collect activations, run every attacker in every condition, write the report files."""
+    from transformers import AutoTokenizer
+
+    from splitspec.privacy.report import write_report
+
+    t0 = time.monotonic()
+    torch.manual_seed(config.seed)
+    ckpt = Checkpoint(config.model_dir)
+    n_layers = int(ckpt.config.num_hidden_layers)
+    depths = tuple(sorted(set(config.depths)))
+    _depth_plans(n_layers, depths)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
+    bos = ckpt.config.bos_token_id if ckpt.config.bos_token_id is not None else tokenizer.bos_token_id
+    if bos is None:
+        raise ConfigError(f"{config.model_dir} defines no BOS token")
+
+    split = split_documents(load_documents(config.corpus_dir), config.test_fraction, config.seed)
+    train = make_windows(
+        tokenize_documents(tokenizer, split.train),
+        [d.doc_id for d in split.train],
+        config.window,
+        config.max_train_tokens,
+        int(bos),
+    )
+    test = make_windows(
+        tokenize_documents(tokenizer, split.test),
+        [d.doc_id for d in split.test],
+        config.window,
+        config.max_test_tokens,
+        int(bos),
+    )
+    train_targets, targets = train.tokens[:, 1:], test.tokens[:, 1:]
+    offsets = np.arange(config.window)
+    train_pos, test_pos = train.start[:, None] + offsets, test.start[:, None] + offsets
+    data = AuditData(test, targets, int(ckpt.config.vocab_size))
+    log.info(
+        "audit: %d attacker-train tokens from %d documents, %d test tokens from %d documents",
+        train.n_targets,
+        len(set(train.doc_index.tolist())),
+        test.n_targets,
+        len(set(test.doc_index.tolist())),
+    )
+
+    # Baselines (independent of depth and side).
+    if "freq" in config.attackers:
+        data.ranks[SeriesKey("-", "freq", "-", 0)] = _ranks(atk.frequency_prior(train_targets, targets.shape), targets)
+    if "freq-pos" in config.attackers:
+        data.ranks[SeriesKey("-", "freq-pos", "-", 0)] = _ranks(
+            atk.positional_prior(train_targets, train_pos, test_pos), targets
+        )
+
+    stock = load_full(Checkpoint(config.model_dir), torch.float32)
+    embedding = stock.embed_tokens.weight.detach()
+    sides = {d: {"input": d, "output": n_layers - d} for d in depths}  # stream index k per side
+    ks = sorted({k for s in sides.values() for k in s.values()})
+    stock_train = collect_layers(stock, train.tokens, ks)
+    stock_test = collect_layers(stock, test.tokens, ks)
+
+    inverters: dict[tuple[str, int, str], atk.TrainedInverter] = {}
+
+    def inverter(tag: str, k: int, kind: str, acts: np.ndarray) -> atk.TrainedInverter:
+        key = (tag, k, kind)
+        if key not in inverters:
+            inverters[key] = atk.train_inverter(
+                kind, acts[:, 1:], train_targets, config.train, desc=f"{kind} {tag} h{k}"
+            )
+        return inverters[key]
+
+    def attack_all(
+        condition: str, d: int, test_acts: dict[int, np.ndarray], train_tag: str, train_acts: dict[int, np.ndarray]
+    ) -> None:
+        """Every attacker on one condition's test activations at depth d (learned ones trained on train_acts)."""
+        for side, k in sides[d].items():
+            acts = test_acts[k]
+            if "nn-embed" in config.attackers:
+                data.ranks[SeriesKey(condition, "nn-embed", side, d)] = _ranks(
+                    atk.nearest_embedding(acts[:, 1:], embedding), targets
+                )
+            for kind in LEARNED:
+                if kind in config.attackers:
+                    inv = inverter(train_tag, k, kind, train_acts[k])
+                    data.ranks[SeriesKey(condition, kind, side, d)] = _ranks(inv.predict_top5(acts[:, 1:]), targets)
+            if side == "input" and "search" in config.attackers:
+                cand = inverter(train_tag, k, "mlp", train_acts[k]).predict_topk(acts[:, 1:], config.search_candidates)
+                data.ranks[SeriesKey(condition, "search", side, d)] = _ranks(
+                    atk.whitebox_search_top5(stock, acts, k, cand), targets
+                )
+            if side == "output" and "stock-tail" in config.attackers:
+                top5 = stock_tail_top5(stock, acts, d)[:, :-1]  # position j-1 guesses token j
+                data.ranks[SeriesKey(condition, "stock-tail", side, d)] = _ranks(top5, targets)
+
+    for d in depths:
+        attack_all("stock", d, stock_test, "stock", stock_train)
+        log.info("stock depth %d done (%.0f s)", d, time.monotonic() - t0)
+
+    edges_info: dict[int, dict[str, object]] = {}
+    if config.diverge_steps > 0 or config.edges:
+        given = dict(config.edges)
+        for d in depths:
+            if 2 * d > n_layers - 1 and d not in given:
+                log.info("depth %d: no diverged edge (split %d,%d leaves no trunk)", d, d, d)
+                edges_info[d] = {"skipped": f"split ({d},{d}) leaves no trunk in a {n_layers}-layer model"}
+                continue
+            plan = SplitPlan(n_layers, d, d)
+            if d in given:
+                edge_dir = Path(given[d])
+                info: dict[str, object] = {"checkpoint": str(edge_dir), "built_here": False}
+            elif config.diverge_steps > 0:
+                res = diverge(
+                    DivergeConfig(
+                        model_dir=config.model_dir,
+                        out_dir=config.out_dir / "edges" / f"d{d}",
+                        head=d,
+                        tail=d,
+                        steps=config.diverge_steps,
+                        corpus_dir=config.corpus_dir,
+                        test_fraction=config.test_fraction,
+                        seed=config.seed,
+                        window=config.window,
+                    )
+                )
+                edge_dir = res.checkpoint_dir
+                info = {"checkpoint": str(edge_dir), "built_here": True, **res.summary}
+            else:
+                continue
+            wr = edge_weight_report(edge_dir, config.model_dir, plan)
+            info["is_stock"] = wr.is_stock
+            info["max_relative_weight_difference"] = wr.max_relative_difference
+            info.setdefault("fingerprint_sha256", edge_fingerprint(edge_dir, plan))
+            edges_info[d] = info
+            edge_model = load_full(Checkpoint(edge_dir), torch.float32)
+            dk = list(sides[d].values())
+            div_test = collect_layers(edge_model, test.tokens, dk)
+            div_train = collect_layers(edge_model, train.tokens, dk)
+            info["activation_relative_distance"] = {
+                side: float(
+                    np.mean(
+                        np.linalg.norm(div_test[k] - stock_test[k], axis=-1) / np.linalg.norm(stock_test[k], axis=-1)
+                    )
+                )
+                for side, k in sides[d].items()
+            }
+            # Non-adaptive: the stock-trained attackers (and the white-box ones) on diverged activations.
+            attack_all("diverged/non-adaptive", d, div_test, "stock", stock_train)
+            # Adaptive: retrain on what the cloud saw from the diverged edge on chosen text.
+            for side, k in sides[d].items():
+                for kind in LEARNED:
+                    if kind in config.attackers:
+                        inv = inverter(f"diverged-d{d}", k, kind, div_train[k])
+                        data.ranks[SeriesKey("diverged/adaptive", kind, side, d)] = _ranks(
+                            inv.predict_top5(div_test[k][:, 1:]), targets
+                        )
+            log.info("diverged depth %d done (%.0f s)", d, time.monotonic() - t0)
+
+    data.extra = {
+        "model_dir": str(config.model_dir),
+        "num_layers": n_layers,
+        "vocab_size": int(ckpt.config.vocab_size),
+        "depths": list(depths),
+        "stream_index": {str(d): sides[d] for d in depths},
+        "split": {
+            "train_documents": [d.doc_id for d in split.train],
+            "test_documents": [d.doc_id for d in split.test],
+            "train_tokens": train.n_targets,
+            "test_tokens": test.n_targets,
+            "train_documents_used": len(set(train.doc_index.tolist())),
+            "test_documents_used": len(set(test.doc_index.tolist())),
+            "test_classes_seen_in_train": float(np.isin(targets, np.unique(train_targets)).mean()),
+        },
+        "edges": {str(k): v for k, v in edges_info.items()},
+        "inverters": {f"{t}|h{k}|{kind}": inv.final_loss for (t, k, kind), inv in inverters.items()},
+        "config": _jsonable(asdict(config)),
+    }
+    results = analyse(data, config)
+    results["seconds"] = time.monotonic() - t0
+    write_report(data, results, config.out_dir)
+    log.info("audit written to %s (%.0f s)", config.out_dir, results["seconds"])
+    return results
+
+
+def _jsonable(obj: object) -> object:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm step-down adjusted p-values (family-wise error control)."""
+    m = len(p_values)
+    order = np.argsort(p_values)
+    adjusted = np.empty(m)
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return [float(a) for a in adjusted]
+
+
+def analyse(data: AuditData, config: AuditConfig) -> dict[str, object]:
+    """Rates with Wilson intervals, and paired tests (depths, conditions, baseline)."""
+    clusters = np.repeat(data.test.doc_index[:, None], data.targets.shape[1], axis=1).ravel()
+    n = int(data.targets.size)
+    series: list[dict[str, object]] = []
+    for key, r in data.ranks.items():
+        row: dict[str, object] = asdict(key)
+        for k, hits in (("top1", r == 1), ("top5", r > 0)):
+            s = int(hits.sum())
+            lo, hi = wilson_interval(s, n)
+            row[k] = {"successes": s, "n": n, "rate": s / n, "wilson95": [lo, hi]}
+        series.append(row)
+    vocab = data.vocab_size
+    uniform = {"top1": atk.uniform_rate(vocab, 1), "top5": atk.uniform_rate(vocab, atk.TOPK)}
+
+    tests: list[dict[str, object]] = []
+
+    def compare(a: SeriesKey, b: SeriesKey, family: str) -> None:
+        if a not in data.ranks or b not in data.ranks:
+            return
+        for k, fa, fb in (
+            ("top1", data.ranks[a] == 1, data.ranks[b] == 1),
+            ("top5", data.ranks[a] > 0, data.ranks[b] > 0),
+        ):
+            m = mcnemar_exact(fa.ravel(), fb.ravel())
+            ci = cluster_bootstrap_diff(fa.ravel(), fb.ravel(), clusters, config.bootstrap, config.seed)
+            tests.append(
+                {
+                    "family": family,
+                    "metric": k,
+                    "a": a.column,
+                    "b": b.column,
+                    "rate_a": float(fa.mean()),
+                    "rate_b": float(fb.mean()),
+                    "diff": ci.diff,
+                    "bootstrap95": [ci.low, ci.high],
+                    "clusters": ci.clusters,
+                    "only_a": m.only_a,
+                    "only_b": m.only_b,
+                    "p_exact_mcnemar": m.p_value,
+                }
+            )
+
+    keys = list(data.ranks)
+    depths = sorted({k.depth for k in keys if k.depth > 0})
+    groups = sorted({(k.condition, k.attacker, k.side) for k in keys if k.depth > 0})
+    for cond, attacker, side in groups:
+        present = [d for d in depths if SeriesKey(cond, attacker, side, d) in data.ranks]
+        for d1, d2 in itertools.pairwise(present):
+            compare(SeriesKey(cond, attacker, side, d1), SeriesKey(cond, attacker, side, d2), "adjacent depths")
+        if len(present) > 2:
+            compare(
+                SeriesKey(cond, attacker, side, present[0]),
+                SeriesKey(cond, attacker, side, present[-1]),
+                "shallowest vs deepest",
+            )
+    for key in keys:
+        if key.condition.startswith("diverged"):
+            compare(SeriesKey("stock", key.attacker, key.side, key.depth), key, "stock vs diverged")
+    base = SeriesKey("-", "freq", "-", 0)
+    for key in keys:
+        if key.depth > 0:
+            compare(key, base, "attacker vs frequency prior")
+    adjusted = holm([float(t["p_exact_mcnemar"]) for t in tests])  # type: ignore[arg-type]
+    for t, p in zip(tests, adjusted, strict=True):
+        t["p_holm"] = p
+        t["significant"] = p < ALPHA
+    return {"n_test_tokens": n, "uniform": uniform, "series": series, "tests": tests, "alpha": ALPHA, **data.extra}
+
+
+def write_outcomes(data: AuditData, path: Path) -> None:
+    """Per-token outcomes as gzipped CSV: one row per test token, one rank column per series."""
+    n, w = data.targets.shape
+    cols = sorted(data.ranks, key=lambda k: k.column)
+    with gzip.open(path, "wt", encoding="utf-8", newline="") as f:
+        f.write("# rank of the true token among the attacker's top-5 guesses (1..5), 0 = not in top-5\n")
+        f.write(",".join(["window", "position", "doc_id", "token", *[c.column for c in cols]]) + "\n")
+        flat = [data.ranks[c].reshape(-1) for c in cols]
+        for i in range(n * w):
+            win, pos = divmod(i, w)
+            doc = data.test.doc_ids[int(data.test.doc_index[win])]
+            f.write(
+                f"{win},{pos + 1},{doc},{int(data.targets[win, pos])}," + ",".join(str(int(r[i])) for r in flat) + "\n"
+            )
+
+
+def load_outcomes(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Read :func:`write_outcomes` back: {series column: ranks (tokens,)}, document id per token."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        lines = [ln for ln in f.read().splitlines() if not ln.startswith("#")]
+    header = lines[0].split(",")
+    rows = [ln.split(",") for ln in lines[1:]]
+    docs = np.array([r[2] for r in rows])
+    cols = {h: np.array([int(r[j]) for r in rows], dtype=np.int8) for j, h in enumerate(header) if j >= 4}
+    return cols, docs

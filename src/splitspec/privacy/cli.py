@@ -1,0 +1,176 @@
+"""The ``splitspec audit`` and ``splitspec diverge`` subcommands.
+
+    splitspec audit --model DIR --depths 1,2,3,4 --out DIR [--corpus DIR] [--max-tokens N]
+        [--max-test-tokens N] [--seed S] [--attackers freq,mlp,...] [--epochs E]
+        [--diverge-steps N] [--edge D=DIR ...]
+    splitspec diverge --model DIR --out DIR --edge-layers 2,2 [--rank R] [--steps N] [--seed S]
+
+The main CLI wires these in with :func:`register`; each subparser sets ``run`` to a function
+``(args) -> int``. ``python -m splitspec.privacy.cli audit ...`` runs it stand-alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from splitspec.exceptions import ConfigError, SplitspecError
+
+log = logging.getLogger(__name__)
+
+
+def parse_depths(text: str) -> tuple[int, ...]:
+    """``"1,2,3"`` -> (1, 2, 3), sorted and unique, with a clear error otherwise."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ConfigError(f"--depths must be positive integers separated by commas (e.g. 1,2,3,4), got {text!r}")
+    return tuple(sorted({int(p) for p in parts}))
+
+
+def parse_edge(text: str) -> tuple[int, Path]:
+    """``"2=out/edges/d2/checkpoint"`` -> (2, Path(...))."""
+    depth, sep, path = text.partition("=")
+    if not sep or not depth.strip().isdigit() or not path:
+        raise ConfigError(f"--edge must look like DEPTH=CHECKPOINT_DIR, got {text!r}")
+    return int(depth), Path(path)
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise ConfigError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def _run_audit(args: argparse.Namespace) -> int:
+    import torch
+
+    from splitspec.privacy.attackers import TrainConfig
+    from splitspec.privacy.audit import ALL_ATTACKERS, AuditConfig, run_audit
+    from splitspec.privacy.corpus import DEFAULT_CORPUS
+
+    torch.set_num_threads(args.threads)
+    attackers = tuple(a.strip() for a in args.attackers.split(",") if a.strip()) if args.attackers else ALL_ATTACKERS
+    config = AuditConfig(
+        model_dir=args.model,
+        out_dir=args.out,
+        depths=parse_depths(args.depths),
+        corpus_dir=args.corpus or DEFAULT_CORPUS,
+        window=_positive("--window", args.window),
+        max_train_tokens=_positive("--max-tokens", args.max_tokens),
+        max_test_tokens=_positive("--max-test-tokens", args.max_test_tokens),
+        seed=args.seed,
+        attackers=attackers,
+        train=TrainConfig(epochs=_positive("--epochs", args.epochs), seed=args.seed),
+        diverge_steps=max(0, args.diverge_steps),
+        edges=tuple(parse_edge(e) for e in args.edge or []),
+    )
+    results = run_audit(config)
+    summary = {
+        "out": str(args.out),
+        "n_test_tokens": results["n_test_tokens"],
+        "seconds": round(float(results["seconds"]), 1),  # type: ignore[arg-type]
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def _run_diverge(args: argparse.Namespace) -> int:
+    import torch
+
+    from splitspec.models.split import parse_edge_layers
+    from splitspec.privacy.corpus import DEFAULT_CORPUS
+    from splitspec.privacy.diverge import DivergeConfig, diverge
+
+    torch.set_num_threads(args.threads)
+    head, tail = parse_edge_layers(args.edge_layers)
+    result = diverge(
+        DivergeConfig(
+            model_dir=args.model,
+            out_dir=args.out,
+            head=head,
+            tail=tail,
+            rank=_positive("--rank", args.rank),
+            steps=_positive("--steps", args.steps),
+            corpus_dir=args.corpus or DEFAULT_CORPUS,
+            seed=args.seed,
+        )
+    )
+    print(
+        json.dumps(
+            {
+                "checkpoint": str(result.checkpoint_dir),
+                "fingerprint_sha256": result.fingerprint,
+                "heldout_perplexity_before": round(result.ppl_before, 3),
+                "heldout_perplexity_after": round(result.ppl_after, 3),
+            }
+        )
+    )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``audit`` and ``diverge`` to the main CLI's subparsers."""
+    audit = sub.add_parser(
+        "audit",
+        help="measure token recovery from what the cloud sees, per split depth",
+        description="Token-recovery audit of split inference: both directions, several attackers, "
+        "paired statistics across depths, stock vs diverged edge weights.",
+    )
+    audit.add_argument("--model", type=Path, required=True, help="published checkpoint directory")
+    audit.add_argument("--depths", default="1,2,3,4", help="split depths to audit, e.g. 1,2,3,4")
+    audit.add_argument("--out", type=Path, required=True, help="report directory")
+    audit.add_argument("--corpus", type=Path, help="directory of <domain>/*.txt documents (default: shipped held-out)")
+    audit.add_argument("--max-tokens", type=int, default=24_000, help="attacker-train token cap (default 24000)")
+    audit.add_argument("--max-test-tokens", type=int, default=6_000, help="test token cap (default 6000)")
+    audit.add_argument("--window", type=int, default=128, help="tokens per window (default 128)")
+    audit.add_argument("--seed", type=int, default=0, help="document split / training / bootstrap seed")
+    audit.add_argument("--attackers", help="comma list (default all): freq,freq-pos,nn-embed,mlp,bigru,stock-tail")
+    audit.add_argument("--epochs", type=int, default=3, help="training epochs of the learned inverters")
+    audit.add_argument(
+        "--diverge-steps",
+        type=int,
+        default=80,
+        help="LoRA steps per diverged edge (one per depth d with a valid d,d split); 0 = stock only",
+    )
+    audit.add_argument(
+        "--edge", action="append", metavar="D=DIR", help="use a pre-built diverged checkpoint for depth D"
+    )
+    audit.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    audit.set_defaults(run=_run_audit)
+
+    div = sub.add_parser(
+        "diverge",
+        help="fine-tune the edge layers away from the published weights (LoRA, frozen trunk)",
+        description="Write a private edge checkpoint whose edge layers differ from the published ones "
+        "while keeping held-out perplexity; prints its fingerprint.",
+    )
+    div.add_argument("--model", type=Path, required=True, help="published checkpoint directory")
+    div.add_argument("--out", type=Path, required=True, help="output directory (checkpoint/ + edge.json)")
+    div.add_argument("--edge-layers", default="2,2", metavar="HEAD,TAIL", help="edge layers (default 2,2)")
+    div.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    div.add_argument("--steps", type=int, default=120, help="optimiser steps (default 120)")
+    div.add_argument("--corpus", type=Path, help="local text: <domain>/*.txt (default: shipped held-out, train side)")
+    div.add_argument("--seed", type=int, default=0, help="seed")
+    div.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    div.set_defaults(run=_run_diverge)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry point: ``python -m splitspec.privacy.cli {audit,diverge} ...``."""
+    parser = argparse.ArgumentParser(prog="splitspec")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return int(args.run(args))
+    except SplitspecError as exc:
+        log.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

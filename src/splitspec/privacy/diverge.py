@@ -1,0 +1,259 @@
+"""Edge weight divergence: fine-tune the edge layers away from the published ones.
+
+The edge's head and tail layers get low-rank adapters (a small hand-rolled LoRA on every linear
+map of those layers: attention q/k/v/o and MLP gate/up/down), trained against the *frozen*
+published trunk on local text with
+
+    loss = CE(next token)                                       # keep LM quality
+         + weight * relu(margin - rel(h_head', h_head))          # move what the cloud receives ...
+         + weight * relu(margin - rel(h_trunk', h_trunk))        # ... and what it returns
+
+where rel(a, b) = mean_tokens ||a - b|| / ||b|| measures the distance from the stock activations
+on the same tokens. The adapters start from a random (non-zero) perturbation. The merged weights
+are written as a full checkpoint directory (a copy of the published one with the edge layers
+replaced, same config), so every loader works on it, plus ``edge.json`` with the edge fingerprint
+and held-out perplexity before and after.
+
+The paper this project audits only hypothesised that such a perturbation would not resist an
+adaptive attacker; :mod:`splitspec.privacy.audit` measures it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+
+from splitspec.exceptions import ConfigError
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import FullModel, load_full
+from splitspec.privacy.activations import residual_stream, run_layers
+from splitspec.privacy.corpus import (
+    DEFAULT_CORPUS,
+    Windows,
+    load_documents,
+    make_windows,
+    split_documents,
+    tokenize_documents,
+)
+from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
+
+log = logging.getLogger(__name__)
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class DivergeConfig:
+    """What to fine-tune and how."""
+
+    model_dir: Path  # the published checkpoint
+    out_dir: Path  # receives checkpoint/ and edge.json
+    head: int  # edge layers before the trunk
+    tail: int  # edge layers after the trunk
+    rank: int = 8  # LoRA rank
+    alpha: float = 16.0  # LoRA scale numerator (update = alpha / rank * B @ A)
+    init_std: float = 0.02  # std of the random initial B (a non-zero start perturbation)
+    steps: int = 120  # optimiser steps
+    batch: int = 4  # windows per step
+    window: int = 128  # tokens per window (plus BOS)
+    lr: float = 2e-3  # Adam learning rate
+    margin: float = 0.5  # target relative distance of the cloud-visible activations from stock
+    divergence_weight: float = 2.0  # weight of each hinge term (nats per unit distance)
+    corpus_dir: Path = DEFAULT_CORPUS  # local text: the train side of the document split
+    test_fraction: float = 0.3  # fraction of documents held out (per domain) for perplexity
+    max_train_tokens: int = 40_000  # cap on local training tokens
+    max_eval_tokens: int = 6_000  # cap on held-out perplexity tokens
+    seed: int = 0  # split, init and batch order
+
+    @property
+    def plan_tuple(self) -> tuple[int, int]:
+        return self.head, self.tail
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + scale * (x @ A^T) @ B^T with ``base`` frozen."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, init_std: float, generator: torch.Generator) -> None:
+        super().__init__()
+        self.base = base
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+        self.scale = alpha / rank
+        self.lora_a = nn.Parameter(
+            torch.randn(rank, base.in_features, generator=generator) / math.sqrt(base.in_features)
+        )
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, rank, generator=generator) * init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.base(x) + self.scale * (x @ self.lora_a.T) @ self.lora_b.T
+        return out
+
+    def merged_weight(self) -> torch.Tensor:
+        return (self.base.weight + self.scale * self.lora_b @ self.lora_a).detach()
+
+
+def add_lora(model: FullModel, layer_indices: list[int], config: DivergeConfig) -> dict[str, LoRALinear]:
+    """Wrap the linear maps of ``layer_indices`` in place; {checkpoint weight name: adapter}."""
+    gen = torch.Generator().manual_seed(config.seed)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    adapters: dict[str, LoRALinear] = {}
+    for i in layer_indices:
+        layer = model.layers.layers[i]
+        for parent_name, parent in list(layer.named_modules()):
+            for child_name, child in list(parent.named_children()):
+                if child_name in LORA_TARGETS and isinstance(child, nn.Linear):
+                    lora = LoRALinear(child, config.rank, config.alpha, config.init_std, gen)
+                    setattr(parent, child_name, lora)
+                    full = f"model.layers.{i}.{parent_name + '.' if parent_name else ''}{child_name}.weight"
+                    adapters[full] = lora
+    return adapters
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)).mean()
+
+
+@torch.no_grad()
+def perplexity(model: FullModel, windows: Windows, batch: int = 8) -> float:
+    """Teacher-forced next-token perplexity over the windows (BOS-conditioned)."""
+    total, count = 0.0, 0
+    for s in range(0, windows.tokens.shape[0], batch):
+        tokens = torch.from_numpy(windows.tokens[s : s + batch])
+        h = residual_stream(model, tokens[:, :-1])[-1]
+        logits = model.lm_head(model.norm(h)).float()
+        ce = nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum"
+        )
+        total += float(ce)
+        count += tokens[:, 1:].numel()
+    return math.exp(total / max(count, 1))
+
+
+@dataclass(frozen=True)
+class DivergeResult:
+    """What :func:`diverge` produced."""
+
+    checkpoint_dir: Path  # full checkpoint with the diverged edge layers
+    fingerprint: str  # sha256 over the edge tensors
+    ppl_before: float  # held-out perplexity, published weights
+    ppl_after: float  # held-out perplexity, diverged edge
+    summary: dict[str, object] = field(repr=False)
+
+
+def write_checkpoint(published_dir: Path, out_dir: Path, replacements: dict[str, torch.Tensor]) -> None:
+    """Copy ``published_dir`` to ``out_dir`` and replace tensors (kept in each file's dtype)."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.copytree(published_dir, out_dir)
+    remaining = dict(replacements)
+    for path in sorted(out_dir.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        hits = [n for n in tensors if n in remaining]
+        if not hits:
+            continue
+        for n in hits:
+            tensors[n] = remaining.pop(n).to(tensors[n].dtype).contiguous()
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    if remaining:
+        raise ConfigError(f"tensors not found in {published_dir}: {sorted(remaining)[:3]}")
+
+
+def diverge(config: DivergeConfig) -> DivergeResult:
+    """Fine-tune the edge layers of ``config.model_dir`` and write the diverged checkpoint."""
+    from transformers import AutoTokenizer
+
+    t0 = time.monotonic()
+    torch.manual_seed(config.seed)
+    ckpt = Checkpoint(config.model_dir)
+    n_layers = int(ckpt.config.num_hidden_layers)
+    plan = SplitPlan(n_layers, config.head, config.tail)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
+    bos = ckpt.config.bos_token_id if ckpt.config.bos_token_id is not None else tokenizer.bos_token_id
+    if bos is None:
+        raise ConfigError(f"{config.model_dir} defines no BOS token")
+    split = split_documents(load_documents(config.corpus_dir), config.test_fraction, config.seed)
+    train = make_windows(
+        tokenize_documents(tokenizer, split.train),
+        [d.doc_id for d in split.train],
+        config.window,
+        config.max_train_tokens,
+        int(bos),
+    )
+    test = make_windows(
+        tokenize_documents(tokenizer, split.test),
+        [d.doc_id for d in split.test],
+        config.window,
+        config.max_eval_tokens,
+        int(bos),
+    )
+
+    stock = load_full(Checkpoint(config.model_dir), torch.float32)
+    model = load_full(Checkpoint(config.model_dir), torch.float32)
+    edge_layers = [*plan.head_layers, *plan.tail_layers]
+    adapters = add_lora(model, edge_layers, config)
+    params = [p for a in adapters.values() for p in (a.lora_a, a.lora_b)]
+    opt = torch.optim.Adam(params, lr=config.lr)
+    rng = np.random.default_rng(config.seed)
+    head_out, trunk_out = plan.head, n_layers - plan.tail
+    history: list[dict[str, float]] = []
+    model.train()
+    for step in tqdm(range(config.steps), desc=f"diverge {plan.head},{plan.tail}", leave=False, mininterval=2.0):
+        rows = rng.choice(train.tokens.shape[0], size=min(config.batch, train.tokens.shape[0]), replace=False)
+        tokens = torch.from_numpy(train.tokens[rows])
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        with torch.no_grad():
+            ref = residual_stream(stock, inputs)
+        h = model.embed_tokens(inputs)
+        h_head = run_layers(model.layers, h, plan.head_layers)[-1]
+        h_trunk = run_layers(model.layers, h_head, plan.trunk_layers)[-1]
+        h_out = run_layers(model.layers, h_trunk, plan.tail_layers)[-1]
+        logits = model.lm_head(model.norm(h_out))
+        ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        d_in, d_out = _rel(h_head, ref[head_out]), _rel(h_trunk, ref[trunk_out])
+        loss = ce + config.divergence_weight * (torch.relu(config.margin - d_in) + torch.relu(config.margin - d_out))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 10 == 0 or step == config.steps - 1:
+            history.append({"step": step, "ce": ce.item(), "rel_in": d_in.item(), "rel_out": d_out.item()})
+            log.info("diverge step %d: CE %.3f rel_in %.3f rel_out %.3f", step, *list(history[-1].values())[1:])
+
+    ckpt_dir = config.out_dir / "checkpoint"
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(config.model_dir, ckpt_dir, {n: a.merged_weight() for n, a in adapters.items()})
+    diverged = load_full(Checkpoint(ckpt_dir), torch.float32)
+    ppl_before, ppl_after = perplexity(stock, test), perplexity(diverged, test)
+    fp = edge_fingerprint(ckpt_dir, plan)
+    report = edge_weight_report(ckpt_dir, config.model_dir, plan)
+    summary: dict[str, object] = {
+        "fingerprint_sha256": fp,
+        "fingerprint_covers": "embedding, edge decoder layers, final norm, LM head (float32 bytes, name order)",
+        "published_fingerprint_sha256": edge_fingerprint(config.model_dir, plan),
+        "edge_layers": list(config.plan_tuple),
+        "heldout_perplexity_before": ppl_before,
+        "heldout_perplexity_after": ppl_after,
+        "heldout_tokens": test.n_targets,
+        "heldout_documents": sorted({test.doc_ids[i] for i in test.doc_index}),
+        "train_tokens": train.n_targets,
+        "weight_report": {k: v for k, v in report.to_dict().items() if k != "tensors"},
+        "history": history,
+        "seconds": time.monotonic() - t0,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+    }
+    (config.out_dir / "edge.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log.info("diverged edge %s: ppl %.2f -> %.2f, fingerprint %s", ckpt_dir, ppl_before, ppl_after, fp[:16])
+    return DivergeResult(ckpt_dir, fp, ppl_before, ppl_after, summary)

@@ -1,0 +1,254 @@
+"""Render an audit: ``report.json``, ``report.md``, ``recovery_vs_depth.png``, ``outcomes.csv.gz``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splitspec.privacy.audit import AuditData
+
+log = logging.getLogger(__name__)
+
+CONDITION_STYLE = {"stock": "-", "diverged/non-adaptive": ":", "diverged/adaptive": "--"}
+OFFSET = {"stock": 0.0, "diverged/non-adaptive": 0.06, "diverged/adaptive": 0.12}  # x jitter (depth units)
+ATTACKER_COLOR = {
+    "nn-embed": "tab:green",
+    "mlp": "tab:blue",
+    "bigru": "tab:purple",
+    "search": "tab:orange",
+    "stock-tail": "tab:red",
+}
+
+
+def _fmt(cell: dict[str, Any]) -> str:
+    lo, hi = cell["wilson95"]
+    return f"{100 * cell['rate']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def _series_table(results: dict[str, Any], metric: str) -> list[str]:
+    depths = results["depths"]
+    rows: dict[tuple[str, str, str], dict[int, str]] = {}
+    for s in results["series"]:
+        if s["depth"] > 0:
+            rows.setdefault((s["condition"], s["side"], s["attacker"]), {})[s["depth"]] = _fmt(s[metric])
+    lines = [
+        "| condition | side | attacker | " + " | ".join(f"d={d}" for d in depths) + " |",
+        "|---|---|---|" + "---|" * len(depths),
+    ]
+    order = {"stock": 0, "diverged/non-adaptive": 1, "diverged/adaptive": 2}
+    for (cond, side, attacker), cells in sorted(
+        rows.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1], kv[0][2])
+    ):
+        lines.append(f"| {cond} | {side} | {attacker} | " + " | ".join(cells.get(d, "n/a") for d in depths) + " |")
+    return lines
+
+
+def _tests_table(tests: list[dict[str, Any]], family: str, metric: str) -> list[str]:
+    lines = [
+        "| A | B | rate A | rate B | A - B (doc-bootstrap 95%) | only A / only B | exact McNemar p | Holm p | sig. |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t in tests:
+        if t["family"] != family or t["metric"] != metric:
+            continue
+        lo, hi = t["bootstrap95"]
+        lines.append(
+            f"| {t['a']} | {t['b']} | {100 * t['rate_a']:.1f} | {100 * t['rate_b']:.1f} | "
+            f"{100 * t['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {t['only_a']} / {t['only_b']} | "
+            f"{t['p_exact_mcnemar']:.2g} | {t['p_holm']:.2g} | {'yes' if t['significant'] else 'no'} |"
+        )
+    return lines
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    split = results["split"]
+    base = {s["attacker"]: s for s in results["series"] if s["depth"] == 0}
+    lines = [
+        "# Privacy audit: token recovery from what the cloud sees",
+        "",
+        f"Model `{results['model_dir']}` ({results['num_layers']} decoder layers, vocabulary {results['vocab_size']}). "
+        f"At depth d the cloud receives h_d (**input** side, after the edge's first d layers) and returns "
+        f"h_(L-d) (**output** side, d layers before the LM head); stream indices per depth: "
+        f"`{json.dumps(results['stream_index'])}`.",
+        "",
+        f"Documents split by document: {len(split['train_documents'])} attacker-train documents "
+        f"({split['train_documents_used']} used, {split['train_tokens']} tokens), "
+        f"{len(split['test_documents'])} test documents ({split['test_documents_used']} used, "
+        f"**{results['n_test_tokens']} test tokens, the same tokens for every depth and condition** - paired). "
+        f"{100 * split['test_classes_seen_in_train']:.1f}% of test tokens occur in attacker-train (a ceiling for "
+        "learned inverters, which can only output tokens they saw).",
+        "",
+        "Rates are % of test tokens, with Wilson 95% intervals (tokens treated as independent; "
+        "the document-clustered bootstrap below is the honest interval for differences).",
+        "",
+        "## Baselines",
+        "",
+        "| attacker | top-1 | top-5 |",
+        "|---|---|---|",
+    ]
+    for name in ("freq", "freq-pos"):
+        if name in base:
+            lines.append(f"| {name} | {_fmt(base[name]['top1'])} | {_fmt(base[name]['top5'])} |")
+    u = results["uniform"]
+    lines += [
+        f"| uniform (reference only) | {100 * u['top1']:.3f} | {100 * u['top5']:.3f} |",
+        "",
+        "`freq`: the most frequent attacker-train tokens; `freq-pos`: the same per log2 bucket of the "
+        "position in the document. These, not uniform guessing, are the floor an attack must beat.",
+        "",
+        "## Top-1 recovery",
+        "",
+        *_series_table(results, "top1"),
+        "",
+        "## Top-5 recovery",
+        "",
+        *_series_table(results, "top5"),
+        "",
+        "Attackers: `nn-embed` cosine nearest row of the public embedding; `mlp` the paper's per-token "
+        "MLP inverter; `bigru` a sequence-aware bidirectional GRU over the window; `search` (input side) "
+        "white-box inversion with the published edge layers: the stock-trained MLP proposes "
+        f"{results['config']['search_candidates']} candidates per position, the published layers recompute "
+        "h_d for each after the already-decoded prefix, the closest (cosine) wins; `stock-tail` the "
+        "published last d layers + norm + LM head applied to the returned state (reads position j-1, "
+        "guesses token j: what the edge is about to emit). Conditions: `stock` edge = published weights; "
+        "`diverged/non-adaptive` edge privately fine-tuned, attacker trained on stock activations; "
+        "`diverged/adaptive` attacker retrained on activations of the diverged deployment for chosen "
+        "text (the attacker-train documents).",
+        "",
+    ]
+    edges = results.get("edges") or {}
+    if edges:
+        lines += [
+            "## Diverged edges",
+            "",
+            "| depth | held-out ppl stock -> diverged | max rel. weight diff "
+            "| activation rel. distance (in / out) | fingerprint |",
+            "|---|---|---|---|---|",
+        ]
+        for d, e in sorted(edges.items(), key=lambda kv: int(kv[0])):
+            if "skipped" in e:
+                lines.append(f"| {d} | n/a: {e['skipped']} | | | |")
+                continue
+            ppl = (
+                f"{e['heldout_perplexity_before']:.2f} -> {e['heldout_perplexity_after']:.2f}"
+                if "heldout_perplexity_before" in e
+                else "n/a"
+            )
+            ad = e.get("activation_relative_distance", {})
+            lines.append(
+                f"| {d} | {ppl} | {e['max_relative_weight_difference']:.3f} | "
+                f"{ad.get('input', float('nan')):.3f} / {ad.get('output', float('nan')):.3f} | "
+                f"`{str(e['fingerprint_sha256'])[:16]}` |"
+            )
+        lines.append("")
+    tests = results["tests"]
+    lines += [
+        "## Paired tests",
+        "",
+        f"Exact McNemar on per-token outcomes of the same test tokens; Holm-adjusted over all {len(tests)} "
+        f"tests in this report (alpha {results['alpha']}); differences with a 95% percentile bootstrap that "
+        "resamples whole test documents.",
+        "",
+        "### Adjacent depths (top-1)",
+        "",
+        *_tests_table(tests, "adjacent depths", "top1"),
+        "",
+        "### Shallowest vs deepest (top-1)",
+        "",
+        *_tests_table(tests, "shallowest vs deepest", "top1"),
+        "",
+        "### Stock vs diverged edge (top-1)",
+        "",
+        *_tests_table(tests, "stock vs diverged", "top1"),
+        "",
+        "### Adjacent depths (top-5)",
+        "",
+        *_tests_table(tests, "adjacent depths", "top5"),
+        "",
+        "### Attacker vs frequency prior (top-1)",
+        "",
+        *_tests_table(tests, "attacker vs frequency prior", "top1"),
+        "",
+        "Per-token outcomes: `outcomes.csv.gz` (rank of the true token in each series' top-5, 0 = miss); "
+        "`splitspec.privacy.audit.load_outcomes` reads it back for re-testing.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Recovery vs depth, top-1 and top-5, both directions, every attacker and condition."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), sharex=True)
+    base = {s["attacker"]: s for s in results["series"] if s["depth"] == 0}
+    for row, metric in enumerate(("top1", "top5")):
+        for col, side in enumerate(("input", "output")):
+            ax = axes[row][col]
+            groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+            for s in results["series"]:
+                if s["side"] == side:
+                    groups.setdefault((s["condition"], s["attacker"]), []).append(s)
+            for (cond, attacker), items in sorted(groups.items()):
+                items.sort(key=lambda s: s["depth"])
+                x = [s["depth"] + OFFSET.get(cond, 0.0) for s in items]
+                y = [100 * s[metric]["rate"] for s in items]
+                err = [
+                    [100 * (s[metric]["rate"] - s[metric]["wilson95"][0]) for s in items],
+                    [100 * (s[metric]["wilson95"][1] - s[metric]["rate"]) for s in items],
+                ]
+                ax.errorbar(
+                    x,
+                    y,
+                    yerr=err,
+                    linestyle=CONDITION_STYLE.get(cond, "-"),
+                    marker="o",
+                    markersize=3,
+                    capsize=2,
+                    color=ATTACKER_COLOR.get(attacker, "black"),
+                    label=f"{attacker} ({cond})",
+                )
+            for name, style in (("freq", "--"), ("freq-pos", "-.")):
+                if name in base:
+                    ax.axhline(
+                        100 * base[name][metric]["rate"], color="gray", linestyle=style, label=f"{name} baseline"
+                    )
+            ax.set_title(f"{side} side, {metric.replace('top', 'top-')}")
+            ax.set_ylabel("tokens recovered (%)")
+            ax.set_ylim(0, 100)
+            ax.grid(alpha=0.3)
+            if row == 1:
+                ax.set_xlabel("split depth d (edge layers on that side)")
+    ax0 = axes[0][0]
+    handles, labels = [], []
+    for ax in axes.ravel():
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
+    ax0.set_xticks(results["depths"])
+    fig.suptitle(
+        "Token recovery vs split depth (Wilson 95% intervals); "
+        "solid stock, dotted diverged non-adaptive, dashed adaptive"
+    )
+    fig.tight_layout(rect=(0, 0.1, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(data: AuditData, results: dict[str, Any], out_dir: Path) -> None:
+    from splitspec.privacy.audit import write_outcomes
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "report.md").write_text(render_markdown(results))
+    plot(results, out_dir / "recovery_vs_depth.png")
+    write_outcomes(data, out_dir / "outcomes.csv.gz")
+    log.info("wrote report.json, report.md, recovery_vs_depth.png, outcomes.csv.gz to %s", out_dir)

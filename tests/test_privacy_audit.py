@@ -1,0 +1,192 @@
+"""Privacy audit end to end on a tiny model; activations, white-box search, divergence, weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from splitspec.exceptions import ConfigError
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import load_edge, load_full, load_trunk
+from splitspec.privacy import cli
+from splitspec.privacy.activations import collect_layers, stock_tail_top5
+from splitspec.privacy.attackers import TrainConfig, whitebox_search_top5
+from splitspec.privacy.audit import AuditConfig, SeriesKey, load_outcomes, run_audit
+from splitspec.privacy.diverge import write_checkpoint
+from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
+
+torch.set_num_threads(1)
+
+TEXT = (
+    "to be or not to be that is the question whether tis nobler in the mind to suffer "
+    "def main(): return print(value) for x in range(10): yield x class Split: pass"
+)
+WORDS = TEXT.split()
+
+
+def write_corpus(root: Path, docs_per_domain: int = 4, words: int = 160) -> Path:
+    rng = np.random.default_rng(0)
+    for domain in ("prose", "code"):
+        (root / domain).mkdir(parents=True)
+        for i in range(docs_per_domain):
+            text = " ".join(rng.choice(WORDS, size=words))
+            (root / domain / f"doc{i}.txt").write_text(text)
+    return root
+
+
+def test_activations_are_what_the_cloud_sees(make_checkpoint: Callable[..., Path]) -> None:
+    directory = make_checkpoint("llama", layers=6)
+    full = load_full(Checkpoint(directory), torch.float32)
+    tokens = np.array([[0, *range(5, 17)], [0, *range(20, 32)]])
+    acts = collect_layers(full, tokens, [2, 4, 6])
+    plan = SplitPlan(6, 2, 2)
+    edge = load_edge(Checkpoint(directory), plan, torch.float32)
+    trunk = load_trunk(Checkpoint(directory), plan, torch.float32)
+    q = tokens.shape[1]
+    positions, parents = torch.arange(q, dtype=torch.int32), torch.arange(-1, q - 1, dtype=torch.int32)
+    for b in range(2):
+        sent = edge.run_head(torch.from_numpy(tokens[b]), positions, parents, KVCache())
+        returned = trunk(sent, positions, parents, KVCache())
+        torch.testing.assert_close(torch.from_numpy(acts[2][b]), sent[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.from_numpy(acts[4][b]), returned[0], atol=1e-5, rtol=1e-5)
+        # The public tail on the returned state is the model's own next-token prediction.
+        logits = edge.run_tail(returned, positions, parents, KVCache())
+        top = stock_tail_top5(full, acts[4][b : b + 1], depth=2)[0]
+        assert (top[:, 0] == logits.argmax(-1).numpy()).all()
+
+
+def test_whitebox_search_recovers_stock_activations(make_checkpoint: Callable[..., Path]) -> None:
+    directory = make_checkpoint("llama", layers=6)
+    full = load_full(Checkpoint(directory), torch.float32)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 96, size=(3, 17))
+    tokens[:, 0] = 0
+    acts = collect_layers(full, tokens, [2])[2]
+    cand = rng.integers(3, 96, size=(3, 16, 8))
+    cand[..., 3] = tokens[:, 1:]  # the truth is among the candidates
+    top = whitebox_search_top5(full, acts, 2, cand)
+    assert (top[..., 0] == tokens[:, 1:]).all()
+
+
+def test_weight_report_detects_stock_and_modified(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    published = make_checkpoint("llama", layers=6)
+    plan = SplitPlan(6, 2, 2)
+    same = edge_weight_report(published, published, plan)
+    assert same.is_stock and same.max_relative_difference == 0.0 and same.stock_layers == [0, 1, 4, 5]
+    ckpt = Checkpoint(published)
+    name = "model.layers.1.mlp.down_proj.weight"
+    w = ckpt.read([name], torch.float32)[name]
+    modified = tmp_path / "edge"
+    write_checkpoint(published, modified, {name: w + 0.05 * torch.randn_like(w)})
+    report = edge_weight_report(modified, published, plan)
+    assert not report.is_stock
+    assert report.stock_layers == [0, 4, 5]
+    assert report.to_dict()["tensors"][name] > 0.01  # type: ignore[index]
+    assert edge_fingerprint(modified, plan) != edge_fingerprint(published, plan)
+    assert edge_fingerprint(published, plan) == edge_fingerprint(published, plan)
+    # A change in a trunk layer is not the edge's business.
+    trunk_name = "model.layers.3.mlp.down_proj.weight"
+    tw = ckpt.read([trunk_name], torch.float32)[trunk_name]
+    trunk_only = tmp_path / "trunk"
+    write_checkpoint(published, trunk_only, {trunk_name: tw * 2})
+    assert edge_weight_report(trunk_only, published, plan).is_stock
+    with pytest.raises(ConfigError, match="not the same model"):
+        edge_weight_report(make_checkpoint("llama", layers=4), published, SplitPlan(4, 1, 1))
+
+
+def test_audit_end_to_end(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    directory = make_checkpoint("llama", layers=6)
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "audit"
+    config = AuditConfig(
+        model_dir=directory,
+        out_dir=out,
+        depths=(1, 2),
+        corpus_dir=corpus,
+        window=32,
+        max_train_tokens=640,
+        max_test_tokens=192,
+        test_fraction=0.25,
+        train=TrainConfig(epochs=1),
+        diverge_steps=3,
+        bootstrap=200,
+        search_candidates=8,
+    )
+    results = run_audit(config)
+    for name in ("report.json", "report.md", "recovery_vs_depth.png", "outcomes.csv.gz"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "report.json").read_text())
+    split = report["split"]
+    assert not set(split["train_documents"]) & set(split["test_documents"])
+    seen = {(s["condition"], s["attacker"], s["side"], s["depth"]) for s in report["series"]}
+    for d in (1, 2):
+        for side in ("input", "output"):
+            for attacker in ("nn-embed", "mlp", "bigru"):
+                assert ("stock", attacker, side, d) in seen
+                assert ("diverged/non-adaptive", attacker, side, d) in seen
+            assert ("diverged/adaptive", "mlp", side, d) in seen
+        assert ("stock", "search", "input", d) in seen
+        assert ("stock", "stock-tail", "output", d) in seen
+    assert ("-", "freq", "-", 0) in seen and ("-", "freq-pos", "-", 0) in seen
+    n = report["n_test_tokens"]
+    assert n == results["n_test_tokens"]
+    assert n > 0
+    for s in report["series"]:
+        lo, hi = s["top1"]["wilson95"]
+        assert lo <= s["top1"]["rate"] <= hi and s["top1"]["rate"] <= s["top5"]["rate"]
+    # With stock weights the published tail gives the model's own prediction at every depth.
+    by_key = {(s["condition"], s["attacker"], s["side"], s["depth"]): s for s in report["series"]}
+    assert by_key[("stock", "stock-tail", "output", 1)]["top1"] == by_key[("stock", "stock-tail", "output", 2)]["top1"]
+    families = {t["family"] for t in report["tests"]}
+    assert {"adjacent depths", "stock vs diverged", "attacker vs frequency prior"} <= families
+    for t in report["tests"]:
+        assert 0.0 <= t["p_exact_mcnemar"] <= t["p_holm"] <= 1.0
+    assert report["edges"]["1"]["is_stock"] is False and report["edges"]["2"]["is_stock"] is False
+    # Per-token outcomes reload and reproduce the reported rates.
+    cols, docs = load_outcomes(out / "outcomes.csv.gz")
+    assert len(docs) == n and set(docs) <= set(split["test_documents"])
+    col = SeriesKey("stock", "mlp", "input", 1).column
+    assert (cols[col] == 1).sum() == by_key[("stock", "mlp", "input", 1)]["top1"]["successes"]
+    assert "Paired tests" in (out / "report.md").read_text()
+
+
+def test_diverge_cli_writes_loadable_private_edge(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    directory = make_checkpoint("llama", layers=6)
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "edge"
+    rc = cli.main(
+        [
+            *("diverge", "--model", str(directory), "--out", str(out), "--edge-layers", "1,1", "--steps", "3"),
+            *("--corpus", str(corpus), "--rank", "4"),
+        ]
+    )
+    assert rc == 0
+    info = json.loads((out / "edge.json").read_text())
+    plan = SplitPlan(6, 1, 1)
+    assert info["fingerprint_sha256"] == edge_fingerprint(out / "checkpoint", plan)
+    assert info["fingerprint_sha256"] != info["published_fingerprint_sha256"]
+    assert info["weight_report"]["is_stock"] is False
+    assert info["heldout_perplexity_before"] > 0 and info["heldout_perplexity_after"] > 0
+    edge = load_edge(Checkpoint(out / "checkpoint"), plan, torch.float32)  # same loaders work
+    assert edge.hidden_size == 64
+    # Only edge layers changed: the trunk is still the published one.
+    assert edge_weight_report(out / "checkpoint", directory, SplitPlan(6, 3, 2)).stock_layers == [1, 2, 4]
+
+
+def test_cli_rejects_bad_input(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="depths"):
+        cli.parse_depths("1,x")
+    with pytest.raises(ConfigError, match="DEPTH=CHECKPOINT_DIR"):
+        cli.parse_edge("2:dir")
+    directory = make_checkpoint("llama", layers=6)
+    rc = cli.main(["audit", "--model", str(directory), "--depths", "5", "--out", str(tmp_path / "a")])
+    assert rc == 2  # depth 5 leaves nothing for the other side in a 6-layer model
+    with pytest.raises(ConfigError, match="unknown attackers"):
+        AuditConfig(model_dir=directory, out_dir=tmp_path, depths=(1,), attackers=("oracle",))
