@@ -27,15 +27,17 @@ MAX_MODELS_BYTES = 20 * 1024 * 1024
 MAX_HELDOUT_BYTES = 1_500_000
 EXCERPT_TOKENS = 384
 
-# Held-out perplexity ceilings on the excerpts below. The trained models score far lower (see the
-# model cards); an untrained model scores about the vocabulary size (8192).
+# Held-out excerpts: (file under heldout/<domain>/, character offset; the excerpt starts at the next line).
+HELDOUT_EXCERPTS = {"prose": ("alls_well_that_ends_well.txt", 10_000), "code": ("pkgutil.txt", 0)}
+# Perplexity ceilings on those excerpts, about twice what the shipped models score (base: prose ~94,
+# code ~32; draft: prose ~133, code ~47; see the model cards for the full held-out numbers). An
+# untrained model scores about the vocabulary size (~8000), so these catch broken or untrained weights.
 PPL_CEILING = {
-    ("base", "prose"): 120.0,
-    ("base", "code"): 40.0,
-    ("draft", "prose"): 250.0,
-    ("draft", "code"): 90.0,
+    ("base", "prose"): 200.0,
+    ("base", "code"): 80.0,
+    ("draft", "prose"): 300.0,
+    ("draft", "code"): 120.0,
 }
-HELDOUT_EXCERPTS = {"prose": "rape_of_lucrece.txt", "code": "pkgutil.txt"}
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,10 @@ def test_models_load_with_expected_shapes(
 
 
 def _excerpt_ppl(model: PreTrainedModel, tok: PreTrainedTokenizerBase, domain: str) -> float:
-    text = (CORPUS / "heldout" / domain / HELDOUT_EXCERPTS[domain]).read_text(encoding="utf-8")
+    fname, offset = HELDOUT_EXCERPTS[domain]
+    text = (CORPUS / "heldout" / domain / fname).read_text(encoding="utf-8")
+    if offset:
+        text = text[text.index("\n", offset) + 1 :]
     ids = tok(text, return_tensors="pt")["input_ids"][:, :EXCERPT_TOKENS]
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss

@@ -271,12 +271,19 @@ def _register_netem(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     register(sub)
 
 
+def _register_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from splitspec.bench.cli import register
+
+    register(sub)
+
+
 REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _register_cloud,
     _register_generate,
     _register_netem,
     _register_demo,
     _register_chat,
+    _register_bench,
 ]
 
 

@@ -84,7 +84,18 @@ async def _sequential(client: SplitClient, prompt_ids: Sequence[int], max_new_to
     return await client.generate(prompt_ids, max_new_tokens, SamplingParams(temperature=0.0))
 
 
-MODES: dict[str, ModeRunner] = {"sequential": _sequential}
+def _speculative(mode: str) -> ModeRunner:
+    async def run(client: SplitClient, prompt_ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
+        return await client.generate(prompt_ids, max_new_tokens, SamplingParams(temperature=0.0), speculate=mode)
+
+    run.__doc__ = f"Greedy speculative decoding, --speculate {mode}."
+    return run
+
+
+MODES: dict[str, ModeRunner] = {
+    "sequential": _sequential,
+    **{mode: _speculative(mode) for mode in ("ngram", "prompt-lookup", "draft", "mix", "auto")},
+}
 """Split decoding modes by name. A mode is ``async (client, prompt_ids, max_new_tokens) ->
 GenerationResult`` and must decode greedily (its tokens are checked against ``hf_generate``)."""
 
@@ -320,7 +331,11 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
                 async with WanEmulator(netem) as emu:
                     url = f"ws://{emu.host}:{emu.port}"
                     edge_cfg = EdgeConfig(
-                        model_dir=sc.model_dir, cloud_url=url, edge_layers=sc.edge_layers, dtype=sc.dtype
+                        model_dir=sc.model_dir,
+                        cloud_url=url,
+                        edge_layers=sc.edge_layers,
+                        dtype=sc.dtype,
+                        draft_model_dir=sc.draft_model_dir,
                     )
                     async with SplitClient(edge_cfg, edge=edge_model) as client:
                         edge_model = client.model

@@ -53,6 +53,7 @@ __all__ = [
 
 ASSETS_DIR = Path(splitspec.__file__).resolve().parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "models" / "base"  # the demo model that gets split
+DEFAULT_DRAFT_DIR = ASSETS_DIR / "models" / "draft"  # the demo drafter (for the draft / mix / auto modes)
 DEFAULT_CORPUS_DIR = ASSETS_DIR / "corpus" / "heldout"  # held-out documents: prose/*.txt, code/*.txt
 PROMPT_SETS = ("code", "prose", "structured")
 
@@ -83,6 +84,7 @@ class Scenario:
 
     name: str  # label; also the default output folder name
     model_dir: Path = DEFAULT_MODEL_DIR  # checkpoint directory (HF format with tokenizer)
+    draft_model_dir: Path | None = None  # drafter for speculative modes; None = no draft model
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
     rtt_ms: tuple[float, ...] = (0.0, 5.0, 20.0, 80.0, 150.0)  # emulated round-trip times, ms
     modes: tuple[str, ...] = ("sequential",)  # split decoding modes (keys of harness.MODES)
@@ -150,6 +152,7 @@ _TOP_KEYS = {
     "name",
     "description",
     "model",
+    "draft_model",
     "edge_layers",
     "rtt_ms",
     "modes",
@@ -290,6 +293,7 @@ def scenario_from_dict(
         name=name,
         description=str(data.get("description", "")),
         model_dir=model_dir.resolve() if model_dir is not None else top.path("model", DEFAULT_MODEL_DIR, base_dir),
+        draft_model_dir=_draft_dir(top, base_dir, model_dir is None and "model" not in data),
         edge_layers=(int(layers[0]), int(layers[1])),
         rtt_ms=tuple(float(v) for v in rtts),
         modes=top.str_list("modes", ("sequential",), tuple(MODES)),
@@ -320,6 +324,14 @@ def check_paths(scenario: Scenario, where: str = "scenario") -> None:
         docs = scenario.prompts.corpus_dir / folder
         if not docs.is_dir() or not any(docs.glob("*.txt")):
             raise ConfigError(f"{where}: no held-out documents in {docs} (needed by the prompt sets)")
+
+
+def _draft_dir(top: _Reader, base_dir: Path, default_model: bool) -> Path | None:
+    """The scenario's draft model; the demo drafter goes with the demo model when none is named."""
+    if "draft_model" in top.data:
+        path: Path = top.path("draft_model", DEFAULT_DRAFT_DIR, base_dir)
+        return path
+    return DEFAULT_DRAFT_DIR if default_model and (DEFAULT_DRAFT_DIR / "config.json").is_file() else None
 
 
 def load_scenario(path: Path, *, model_dir: Path | None = None) -> Scenario:

@@ -368,8 +368,11 @@ class SplitClient:
             ):
                 yield token
             return
-        controller = self._controller if not fresh and self._controller else SpeculationController(list(drafters))
-        self._controller = controller
+        # the controller's step-time and acceptance estimates outlive one generation: they describe
+        # this link and this model pair, and a new one would have to learn them again
+        controller = self._controller
+        if controller is None or controller.drafters != list(drafters):
+            controller = self._controller = SpeculationController(list(drafters))
         history = None if fresh else list(self._tokens)
         async for token in speculative_decode(
             self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace, history

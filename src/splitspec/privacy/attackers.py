@@ -43,7 +43,7 @@ class TrainConfig:
     batch_windows: int = 16  # windows per step for the GRU
     mlp_hidden: int = 512  # width of the MLP's first hidden layer (the paper: 2048 for H = 4096)
     bottleneck: int = 256  # width of the last hidden layer before the (vocabulary-sized) output
-    gru_hidden: int = 192  # GRU units per direction
+    gru_hidden: int = 128  # GRU units per direction
     dropout: float = 0.1  # on hidden features during training
     seed: int = 0  # init and shuffling
 

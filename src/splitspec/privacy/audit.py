@@ -71,10 +71,10 @@ class AuditConfig:
     seed: int = 0  # document split, training, bootstrap
     attackers: tuple[str, ...] = ALL_ATTACKERS
     train: atk.TrainConfig = field(default_factory=atk.TrainConfig)  # inverter training
-    diverge_steps: int = 80  # LoRA steps per diverged edge; 0 = no stock-vs-diverged comparison
+    diverge_steps: int = 60  # LoRA steps per diverged edge; 0 = no stock-vs-diverged comparison
     edges: tuple[tuple[int, Path], ...] = ()  # pre-built diverged checkpoints, (depth, dir)
     bootstrap: int = 2000  # document-clustered bootstrap resamples
-    search_candidates: int = 32  # MLP top-K tokens the white-box search tries per position
+    search_candidates: int = 16  # MLP top-K tokens the white-box search tries per position
 
     def __post_init__(self) -> None:
         unknown = set(self.attackers) - set(ALL_ATTACKERS)

@@ -133,7 +133,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     audit.add_argument(
         "--diverge-steps",
         type=int,
-        default=80,
+        default=60,
         help="LoRA steps per diverged edge (one per depth d with a valid d,d split); 0 = stock only",
     )
     audit.add_argument(
