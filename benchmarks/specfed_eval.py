@@ -17,8 +17,9 @@ The bounds are checked at every position (float16 codec: Δ ≤ 2Σw(ε+η) and 
 codec: the paper's Δ ≤ 2Σwε itself) and the run fails if any is violated. Writes
 ``specfed_eval.json``, ``specfed_eval.md`` and PNG plots to ``benchmarks/results/specfed/``.
 
-    python benchmarks/specfed_eval.py                         # demo models, ~2-4 minutes on 1 core
+    python benchmarks/specfed_eval.py                         # demo models, ~2 minutes on 1 core
     python benchmarks/specfed_eval.py --worker DIR --worker DIR --drafter DIR --windows 2
+    python benchmarks/specfed_eval.py --plot-only                # redraw the PNG from the JSON
 """
 
 from __future__ import annotations
@@ -261,8 +262,9 @@ def plots(result: dict[str, Any], out: Path) -> list[Path]:
         ax.set_xscale("log")
         ax.set_xlabel("K / |V| (%)")
         ax.grid(True, alpha=0.3)
-    axes[0].set_yscale("symlog", linthresh=1e-4)
-    axes[1].set_yscale("symlog", linthresh=1e-4)
+    for ax in axes[:2]:
+        ax.set_yscale("symlog", linthresh=1e-4)
+        ax.set_ylim(bottom=0)
     axes[2].set_yscale("log")
     axes[0].legend(fontsize=6)
     axes[2].legend(fontsize=7)
@@ -284,7 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=256, help="tokens per window")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (shared machines: 1)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "specfed")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plots from the saved JSON")
     args = parser.parse_args(argv)
+    if args.plot_only:
+        plots(json.loads((args.out / "specfed_eval.json").read_text()), args.out)
+        return 0
     args.worker = args.worker or [models / "base", models / "draft"]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -488,10 +488,8 @@ class Coordinator:
             records: dict[str, WorkerRound] = {}
             for link, r in zip(live, results, strict=True):
                 if isinstance(r, BaseException):
-                    if isinstance(r, (HandshakeMismatch,)):
-                        raise r
                     if not isinstance(r, (SplitspecError, TimeoutError, OSError)):
-                        raise r
+                        raise r  # a bug of ours (or cancellation), not a worker fault
                     reason = "timed out" if isinstance(r, TimeoutError) else f"{type(r).__name__}: {r}"
                     await link.drop(reason)
                     records[link.url] = WorkerRound(url=link.url, status="dropped", weight=0.0, error=reason)
