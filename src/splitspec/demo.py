@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 ASSETS = Path(__file__).parent / "assets"
 SHOWCASE = (
     ("prose", "KING HENRY.\nNow, lords, for France; the enterprise whereof\n"),
-    ("code", 'def read_config(path):\n    """Return the parsed configuration file."""\n'),
+    ("code", 'def read_config(path):\n    """Return the parsed configuration file."""\n    '),
 )
 
 
