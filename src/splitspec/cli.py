@@ -277,6 +277,12 @@ def _register_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     register(sub)
 
 
+def _register_fed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from splitspec.federated.cli import register
+
+    register(sub)
+
+
 REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _register_cloud,
     _register_generate,
@@ -284,6 +290,7 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     _register_demo,
     _register_chat,
     _register_bench,
+    _register_fed,
 ]
 
 
