@@ -41,8 +41,14 @@ log = logging.getLogger("bench.split_overhead")
 def build_model(directory: Path) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048, eos_token_id=None,
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=2048,
+        eos_token_id=None,
     )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(directory)
@@ -71,7 +77,9 @@ class _EchoPeer:
         step = decode_message(data)
         if not isinstance(step, Step):
             raise TypeError("expected a step")
-        return encode_message(StepResult(session_id=step.session_id, seq=step.seq, hidden=step.hidden, cloud_ms=0.0)), False
+        return encode_message(
+            StepResult(session_id=step.session_id, seq=step.seq, hidden=step.hidden, cloud_ms=0.0)
+        ), False
 
     async def closed(self) -> None:
         return None
@@ -104,7 +112,7 @@ async def framework_overhead(width: int, trips: int) -> dict[str, float]:
 
 
 async def split_runs(model_dir: Path, url: str, prompt: list[int], n: int) -> tuple[float, list[int], dict]:
-    async with SplitClient(EdgeConfig(model_dir=model_dir, cloud_url=url)) as client:
+    async with SplitClient(EdgeConfig(allow_stock_edge_weights=True, model_dir=model_dir, cloud_url=url)) as client:
         result = await client.generate(prompt, n, SamplingParams(), stop_token_ids=())
     return len(result.token_ids) / result.wall_s, result.token_ids, result.summary()
 
@@ -123,8 +131,21 @@ def main() -> int:
     prompt = torch.randint(0, 8192, (32,), generator=torch.Generator().manual_seed(1)).tolist()
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "cloud", "serve",
-         "--model", str(work), "--port", str(port), "--threads", "1"],
+        [
+            sys.executable,
+            "-m",
+            "splitspec.cli",
+            "--log-level",
+            "WARNING",
+            "cloud",
+            "serve",
+            "--model",
+            str(work),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
     )
     try:
         for _ in range(600):

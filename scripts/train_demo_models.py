@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Train splitspec's embedded demo models (tokenizer, ``base`` and ``draft``) on CPU.
+"""Train splitspec's embedded demo models (tokenizer, ``base``, ``draft`` and ``worker``) on CPU.
 
-No weights can be downloaded on splitspec's machines, so the project trains and ships two tiny
+No weights can be downloaded on splitspec's machines, so the project trains and ships three tiny
 Llama models (same tokenizer) for its demo and examples: ``base`` (8 decoder layers, ~7 M
 parameters) is the model that gets split between edge and cloud, ``draft`` (2 layers, ~1.4 M
-parameters) is the speculative-decoding draft model.
+parameters) is the speculative-decoding draft model, and ``worker`` (4 layers, hidden 192, ~3 M
+parameters, trained on a code-heavy 75/25 code/prose mix) is a second, heterogeneous SpecFed
+worker next to ``base`` (federation needs workers that differ but share one vocabulary).
 
 Pipeline (each stage is deterministic: fixed seeds, one CPU thread):
 
@@ -12,15 +14,17 @@ Pipeline (each stage is deterministic: fixed seeds, one CPU thread):
    tokens ``<|bos|>``, ``<|eos|>`` and ``<|pad|>``, trained on the *train* split of the corpus
    built by ``scripts/build_corpus.py``. Encoding prepends ``<|bos|>`` (like Llama tokenizers);
    training documents are ``<|bos|> text <|eos|>``.
-2. ``base`` / ``draft`` -- ``LlamaForCausalLM`` trained from scratch on a 50/50 prose/code mixture
-   of random 256-token windows of the train split; AdamW with linear warmup + cosine decay,
-   gradient clipping 1.0, float32 master weights with bfloat16 autocast (about 2.5x faster than
-   float32 on CPUs with AVX512-BF16). Weights are saved as float16 safetensors together with the
-   tokenizer files and a README.md model card into ``src/splitspec/assets/models/{base,draft}``.
+2. ``base`` / ``draft`` / ``worker`` -- ``LlamaForCausalLM`` trained from scratch on random
+   256-token windows of the train split, a 50/50 prose/code mixture (``worker``: 25/75); AdamW with
+   linear warmup + cosine decay, gradient clipping 1.0, float32 master weights with bfloat16
+   autocast (about 2.5x faster than float32 on CPUs with AVX512-BF16). Weights are saved as
+   float16 safetensors together with the tokenizer files and a README.md model card into
+   ``src/splitspec/assets/models/{base,draft,worker}``.
 
 Wall time on one thread of the project's 2-core AMD EPYC machines (shared with other work):
-tokenizer a few seconds, ``base`` about 31 min, ``draft`` about 10 min. Results are deterministic for
-a given CPU and torch build; another CPU (e.g. without native bfloat16) may differ in the last digits.
+tokenizer a few seconds, ``base`` about 31 min, ``draft`` about 10 min, ``worker`` about 11 min.
+Results are deterministic for a given CPU and torch build; another CPU (e.g. without native
+bfloat16) may differ in the last digits.
 
 After training, the saved directory is reloaded with
 ``LlamaForCausalLM.from_pretrained(dir, dtype=torch.float32)`` and the held-out perplexity per domain
@@ -30,8 +34,9 @@ those are the numbers in the model card.
 Usage::
 
     python scripts/build_corpus.py
-    python scripts/train_demo_models.py                 # tokenizer + base + draft
+    python scripts/train_demo_models.py                 # tokenizer + base + draft + worker
     python scripts/train_demo_models.py --stage draft   # one stage (needs the tokenizer)
+    python scripts/train_demo_models.py --stage worker  # the code-heavy SpecFed worker model
     python scripts/train_demo_models.py --stage base --steps 20 --measure  # time a few steps
     python scripts/train_demo_models.py --eval-only     # re-measure saved models, rewrite cards
 """
@@ -76,6 +81,8 @@ SAVE_DTYPE = torch.float16
 AUTOCAST_BF16 = True
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
+WORKER_STEPS = 850  # sized to ~11 min of training on one thread (0.75 s/step measured with --measure)
+
 PROSE_PROMPTS = ["ROMEO.\nO gentle night,", "KING.\nWhat say you, lords? Shall we"]
 CODE_PROMPTS = ['def read_lines(path):\n    """', "class Stack:\n    def __init__(self):\n        self."]
 
@@ -97,6 +104,7 @@ class ModelSpec:
     min_lr_ratio: float
     warmup_steps: int
     weight_decay: float
+    code_fraction: float = 0.5  # share of each batch's rows drawn from the code stream (rest: prose)
 
 
 SPECS: dict[str, ModelSpec] = {
@@ -110,7 +118,14 @@ SPECS: dict[str, ModelSpec] = {
         intermediate_size=384, steps=900, batch_size=16, seq_len=256, lr=3e-3, min_lr_ratio=0.1,
         warmup_steps=100, weight_decay=0.1,
     ),
+    # Heterogeneous SpecFed worker: other shape, code-heavy data (3 of every 4 rows are code).
+    "worker": ModelSpec(
+        name="worker", hidden_size=192, num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=1,
+        intermediate_size=512, steps=WORKER_STEPS, batch_size=16, seq_len=256, lr=2.5e-3, min_lr_ratio=0.1,
+        warmup_steps=80, weight_decay=0.1, code_fraction=0.75,
+    ),
 }  # fmt: skip
+MODEL_NAMES = tuple(SPECS)
 
 
 def log(msg: str) -> None:
@@ -230,11 +245,24 @@ def build_model(spec: ModelSpec, tok: PreTrainedTokenizerFast) -> LlamaForCausal
     return LlamaForCausalLM(config)
 
 
-def sample_batch(streams: dict[str, np.ndarray], batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
-    """Random windows of ``seq_len`` tokens, half prose and half code (alternating rows)."""
+def row_domains(batch: int, code_fraction: float) -> list[str]:
+    """Domain of each batch row: ``round(batch * code_fraction)`` code rows spread evenly.
+
+    With ``code_fraction=0.5`` this is the alternating prose, code, prose, ... of the base/draft
+    recipe (so their batches are unchanged).
+    """
+    n_code = round(batch * code_fraction)
+    # Row i is code when the running count floor((i + 1) * n_code / batch) steps up.
+    return ["code" if (i + 1) * n_code // batch > i * n_code // batch else "prose" for i in range(batch)]
+
+
+def sample_batch(
+    streams: dict[str, np.ndarray], batch: int, seq_len: int, gen: torch.Generator, code_fraction: float = 0.5
+) -> torch.Tensor:
+    """Random windows of ``seq_len`` tokens, ``code_fraction`` of the rows code, the rest prose."""
     rows = []
-    for i in range(batch):
-        stream = streams[DOMAINS[i % len(DOMAINS)]]
+    for domain in row_domains(batch, code_fraction):
+        stream = streams[domain]
         start = int(torch.randint(0, len(stream) - seq_len, (1,), generator=gen))
         rows.append(torch.from_numpy(stream[start : start + seq_len].astype(np.int64)))
     return torch.stack(rows)
@@ -296,7 +324,7 @@ def train_model(spec: ModelSpec, tok: PreTrainedTokenizerFast, measure: bool) ->
         model.train()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, spec)
-        x = sample_batch(train, spec.batch_size, spec.seq_len, gen)
+        x = sample_batch(train, spec.batch_size, spec.seq_len, gen, spec.code_fraction)
         # bfloat16 autocast (float32 master weights): ~2.5x faster on CPUs with AVX512-BF16.
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST_BF16):
             loss = model(input_ids=x, labels=x).loss
@@ -375,11 +403,18 @@ def dir_bytes(path: Path) -> int:
 def model_card(spec: ModelSpec, info: dict) -> str:
     ppl = info["heldout"]
     ppl32 = info["heldout_fp32_before_save"]
-    other = "draft" if spec.name == "base" else "base"
-    role = (
-        "the model that splitspec splits between edge and cloud in its demo"
-        if spec.name == "base"
-        else "the speculative-decoding draft model for `base` in splitspec's demo"
+    others = " and ".join(f"`{n}`" for n in MODEL_NAMES if n != spec.name)
+    role = {
+        "base": "the model that splitspec splits between edge and cloud in its demo",
+        "draft": "the speculative-decoding draft model for `base` in splitspec's demo",
+        "worker": "a second, heterogeneous SpecFed worker next to `base` (other shape, code-heavy data) "
+        "for splitspec's federated speculative-inference demo and benchmarks",
+    }[spec.name]
+    code_pct = round(100 * spec.code_fraction)
+    mix = (
+        "half prose and\n  half code"
+        if code_pct == 50
+        else f"{100 - code_pct}% prose and\n  {code_pct}% code (rows per batch)"
     )
     sample_md = "\n\n".join(
         f"**{s['domain']}** prompt `{s['prompt']!r}`:\n\n```text\n{s['prompt']}{s['continuation']}\n```"
@@ -394,7 +429,7 @@ def model_card(spec: ModelSpec, info: dict) -> str:
     return f"""# splitspec demo model: `{spec.name}`
 
 A tiny Llama-architecture causal LM trained from scratch by `scripts/train_demo_models.py`;
-{role}. It shares its tokenizer with `{other}`. It exists so that splitspec's demo, examples and
+{role}. It shares its tokenizer with {others}. It exists so that splitspec's demo, examples and
 tests run with real (if small) trained weights on machines that cannot download any. It is a toy:
 expect locally plausible Shakespeare-like verse and Python-like code, not meaning.
 
@@ -426,8 +461,8 @@ Load it in float32 on CPU with
 * {spec.steps} steps of AdamW (betas 0.9/0.95, weight decay {spec.weight_decay} on matrices), peak lr \
 {spec.lr:g}, {spec.warmup_steps} linear warmup steps then cosine decay to {spec.min_lr_ratio:g} x peak, \
 gradient clipping 1.0.
-* batch {spec.batch_size} x {spec.seq_len} tokens: random windows of the train token streams, half prose and
-  half code ({spec.steps * spec.batch_size * spec.seq_len:,} training tokens in total; train split
+* batch {spec.batch_size} x {spec.seq_len} tokens: random windows of the train token streams, {mix} \
+({spec.steps * spec.batch_size * spec.seq_len:,} training tokens in total; train split
   has {info["train_tokens"]["prose"]:,} prose + {info["train_tokens"]["code"]:,} code tokens).
 * CPU, float32 master weights with bfloat16 autocast, `torch.set_num_threads(1)`, seed {SEED}; wall time
   **{info["train_wall_s"] / 60:.1f} min** of training ({info["cpu"]}, torch {info["torch"]}).
@@ -552,7 +587,7 @@ def save_and_report(spec: ModelSpec, tok: PreTrainedTokenizerFast, result: dict,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--stage", choices=["all", "tokenizer", "base", "draft"], default="all")
+    parser.add_argument("--stage", choices=["all", "tokenizer", *MODEL_NAMES], default="all")
     parser.add_argument("--steps", type=int, default=None, help="override the spec's step count")
     parser.add_argument("--measure", action="store_true", help="only time --steps steps; save nothing")
     parser.add_argument(
@@ -571,11 +606,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         tok = load_tokenizer(tok_dir)
     if args.eval_only:
-        for name in ("base", "draft"):
+        for name in MODEL_NAMES:
             if args.stage in ("all", name):
                 reevaluate(name, tok, args.eval_max_tokens)
         return 0
-    for name in ("base", "draft"):
+    for name in MODEL_NAMES:
         if args.stage not in ("all", name):
             continue
         spec = SPECS[name]

@@ -60,29 +60,18 @@ def cloud(
         proc.wait(timeout=30)
 
 
+def edge_cmd(command: str, model: Path, port: int, *extra: str) -> list[str]:
+    """A ``splitspec generate`` / ``chat`` command line against the fixture's server."""
+    return [*CLI, command, "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", *extra]
+
+
 def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subprocess.Popen[str]]) -> None:
     model, port, token_file, proc = cloud
     prompt = "to be or not to be"
+    common = ["--prompt", prompt, "--max-new-tokens", "8", "--token-file", str(token_file)]
+    common.append("--allow-stock-edge-weights")
     out = subprocess.run(
-        [
-            *CLI,
-            "generate",
-            "--model",
-            str(model),
-            "--cloud",
-            f"ws://127.0.0.1:{port}",
-            "--prompt",
-            prompt,
-            "--max-new-tokens",
-            "8",
-            "--token-file",
-            str(token_file),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
+        edge_cmd("generate", model, port, *common, "--json"), capture_output=True, text=True, timeout=120, check=True
     )
     result = json.loads(out.stdout)
     ids = AutoTokenizer.from_pretrained(model).encode(prompt)
@@ -90,25 +79,9 @@ def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subpro
     assert isinstance(result["text"], str)
     step = result["steps"][-1]
     assert step["query_tokens"] == 1 and step["bytes_up"] > 64 * 4 and step["cloud_ms"] > 0
+    assert "STOCK public edge weights" in out.stderr  # allowed, but never silently
     plain = subprocess.run(
-        [
-            *CLI,
-            "generate",
-            "--model",
-            str(model),
-            "--cloud",
-            f"ws://127.0.0.1:{port}",
-            "--prompt",
-            prompt,
-            "--max-new-tokens",
-            "8",
-            "--token-file",
-            str(token_file),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
+        edge_cmd("generate", model, port, *common), capture_output=True, text=True, timeout=120, check=True
     )
     assert plain.stdout.strip() == result["text"].strip()
     proc.send_signal(signal.SIGTERM)
@@ -123,20 +96,21 @@ def test_generate_errors_are_clear(cloud: tuple[Path, int, Path, subprocess.Pope
     model, port, _, _ = cloud
     wrong = tmp_path / "wrong"
     wrong.write_text("nope")
-    base = [*CLI, "generate", "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", "--prompt", "to be"]
-    out = subprocess.run([*base, "--token-file", str(wrong)], capture_output=True, text=True, timeout=120)
+    base = edge_cmd("generate", model, port, "--prompt", "to be", "--allow-stock-edge-weights")
+
+    def run(*cmd: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    out = run(*base, "--token-file", str(wrong))
     assert out.returncode == 2 and "AuthenticationFailed" in out.stderr
-    out = subprocess.run([*base, "--edge-layers", "3,3"], capture_output=True, text=True, timeout=120)
+    out = run(*base, "--edge-layers", "3,3")
     assert out.returncode == 2 and "leave no trunk" in out.stderr
-    out = subprocess.run([*base, "--edge-layers", "two"], capture_output=True, text=True, timeout=120)
+    out = run(*base, "--edge-layers", "two")
     assert out.returncode == 2 and "HEAD,TAIL" in out.stderr
-    out = subprocess.run(
-        [*CLI, "generate", "--model", str(model), "--cloud", "ws://127.0.0.1:1", "--prompt", "to be"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = run(*edge_cmd("generate", model, 1, "--prompt", "to be", "--allow-stock-edge-weights"))
     assert out.returncode == 2 and "TransportError" in out.stderr
+    out = run(*base[:-1])  # stock weights, not allowed
+    assert out.returncode == 2 and "refusing to run stock public edge weights" in out.stderr
 
 
 @pytest.mark.parametrize("speculate", ["off", "auto"])
@@ -144,22 +118,9 @@ def test_chat_keeps_the_cache_across_turns(
     cloud: tuple[Path, int, Path, subprocess.Popen[str]], speculate: str
 ) -> None:
     model, port, token_file, _ = cloud
+    extra = ["--token-file", str(token_file), "--max-new-tokens", "6", "--json", "--speculate", speculate]
     out = subprocess.run(
-        [
-            *CLI,
-            "chat",
-            "--model",
-            str(model),
-            "--cloud",
-            f"ws://127.0.0.1:{port}",
-            "--token-file",
-            str(token_file),
-            "--max-new-tokens",
-            "6",
-            "--json",
-            "--speculate",
-            speculate,
-        ],
+        edge_cmd("chat", model, port, *extra, "--allow-stock-edge-weights"),
         input="to be or not\nwhether tis nobler\n/quit\nnever read\n",
         capture_output=True,
         text=True,

@@ -22,21 +22,26 @@ import splitspec
 ASSETS = Path(splitspec.__file__).parent / "assets"
 MODELS = ASSETS / "models"
 CORPUS = ASSETS / "corpus"
-MODEL_NAMES = ("base", "draft")
-MAX_MODELS_BYTES = 20 * 1024 * 1024
+MODEL_NAMES = ("base", "draft", "worker")
+# Shipped model sizes: the split demo pair (base + draft) and the SpecFed worker have separate budgets.
+MAX_BASE_DRAFT_BYTES = 20 * 1024 * 1024
+MAX_WORKER_BYTES = 10 * 1024 * 1024
 MAX_HELDOUT_BYTES = 1_500_000
 EXCERPT_TOKENS = 384
 
 # Held-out excerpts: (file under heldout/<domain>/, character offset; the excerpt starts at the next line).
 HELDOUT_EXCERPTS = {"prose": ("alls_well_that_ends_well.txt", 10_000), "code": ("pkgutil.txt", 0)}
 # Perplexity ceilings on those excerpts, about twice what the shipped models score (base: prose ~94,
-# code ~32; draft: prose ~133, code ~47; see the model cards for the full held-out numbers). An
-# untrained model scores about the vocabulary size (~8000), so these catch broken or untrained weights.
+# code ~32; draft: prose ~133, code ~47; worker: prose ~WP, code ~WC; see the model cards for the full
+# held-out numbers). An untrained model scores about the vocabulary size (~8000), so these catch broken or
+# untrained weights.
 PPL_CEILING = {
     ("base", "prose"): 200.0,
     ("base", "code"): 80.0,
     ("draft", "prose"): 300.0,
     ("draft", "code"): 120.0,
+    ("worker", "prose"): WORKER_PROSE_CEILING,
+    ("worker", "code"): WORKER_CODE_CEILING,
 }
 
 
@@ -88,9 +93,16 @@ def test_heldout_files_match_manifest(manifest: dict[str, Any]) -> None:
     assert total <= MAX_HELDOUT_BYTES
 
 
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
 def test_models_total_size() -> None:
-    total = sum(f.stat().st_size for f in MODELS.rglob("*") if f.is_file())
-    assert total <= MAX_MODELS_BYTES, f"{total} bytes"
+    assert sorted(p.name for p in MODELS.iterdir() if p.is_dir()) == sorted(MODEL_NAMES)
+    base_draft = _dir_bytes(MODELS / "base") + _dir_bytes(MODELS / "draft")
+    assert base_draft <= MAX_BASE_DRAFT_BYTES, f"base + draft: {base_draft} bytes"
+    worker = _dir_bytes(MODELS / "worker")
+    assert worker <= MAX_WORKER_BYTES, f"worker: {worker} bytes"
     for name in MODEL_NAMES:
         for fname in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "README.md"):
             assert (MODELS / name / fname).is_file(), f"{name}/{fname}"
@@ -99,7 +111,7 @@ def test_models_total_size() -> None:
 def test_tokenizer_vocab_and_round_trip(tokenizers: dict[str, PreTrainedTokenizerBase]) -> None:
     base, draft = tokenizers["base"], tokenizers["draft"]
     assert 8000 <= len(base) <= 8500
-    assert base.get_vocab() == draft.get_vocab()
+    assert base.get_vocab() == draft.get_vocab() == tokenizers["worker"].get_vocab()
     assert base.bos_token is not None and base.eos_token is not None
     assert base.bos_token_id != base.eos_token_id
     text = "O, what a rogue and peasant slave am I!\n\ndef f(x: int) -> int:\n    return x ** 2  # é\n"
@@ -122,6 +134,23 @@ def test_models_load_with_expected_shapes(
     assert 1_000_000 <= n_draft <= 2_000_000
     assert base.get_input_embeddings().weight.dtype == torch.float32
     assert base.config.eos_token_id == tokenizers["base"].eos_token_id
+
+
+def test_worker_model_is_a_heterogeneous_federation_peer(
+    models: dict[str, PreTrainedModel], tokenizers: dict[str, PreTrainedTokenizerBase]
+) -> None:
+    """SpecFed needs workers that differ (shape, data) but share the vocabulary and special tokens."""
+    base, worker = models["base"], models["worker"]
+    assert worker.config.model_type == "llama"
+    assert worker.config.vocab_size == base.config.vocab_size == len(tokenizers["worker"])
+    assert (worker.config.num_hidden_layers, worker.config.hidden_size) != (
+        base.config.num_hidden_layers,
+        base.config.hidden_size,
+    )
+    assert worker.config.eos_token_id == base.config.eos_token_id
+    assert worker.config.bos_token_id == base.config.bos_token_id
+    n_worker = sum(p.numel() for p in worker.parameters())
+    assert 2_000_000 <= n_worker <= 5_000_000
 
 
 def _excerpt_ppl(model: PreTrainedModel, tok: PreTrainedTokenizerBase, domain: str) -> float:

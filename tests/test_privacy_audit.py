@@ -114,7 +114,7 @@ def test_audit_end_to_end(make_checkpoint: Callable[..., Path], tmp_path: Path) 
         max_train_tokens=640,
         max_test_tokens=192,
         test_fraction=0.25,
-        train=TrainConfig(epochs=1),
+        train=TrainConfig(epochs=1, seq_epochs=1),
         diverge_steps=3,
         bootstrap=200,
         search_candidates=8,

@@ -169,6 +169,12 @@ def _add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
     p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
+    p.add_argument(
+        "--allow-stock-edge-weights",
+        action="store_true",
+        help="run the published edge weights anyway (the cloud can invert its hidden states; warned every session)",
+    )
+    p.add_argument("--published-model", type=Path, help="published checkpoint to compare the edge weights with")
     add_speculation_args(p)
 
 
@@ -185,6 +191,8 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         dtype=args.dtype,
         auth_token=read_token_file(args.token_file),
         draft_model_dir=args.draft_model,
+        allow_stock_edge_weights=args.allow_stock_edge_weights,
+        published_model_dir=args.published_model,
     )
 
 

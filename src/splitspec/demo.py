@@ -136,10 +136,17 @@ async def _generate(config: DemoConfig, url: str, console: Console) -> list[tupl
         cloud_url=url,
         edge_layers=config.edge_layers,
         draft_model_dir=config.draft_model_dir,
+        # the demo model is public by construction: say so instead of refusing
+        allow_stock_edge_weights=True,
     )
     params = SamplingParams(temperature=config.temperature, seed=0 if config.temperature else None)
     results = []
     async with SplitClient(edge) as client:
+        if client.provenance.stock:
+            console.print(
+                f"[yellow]note: the edge runs stock public weights ({client.provenance.reason}); "
+                "a real deployment diverges them first (splitspec diverge)[/]"
+            )
         for label, prompt in config.prompts:
             console.rule(f"[bold]{label}[/] (RTT {config.rtt_ms:g} ms, --mode {config.mode})")
             ids = tokenizer.encode(prompt)

@@ -78,7 +78,9 @@ async def test_each_bad_input_gets_its_typed_error_while_another_session_complet
     model = make_checkpoint("llama")
     expected = local_greedy(model, PROMPT, 40)
     async with TrunkServer(CloudConfig(model_dir=model, port=0, max_message_bytes=CAP)) as server:
-        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url)) as good:
+        async with SplitClient(
+            EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        ) as good:
             good_task = asyncio.create_task(good.generate(PROMPT, 40))
             channel, sid = await raw_channel(server, good.hello)
             await asyncio.sleep(0)
@@ -120,14 +122,18 @@ async def test_auth_is_required_before_anything_is_decoded(make_checkpoint: Call
     async with TrunkServer(config) as server:
         for token in (None, "wrong"):
             with pytest.raises(AuthenticationFailed):
-                async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url, auth_token=token)):
+                async with SplitClient(
+                    EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, auth_token=token)
+                ):
                     pass
         # a step before the handshake carries a payload that would fail tensor checks; auth is refused first
         channel = await Channel.connect(server.url, max_message_bytes=CAP, timeout_s=5)
         error = await error_for(channel, with_descriptor(step_frame("x"), nbytes=3))
         assert (error.code, error.fatal) == ("authentication_failed", True)
         await channel.close()
-        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url, auth_token="s3cret")) as client:
+        async with SplitClient(
+            EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, auth_token="s3cret")
+        ) as client:
             result = await client.generate(PROMPT, 4)
     assert result.token_ids == local_greedy(model, PROMPT, 4)
 
@@ -136,12 +142,16 @@ async def test_handshake_pins_layer_range_and_dtype(make_checkpoint: Callable[..
     model = make_checkpoint("llama")
     async with TrunkServer(CloudConfig(model_dir=model, port=0, edge_layers=(2, 2))) as server:
         with pytest.raises(HandshakeMismatch, match="layer_start"):
-            async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url, edge_layers=(1, 2))):
+            async with SplitClient(
+                EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, edge_layers=(1, 2))
+            ):
                 pass
         with pytest.raises(HandshakeMismatch, match="dtype"):
-            async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url, dtype="bfloat16")):
+            async with SplitClient(
+                EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, dtype="bfloat16")
+            ):
                 pass
         other = make_checkpoint("qwen2")
         with pytest.raises(HandshakeMismatch, match="fingerprint"):
-            async with SplitClient(EdgeConfig(model_dir=other, cloud_url=server.url)):
+            async with SplitClient(EdgeConfig(allow_stock_edge_weights=True, model_dir=other, cloud_url=server.url)):
                 pass

@@ -22,7 +22,7 @@ from tests.e2e.test_split_generate import PROMPT
 async def test_max_sessions_is_enforced_and_freed(make_checkpoint: Callable[..., Path]) -> None:
     model = make_checkpoint("llama")
     async with TrunkServer(CloudConfig(model_dir=model, port=0, max_sessions=2)) as server:
-        config = EdgeConfig(model_dir=model, cloud_url=server.url)
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
         async with SplitClient(config), SplitClient(config):
             with pytest.raises(TooManySessions):
                 async with SplitClient(config):
@@ -38,7 +38,7 @@ async def test_heavy_step_does_not_block_other_sessions(make_checkpoint: Callabl
     model = make_checkpoint("llama", hidden=256, max_positions=8192)
     q = 4000
     async with TrunkServer(CloudConfig(model_dir=model, port=0, max_query_tokens=q)) as server:
-        config = EdgeConfig(model_dir=model, cloud_url=server.url)
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
         async with SplitClient(config) as light:
             channel, sid = await raw_channel(server, light.hello, 16 << 20)  # heavy session: raw frames
             heavy_step = Step(

@@ -34,7 +34,9 @@ async def test_greedy_split_equals_local_generate(
     model = make_checkpoint(family, sharded=(family == "llama"))
     expected = local_greedy(model, PROMPT, 24)
     async with TrunkServer(cloud_config(model, edge_layers=split)) as server:
-        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url, edge_layers=split)) as client:
+        async with SplitClient(
+            EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, edge_layers=split)
+        ) as client:
             result = await client.generate(PROMPT, 24)
     assert result.token_ids == expected
     assert len(result.steps) == 24  # one prefill step, then one round trip per further token
@@ -44,7 +46,9 @@ async def test_greedy_split_equals_local_generate(
 async def test_seeded_sampling_is_reproducible(make_checkpoint: Callable[..., Path]) -> None:
     model = make_checkpoint("llama")
     async with TrunkServer(cloud_config(model)) as server:
-        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url)) as client:
+        async with SplitClient(
+            EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        ) as client:
             a = await client.generate(PROMPT, 16, SamplingParams(temperature=1.0, top_p=0.9, seed=7))
             b = await client.generate(PROMPT, 16, SamplingParams(temperature=1.0, top_p=0.9, seed=7))
             c = await client.generate(PROMPT, 16, SamplingParams(temperature=1.0, top_p=0.9, seed=8))
@@ -65,7 +69,9 @@ async def test_sampling_distribution_matches_local(make_checkpoint: Callable[...
     assert 3 <= len(support) < 16, "the test model must give a law that top-p actually trims"
     counts: Counter[int] = Counter()
     async with TrunkServer(cloud_config(model)) as server:
-        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url)) as client:
+        async with SplitClient(
+            EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        ) as client:
             for seed in range(n):
                 params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
                 result = await client.generate(prompt, 1, params, stop_token_ids=())
@@ -88,7 +94,9 @@ async def test_prompt_larger_than_message_cap_is_chunked(make_checkpoint: Callab
     assert cap < 400 * 64 * 4  # the prompt's hidden states alone exceed one message
     expected = local_greedy(model, prompt, 12)
     async with TrunkServer(cloud_config(model, max_message_bytes=cap)) as server:
-        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url)) as client:
+        async with SplitClient(
+            EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        ) as client:
             result = await client.generate(prompt, 12)
     assert result.token_ids == expected
     prefill = [s for s in result.steps if s.kind == "prefill"]
@@ -114,7 +122,9 @@ async def test_ttl_expiry_mid_generation_recovers_identically(make_checkpoint: C
     model = make_checkpoint("qwen2")
     expected = local_greedy(model, PROMPT, 20)
     async with TrunkServer(cloud_config(model, session_ttl_s=0.3, sweep_interval_s=0.05)) as server:
-        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url)) as client:
+        async with SplitClient(
+            EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        ) as client:
             first_session = client.session_id
             tokens = await _generate_with_interruption(client, PROMPT, 20, 7, lambda: asyncio.sleep(0.8))
             assert client.recoveries == 1
@@ -138,7 +148,9 @@ async def test_cloud_restart_mid_generation_recovers_identically(make_checkpoint
         servers.append(fresh)
 
     try:
-        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url)) as client:
+        async with SplitClient(
+            EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        ) as client:
             tokens = await _generate_with_interruption(client, PROMPT, 20, 9, restart)
             assert client.recoveries == 1
     finally:
@@ -158,7 +170,9 @@ async def test_tree_step_and_cache_command_ride_on_the_next_step(make_checkpoint
             return local(torch.tensor([tokens])).logits[0]
 
     async with TrunkServer(cloud_config(model)) as server:
-        async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url)) as client:
+        async with SplitClient(
+            EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        ) as client:
             client.reset()
             await client.forward(prefix)
             logits = await client.forward(tree, parents)

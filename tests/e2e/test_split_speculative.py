@@ -24,7 +24,7 @@ async def test_split_speculation_equals_local_greedy(
     model = make_checkpoint(family)
     draft = make_checkpoint(family, layers=2, seed=99)
     async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
-        config = EdgeConfig(model_dir=model, cloud_url=server.url, draft_model_dir=draft)
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, draft_model_dir=draft)
         async with SplitClient(config) as client:
             result = await client.generate(PROMPT, 48, speculate=mode)
     assert result.token_ids == local_greedy(model, PROMPT, 48)
@@ -38,7 +38,9 @@ async def test_step_size_does_not_grow_with_context(make_checkpoint: Callable[..
     sizes = []
     async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
         for context in (100, 10_000):
-            async with SplitClient(EdgeConfig(model_dir=model, cloud_url=server.url)) as client:
+            async with SplitClient(
+                EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+            ) as client:
                 tokens = torch.randint(3, 96, (context,), generator=gen).tolist()
                 for part in range(5):  # same number of steps (so the same step counters) in both runs
                     await client.forward(tokens[part * context // 5 : (part + 1) * context // 5])

@@ -331,6 +331,7 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
                 async with WanEmulator(netem) as emu:
                     url = f"ws://{emu.host}:{emu.port}"
                     edge_cfg = EdgeConfig(
+                        allow_stock_edge_weights=True,
                         model_dir=sc.model_dir,
                         cloud_url=url,
                         edge_layers=sc.edge_layers,

@@ -308,6 +308,7 @@ async def probe(config: ProbeConfig, *, client: SplitClient | None = None) -> Pr
     vocab_size = int(Checkpoint(config.model_dir).config.vocab_size)
     if client is None:
         edge = EdgeConfig(
+            allow_stock_edge_weights=True,
             model_dir=config.model_dir,
             cloud_url=config.cloud_url,
             edge_layers=config.edge_layers,

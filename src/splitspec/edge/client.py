@@ -25,6 +25,7 @@ from splitspec.decoding.local import chain
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
 from splitspec.edge.config import EdgeConfig
+from splitspec.edge.provenance import check_edge_weights
 from splitspec.exceptions import (
     BadTensor,
     ConfigError,
@@ -129,6 +130,9 @@ class SplitClient:
         self.config = config
         ckpt = Checkpoint(config.model_dir)
         self.plan = SplitPlan(ckpt.config.num_hidden_layers, *config.edge_layers)
+        self.provenance = check_edge_weights(
+            config.model_dir, self.plan, config.published_model_dir, config.allow_stock_edge_weights
+        )
         self.dtype = dtype_from_name(config.dtype)
         self.model = edge if edge is not None else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation)
         self.hello = Hello(
@@ -192,6 +196,12 @@ class SplitClient:
             raise
         self._session_id = opened.session_id
         log.debug("session %s opened on %s", self._session_id, cfg.cloud_url)
+        if self.provenance.stock:
+            log.warning(
+                "session %s runs STOCK public edge weights (%s): the cloud can invert what it sees",
+                self._session_id,
+                self.provenance.reason,
+            )
 
     async def close(self) -> None:
         if self._channel is not None and self._session_id is not None:
@@ -395,9 +405,7 @@ class SplitClient:
         t0 = time.perf_counter()
         tokens = [
             t
-            async for t in self.stream(
-                prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace
-            )
+            async for t in self.stream(prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace)
         ]
         return GenerationResult(
             prompt_ids=list(prompt_ids),

@@ -20,3 +20,5 @@ class EdgeConfig:
     max_recoveries: int = 3  # recoveries allowed for one step before giving up
     attn_implementation: str = "sdpa"  # transformers attention kernel: sdpa or eager
     draft_model_dir: Path | None = None  # small local model sharing the tokenizer, for drafting
+    allow_stock_edge_weights: bool = False  # run the published edge weights anyway (warned every session)
+    published_model_dir: Path | None = None  # published checkpoint to compare the edge weights with

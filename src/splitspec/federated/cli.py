@@ -20,21 +20,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from splitspec.cli import read_token_file
 from splitspec.exceptions import ConfigError, SplitspecError
 
 log = logging.getLogger(__name__)
-
-
-def _read_token_file(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc}") from None
-    if not token:
-        raise ConfigError(f"token file {path} is empty")
-    return token
 
 
 def _weights(text: str) -> tuple[float, ...]:
@@ -54,7 +43,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         model_dir=args.model,
         host=args.host,
         port=args.port,
-        auth_token=_read_token_file(args.token_file),
+        auth_token=read_token_file(args.token_file),
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         max_sessions=args.max_sessions,
     )
@@ -81,7 +70,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         gamma=args.gamma,
         prob_codec=args.prob_codec,
         audit=args.audit,
-        auth_token=_read_token_file(args.token_file),
+        auth_token=read_token_file(args.token_file),
         round_timeout_s=args.round_timeout,
     )
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)

@@ -25,12 +25,9 @@ from types import TracebackType
 from splitspec import __version__
 from splitspec.decoding.sampling import probabilities
 from splitspec.exceptions import (
-    AuthenticationFailed,
     BadTensor,
-    HandshakeMismatch,
     PositionOutOfRange,
     ProtocolError,
-    ServerError,
     TooManySessions,
     UnexpectedMessage,
 )
@@ -48,7 +45,7 @@ from splitspec.protocol.fed import (
     encode_fed,
 )
 from splitspec.protocol.frames import peek_type
-from splitspec.protocol.messages import Error
+from splitspec.protocol.replies import internal_error, refusal
 from splitspec.transport.server import FrameServer
 
 log = logging.getLogger(__name__)
@@ -164,18 +161,12 @@ class _WorkerPeer:
             reply = await self._dispatch(message)
             return encode_fed(reply), False
         except ProtocolError as exc:
-            fatal = isinstance(exc, (AuthenticationFailed, HandshakeMismatch)) or not self.ready
+            error = refusal(exc, message, ready=self.ready)
             log.info("fed connection %d (%s): refused %s: %s", self.conn_id, self.remote, exc.code, exc)
-            return self._error(exc, message, fatal), fatal
+            return encode_fed(error), error.fatal
         except Exception as exc:  # a bug of ours: report it, keep serving
             log.exception("fed connection %d: round failed", self.conn_id)
-            return self._error(ServerError(f"{type(exc).__name__}: {exc}"), message, False), False
-
-    @staticmethod
-    def _error(exc: ProtocolError, message: FedMessage | None, fatal: bool) -> bytes:
-        seq = getattr(message, "seq", None)
-        error = Error(code=exc.code, message=str(exc), seq=seq if isinstance(seq, int) else None, fatal=fatal)
-        return encode_fed(error)
+            return encode_fed(internal_error(exc, message)), False
 
     async def _dispatch(self, message: FedMessage) -> FedMessage:
         worker = self.worker

@@ -10,7 +10,7 @@ token j - see :mod:`splitspec.privacy.activations`). Outcomes are then scored to
 * ``mlp``: the paper's per-token MLP inverter (activation -> token logits), trained on
   attacker-train (activation, token) pairs;
 * ``bigru``: a sequence-aware inverter, a bidirectional GRU over each window's activations;
-* ``search``: white-box inversion with the *published* edge layers: the MLP proposes candidates,
+* ``search``: white-box inversion with the *published* edge layers: an inverter proposes candidates,
   the published layers recompute h_k for each after the decoded prefix, the closest wins.
 """
 
@@ -37,10 +37,11 @@ TOPK = 5
 class TrainConfig:
     """Training knobs of the learned inverters."""
 
-    epochs: int = 3  # passes over the attacker-train tokens
+    epochs: int = 3  # MLP passes over the attacker-train tokens
+    seq_epochs: int = 6  # GRU passes over the attacker-train windows
     lr: float = 2e-3  # Adam learning rate
     batch_tokens: int = 256  # tokens per step for the MLP
-    batch_windows: int = 16  # windows per step for the GRU
+    batch_windows: int = 4  # windows per step for the GRU
     mlp_hidden: int = 512  # width of the MLP's first hidden layer (the paper: 2048 for H = 4096)
     bottleneck: int = 256  # width of the last hidden layer before the (vocabulary-sized) output
     gru_hidden: int = 128  # GRU units per direction
@@ -224,13 +225,14 @@ def train_inverter(
         raise ValueError(f"unknown inverter kind {kind!r}")
     opt = torch.optim.Adam(model.parameters(), lr=config.lr)
     n = x_all.shape[0]
+    epochs = config.epochs if kind == "mlp" else config.seq_epochs
     steps_per_epoch = math.ceil(n / step_size)
-    total = config.epochs * steps_per_epoch
+    total = epochs * steps_per_epoch
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=config.lr, total_steps=total, pct_start=0.1)
     model.train()
     last = float("nan")
     with tqdm(total=total, desc=desc or kind, leave=False, mininterval=2.0) as bar:
-        for _ in range(config.epochs):
+        for _ in range(epochs):
             order = torch.from_numpy(rng.permutation(n))
             losses: list[float] = []
             for s in range(0, n, step_size):

@@ -71,10 +71,10 @@ class AuditConfig:
     seed: int = 0  # document split, training, bootstrap
     attackers: tuple[str, ...] = ALL_ATTACKERS
     train: atk.TrainConfig = field(default_factory=atk.TrainConfig)  # inverter training
-    diverge_steps: int = 60  # LoRA steps per diverged edge; 0 = no stock-vs-diverged comparison
+    diverge_steps: int = 100  # LoRA steps per diverged edge; 0 = no stock-vs-diverged comparison
     edges: tuple[tuple[int, Path], ...] = ()  # pre-built diverged checkpoints, (depth, dir)
     bootstrap: int = 2000  # document-clustered bootstrap resamples
-    search_candidates: int = 16  # MLP top-K tokens the white-box search tries per position
+    search_candidates: int = 16  # top-K tokens (of the GRU, else the MLP) the white-box search tries per position
 
     def __post_init__(self) -> None:
         unknown = set(self.attackers) - set(ALL_ATTACKERS)
@@ -209,7 +209,10 @@ def run_audit(config: AuditConfig) -> dict[str, object]:
                     inv = inverter(train_tag, k, kind, train_acts[k])
                     data.ranks[SeriesKey(condition, kind, side, d)] = _ranks(inv.predict_top5(acts[:, 1:]), targets)
             if side == "input" and "search" in config.attackers:
-                cand = inverter(train_tag, k, "mlp", train_acts[k]).predict_topk(acts[:, 1:], config.search_candidates)
+                proposer = "bigru" if "bigru" in config.attackers else "mlp"
+                cand = inverter(train_tag, k, proposer, train_acts[k]).predict_topk(
+                    acts[:, 1:], config.search_candidates
+                )
                 data.ranks[SeriesKey(condition, "search", side, d)] = _ranks(
                     atk.whitebox_search_top5(stock, acts, k, cand), targets
                 )

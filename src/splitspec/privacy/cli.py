@@ -1,7 +1,7 @@
 """The ``splitspec audit`` and ``splitspec diverge`` subcommands.
 
     splitspec audit --model DIR --depths 1,2,3,4 --out DIR [--corpus DIR] [--max-tokens N]
-        [--max-test-tokens N] [--seed S] [--attackers freq,mlp,...] [--epochs E]
+        [--max-test-tokens N] [--seed S] [--attackers freq,mlp,...] [--epochs E] [--seq-epochs E]
         [--diverge-steps N] [--edge D=DIR ...]
     splitspec diverge --model DIR --out DIR --edge-layers 2,2 [--rank R] [--steps N] [--seed S]
 
@@ -64,7 +64,11 @@ def _run_audit(args: argparse.Namespace) -> int:
         max_test_tokens=_positive("--max-test-tokens", args.max_test_tokens),
         seed=args.seed,
         attackers=attackers,
-        train=TrainConfig(epochs=_positive("--epochs", args.epochs), seed=args.seed),
+        train=TrainConfig(
+            epochs=_positive("--epochs", args.epochs),
+            seq_epochs=_positive("--seq-epochs", args.seq_epochs),
+            seed=args.seed,
+        ),
         diverge_steps=max(0, args.diverge_steps),
         edges=tuple(parse_edge(e) for e in args.edge or []),
     )
@@ -128,12 +132,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     audit.add_argument("--max-test-tokens", type=int, default=6_000, help="test token cap (default 6000)")
     audit.add_argument("--window", type=int, default=128, help="tokens per window (default 128)")
     audit.add_argument("--seed", type=int, default=0, help="document split / training / bootstrap seed")
-    audit.add_argument("--attackers", help="comma list (default all): freq,freq-pos,nn-embed,mlp,bigru,stock-tail")
-    audit.add_argument("--epochs", type=int, default=3, help="training epochs of the learned inverters")
+    audit.add_argument(
+        "--attackers", help="comma list (default all): freq,freq-pos,nn-embed,mlp,bigru,search,stock-tail"
+    )
+    audit.add_argument("--epochs", type=int, default=3, help="training epochs of the MLP inverter (default 3)")
+    audit.add_argument("--seq-epochs", type=int, default=6, help="training epochs of the GRU inverter (default 6)")
     audit.add_argument(
         "--diverge-steps",
         type=int,
-        default=60,
+        default=100,
         help="LoRA steps per diverged edge (one per depth d with a valid d,d split); 0 = stock only",
     )
     audit.add_argument(

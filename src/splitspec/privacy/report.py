@@ -109,7 +109,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         "Attackers: `nn-embed` cosine nearest row of the public embedding; `mlp` the paper's per-token "
         "MLP inverter; `bigru` a sequence-aware bidirectional GRU over the window; `search` (input side) "
-        "white-box inversion with the published edge layers: the stock-trained MLP proposes "
+        "white-box inversion with the published edge layers: the stock-trained GRU (MLP if no GRU) proposes "
         f"{results['config']['search_candidates']} candidates per position, the published layers recompute "
         "h_d for each after the already-decoded prefix, the closest (cosine) wins; `stock-tail` the "
         "published last d layers + norm + LM head applied to the returned state (reads position j-1, "

@@ -1,0 +1,83 @@
+"""Are the edge's weights the published ones? The edge refuses to run them silently.
+
+Hidden states a few layers from the embedding are close to plaintext for anyone who holds the
+same weights. With stock public edge weights, an untrusted cloud can rebuild (activation, token)
+pairs at will, so splitspec treats stock edge weights as a conscious choice:
+
+* with ``published_model_dir`` the edge layers are compared tensor by tensor with the published
+  checkpoint;
+* otherwise the checkpoint must carry a divergence record (``splitspec_edge.json``, written by
+  ``splitspec diverge``) whose fingerprint matches the edge tensors actually loaded and differs
+  from the published fingerprint. A checkpoint without a valid record counts as stock.
+
+Stock weights raise :class:`~splitspec.exceptions.ConfigError` unless explicitly allowed; then the
+client warns at every session.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitspec.exceptions import ConfigError
+from splitspec.models.split import SplitPlan
+from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
+
+log = logging.getLogger(__name__)
+
+EDGE_RECORD = "splitspec_edge.json"  # divergence record inside a diverged checkpoint directory
+
+
+@dataclass(frozen=True)
+class EdgeProvenance:
+    stock: bool  # the edge runs (or cannot prove it does not run) the published edge weights
+    reason: str  # how that was decided, for logs and errors
+
+
+def edge_provenance(model_dir: Path, plan: SplitPlan, published_model_dir: Path | None) -> EdgeProvenance:
+    """Decide whether ``model_dir``'s edge weights are the published ones."""
+    if published_model_dir is not None:
+        report = edge_weight_report(model_dir, published_model_dir, plan)
+        if report.is_stock:
+            return EdgeProvenance(True, f"edge layers equal those of {published_model_dir}")
+        if report.stock_layers:
+            log.warning("edge layers %s are still the published ones", report.stock_layers)
+        return EdgeProvenance(
+            False, f"edge layers differ from {published_model_dir} (max relative {report.max_relative_difference:.3g})"
+        )
+    record_path = model_dir / EDGE_RECORD
+    if not record_path.is_file():
+        return EdgeProvenance(True, f"no divergence record ({EDGE_RECORD}) in {model_dir}")
+    try:
+        record = json.loads(record_path.read_text())
+        recorded = str(record["fingerprint_sha256"])
+        published = str(record["published_fingerprint_sha256"])
+        head, tail = int(record["head"]), int(record["tail"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{record_path} is not a valid divergence record: {exc}") from None
+    if (head, tail) != (plan.head, plan.tail):
+        return EdgeProvenance(
+            True, f"the divergence record is for edge layers {head},{tail}, not {plan.head},{plan.tail}"
+        )
+    actual = edge_fingerprint(model_dir, plan)
+    if actual != recorded:
+        return EdgeProvenance(True, "the edge tensors do not match the divergence record's fingerprint")
+    if actual == published:
+        return EdgeProvenance(True, "the divergence record says these are the published weights")
+    return EdgeProvenance(False, f"diverged edge weights, fingerprint {actual[:16]}")
+
+
+def check_edge_weights(
+    model_dir: Path, plan: SplitPlan, published_model_dir: Path | None, allow_stock: bool
+) -> EdgeProvenance:
+    """Refuse stock edge weights unless ``allow_stock``; return the verdict."""
+    verdict = edge_provenance(model_dir, plan, published_model_dir)
+    if verdict.stock and not allow_stock:
+        raise ConfigError(
+            f"refusing to run stock public edge weights ({verdict.reason}): whoever holds the published "
+            "model can invert the hidden states the cloud sees. Run `splitspec diverge` to make private "
+            "edge weights, or pass --allow-stock-edge-weights to accept the risk."
+        )
+    return verdict

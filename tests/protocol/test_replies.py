@@ -1,0 +1,55 @@
+"""The shared error-reply policy of splitspec's servers (sans-I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from splitspec.exceptions import (
+    AuthenticationFailed,
+    BadTensor,
+    HandshakeMismatch,
+    ProtocolError,
+    UnexpectedMessage,
+)
+from splitspec.protocol.messages import Error, decode_message, encode_message
+from splitspec.protocol.replies import internal_error, is_fatal, refusal
+
+
+@dataclass
+class _Request:
+    seq: object = None
+    session_id: object = None
+
+
+@pytest.mark.parametrize(
+    ("exc", "ready", "fatal"),
+    [
+        (AuthenticationFailed("bad token"), True, True),
+        (HandshakeMismatch("other model"), True, True),
+        (BadTensor("bad ids"), True, False),
+        (BadTensor("bad ids"), False, True),  # before the handshake every refusal closes
+        (UnexpectedMessage("hello first"), False, True),
+    ],
+)
+def test_fatality(exc: ProtocolError, ready: bool, fatal: bool) -> None:
+    assert is_fatal(exc, ready=ready) is fatal
+    error = refusal(exc, None, ready=ready)
+    assert (error.code, error.message, error.fatal) == (exc.code, str(exc), fatal)
+
+
+def test_refusal_echoes_well_typed_ids_only() -> None:
+    error = refusal(BadTensor("x"), _Request(seq=7, session_id="s1"), ready=True)
+    assert (error.seq, error.session_id) == (7, "s1")
+    odd = refusal(BadTensor("x"), _Request(seq=True, session_id=3), ready=True)
+    assert (odd.seq, odd.session_id) == (None, None)
+    assert refusal(BadTensor("x"), None, ready=True).seq is None
+
+
+def test_internal_error_is_never_fatal_and_round_trips() -> None:
+    error = internal_error(ValueError("boom"), _Request(seq=3))
+    assert (error.code, error.fatal, error.seq) == ("server_error", False, 3)
+    assert "ValueError: boom" in error.message
+    decoded = decode_message(encode_message(error))
+    assert isinstance(decoded, Error) and decoded == error
