@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from splitspec.bench.cli import main as bench_main
+from splitspec.cli import main as bench_main
 
 EXPECTED_SPLIT_KEYS = {
     "mode",

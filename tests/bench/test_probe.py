@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from splitspec.bench.cli import main as bench_main
 from splitspec.bench.probe import ProbeConfig, ProbeReport, build_report, format_report, probe
+from splitspec.cli import main as bench_main
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge.client import StepStats

@@ -75,7 +75,7 @@ def test_standalone_module_end_to_end() -> None:
         env = dict(os.environ)
         src = str(Path(__file__).resolve().parents[2] / "src")
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, "-m", "splitspec.netem.cli", "netem", "--listen", "127.0.0.1:0"]
+        cmd = [sys.executable, "-m", "splitspec.cli", "netem", "--listen", "127.0.0.1:0"]
         cmd += ["--upstream", f"127.0.0.1:{upstream}", "--rtt-ms", "30"]
         proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
         try:

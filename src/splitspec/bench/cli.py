@@ -12,7 +12,7 @@ report (JSON, markdown, PNG plots)::
     splitspec bench benchmarks/scenarios/default.toml [--out DIR] [--quick]
 
 The main CLI wires both in with :func:`register`, which sets ``run=<function>`` on each subparser;
-``python -m splitspec.bench.cli probe ...`` runs them stand-alone.
+``splitspec probe ...`` and ``splitspec bench ...`` run them.
 """
 
 from __future__ import annotations
@@ -21,15 +21,13 @@ import argparse
 import asyncio
 import json
 import logging
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
-from splitspec.exceptions import ConfigError, SplitspecError
+from splitspec.exceptions import ConfigError
 from splitspec.models.split import parse_edge_layers
 
-__all__ = ["main", "register", "run_bench", "run_probe"]
+__all__ = ["register", "run_bench", "run_probe"]
 
 log = logging.getLogger(__name__)
 
@@ -197,22 +195,3 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``probe`` and ``bench`` subcommands, each with ``run=<function>``."""
     _add_probe(sub)
     _add_bench(sub)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point: ``python -m splitspec.bench.cli {probe,bench} ...``."""
-    parser = argparse.ArgumentParser(prog="splitspec")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        status: int = args.run(args)
-    except SplitspecError as exc:
-        log.error("%s: %s", type(exc).__name__, exc)
-        return 2
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ server listening on port 8765, and point the edge at port 9000::
         --jitter-ms 5 --bandwidth-mbit 100 --seed 1
 
 The main CLI wires this in with :func:`register`, which sets ``run=run`` on the subparser like the
-other subcommands; ``python -m splitspec.netem.cli netem ...`` runs it stand-alone.
+other subcommands; ``splitspec netem ...`` runs it.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
-from collections.abc import Sequence
 
 from splitspec.exceptions import ConfigError
 from splitspec.netem.emulator import NetemConfig, WanEmulator
 
-__all__ = ["build_config", "main", "parse_hostport", "register", "run"]
+__all__ = ["build_config", "parse_hostport", "register", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,18 +130,3 @@ def run(args: argparse.Namespace) -> int:
         logger.error("netem: %s", exc)
         return 1
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point: ``python -m splitspec.netem.cli netem --upstream ...``."""
-    parser = argparse.ArgumentParser(prog="splitspec")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    register(subparsers)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    status: int = args.run(args)
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())
