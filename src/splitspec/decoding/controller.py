@@ -83,7 +83,7 @@ class SpeculationController:
         self,
         drafters: Sequence[str],
         budgets: Sequence[int] = DEFAULT_BUDGETS,
-        prior_alpha: float = 0.5,  # optimistic-ish acceptance prior for untried depths
+        prior_alpha: float = 0.7,  # optimistic acceptance prior: untried drafters get tried
         prior_weight: float = 2.0,  # pseudo-observations behind that prior
         decay: float = 0.97,  # per-observation decay of every estimate
         probe_every: int = 24,  # sequential steps before a drafter is re-tried with a short draft
