@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from splitspec.privacy.cli import main as privacy_main
+from splitspec.cli import main as privacy_main
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "privacy"

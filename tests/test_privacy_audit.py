@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from splitspec.cli import main as splitspec_main
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_edge, load_full, load_trunk
+from splitspec.edge.provenance import check_edge_weights, edge_provenance
 from splitspec.privacy import cli
 from splitspec.privacy.activations import collect_layers, stock_tail_top5
 from splitspec.privacy.attackers import TrainConfig, whitebox_search_top5
@@ -161,7 +163,7 @@ def test_diverge_cli_writes_loadable_private_edge(make_checkpoint: Callable[...,
     directory = make_checkpoint("llama", layers=6)
     corpus = write_corpus(tmp_path / "corpus")
     out = tmp_path / "edge"
-    rc = cli.main(
+    rc = splitspec_main(
         [
             *("diverge", "--model", str(directory), "--out", str(out), "--edge-layers", "1,1", "--steps", "3"),
             *("--corpus", str(corpus), "--rank", "4"),
@@ -178,6 +180,9 @@ def test_diverge_cli_writes_loadable_private_edge(make_checkpoint: Callable[...,
     assert edge.hidden_size == 64
     # Only edge layers changed: the trunk is still the published one.
     assert edge_weight_report(out / "checkpoint", directory, SplitPlan(6, 3, 2)).stock_layers == [1, 2, 4]
+    # the edge client accepts the diverged checkpoint without --allow-stock-edge-weights
+    assert not check_edge_weights(out / "checkpoint", plan, None, allow_stock=False).stock
+    assert edge_provenance(out / "checkpoint", SplitPlan(6, 2, 2), None).stock  # record made for 1,1
 
 
 def test_cli_rejects_bad_input(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
@@ -186,7 +191,7 @@ def test_cli_rejects_bad_input(make_checkpoint: Callable[..., Path], tmp_path: P
     with pytest.raises(ConfigError, match="DEPTH=CHECKPOINT_DIR"):
         cli.parse_edge("2:dir")
     directory = make_checkpoint("llama", layers=6)
-    rc = cli.main(["audit", "--model", str(directory), "--depths", "5", "--out", str(tmp_path / "a")])
+    rc = splitspec_main(["audit", "--model", str(directory), "--depths", "5", "--out", str(tmp_path / "a")])
     assert rc == 2  # depth 5 leaves nothing for the other side in a 6-layer model
     with pytest.raises(ConfigError, match="unknown attackers"):
         AuditConfig(model_dir=directory, out_dir=tmp_path, depths=(1,), attackers=("oracle",))

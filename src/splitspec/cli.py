@@ -291,6 +291,12 @@ def _register_fed(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     register(sub)
 
 
+def _register_privacy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from splitspec.privacy.cli import register
+
+    register(sub)
+
+
 REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _register_cloud,
     _register_generate,
@@ -299,6 +305,7 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     _register_chat,
     _register_bench,
     _register_fed,
+    _register_privacy,
 ]
 
 

@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 
-from splitspec.exceptions import ConfigError, SplitspecError
+from splitspec.exceptions import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -164,20 +162,3 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     div.add_argument("--seed", type=int, default=0, help="seed")
     div.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     div.set_defaults(run=_run_diverge)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point: ``python -m splitspec.privacy.cli {audit,diverge} ...``."""
-    parser = argparse.ArgumentParser(prog="splitspec")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    try:
-        return int(args.run(args))
-    except SplitspecError as exc:
-        log.error("%s", exc)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -46,6 +46,12 @@ def _series_table(results: dict[str, Any], metric: str) -> list[str]:
     return lines
 
 
+def _name(column: str) -> str:
+    """A series column ("cond|attacker|side|depth") in a form that does not break a markdown table."""
+    cond, attacker, side, depth = column.split("|")
+    return f"{cond} {attacker} {side} d={depth}" if side != "-" else attacker
+
+
 def _tests_table(tests: list[dict[str, Any]], family: str, metric: str) -> list[str]:
     lines = [
         "| A | B | rate A | rate B | A - B (doc-bootstrap 95%) | only A / only B | exact McNemar p | Holm p | sig. |",
@@ -56,10 +62,42 @@ def _tests_table(tests: list[dict[str, Any]], family: str, metric: str) -> list[
             continue
         lo, hi = t["bootstrap95"]
         lines.append(
-            f"| {t['a']} | {t['b']} | {100 * t['rate_a']:.1f} | {100 * t['rate_b']:.1f} | "
+            f"| {_name(t['a'])} | {_name(t['b'])} | {100 * t['rate_a']:.1f} | {100 * t['rate_b']:.1f} | "
             f"{100 * t['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {t['only_a']} / {t['only_b']} | "
             f"{t['p_exact_mcnemar']:.2g} | {t['p_holm']:.2g} | {'yes' if t['significant'] else 'no'} |"
         )
+    return lines
+
+
+def _headline(results: dict[str, Any]) -> list[str]:
+    """Best attacker per condition, side and depth, and which depth differences are significant."""
+    best: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for s in results["series"]:
+        if s["depth"] > 0:
+            key = (s["condition"], s["side"], s["depth"])
+            if key not in best or s["top1"]["rate"] > best[key]["top1"]["rate"]:
+                best[key] = s
+    freq = next((s for s in results["series"] if s["attacker"] == "freq"), None)
+    lines = ["## Headline", ""]
+    if freq is not None:
+        lines.append(f"Frequency prior (the floor): top-1 {_fmt(freq['top1'])}, top-5 {_fmt(freq['top5'])}.")
+        lines.append("")
+    lines += ["| condition | side | depth | best attacker | top-1 | top-5 |", "|---|---|---|---|---|---|"]
+    order = {"stock": 0, "diverged/non-adaptive": 1, "diverged/adaptive": 2}
+    for (cond, side, d), s in sorted(best.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1], kv[0][2])):
+        lines.append(f"| {cond} | {side} | {d} | {s['attacker']} | {_fmt(s['top1'])} | {_fmt(s['top5'])} |")
+    adjacent = [t for t in results["tests"] if t["family"] == "adjacent depths" and t["metric"] == "top1"]
+    parts = []
+    for cond in sorted({t["a"].split("|")[0] for t in adjacent}, key=lambda c: order.get(c, 9)):
+        mine = [t for t in adjacent if t["a"].startswith(cond + "|")]
+        parts.append(f"{cond}: {sum(bool(t['significant']) for t in mine)} of {len(mine)}")
+    lines += [
+        "",
+        "Adjacent-depth differences in top-1 recovery significant after Holm correction - "
+        + "; ".join(parts)
+        + " (details under Paired tests).",
+        "",
+    ]
     return lines
 
 
@@ -84,6 +122,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "Rates are % of test tokens, with Wilson 95% intervals (tokens treated as independent; "
         "the document-clustered bootstrap below is the honest interval for differences).",
         "",
+        *_headline(results),
         "## Baselines",
         "",
         "| attacker | top-1 | top-5 |",
@@ -110,7 +149,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "Attackers: `nn-embed` cosine nearest row of the public embedding; `mlp` the paper's per-token "
         "MLP inverter; `bigru` a sequence-aware bidirectional GRU over the window; `search` (input side) "
         "white-box inversion with the published edge layers: the stock-trained GRU (MLP if no GRU) proposes "
-        f"{results['config']['search_candidates']} candidates per position, the published layers recompute "
+        f"{results['config'].get('search_candidates', '?')} candidates per position, the published layers recompute "
         "h_d for each after the already-decoded prefix, the closest (cosine) wins; `stock-tail` the "
         "published last d layers + norm + LM head applied to the returned state (reads position j-1, "
         "guesses token j: what the edge is about to emit). Conditions: `stock` edge = published weights; "
@@ -171,6 +210,19 @@ def render_markdown(results: dict[str, Any]) -> str:
         "### Attacker vs frequency prior (top-1)",
         "",
         *_tests_table(tests, "attacker vs frequency prior", "top1"),
+        "",
+        "## Caveats",
+        "",
+        "- `stock-tail` guesses the *next* token from the state at the previous position; with stock weights "
+        "it is the model's own greedy prediction, so it does not depend on depth. The other attackers guess "
+        "the token at the position itself.",
+        "- When d = L - d the two sides are the same stream h_d (shared rows in the tables). A diverged edge "
+        "needs a (d, d) split that leaves a trunk; depths without one are marked n/a.",
+        "- Learned inverters only output tokens seen in attacker-train; `search` only finds tokens among its "
+        "candidates, so its stock-weight recovery measures the candidates' recall (with the true token among "
+        "them, the published layers reproduce h_d exactly).",
+        "- The model is a small demo model; absolute rates do not transfer to large models. The comparisons "
+        "(depth, stock vs diverged, adaptive vs not) are the point.",
         "",
         "Per-token outcomes: `outcomes.csv.gz` (rank of the true token in each series' top-5, 0 = miss); "
         "`splitspec.privacy.audit.load_outcomes` reads it back for re-testing.",
