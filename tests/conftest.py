@@ -107,7 +107,5 @@ def local_model(directory: Path) -> torch.nn.Module:
 def local_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     model = local_model(directory)
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
-        )
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return list(out[0, len(prompt) :].tolist())

@@ -41,9 +41,7 @@ async def run(
     """``auto`` runs the adaptive controller; a single drafter always drafts ``budget`` tokens."""
     generator = torch.Generator().manual_seed(seed)
     drafters = make_drafters(mode, params, draft, generator)
-    policy: SpeculationPolicy = (
-        SpeculationController(list(drafters)) if mode == "auto" else FixedPolicy(mode, budget)
-    )
+    policy: SpeculationPolicy = SpeculationController(list(drafters)) if mode == "auto" else FixedPolicy(mode, budget)
     out = speculative_decode(LocalSequence(model), prompt, n, params, generator, drafters, policy, trace=trace)
     return [t async for t in out]
 
@@ -110,8 +108,10 @@ async def test_speculative_sampling_keeps_the_model_law(make_checkpoint: Callabl
         seq = LocalSequence(model)
         p1 = probabilities(seq.run(prompt)[-1], params.temperature, params.top_p)
         p2 = torch.stack(
-            [probabilities(LocalSequence(model).run([*prompt, t])[-1], params.temperature, params.top_p)
-             for t in range(16)]
+            [
+                probabilities(LocalSequence(model).run([*prompt, t])[-1], params.temperature, params.top_p)
+                for t in range(16)
+            ]
         )
     joint = p1[:, None] * p2  # (16, 16)
     n = 2500

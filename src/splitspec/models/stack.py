@@ -208,9 +208,7 @@ def _load_ends(
     return embed, norm, lm_head
 
 
-def load_edge(
-    ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype, attn_implementation: str = "sdpa"
-) -> EdgeModel:
+def load_edge(ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype, attn_implementation: str = "sdpa") -> EdgeModel:
     """The edge's piece: embedding, head and tail layers, final norm, LM head. No trunk tensor is read."""
     config = prepare_config(ckpt.config, attn_implementation)
     embed, norm, lm_head = _load_ends(ckpt, config, dtype)
