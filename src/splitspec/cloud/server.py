@@ -22,12 +22,9 @@ from splitspec import __version__
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.sessions import SessionStore
 from splitspec.exceptions import (
-    AuthenticationFailed,
     BadTensor,
-    HandshakeMismatch,
     PositionOutOfRange,
     ProtocolError,
-    ServerError,
     UnexpectedMessage,
 )
 from splitspec.models.checkpoint import Checkpoint, fingerprint
@@ -38,7 +35,6 @@ from splitspec.models.stack import dtype_from_name, load_trunk
 from splitspec.protocol.messages import (
     CacheCommand,
     CloseSession,
-    Error,
     Hello,
     Message,
     OpenSession,
@@ -50,6 +46,7 @@ from splitspec.protocol.messages import (
     decode_message,
     encode_message,
 )
+from splitspec.protocol.replies import internal_error, refusal
 from splitspec.protocol.state import ServerConnection, TrunkIdentity
 from splitspec.transport.server import FrameServer
 
@@ -206,18 +203,12 @@ class _TrunkPeer:
             reply = await self._dispatch(message)
             return encode_message(reply), False
         except ProtocolError as exc:
-            fatal = isinstance(exc, (AuthenticationFailed, HandshakeMismatch)) or not self.state.ready
+            error = refusal(exc, message, ready=self.state.ready)
             log.info("connection %d (%s): refused %s: %s", self.conn_id, self.remote, exc.code, exc)
-            return self._error(exc, message, fatal), fatal
+            return encode_message(error), error.fatal
         except Exception as exc:  # a bug of ours: report it, keep serving
             log.exception("connection %d: step failed", self.conn_id)
-            return self._error(ServerError(f"{type(exc).__name__}: {exc}"), message, False), False
-
-    @staticmethod
-    def _error(exc: ProtocolError, message: Message | None, fatal: bool) -> bytes:
-        session_id = getattr(message, "session_id", None)
-        seq = getattr(message, "seq", None)
-        return encode_message(Error(code=exc.code, message=str(exc), session_id=session_id, seq=seq, fatal=fatal))
+            return encode_message(internal_error(exc, message)), False
 
     async def _dispatch(self, message: Message) -> Message:
         server = self.server
