@@ -78,7 +78,8 @@ def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subpro
     assert result["token_ids"] == local_greedy(model, ids, 8)
     assert isinstance(result["text"], str)
     step = result["steps"][-1]
-    assert step["query_tokens"] == 1 and step["bytes_up"] > 64 * 4 and step["cloud_ms"] > 0
+    # --speculate auto (the default) may verify several tokens per step: hidden states are 64 floats each
+    assert step["query_tokens"] >= 1 and step["bytes_up"] > 64 * 4 * step["query_tokens"] and step["cloud_ms"] > 0
     assert "STOCK public edge weights" in out.stderr  # allowed, but never silently
     plain = subprocess.run(
         edge_cmd("generate", model, port, *common), capture_output=True, text=True, timeout=120, check=True
