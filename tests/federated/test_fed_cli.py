@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from splitspec.federated.cli import main
+from splitspec.cli import main
 
 
 def _free_port() -> int:
@@ -28,7 +28,7 @@ def worker_url(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Te
     token.write_text("s3cret\n")
     port = _free_port()
     model = make_checkpoint("llama", layers=2, logit_scale=6.0)
-    cmd = [sys.executable, "-m", "splitspec.federated.cli", "fed", "worker", "--model", str(model)]
+    cmd = [sys.executable, "-m", "splitspec.cli", "fed", "worker", "--model", str(model)]
     proc = subprocess.Popen(
         [*cmd, "--port", str(port), "--token-file", str(token)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -48,7 +47,7 @@ from splitspec.protocol.messages import (
 )
 from splitspec.protocol.replies import internal_error, refusal
 from splitspec.protocol.state import ServerConnection, TrunkIdentity
-from splitspec.transport.server import FrameServer
+from splitspec.transport.server import FrameServer, run_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -238,10 +237,4 @@ class _TrunkPeer:
 
 async def serve_forever(config: CloudConfig) -> None:
     """Run a trunk server until SIGINT or SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with TrunkServer(config):
-        await stop.wait()
-    log.info("trunk server stopped")
+    await run_until_signalled(TrunkServer(config), "trunk server")

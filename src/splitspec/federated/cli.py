@@ -7,7 +7,7 @@
         [--prompt TEXT] [--json] [--audit]
 
 The main CLI wires this in with :func:`register`; each subparser sets ``run`` to a function
-``(args) -> int``. ``python -m splitspec.federated.cli fed ...`` runs it stand-alone.
+``(args) -> int``. ``splitspec fed ...`` runs it.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ import asyncio
 import json
 import logging
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from splitspec.cli import read_token_file
-from splitspec.exceptions import ConfigError, SplitspecError
+from splitspec.exceptions import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -146,26 +145,3 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--json", action="store_true", help="print tokens, text and per-round figures as JSON")
     g.add_argument("--audit", action="store_true", help="workers also send full laws: check the bounds each round")
     g.set_defaults(run=_run_generate)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point: ``python -m splitspec.federated.cli fed {worker,generate} ...``."""
-    parser = argparse.ArgumentParser(prog="splitspec")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("websockets").setLevel(logging.WARNING)
-    try:
-        code: int = args.run(args)
-        return code
-    except KeyboardInterrupt:
-        return 130
-    except SplitspecError as exc:
-        log.error("%s: %s", type(exc).__name__, exc)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

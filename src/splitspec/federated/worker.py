@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from splitspec.protocol.fed import (
 )
 from splitspec.protocol.frames import peek_type
 from splitspec.protocol.replies import internal_error, refusal
-from splitspec.transport.server import FrameServer
+from splitspec.transport.server import FrameServer, run_until_signalled
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +224,5 @@ class _WorkerPeer:
 
 
 async def serve_forever(config: WorkerConfig) -> None:
-    """Run a worker until SIGINT or SIGTERM."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with FedWorker(config):
-        await stop.wait()
-    log.info("fed worker stopped")
+    """Run a fed worker until SIGINT or SIGTERM."""
+    await run_until_signalled(FedWorker(config), "fed worker")

@@ -37,14 +37,7 @@ from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_full
 from splitspec.privacy import attackers as atk
 from splitspec.privacy.activations import collect_layers, stock_tail_top5
-from splitspec.privacy.corpus import (
-    DEFAULT_CORPUS,
-    Windows,
-    load_documents,
-    make_windows,
-    split_documents,
-    tokenize_documents,
-)
+from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
 from splitspec.privacy.diverge import DivergeConfig, diverge
 from splitspec.privacy.stats import cluster_bootstrap_diff, mcnemar_exact, wilson_interval
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
@@ -127,7 +120,6 @@ def _depth_plans(n_layers: int, depths: tuple[int, ...]) -> None:
 
 def run_audit(config: AuditConfig) -> dict[str, object]:
     """Collect activations, run every attacker in every condition, write the report files."""
-    from transformers import AutoTokenizer
 
     from splitspec.privacy.report import write_report
 
@@ -137,26 +129,16 @@ def run_audit(config: AuditConfig) -> dict[str, object]:
     n_layers = int(ckpt.config.num_hidden_layers)
     depths = tuple(sorted(set(config.depths)))
     _depth_plans(n_layers, depths)
-    tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
-    bos = ckpt.config.bos_token_id if ckpt.config.bos_token_id is not None else tokenizer.bos_token_id
-    if bos is None:
-        raise ConfigError(f"{config.model_dir} defines no BOS token")
-
-    split = split_documents(load_documents(config.corpus_dir), config.test_fraction, config.seed)
-    train = make_windows(
-        tokenize_documents(tokenizer, split.train),
-        [d.doc_id for d in split.train],
-        config.window,
-        config.max_train_tokens,
-        int(bos),
+    corpus = corpus_windows(
+        config.model_dir,
+        config.corpus_dir,
+        test_fraction=config.test_fraction,
+        seed=config.seed,
+        window=config.window,
+        max_train_tokens=config.max_train_tokens,
+        max_test_tokens=config.max_test_tokens,
     )
-    test = make_windows(
-        tokenize_documents(tokenizer, split.test),
-        [d.doc_id for d in split.test],
-        config.window,
-        config.max_test_tokens,
-        int(bos),
-    )
+    split, train, test = corpus.split, corpus.train, corpus.test
     train_targets, targets = train.tokens[:, 1:], test.tokens[:, 1:]
     offsets = np.arange(config.window)
     train_pos, test_pos = train.start[:, None] + offsets, test.start[:, None] + offsets

@@ -135,3 +135,38 @@ def tokenize_documents(tokenizer: object, docs: tuple[Document, ...]) -> list[li
         ids = tokenizer(d.text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
         out.append([int(t) for t in ids])
     return out
+
+
+@dataclass(frozen=True)
+class CorpusWindows:
+    """A corpus split by document and cut into windows for one model's tokenizer."""
+
+    split: DocSplit
+    train: Windows
+    test: Windows
+
+
+def corpus_windows(
+    model_dir: Path,
+    corpus_dir: Path,
+    *,
+    test_fraction: float,
+    seed: int,
+    window: int,
+    max_train_tokens: int,
+    max_test_tokens: int,
+) -> CorpusWindows:
+    """Split ``corpus_dir`` by document, tokenise with ``model_dir``'s tokenizer, cut both sides into windows."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
+    if bos is None:
+        raise ConfigError(f"{model_dir} defines no BOS token")
+    split = split_documents(load_documents(corpus_dir), test_fraction, seed)
+
+    def windows(docs: tuple[Document, ...], max_tokens: int) -> Windows:
+        return make_windows(tokenize_documents(tokenizer, docs), [d.doc_id for d in docs], window, max_tokens, int(bos))
+
+    return CorpusWindows(split, windows(split.train, max_train_tokens), windows(split.test, max_test_tokens))

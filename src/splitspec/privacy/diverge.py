@@ -40,14 +40,7 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import FullModel, load_full
 from splitspec.privacy.activations import residual_stream, run_layers
-from splitspec.privacy.corpus import (
-    DEFAULT_CORPUS,
-    Windows,
-    load_documents,
-    make_windows,
-    split_documents,
-    tokenize_documents,
-)
+from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 
 log = logging.getLogger(__name__)
@@ -174,32 +167,22 @@ def write_checkpoint(published_dir: Path, out_dir: Path, replacements: dict[str,
 
 def diverge(config: DivergeConfig) -> DivergeResult:
     """Fine-tune the edge layers of ``config.model_dir`` and write the diverged checkpoint."""
-    from transformers import AutoTokenizer
 
     t0 = time.monotonic()
     torch.manual_seed(config.seed)
     ckpt = Checkpoint(config.model_dir)
     n_layers = int(ckpt.config.num_hidden_layers)
     plan = SplitPlan(n_layers, config.head, config.tail)
-    tokenizer = AutoTokenizer.from_pretrained(config.model_dir, local_files_only=True)
-    bos = ckpt.config.bos_token_id if ckpt.config.bos_token_id is not None else tokenizer.bos_token_id
-    if bos is None:
-        raise ConfigError(f"{config.model_dir} defines no BOS token")
-    split = split_documents(load_documents(config.corpus_dir), config.test_fraction, config.seed)
-    train = make_windows(
-        tokenize_documents(tokenizer, split.train),
-        [d.doc_id for d in split.train],
-        config.window,
-        config.max_train_tokens,
-        int(bos),
+    corpus = corpus_windows(
+        config.model_dir,
+        config.corpus_dir,
+        test_fraction=config.test_fraction,
+        seed=config.seed,
+        window=config.window,
+        max_train_tokens=config.max_train_tokens,
+        max_test_tokens=config.max_eval_tokens,
     )
-    test = make_windows(
-        tokenize_documents(tokenizer, split.test),
-        [d.doc_id for d in split.test],
-        config.window,
-        config.max_eval_tokens,
-        int(bos),
-    )
+    train, test = corpus.train, corpus.test
 
     stock = load_full(Checkpoint(config.model_dir), torch.float32)
     model = load_full(Checkpoint(config.model_dir), torch.float32)

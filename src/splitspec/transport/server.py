@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import signal
 from collections.abc import Callable
 from typing import Protocol
 
@@ -77,3 +80,14 @@ class FrameServer:
             pass
         finally:
             await peer.closed()
+
+
+async def run_until_signalled(server: contextlib.AbstractAsyncContextManager[object], name: str) -> None:
+    """Serve inside ``server``'s context until SIGINT or SIGTERM, then leave it cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+    log.info("%s stopped", name)
