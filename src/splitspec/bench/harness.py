@@ -731,7 +731,8 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
     fig = Figure(figsize=(7.0, 4.5), dpi=110)
     ax = fig.add_subplot()
     groups = summary["split"]
-    colors = ["tab:blue", "tab:orange", "tab:purple", "tab:brown"]
+    # one distinct colour per mode (baselines use black / green / red lines)
+    colors = ["tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray"]
     max_rtt = max([g["measured_rtt_ms"] for g in groups] + [1.0])
     xs = np.linspace(0.0, max_rtt * 1.05, 200)
     for i, mode in enumerate(summary["scenario"]["modes"]):
@@ -763,9 +764,11 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
     fig.savefig(path)
     paths.append(path)
 
-    fig = Figure(figsize=(7.0, 4.5), dpi=110)
+    many = len(groups) > 8  # many bars: one-line labels, turned upright, on a wider figure
+    fig = Figure(figsize=(max(7.0, 0.45 * len(groups)), 5.0 if many else 4.5), dpi=110)
     ax = fig.add_subplot()
-    labels = [f"{g['mode']}\n{g['rtt_ms']:g} ms" for g in groups]
+    sep = " " if many else "\n"
+    labels = [f"{g['mode']}{sep}{g['rtt_ms']:g} ms" for g in groups]
     bottom = np.zeros(len(groups))
     rtt = np.array([g["measured_rtt_ms"] for g in groups])
     parts = {
@@ -781,6 +784,8 @@ def write_plots(summary: dict[str, Any], out_dir: Path) -> list[Path]:
     for label, (color, vals) in parts.items():
         ax.bar(labels, vals, bottom=bottom, color=color, label=label)
         bottom += vals
+    if many:
+        ax.tick_params(axis="x", labelrotation=90, labelsize=8)
     ax.set_ylabel("median per decode step (ms)")
     ax.set_title("per decode step: RTT and fixed overhead (medians)")
     ax.legend(fontsize=8)
