@@ -106,6 +106,8 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         dtype=args.dtype,
         torch_threads=args.threads,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
     )
     asyncio.run(serve_forever(config))
     return 0
@@ -121,6 +123,8 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session is dropped")
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (default 64)")
     p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve wss:// (TLS)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     p.set_defaults(run=_run_cloud_serve)
 
 
@@ -164,7 +168,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
     """Arguments of every edge-side command that talks to a trunk server."""
     _add_split_args(p)
-    p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765")
+    p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765 or wss://HOST:PORT")
+    p.add_argument("--tls-ca", type=Path, help="PEM CA bundle to verify a wss:// server (default: system store)")
     p.add_argument("--max-new-tokens", type=int, default=64, help=f"{tokens_help} (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
@@ -193,6 +198,7 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         draft_model_dir=args.draft_model,
         allow_stock_edge_weights=args.allow_stock_edge_weights,
         published_model_dir=args.published_model,
+        tls_ca_file=args.tls_ca,
     )
 
 

@@ -13,6 +13,8 @@ class CloudConfig:
     host: str = "127.0.0.1"  # interface to listen on
     port: int = 8765  # TCP port; 0 picks a free one
     auth_token: str | None = None  # shared secret required in the Hello; None = no auth
+    tls_cert_file: Path | None = None  # PEM certificate chain: serve wss:// (TLS) instead of ws://
+    tls_key_file: Path | None = None  # PEM private key of tls_cert_file
     session_ttl_s: float = 300.0  # idle seconds before a session's cache is dropped
     max_sessions: int = 64  # concurrent sessions across all connections
     max_message_bytes: int = 16 * 1024 * 1024  # largest accepted frame, bytes

@@ -22,6 +22,7 @@ from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.sessions import SessionStore
 from splitspec.exceptions import (
     BadTensor,
+    ConfigError,
     PositionOutOfRange,
     ProtocolError,
     UnexpectedMessage,
@@ -47,7 +48,7 @@ from splitspec.protocol.messages import (
 )
 from splitspec.protocol.replies import internal_error, refusal
 from splitspec.protocol.state import ServerConnection, TrunkIdentity
-from splitspec.transport.server import FrameServer, run_until_signalled
+from splitspec.transport.server import FrameServer, run_until_signalled, server_tls
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,15 @@ class TrunkServer:
         # each connection handles its messages in order, so one session never runs two steps at
         # once; different sessions compute in parallel (torch releases the GIL in its kernels)
         self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")
-        self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes)
+        tls = None
+        if (config.tls_cert_file is None) != (config.tls_key_file is None):
+            raise ConfigError("TLS needs both a certificate and a key file")
+        if config.tls_cert_file is not None and config.tls_key_file is not None:
+            tls = server_tls(config.tls_cert_file, config.tls_key_file)
+        elif config.auth_token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("the shared secret and all hidden states travel unencrypted: serve TLS (--tls-cert/--tls-key)")
+        self.scheme = "ws" if tls is None else "wss"
+        self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes, tls)
         self._sweeper: asyncio.Task[None] | None = None
         self._connection_ids = itertools.count()
 
@@ -86,7 +95,7 @@ class TrunkServer:
 
     @property
     def url(self) -> str:
-        return f"ws://{self.config.host}:{self.port}"
+        return f"{self.scheme}://{self.config.host}:{self.port}"
 
     async def start(self) -> None:
         await self._frames.start()

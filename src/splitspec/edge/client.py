@@ -181,7 +181,10 @@ class SplitClient:
         """Connect, handshake and open a session."""
         cfg = self.config
         self._channel = await Channel.connect(
-            cfg.cloud_url, max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.connect_timeout_s
+            cfg.cloud_url,
+            max_message_bytes=cfg.max_message_bytes,
+            timeout_s=cfg.connect_timeout_s,
+            ca_file=cfg.tls_ca_file,
         )
         try:
             welcome, _ = await self._channel.request(self.hello, cfg.request_timeout_s)

@@ -9,7 +9,8 @@ from pathlib import Path
 @dataclass(frozen=True)
 class EdgeConfig:
     model_dir: Path  # checkpoint directory; only edge tensors are read
-    cloud_url: str  # trunk server, e.g. ws://127.0.0.1:8765
+    cloud_url: str  # trunk server, e.g. ws://127.0.0.1:8765, or wss://host:port for TLS
+    tls_ca_file: Path | None = None  # PEM CA bundle to verify a wss:// server; None = system store
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
     dtype: str = "float32"  # compute and wire dtype; must equal the server's
     auth_token: str | None = None  # shared secret, if the server requires one

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.frames import CloseCode
 
-from splitspec.exceptions import MessageTooLarge, TransportError, error_from_code
+from splitspec.exceptions import ConfigError, MessageTooLarge, TransportError, error_from_code
 from splitspec.protocol.messages import Error, Message, decode_message, encode_message
 
 
@@ -42,17 +44,29 @@ class Channel:
         self.max_message_bytes = max_message_bytes
 
     @classmethod
-    async def connect(cls, url: str, *, max_message_bytes: int, timeout_s: float) -> Channel:
+    async def connect(
+        cls, url: str, *, max_message_bytes: int, timeout_s: float, ca_file: Path | None = None
+    ) -> Channel:
+        """Open a connection; ``wss://`` URLs use TLS, verified against ``ca_file`` or the system store."""
+        context: ssl.SSLContext | None = None
+        if url.startswith("wss://"):
+            try:
+                context = ssl.create_default_context(cafile=ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"cannot load TLS CA file {ca_file}: {exc}") from None
+        elif ca_file is not None:
+            raise ConfigError(f"a CA file was given but {url} is not a wss:// URL")
         try:
             ws = await connect(
                 url,
+                ssl=context,
                 max_size=websocket_max_size(max_message_bytes),
                 compression=None,  # tensors do not compress; deflate only costs time
                 open_timeout=timeout_s,
                 ping_interval=20,
                 ping_timeout=60,
             )
-        except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
+        except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:  # ssl.SSLError is an OSError
             raise TransportError(f"cannot connect to {url}: {exc}") from exc
         return cls(ws, max_message_bytes)
 

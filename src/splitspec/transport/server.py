@@ -6,12 +6,15 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
+from splitspec.exceptions import ConfigError
 from splitspec.transport.client import websocket_max_size
 
 log = logging.getLogger(__name__)
@@ -34,8 +37,10 @@ class FrameServer:
         host: str,
         port: int,
         max_message_bytes: int,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._factory = peer_factory
+        self._ssl = ssl_context
         self._host = host
         self._port = port
         self._max = max_message_bytes
@@ -50,6 +55,7 @@ class FrameServer:
             compression=None,
             ping_interval=20,
             ping_timeout=60,
+            ssl=self._ssl,
         )
 
     @property
@@ -80,6 +86,17 @@ class FrameServer:
             pass
         finally:
             await peer.closed()
+
+
+def server_tls(cert_file: Path, key_file: Path) -> ssl.SSLContext:
+    """A TLS context serving ``cert_file`` (PEM chain) with ``key_file``; clear errors for bad files."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"cannot load TLS certificate {cert_file} / key {key_file}: {exc}") from None
+    return context
 
 
 async def run_until_signalled(server: contextlib.AbstractAsyncContextManager[object], name: str) -> None:
