@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splitspec.models.masks import chain
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -31,12 +33,12 @@ class Verdict:
 
 
 def greedy_verify(draft: Sequence[int], target_logits: torch.Tensor) -> Verdict:
-    """target_logits (len(draft)+1, V): row i scores the token after draft[:i]."""
-    choices = target_logits.argmax(dim=-1).tolist()
-    accepted = 0
-    while accepted < len(draft) and draft[accepted] == choices[accepted]:
-        accepted += 1
-    return Verdict(accepted=accepted, next_token=int(choices[accepted]))
+    """target_logits (len(draft)+1, V): row i scores the token after draft[:i].
+
+    A linear draft is a one-branch tree: see :func:`greedy_verify_tree`.
+    """
+    verdict = greedy_verify_tree(draft, chain(len(draft)), target_logits)
+    return Verdict(accepted=len(verdict.path), next_token=verdict.next_token)
 
 
 def one_hot_draft(draft: Sequence[int], vocab_size: int) -> torch.Tensor:
@@ -57,21 +59,13 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def speculative_verify(
     draft: Sequence[int], draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator
 ) -> Verdict:
-    """Lossless speculative sampling.
+    """Lossless speculative sampling of a linear draft (the one-branch case of :func:`sample_verify_tree`).
 
     draft_probs (γ, V): q for each drafted position; target_probs (γ+1, V): p at each position,
     both after the same temperature / top-p transform.
     """
-    for i, token in enumerate(draft):
-        p_x, q_x = float(target_probs[i, token]), float(draft_probs[i, token])
-        # accept x ~ q with probability min(1, p(x) / q(x))
-        if q_x > 0 and torch.rand((), generator=generator).item() < min(1.0, p_x / q_x):
-            continue
-        # rejected: draw the replacement from norm(max(0, p - q))
-        replacement = torch.multinomial(residual(target_probs[i], draft_probs[i]), 1, generator=generator)
-        return Verdict(accepted=i, next_token=int(replacement))
-    bonus = torch.multinomial(target_probs[len(draft)], 1, generator=generator)
-    return Verdict(accepted=len(draft), next_token=int(bonus))
+    verdict = sample_verify_tree(draft, chain(len(draft)), draft_probs, target_probs, generator)
+    return Verdict(accepted=len(verdict.path), next_token=verdict.next_token)
 
 
 @dataclass(frozen=True)

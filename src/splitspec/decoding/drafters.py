@@ -24,6 +24,7 @@ import torch
 
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
+from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
 
 
@@ -203,7 +204,7 @@ class DraftModel:
                 qs.append(q)
                 if i + 1 < budget:
                     logits = self.sequence.run([tokens[-1]])[-1]
-            return Draft(tokens, list(range(-1, len(tokens) - 1)), torch.stack(qs))
+            return Draft(tokens, chain(len(tokens)), torch.stack(qs))
         branches = min(self.alternatives, budget // 4)  # side branches only when the budget allows
         main_len = budget - 2 * branches if branches else budget
         main, rows = self._greedy_chain(logits, main_len)

@@ -11,13 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import depths
+from splitspec.models.masks import chain, depths
 from splitspec.models.stack import FullModel
-
-
-def chain(q: int) -> list[int]:
-    """Parents of a plain sequence of q tokens: -1, 0, 1, ..."""
-    return list(range(-1, q - 1))
 
 
 class LocalSequence:

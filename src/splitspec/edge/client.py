@@ -21,7 +21,6 @@ import torch
 
 from splitspec.decoding.controller import SpeculationController
 from splitspec.decoding.generate import decode_sequential
-from splitspec.decoding.local import chain
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
 from splitspec.edge.config import EdgeConfig
@@ -36,7 +35,7 @@ from splitspec.exceptions import (
 )
 from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import depths
+from splitspec.models.masks import chain, depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, dtype_from_name, load_edge, load_full
 from splitspec.protocol.messages import (

@@ -12,6 +12,11 @@ from __future__ import annotations
 import torch
 
 
+def chain(q: int) -> list[int]:
+    """Parents of a plain sequence of q tokens: -1, 0, 1, ..."""
+    return list(range(-1, q - 1))
+
+
 def is_chain(parents: torch.Tensor) -> bool:
     """True when the step is a plain sequence: token i's parent is i - 1."""
     q = parents.shape[0]
