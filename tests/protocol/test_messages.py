@@ -148,8 +148,8 @@ def test_server_state_refuses_everything_before_hello() -> None:
     conn.admit(encode_message(HELLO))
     conn.accept_hello(HELLO)
     conn.admit(encode_message(OpenSession(request_id=1)))
-    with pytest.raises(UnexpectedMessage):
-        conn.admit(encode_message(HELLO))
+    with pytest.raises(UnexpectedMessage):  # a second handshake on the same connection
+        conn.accept_hello(HELLO)
 
 
 @pytest.mark.parametrize(

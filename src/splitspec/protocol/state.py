@@ -39,17 +39,23 @@ class ServerConnection:
         self.ready = False
 
     def admit(self, data: bytes) -> None:
-        """Refuse a frame before decoding it if the connection is not through its handshake yet."""
+        """Refuse a frame before decoding it if the connection is not through its handshake yet.
+
+        Once the handshake is done there is nothing to check here, so the hot path parses each
+        header only once (in the decoder); a second Hello is refused by :meth:`accept_hello`.
+        """
+        if self.ready:
+            return
         kind = peek_type(data)
-        if not self.ready and kind != Hello.TYPE:
+        if kind != Hello.TYPE:
             if self._auth_token is not None:
                 raise AuthenticationFailed("authenticate with a Hello before anything else")
             raise UnexpectedMessage(f"expected a Hello first, got {kind!r}")
-        if self.ready and kind == Hello.TYPE:
-            raise UnexpectedMessage("this connection has already completed its handshake")
 
     def accept_hello(self, hello: Hello) -> None:
         """Check auth and the pinned identity; raise a typed error on any mismatch."""
+        if self.ready:
+            raise UnexpectedMessage("this connection has already completed its handshake")
         if self._auth_token is not None and not (
             hello.auth_token is not None and hmac.compare_digest(hello.auth_token.encode(), self._auth_token.encode())
         ):
