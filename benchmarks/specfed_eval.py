@@ -4,17 +4,19 @@ Two workers (by default the demo ``base`` and ``draft`` models: two different LL
 tokenizer) score held-out documents teacher-forced; the drafter (default: ``draft``) provides the
 draft law q. For every temperature T, kept fraction K/|V| and reconstruction (renorm, residual),
 each worker's law p_i = softmax(logits / T) is cut to its top-K, sent through the real wire codec
-(varint ids, float16 probabilities), rebuilt and aggregated with equal weights. Per position:
+(exp-Golomb ids, quantized probabilities: :mod:`splitspec.federated.codec`), rebuilt and
+aggregated with equal weights. Per position:
 
 * Δ = ‖p − p̂‖₁ between the exact aggregate p and the rebuilt one p̂ (aggregation bias);
-* Σ w_i ε_i with ε_i the residual mass outside worker i's top-K;
-* the bound 2 Σ w_i (ε_i + η_i) (η_i: float16 quantization error of the kept values, ~1e-4);
-* α = Σ min(p, q), α̂ = Σ min(p̂, q) and the drift |α − α̂| against ½Δ;
-* bytes of the top-K payload per position and worker (stream + probabilities), against the
-  dense float32 law (4·|V| bytes).
+* Σ w_i ε_i with ε_i = ‖p_i − p̃_i‖₁ = τ_i + η_i: the tail mass τ_i outside worker i's top-K plus
+  the quantization error η_i of the kept values; Σ w_i τ_i alone as well;
+* the bound 2 Σ w_i ε_i;
+* α = Σ min(p, q), α̂ = Σ min(p̂, q) and the drift |α − α̂| against ½Δ and against Σ w_i ε_i;
+* bytes of the top-K bit stream per position and worker, quantized and with float16 values,
+  against the dense float16 law (2·|V| bytes).
 
-The bounds are checked at every position (float16 codec: Δ ≤ 2Σw(ε+η) and |α − α̂| ≤ ½Δ; float32
-codec: the paper's Δ ≤ 2Σwε itself) and the run fails if any is violated. Writes
+The bounds are checked at every position (quantized codec: Δ ≤ 2Σwε and |α − α̂| ≤ ½Δ; float32
+codec: the paper's Δ ≤ 2Σwτ with the bare tail mass) and the run fails if any is violated. Writes
 ``specfed_eval.json``, ``specfed_eval.md`` and PNG plots to ``benchmarks/results/specfed/``.
 
     python benchmarks/specfed_eval.py                         # demo models, ~2 minutes on 1 core
@@ -37,17 +39,10 @@ from typing import Any
 
 import torch
 
+from splitspec.federated.codec import decode_topk, encode_topk
 from splitspec.federated.lm import load_model
-from splitspec.federated.topk import (
-    TopKPolicy,
-    bound_report,
-    decode_topk,
-    encode_topk,
-    payload_bytes,
-    select_topk,
-    stream_to_words,
-)
-from splitspec.protocol.fed import FedScores, encode_fed
+from splitspec.federated.topk import TopKPolicy, bound_report, select_topk
+from splitspec.protocol.fed import SCORES_HEADER_SIZE
 
 log = logging.getLogger("specfed_eval")
 
@@ -84,14 +79,6 @@ def logits_of(model: Any, ids: list[int]) -> torch.Tensor:
     return out.logits[0, :-1].float()
 
 
-def frame_overhead(vocab: int, positions: int, k: int) -> int:
-    """Bytes of a whole FedScores frame minus its top-K payload, for ``positions`` positions."""
-    p = torch.softmax(torch.randn(positions, vocab), -1)
-    stream, probs = encode_topk(select_topk(p, TopKPolicy(k=k)))
-    reply = FedScores(1, positions, vocab, len(stream), stream_to_words(stream), probs, 12.5)
-    return len(encode_fed(reply)) - payload_bytes(stream, probs)
-
-
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     workers = [load_model(d) for d in args.worker]
     drafter = load_model(args.drafter)
@@ -108,10 +95,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
     keys = [(t, f, m) for t in TEMPERATURES for f in FRACTIONS for m in METHODS]
     acc: dict[tuple[float, float, str], dict[str, list[float]]] = {
-        key: {n: [] for n in ("delta", "weps", "bound", "alpha", "alpha_hat", "drift", "ratio", "dratio")}
+        key: {
+            n: [] for n in ("delta", "weps", "wtail", "bound", "alpha", "alpha_hat", "drift", "ratio", "dratio", "over")
+        }
         for key in keys
     }
     bytes_acc: dict[tuple[float, float], list[float]] = {(t, f): [] for t in TEMPERATURES for f in FRACTIONS}
+    f16_acc: dict[tuple[float, float], list[float]] = {(t, f): [] for t in TEMPERATURES for f in FRACTIONS}
     violations: dict[tuple[float, float, str], int] = dict.fromkeys(keys, 0)
     paper_violations: dict[tuple[float, float, str], int] = dict.fromkeys(keys, 0)
     examples: list[str] = []
@@ -129,11 +119,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 coded, exact = [], []
                 for law in laws:
                     topk = select_topk(law, TopKPolicy(k=k))
-                    stream, probs = encode_topk(topk, "float16")
-                    bytes_acc[(t, f)].append(payload_bytes(stream, probs) / law.shape[0])
-                    coded.append(decode_topk(stream, probs, law.shape[0], vocab))
-                    s32, p32 = encode_topk(topk, "float32")
-                    exact.append(decode_topk(s32, p32, law.shape[0], vocab))
+                    stream = encode_topk(law, topk, "quantized")
+                    bytes_acc[(t, f)].append(len(stream) / law.shape[0])
+                    f16_acc[(t, f)].append(len(encode_topk(law, topk, "float16")) / law.shape[0])
+                    coded.append(decode_topk(stream, law.shape[0], vocab))
+                    exact.append(decode_topk(encode_topk(law, topk, "float32"), law.shape[0], vocab))
                 for m in METHODS:
                     rep = bound_report(laws, coded, weights, m, draft=q, tolerance=TOLERANCE)  # type: ignore[arg-type]
                     a = acc[(t, f, m)]
@@ -141,6 +131,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                     assert drift is not None and rep.alpha is not None and rep.alpha_hat is not None
                     a["delta"] += rep.delta.tolist()
                     a["weps"] += rep.weighted_epsilon.tolist()
+                    a["wtail"] += rep.weighted_tail.tolist()
+                    a["over"] += (drift - rep.weighted_epsilon).tolist()
                     a["bound"] += rep.bound.tolist()
                     a["alpha"] += rep.alpha.tolist()
                     a["alpha_hat"] += rep.alpha_hat.tolist()
@@ -151,10 +143,10 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                     violations[(t, f, m)] += len(found)
                     examples += [f"{name} T={t} K/V={f} {m}: {v}" for v in found[:2]]
                     rep32 = bound_report(laws, exact, weights, m, tolerance=TOLERANCE)  # type: ignore[arg-type]
-                    paper = int((rep32.delta > 2 * rep32.weighted_epsilon + TOLERANCE).sum())
+                    paper = int((rep32.delta > 2 * rep32.weighted_tail + TOLERANCE).sum())
                     paper_violations[(t, f, m)] += paper
                     if paper:
-                        examples.append(f"{name} T={t} K/V={f} {m}: float32 Δ > 2Σwε at {paper} positions")
+                        examples.append(f"{name} T={t} K/V={f} {m}: float32 Δ > 2Σwτ at {paper} positions")
         log.info("%s done (%.0f s)", name, time.perf_counter() - t0)
 
     rows = []
@@ -174,6 +166,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 "mean_delta": mean["delta"],
                 "mean_weighted_epsilon": mean["weps"],
                 "two_weighted_epsilon": 2 * mean["weps"],
+                "mean_weighted_tail": mean["wtail"],
+                "max_drift_minus_weighted_epsilon": max(a["over"]),
                 "mean_bound": mean["bound"],
                 "max_delta_over_bound": max(a["ratio"]),
                 "mean_alpha": mean["alpha"],
@@ -182,7 +176,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                 "mean_abs_drift": mean["drift"],
                 "max_drift_over_half_delta": max(a["dratio"]),
                 "bytes_per_position_per_worker": sum(b) / len(b),
-                "dense_float32_bytes": 4 * vocab,
+                "float16_values_bytes_per_position_per_worker": sum(f16_acc[(t, f)]) / len(b),
+                "dense_float16_bytes": 2 * vocab,
                 "violations": violations[(t, f, m)],
                 "paper_bound_violations_float32": paper_violations[(t, f, m)],
             }
@@ -198,7 +193,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "windows": [n for n, _ in windows],
         "window_tokens": args.length,
         "positions": positions,
-        "frame_overhead_bytes_5_positions": frame_overhead(vocab, 5, max(1, round(0.01 * vocab))),
+        "frame_overhead_bytes_5_positions": SCORES_HEADER_SIZE,
         "elapsed_s": time.perf_counter() - t0,
         "rows": rows,
         "violation_examples": examples[:20],
@@ -212,21 +207,27 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"Workers: {', '.join(result['workers'])} (equal weights); drafter: {result['drafter']}; "
         f"|V| = {result['vocab_size']}; {result['positions']} positions from {len(result['windows'])} windows of "
-        f"{result['window_tokens']} tokens. Probabilities sent as float16, ids as varint deltas. "
-        f"Bound = 2Σw(ε+η) (η: float16 error of the kept values). Dense float32 law: {4 * result['vocab_size']} B. "
-        f"A FedScores frame adds {result['frame_overhead_bytes_5_positions']} B of header per round (5 positions).",
+        f"{result['window_tokens']} tokens. Ids exp-Golomb coded, probabilities quantized (ρ = 0.05); "
+        "ε = τ + η (tail mass plus quantization error), bound = 2Σwε. "
+        f"Dense float16 law: {2 * result['vocab_size']} B. "
+        f"A FedScores frame adds {result['frame_overhead_bytes_5_positions']} B of header per round.",
         "",
-        "| T | K/\\|V\\| | K | recon | mean Δ | mean Σwε | 2·mean Σwε | max Δ/bound | mean α | mean α̂ "
-        "| \\|ᾱ−ᾱ̂\\| | mean \\|α−α̂\\| | max \\|α−α̂\\|/(½Δ) | B/pos/worker | violations (f16 / f32 paper) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| T | K/\\|V\\| | K | recon | mean Δ | mean Σwτ | mean Σwε | 2·mean Σwε | max Δ/bound | mean α | mean α̂ "
+        "| \\|ᾱ−ᾱ̂\\| | mean \\|α−α̂\\| | max \\|α−α̂\\|/(½Δ) | max (\\|α−α̂\\| − Σwε) "
+        "| B/pos/worker (float16 values) | ratio to dense f16 | violations (quantized / f32 paper) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['temperature']} | {100 * r['k_fraction']:g}% | {r['k']} | {r['reconstruct']} "
-            f"| {r['mean_delta']:.4f} | {r['mean_weighted_epsilon']:.4f} | {r['two_weighted_epsilon']:.4f} "
+            f"| {r['mean_delta']:.4f} | {r['mean_weighted_tail']:.4f} | {r['mean_weighted_epsilon']:.4f} "
+            f"| {r['two_weighted_epsilon']:.4f} "
             f"| {r['max_delta_over_bound']:.3f} | {r['mean_alpha']:.4f} | {r['mean_alpha_hat']:.4f} "
             f"| {r['alpha_drift_of_means']:.4f} | {r['mean_abs_drift']:.4f} | {r['max_drift_over_half_delta']:.3f} "
-            f"| {r['bytes_per_position_per_worker']:.0f} | {r['violations']} / {r['paper_bound_violations_float32']} |"
+            f"| {r['max_drift_minus_weighted_epsilon']:.2e} "
+            f"| {r['bytes_per_position_per_worker']:.0f} ({r['float16_values_bytes_per_position_per_worker']:.0f}) "
+            f"| 1/{r['dense_float16_bytes'] / r['bytes_per_position_per_worker']:.0f} "
+            f"| {r['violations']} / {r['paper_bound_violations_float32']} |"
         )
     lines += ["", f"All bounds hold at every position: **{result['all_bounds_hold']}**."]
     if result["violation_examples"]:
@@ -253,11 +254,24 @@ def plots(result: dict[str, Any], out: Path) -> list[Path]:
         axes[0].plot(x, [r["two_weighted_epsilon"] for r in sel], ":", color="black", alpha=0.5)
         axes[1].plot(x, [r["mean_weighted_epsilon"] for r in sel], ":", color="black", alpha=0.5)
     sel = [r for r in rows if r["temperature"] == 1.0 and r["reconstruct"] == "renorm"]
-    axes[2].plot([100 * r["k_fraction"] for r in sel], [r["bytes_per_position_per_worker"] for r in sel], marker="o")
-    axes[2].axhline(4 * result["vocab_size"], color="red", linestyle=":", label="dense float32")
+    axes[2].plot(
+        [100 * r["k_fraction"] for r in sel],
+        [r["bytes_per_position_per_worker"] for r in sel],
+        marker="o",
+        label="quantized",
+    )
+    axes[2].plot(
+        [100 * r["k_fraction"] for r in sel],
+        [r["float16_values_bytes_per_position_per_worker"] for r in sel],
+        "--",
+        marker="s",
+        label="float16 values",
+    )
+    axes[2].axhline(2 * result["vocab_size"], color="red", linestyle=":", label="dense float16")
+    axes[2].axhline(2 * result["vocab_size"] / 100, color="gray", linestyle=":", label="1/100 of dense float16")
     axes[0].set_title("aggregation bias Δ (dotted: 2·mean Σwε)")
     axes[1].set_title("acceptance drift |ᾱ − ᾱ̂| (dotted: mean Σwε)")
-    axes[2].set_title("top-K payload, bytes / position / worker")
+    axes[2].set_title("top-K bit stream, bytes / position / worker (T = 1)")
     for ax in axes:
         ax.set_xscale("log")
         ax.set_xlabel("K / |V| (%)")

@@ -71,3 +71,12 @@ def test_wrong_secret_is_refused(
     args = ["fed", "generate", "--draft", str(draft), "--worker", url, "--token-file", str(wrong)]
     assert main(args) == 2
     assert "AuthenticationFailed" in caplog.text
+
+
+def test_epsilon_scope_needs_a_target(make_checkpoint: Callable[..., Path], caplog: pytest.LogCaptureFixture) -> None:
+    draft = make_checkpoint("llama", layers=1)
+    args = ["fed", "generate", "--draft", str(draft), "--worker", "ws://127.0.0.1:9", "--epsilon-scope", "round"]
+    assert main(args) == 2
+    assert "--target-epsilon" in caplog.text
+    assert main([*args[:-2], "--quant-budget", "0.9"]) == 2
+    assert "--quant-budget" in caplog.text

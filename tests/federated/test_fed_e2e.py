@@ -10,16 +10,10 @@ import torch
 
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import HandshakeMismatch
+from splitspec.federated.codec import decode_topk, encode_topk
 from splitspec.federated.coordinator import Coordinator, CoordinatorConfig
 from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
-from splitspec.federated.topk import (
-    TopKPolicy,
-    aggregate,
-    decode_topk,
-    encode_topk,
-    reconstruct,
-    select_topk,
-)
+from splitspec.federated.topk import TopKPolicy, aggregate, reconstruct, select_topk
 from splitspec.federated.worker import FedWorker, WorkerConfig
 
 K = 8
@@ -51,15 +45,15 @@ def config(*urls: str, **overrides: object) -> CoordinatorConfig:
 
 
 def reference_greedy(workers: list[LoadedModel], prompt: list[int], n: int, method: str = "renorm") -> list[int]:
-    """Argmax of the aggregate of float16-coded top-K reconstructions, one token at a time, locally."""
+    """Argmax of the aggregate of quantized top-K reconstructions, one token at a time, locally."""
     lms = [IncrementalLM(w.model) for w in workers]
     seq = list(prompt)
     for _ in range(n):
         laws = []
         for lm in lms:
             p = torch.softmax(lm.logits_for(seq, 1), dim=-1)
-            stream, probs = encode_topk(select_topk(p, TopKPolicy(k=K)))
-            laws.append(reconstruct(decode_topk(stream, probs, 1, p.shape[-1]), method))  # type: ignore[arg-type]
+            stream = encode_topk(p, select_topk(p, TopKPolicy(k=K)))
+            laws.append(reconstruct(decode_topk(stream, 1, p.shape[-1]), method))  # type: ignore[arg-type]
         seq.append(int(aggregate(laws, [1.0, 1.0])[0].argmax()))
     return seq[len(prompt) :]
 

@@ -1,4 +1,4 @@
-"""Top-K selection, compact encoding, reconstruction: exact small cases and the wire format."""
+"""Top-K selection (fixed, adaptive per position and per round), reconstruction: exact small cases."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitspec.decoding.sampling import probabilities
-from splitspec.exceptions import BadTensor, ConfigError
+from splitspec.exceptions import ConfigError
 from splitspec.federated.topk import (
     TopK,
     TopKPolicy,
@@ -14,15 +14,11 @@ from splitspec.federated.topk import (
     adaptive_k,
     aggregate,
     bound_report,
-    decode_topk,
-    encode_topk,
     l1,
     nucleus,
-    payload_bytes,
     reconstruct,
+    round_budget_k,
     select_topk,
-    stream_to_words,
-    words_to_stream,
 )
 
 
@@ -78,76 +74,19 @@ def test_nucleus_matches_the_logit_transform() -> None:
     assert torch.allclose(nucleus(p, 0.8), probabilities(logits, 1.0, 0.8), atol=1e-6)
 
 
-@pytest.mark.parametrize("vocab", [96, 1000, 32000])
-@pytest.mark.parametrize("k", [1, 10, 320])
-def test_round_trip_and_byte_size(vocab: int, k: int) -> None:
-    torch.manual_seed(vocab + k)
-    p = torch.softmax(torch.randn(5, vocab) * 2, -1)
-    topk = select_topk(p, TopKPolicy(k=k))
-    kk = min(k, vocab)
-    stream, probs = encode_topk(topk)
-    words = stream_to_words(stream)
-    back = decode_topk(words_to_stream(words, len(stream)), probs, 5, vocab)
-    assert torch.equal(back.ids, topk.ids) and torch.equal(back.counts, topk.counts)
-    assert torch.allclose(back.probs, topk.probs, rtol=2**-10, atol=2**-24)
-    # counts: 1-2 bytes per position; ids: 1 byte per gap <= 128, 2 bytes up to 16384, 3 above
-    gaps_bound = 5 * kk * (1 if vocab <= 128 else 2 if vocab <= 16384 else 3)
-    assert len(stream) <= 5 * 2 + gaps_bound
-    assert probs.dtype == torch.float16 and probs.numel() == 5 * kk
-    assert payload_bytes(stream, probs) == len(words) * 4 + 2 * 5 * kk
-    assert payload_bytes(stream, probs) < 5 * vocab * 4  # smaller than the dense float32 law
-
-
-def test_dense_k_costs_one_byte_per_id() -> None:
-    p = torch.softmax(torch.randn(2, 500), -1)
-    stream, _ = encode_topk(select_topk(p, TopKPolicy(k=500)))
-    assert len(stream) == 2 * 2 + 2 * 500  # K = 500 needs 2 varint bytes; every gap is 0 -> 1 byte
-
-
-def test_float32_codec_is_exact() -> None:
-    p = torch.softmax(torch.randn(3, 200), -1)
-    topk = select_topk(p, TopKPolicy(k=7))
-    stream, probs = encode_topk(topk, "float32")
-    assert torch.equal(decode_topk(stream, probs, 3, 200).probs, topk.probs)
-
-
-def _valid() -> tuple[bytes, torch.Tensor]:
-    topk = TopK(vocab_size=10, counts=torch.tensor([2]), ids=torch.tensor([3, 7]), probs=torch.tensor([0.5, 0.25]))
-    return encode_topk(topk)
-
-
-@pytest.mark.parametrize(
-    ("stream", "probs", "positions", "vocab", "match"),
-    [
-        (b"\x02\x03\x80", torch.tensor([0.5, 0.25]), 1, 10, "ends inside"),  # truncated varint
-        (b"\x02\x03\x83\x00", torch.tensor([0.5, 0.25]), 1, 10, "non-canonical"),
-        (b"\x02\x83\x80\x80\x80\x01", torch.tensor([0.5, 0.25]), 1, 10, "longer than"),
-        (b"\x00", torch.tensor([]), 1, 10, "every K"),  # K = 0
-        (b"\x02\x03", torch.tensor([0.5, 0.25]), 1, 10, "holds 1 ids"),
-        (b"\x02\x03\x06", torch.tensor([0.5, 0.25]), 1, 10, "outside the vocabulary"),  # 3, 3+6+1 = 10
-        (b"\x02\x03\x03", torch.tensor([0.5]), 1, 10, "probabilities must be"),
-        (b"\x02\x03\x03", torch.tensor([0.5, float("nan")]), 1, 10, "finite"),
-        (b"\x02\x03\x03", torch.tensor([0.9, 0.9]), 1, 10, "sum above 1"),
-        (b"\x02\x03\x03", torch.tensor([0.5, -0.1]), 1, 10, "finite and in"),
-        (b"", torch.tensor([]), 1, 10, "empty"),
-    ],
-)
-def test_decode_refuses_bad_streams(stream: bytes, probs: torch.Tensor, positions: int, vocab: int, match: str) -> None:
-    with pytest.raises(BadTensor, match=match):
-        decode_topk(stream, probs, positions, vocab)
-
-
-def test_valid_stream_decodes_and_padding_is_checked() -> None:
-    stream, probs = _valid()
-    assert stream == b"\x02\x03\x03"
-    assert decode_topk(stream, probs, 1, 10).ids.tolist() == [3, 7]
-    words = stream_to_words(stream)
-    with pytest.raises(BadTensor):
-        words_to_stream(words, 8)
-    dirty = words.clone()
-    dirty.view(torch.uint8)[3] = 1
-    with pytest.raises(BadTensor, match="padding"):
-        words_to_stream(dirty, 3)
+def test_round_budget_takes_the_globally_largest_probabilities() -> None:
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.9, 0.04, 0.03, 0.03]])
+    # mean residual <= 0.2 -> kept mass >= 1.6: each row's top (1.4), then 0.3 (row 0) reaches 1.7
+    assert round_budget_k(p, 0.2, 4).tolist() == [2, 1]
+    # <= 0.06: 1.88 needed: 1.4 + 0.3 + 0.2 = 1.9 -> row 0 takes 3, row 1 still 1
+    assert round_budget_k(p, 0.06, 4).tolist() == [3, 1]
+    assert round_budget_k(p, 0.0, 4).tolist() == [3, 4] or round_budget_k(p, 0.0, 4).tolist() == [4, 4]
+    assert round_budget_k(p, 0.9, 4).tolist() == [1, 1]  # the top token is always kept
+    assert round_budget_k(p, 0.0, 2).tolist() == [2, 2]  # capped at max_k
+    topk = select_topk(p, TopKPolicy(target_epsilon=0.2, scope="round"))
+    assert topk.counts.tolist() == [2, 1] and topk.ids.tolist() == [0, 1, 0]
+    with pytest.raises(ConfigError):
+        TopKPolicy(target_epsilon=0.2, scope="everywhere")  # type: ignore[arg-type]
 
 
 def test_bound_report_flags_violations() -> None:
@@ -156,6 +95,9 @@ def test_bound_report_flags_violations() -> None:
     report = bound_report([p], [topk], [1.0], "renorm", draft=torch.tensor([[0.5, 0.5]]))
     assert report.violations() == []
     assert float(report.delta[0]) == pytest.approx(0.2) and float(report.bound[0]) == pytest.approx(0.2)
-    lying = TopK(vocab_size=2, counts=torch.tensor([1]), ids=torch.tensor([1]), probs=torch.tensor([0.9]))
+    # a worker that sends the wrong token and claims ε = 0 is caught by the audit
+    lying = TopK(2, torch.tensor([1]), torch.tensor([1]), torch.tensor([0.9]), epsilon=torch.tensor([0.0]))
     bad = bound_report([p], [lying], [1.0], "renorm")
-    assert bad.violations() == [] or all("worker" in v or "position" in v for v in bad.violations())
+    assert [v for v in bad.violations() if "reported ε" in v] and float(bad.per_worker_epsilon[0, 0]) == pytest.approx(
+        1.7
+    )

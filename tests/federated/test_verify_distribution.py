@@ -7,8 +7,9 @@ import torch
 from scipy.stats import chisquare
 
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.federated.codec import decode_topk, encode_topk
 from splitspec.federated.coordinator import aggregate_target, verify_against
-from splitspec.federated.topk import TopKPolicy, decode_topk, encode_topk, select_topk
+from splitspec.federated.topk import TopKPolicy, select_topk
 
 V = 6
 GAMMA = 2
@@ -26,8 +27,7 @@ def test_first_emitted_token_follows_the_aggregate(method: str) -> None:
     workers, q = _fixed_laws()
     topks = []
     for law in workers:
-        stream, probs = encode_topk(select_topk(law, TopKPolicy(k=3)), "float32")
-        topks.append(decode_topk(stream, probs, GAMMA + 1, V))
+        topks.append(decode_topk(encode_topk(law, select_topk(law, TopKPolicy(k=3))), GAMMA + 1, V))
     weights = [0.7, 0.3]
     p_hat = aggregate_target(topks, weights, method)
     exact = 0.7 * workers[0] + 0.3 * workers[1]

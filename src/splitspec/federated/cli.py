@@ -2,7 +2,8 @@
 
     splitspec fed worker --model DIR --host 127.0.0.1 --port 8781 [--token-file F]
     splitspec fed generate --draft DIR --worker ws://127.0.0.1:8781 --worker ws://127.0.0.1:8782 \\
-        [--weights 0.5,0.5] [--top-k 320 | --target-epsilon 0.01] [--reconstruct renorm|residual] \\
+        [--weights 0.5,0.5] [--top-k 320 | --target-epsilon 0.01 [--epsilon-scope position|round]] \\
+        [--reconstruct renorm|residual] [--prob-codec quantized|float16|float32] [--quant-budget 0.05] \\
         [--gamma 4] [--temperature T] [--top-p P] [--seed S] [--max-new-tokens N] \\
         [--prompt TEXT] [--json] [--audit]
 
@@ -64,10 +65,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         weights=args.weights,
         top_k=top_k,
         target_epsilon=args.target_epsilon,
+        epsilon_scope=args.epsilon_scope,
         max_k=args.max_k,
         reconstruct=args.reconstruct,
         gamma=args.gamma,
         prob_codec=args.prob_codec,
+        quant_budget=args.quant_budget,
         audit=args.audit,
         auth_token=read_token_file(args.token_file),
         round_timeout_s=args.round_timeout,
@@ -130,7 +133,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--weights", type=_weights, help="aggregation weights, comma-separated (default equal)")
     k = g.add_mutually_exclusive_group()
     k.add_argument("--top-k", type=int, help="fixed K per position (default 320)")
-    k.add_argument("--target-epsilon", type=float, help="adaptive K: largest residual mass per position")
+    k.add_argument(
+        "--target-epsilon", type=float, help="adaptive K: largest error ε = ‖p − p̃‖₁ a worker may send (see scope)"
+    )
+    g.add_argument(
+        "--epsilon-scope",
+        choices=["position", "round"],
+        default="position",
+        help="adaptive K: the target holds at every position (default), or on each round's mean (fewest tokens)",
+    )
     g.add_argument("--max-k", type=int, default=4096, help="cap on adaptive K (default 4096)")
     g.add_argument("--reconstruct", choices=["renorm", "residual"], default="renorm", help="reconstruction")
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
@@ -139,7 +150,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--seed", type=int, help="sampling seed")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     g.add_argument("--prompt", default="The", help="prompt text")
-    g.add_argument("--prob-codec", choices=["float16", "float32"], default="float16", help="top-K probability dtype")
+    g.add_argument(
+        "--prob-codec",
+        choices=["quantized", "float16", "float32"],
+        default="quantized",
+        help="how top-K probabilities travel (default quantized: exp-Golomb coded multiples of a step)",
+    )
+    g.add_argument(
+        "--quant-budget",
+        type=float,
+        default=0.05,
+        help="quantized: error allowed per position, as a fraction of its tail mass (default 0.05)",
+    )
     g.add_argument("--round-timeout", type=float, default=30.0, help="seconds before a slow worker is dropped")
     g.add_argument("--token-file", type=Path, help="file holding the shared secret")
     g.add_argument("--json", action="store_true", help="print tokens, text and per-round figures as JSON")

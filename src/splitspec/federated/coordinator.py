@@ -48,20 +48,29 @@ from splitspec.exceptions import (
     UnexpectedMessage,
     error_from_code,
 )
+from splitspec.federated.codec import decode_topk
 from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
 from splitspec.federated.topk import (
-    PROB_CODECS,
+    EPSILON_SCOPES,
     RECONSTRUCTIONS,
     TopK,
     aggregate,
     bound_report,
-    decode_topk,
     normalize_weights,
     nucleus,
     reconstruct,
-    words_to_stream,
 )
-from splitspec.protocol.fed import FedHello, FedMessage, FedScore, FedScores, FedWelcome, decode_fed, encode_fed
+from splitspec.protocol.fed import (
+    MAX_QUANT_BUDGET,
+    VALUE_CODECS,
+    FedHello,
+    FedMessage,
+    FedScore,
+    FedScores,
+    FedWelcome,
+    decode_fed,
+    encode_fed,
+)
 from splitspec.protocol.messages import Error
 from splitspec.transport.client import Channel, websocket_max_size
 
@@ -76,11 +85,13 @@ class CoordinatorConfig:
     worker_urls: tuple[str, ...]  # ws:// URLs of the workers
     weights: tuple[float, ...] | None = None  # aggregation weight per worker (renormalised); None = equal
     top_k: int | None = 320  # fixed K per position, tokens; None = adaptive (target_epsilon)
-    target_epsilon: float | None = None  # adaptive K: largest residual mass per position, probability
+    target_epsilon: float | None = None  # adaptive K: largest ε = ‖p − p̃‖₁ allowed, probability
+    epsilon_scope: str = "position"  # adaptive K: target on every position, or on each round's mean
     max_k: int = 4096  # cap on adaptive K, tokens
     reconstruct: str = "renorm"  # "renorm" or "residual"
     gamma: int = 4  # draft tokens per round
-    prob_codec: str = "float16"  # wire dtype of the top-K probabilities
+    prob_codec: str = "quantized"  # how top-K probabilities travel: "quantized", "float16", "float32"
+    quant_budget: float = 0.05  # ρ: quantization error allowed per position, fraction of its tail mass
     audit: bool = False  # workers also send full laws; rounds record Δ, drift and bound checks
     auth_token: str | None = None  # shared secret for the workers
     round_timeout_s: float = 30.0  # a worker slower than this is dropped for the round, seconds
@@ -103,8 +114,14 @@ class CoordinatorConfig:
             raise ConfigError("--target-epsilon must be in [0, 1)")
         if self.reconstruct not in RECONSTRUCTIONS:
             raise ConfigError(f"--reconstruct must be one of {RECONSTRUCTIONS}")
-        if self.prob_codec not in PROB_CODECS:
-            raise ConfigError(f"probability codec must be one of {sorted(PROB_CODECS)}")
+        if self.prob_codec not in VALUE_CODECS:
+            raise ConfigError(f"probability codec must be one of {VALUE_CODECS}")
+        if self.epsilon_scope not in EPSILON_SCOPES:
+            raise ConfigError(f"--epsilon-scope must be one of {EPSILON_SCOPES}")
+        if self.epsilon_scope != "position" and self.target_epsilon is None:
+            raise ConfigError("--epsilon-scope applies to adaptive K: give --target-epsilon")
+        if not 0 < self.quant_budget <= MAX_QUANT_BUDGET:
+            raise ConfigError(f"--quant-budget must be in (0, {MAX_QUANT_BUDGET}]")
         if self.gamma < 0:
             raise ConfigError("--gamma must be >= 0")
         if self.round_timeout_s <= 0 or self.connect_timeout_s <= 0:
@@ -122,10 +139,10 @@ class WorkerRound:
     status: str  # "ok", "rejoined" (reconnected and re-prefilled this round), "dropped", "down"
     weight: float  # weight used this round after renormalisation; 0 when absent
     k: list[int] = field(default_factory=list)  # tokens sent per position
-    epsilon: list[float] = field(default_factory=list)  # residual mass 1 − Σ top-K per position
+    epsilon: list[float] = field(default_factory=list)  # ε = ‖p − p̃‖₁ per position, as the worker reported it
     bytes_up: int = 0  # request frame(s), bytes
     bytes_down: int = 0  # reply frame(s), bytes
-    payload_bytes: int = 0  # top-K payload in the reply (stream + probabilities), bytes
+    payload_bytes: int = 0  # top-K bit stream in the reply, bytes
     worker_ms: float = 0.0  # model compute on the worker, milliseconds
     roundtrip_ms: float = 0.0  # request sent to reply parsed, milliseconds
     error: str | None = None  # why the worker was dropped
@@ -136,7 +153,7 @@ class AuditRound:
     """Audit figures of one round, per scored position."""
 
     delta: list[float]  # Δ = ‖p − p̂‖₁ of the aggregate
-    bound: list[float]  # 2 Σ w_i (ε_i + η_i)
+    bound: list[float]  # 2 Σ w_i ε_i with the exact ε_i = ‖p_i − p̃_i‖₁
     weighted_epsilon: list[float]  # Σ w_i ε_i with the exact ε
     drift: list[float]  # |α − α̂| per drafted position
     violations: list[str]  # failed bound checks (empty when all hold)
@@ -330,7 +347,9 @@ class WorkerLink:
             k=k,
             target_epsilon=cfg.target_epsilon if k is None else None,
             max_k=cfg.max_k,
+            epsilon_scope=cfg.epsilon_scope,
             prob_codec=cfg.prob_codec,
+            quant_budget=cfg.quant_budget,
             audit=cfg.audit,
         )
         data = encode_fed(request)
@@ -451,9 +470,7 @@ class Coordinator:
         )
         if reply.vocab_size != self.draft.vocab_size:
             raise BadTensor(f"reply over a vocabulary of {reply.vocab_size}, expected {self.draft.vocab_size}")
-        topk = decode_topk(
-            words_to_stream(reply.stream, reply.stream_bytes), reply.probs, reply.positions, reply.vocab_size
-        )
+        topk = decode_topk(reply.stream, reply.positions, reply.vocab_size)
         return reply, topk, up, down, (time.perf_counter() - t0) * 1e3
 
     async def stream(
@@ -502,7 +519,7 @@ class Coordinator:
             p_hat = aggregate_target(topks, weights, cfg.reconstruct)
             verdict = verify_against(draft, q, p_hat, params, generator)
             emitted = verdict.tokens(draft)
-            eps_by_worker = [t.residual_mass() for t in topks]
+            eps_by_worker = [t.transmitted_epsilon() for t in topks]
             for (link, reply, topk, up, down, ms), w, eps in zip(answered, weights, eps_by_worker, strict=True):
                 records[link.url] = WorkerRound(
                     url=link.url,
@@ -512,7 +529,7 @@ class Coordinator:
                     epsilon=[round(float(e), 8) for e in eps],
                     bytes_up=up,
                     bytes_down=down,
-                    payload_bytes=reply.stream.numel() * 4 + reply.probs.numel() * reply.probs.element_size(),
+                    payload_bytes=len(reply.stream),
                     worker_ms=reply.worker_ms,
                     roundtrip_ms=ms,
                 )

@@ -30,8 +30,9 @@ from splitspec.exceptions import (
     TooManySessions,
     UnexpectedMessage,
 )
+from splitspec.federated.codec import encode_topk, selection_target
 from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
-from splitspec.federated.topk import TopKPolicy, encode_topk, select_topk, stream_to_words
+from splitspec.federated.topk import TopKPolicy, select_topk
 from splitspec.protocol.fed import (
     FedHello,
     FedMessage,
@@ -122,9 +123,12 @@ class FedWorker:
         logits = lm.append(request.tokens.tolist(), request.num_scored)
         temperature = request.temperature if request.temperature > 0 else 1.0
         probs = probabilities(logits, temperature)
-        policy = TopKPolicy(k=request.k, target_epsilon=request.target_epsilon, max_k=request.max_k)
+        target = request.target_epsilon
+        if target is not None:  # leave room for the quantization error inside the target
+            target = selection_target(target, request.prob_codec, request.quant_budget)
+        policy = TopKPolicy(k=request.k, target_epsilon=target, max_k=request.max_k, scope=request.epsilon_scope)  # type: ignore[arg-type]  # validated by FedScore
         topk = select_topk(probs, policy)
-        stream, values = encode_topk(topk, "float32" if request.prob_codec == "float32" else "float16")
+        stream = encode_topk(probs, topk, request.prob_codec, request.quant_budget)  # type: ignore[arg-type]  # validated by FedScore
         if self.config.delay_s > 0:
             time.sleep(self.config.delay_s)
         self.rounds_served += 1
@@ -132,9 +136,7 @@ class FedWorker:
             seq=request.seq,
             positions=request.num_scored,
             vocab_size=self.identity.vocab_size,
-            stream_bytes=len(stream),
-            stream=stream_to_words(stream),
-            probs=values,
+            stream=stream,
             worker_ms=(time.perf_counter() - t0) * 1e3,
             full=probs.float().contiguous() if request.audit else None,
         )
@@ -213,8 +215,9 @@ class _WorkerPeer:
         if request.k is not None and request.k > vocab:
             raise BadTensor(f"K = {request.k} exceeds the vocabulary of {vocab}")
         cap = request.k if request.k is not None else min(request.max_k, vocab)
-        # the reply must fit the frame cap: ids <= 4 bytes, probs <= 4 bytes, audit adds 4·V per position
-        reply_bytes = request.num_scored * (8 * cap + (4 * vocab if request.audit else 0)) + 4096
+        # the reply must fit the frame cap: per token an id code <= 8 bytes and a value <= 13 bytes
+        # (exp-Golomb codes <= 2·52 bits); audit adds 4·V per position
+        reply_bytes = request.num_scored * (21 * cap + (4 * vocab if request.audit else 0)) + 4096
         if reply_bytes > worker.config.max_message_bytes:
             raise BadTensor(f"the reply could reach {reply_bytes} bytes, above the cap")
 

@@ -11,28 +11,57 @@ A :class:`FedScore` says how many tokens of the worker's cache to keep (``keep``
 prefix of the previous round, so rollback costs no extra round trip), the new tokens to append
 (the tokens committed since, then the γ draft tokens) and how many of the last positions to score
 (γ + 1). The worker answers, per scored position, only its top-K (token id, probability) pairs in
-the compact encoding of :mod:`splitspec.federated.topk`: a varint byte stream packed into int32
-words plus a float16 / float32 probability vector; in audit mode it adds the full distributions.
+the bit stream of :mod:`splitspec.federated.codec`; in audit mode it adds the full distributions.
 
-Frames are those of :mod:`splitspec.protocol.frames`. Nothing here imports asyncio, websockets or
-transformers.
+Every message but :class:`FedScores` is a frame of :mod:`splitspec.protocol.frames`. FedScores is
+the hot uplink message and has its own fixed binary layout (big-endian), because a JSON header
+would weigh as much as the top-K it carries::
+
+    offset  size  field
+    0       4     magic b"SPFS"
+    4       2     federated protocol version (uint16)
+    6       4     seq (uint32)
+    10      2     positions (uint16)
+    12      4     vocabulary size (uint32)
+    16      4     worker compute time, microseconds (uint32, saturating)
+    20      1     flags: bit 0 = full distributions follow the stream (audit mode)
+    21      4     stream length S (uint32)
+    25      S     top-K bit stream (federated.codec)
+    25+S    ...   audit mode only: positions × vocabulary float32, little-endian
+
+Nothing here imports asyncio, websockets or transformers.
 """
 
 from __future__ import annotations
 
 import hmac
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from splitspec.exceptions import AuthenticationFailed, BadTensor, HandshakeMismatch, MalformedFrame
-from splitspec.protocol.frames import Frame, decode_frame, encode_frame
+from splitspec.exceptions import (
+    AuthenticationFailed,
+    BadMagic,
+    BadTensor,
+    HandshakeMismatch,
+    MalformedFrame,
+    MessageTooLarge,
+    UnsupportedVersion,
+)
+from splitspec.protocol.frames import Frame, decode_frame, encode_frame, tensor_bytes
 from splitspec.protocol.messages import Error, _int, _str, _tensor
 
-FED_VERSION = 1  # version of the federated conversation (the frame version is separate)
-PROB_CODEC_DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "float32": torch.float32}
+FED_VERSION = 2  # version of the federated conversation (the frame version is separate)
+VALUE_CODECS: tuple[str, ...] = ("quantized", "float16", "float32")  # how top-K probabilities travel
+EPSILON_SCOPES: tuple[str, ...] = ("position", "round")  # where an adaptive-K target applies
+MAX_QUANT_BUDGET = 0.5  # largest quantization budget ρ a coordinator may ask for
+SCORES_MAGIC = b"SPFS"
+_SCORES_HEAD = struct.Struct(">4sHIHIIBI")  # magic, version, seq, positions, vocab, worker µs, flags, S
+SCORES_HEADER_SIZE = _SCORES_HEAD.size  # 25 bytes
+_AUDIT_FLAG = 1
 
 
 def _number(header: dict[str, Any], key: str, *, optional: bool = False, upper: float | None = None) -> Any:
@@ -144,7 +173,9 @@ class FedScore:
     k: int | None = None  # fixed K per position, tokens
     target_epsilon: float | None = None  # adaptive K: largest residual mass allowed, probability
     max_k: int = 4096  # cap on adaptive K, tokens
-    prob_codec: str = "float16"  # wire dtype of the top-K probabilities
+    epsilon_scope: str = "position"  # adaptive K: target per position, or on a round's mean
+    prob_codec: str = "quantized"  # how top-K probabilities travel: one of VALUE_CODECS
+    quant_budget: float = 0.05  # ρ: quantization error allowed, fraction of the tail mass
     audit: bool = False  # also return the full distributions (n_scored, V) float32
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -156,7 +187,9 @@ class FedScore:
             "k": self.k,
             "target_epsilon": self.target_epsilon,
             "max_k": self.max_k,
+            "epsilon_scope": self.epsilon_scope,
             "prob_codec": self.prob_codec,
+            "quant_budget": self.quant_budget,
             "audit": self.audit,
         }, {"tokens": self.tokens}
 
@@ -174,8 +207,14 @@ class FedScore:
         if (k is None) == (target_epsilon is None):
             raise MalformedFrame("give exactly one of 'k' and 'target_epsilon'")
         prob_codec = _str(h, "prob_codec", max_len=16)
-        if prob_codec not in PROB_CODEC_DTYPES:
-            raise MalformedFrame(f"prob_codec must be one of {sorted(PROB_CODEC_DTYPES)}, got {prob_codec!r}")
+        if prob_codec not in VALUE_CODECS:
+            raise MalformedFrame(f"prob_codec must be one of {VALUE_CODECS}, got {prob_codec!r}")
+        scope = _str(h, "epsilon_scope", max_len=16)
+        if scope not in EPSILON_SCOPES:
+            raise MalformedFrame(f"epsilon_scope must be one of {EPSILON_SCOPES}, got {scope!r}")
+        quant_budget = _number(h, "quant_budget", upper=MAX_QUANT_BUDGET)
+        if quant_budget <= 0:
+            raise MalformedFrame("quant_budget must be positive")
         return cls(
             seq=_int(h, "seq"),
             keep=_int(h, "keep"),
@@ -185,80 +224,95 @@ class FedScore:
             k=k,
             target_epsilon=target_epsilon,
             max_k=_int(h, "max_k", minimum=1),
+            epsilon_scope=scope,
             prob_codec=prob_codec,
+            quant_budget=quant_budget,
             audit=_bool(h, "audit"),
         )
 
 
 @dataclass(frozen=True)
 class FedScores:
-    """Worker -> coordinator: per scored position, the top-K in the compact encoding.
+    """Worker -> coordinator: per scored position, the top-K as a bit stream (layout in the module doc).
 
-    ``stream`` (words,) int32: the varint stream of :func:`splitspec.federated.topk.encode_topk`,
-    zero padded to whole words, ``stream_bytes`` long; ``probs`` (ΣK,) float16 or float32;
-    ``full`` (positions, V) float32 only in audit mode.
+    ``stream`` is opaque here; :func:`splitspec.federated.codec.decode_topk` validates it.
     """
 
     TYPE: ClassVar[str] = "fed_scores"
-    seq: int
+    seq: int  # round counter of the request this answers
     positions: int  # scored positions, = num_scored of the request
     vocab_size: int  # tokens
-    stream_bytes: int  # meaningful bytes of ``stream``
-    stream: torch.Tensor  # (words,) int32
-    probs: torch.Tensor  # (ΣK,) float16 / float32
-    worker_ms: float  # model compute time on the worker, milliseconds
+    stream: bytes  # top-K bit stream
+    worker_ms: float  # model compute time on the worker, milliseconds (sent in whole microseconds)
     full: torch.Tensor | None = None  # (positions, V) float32, audit mode only
 
-    def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        tensors = {"stream": self.stream, "probs": self.probs}
-        if self.full is not None:
-            tensors["full"] = self.full
-        return {
-            "seq": self.seq,
-            "positions": self.positions,
-            "vocab_size": self.vocab_size,
-            "stream_bytes": self.stream_bytes,
-            "worker_ms": self.worker_ms,
-        }, tensors
+    def to_bytes(self) -> bytes:
+        worker_us = min(0xFFFFFFFF, max(0, round(self.worker_ms * 1e3)))
+        head = _SCORES_HEAD.pack(
+            SCORES_MAGIC,
+            FED_VERSION,
+            self.seq,
+            self.positions,
+            self.vocab_size,
+            worker_us,
+            _AUDIT_FLAG if self.full is not None else 0,
+            len(self.stream),
+        )
+        full = b"" if self.full is None else tensor_bytes(self.full.float())
+        return head + self.stream + full
 
     @classmethod
-    def from_wire(cls, frame: Frame) -> FedScores:
-        h = frame.header
-        stream = _tensor(frame, "stream", torch.int32)
-        probs = _tensor(frame, "probs")
-        if stream.dim() != 1 or probs.dim() != 1:
-            raise BadTensor("stream and probs must be 1-D")
-        if probs.dtype not in PROB_CODEC_DTYPES.values():
-            raise BadTensor(f"probs must be float16 or float32, got {probs.dtype}")
-        positions = _int(h, "positions", minimum=1)
-        vocab_size = _int(h, "vocab_size", minimum=1)
-        full = frame.tensors.get("full")
-        if full is not None and (full.dtype != torch.float32 or tuple(full.shape) != (positions, vocab_size)):
-            raise BadTensor(f"full must be float32 of shape ({positions}, {vocab_size})")
+    def from_bytes(cls, data: bytes, *, max_bytes: int | None = None) -> FedScores:
+        if max_bytes is not None and len(data) > max_bytes:
+            raise MessageTooLarge(f"fed_scores of {len(data)} bytes exceeds the limit of {max_bytes}")
+        if len(data) < SCORES_HEADER_SIZE:
+            raise MalformedFrame(
+                f"fed_scores of {len(data)} bytes is shorter than its {SCORES_HEADER_SIZE}-byte header"
+            )
+        magic, version, seq, positions, vocab, worker_us, flags, nbytes = _SCORES_HEAD.unpack_from(data)
+        if magic != SCORES_MAGIC:
+            raise BadMagic(f"expected {SCORES_MAGIC!r}, got {magic!r}")
+        if version != FED_VERSION:
+            raise UnsupportedVersion(f"federated protocol version {version}, expected {FED_VERSION}")
+        if positions < 1 or vocab < 1:
+            raise MalformedFrame(f"fed_scores needs positions >= 1 and a vocabulary >= 1, got {positions}, {vocab}")
+        if flags & ~_AUDIT_FLAG:
+            raise MalformedFrame(f"unknown fed_scores flags {flags:#x}")
+        full_bytes = positions * vocab * 4 if flags & _AUDIT_FLAG else 0
+        if len(data) != SCORES_HEADER_SIZE + nbytes + full_bytes:
+            raise BadTensor(
+                f"fed_scores is {len(data)} bytes; its header says {SCORES_HEADER_SIZE} + {nbytes} + {full_bytes}"
+            )
+        end = SCORES_HEADER_SIZE + nbytes
+        full = None
+        if full_bytes:
+            full = torch.frombuffer(bytearray(data[end:]), dtype=torch.float32).reshape(positions, vocab)
         return cls(
-            seq=_int(h, "seq"),
+            seq=seq,
             positions=positions,
-            vocab_size=vocab_size,
-            stream_bytes=_int(h, "stream_bytes"),
-            stream=stream,
-            probs=probs,
-            worker_ms=_number(h, "worker_ms"),
+            vocab_size=vocab,
+            stream=bytes(data[SCORES_HEADER_SIZE:end]),
+            worker_ms=worker_us / 1e3,
             full=full,
         )
 
 
 FedMessage = FedHello | FedWelcome | FedScore | FedScores | Error
-_TYPES: dict[str, Any] = {cls.TYPE: cls for cls in (FedHello, FedWelcome, FedScore, FedScores, Error)}
+_TYPES: dict[str, Any] = {cls.TYPE: cls for cls in (FedHello, FedWelcome, FedScore, Error)}
 
 
 def encode_fed(message: FedMessage) -> bytes:
-    """Serialize a federated message into one frame."""
+    """Serialize a federated message into one frame (FedScores: its own binary layout)."""
+    if isinstance(message, FedScores):
+        return message.to_bytes()
     header, tensors = message.to_wire()
     return encode_frame({"type": message.TYPE, **header}, tensors)
 
 
 def decode_fed(data: bytes, *, max_bytes: int | None = None) -> FedMessage:
     """Parse one frame into a typed federated message, validating every field."""
+    if data[: len(SCORES_MAGIC)] == SCORES_MAGIC:
+        return FedScores.from_bytes(data, max_bytes=max_bytes)
     frame = decode_frame(data, max_bytes=max_bytes)
     kind = frame.header.get("type")
     cls = _TYPES.get(kind) if isinstance(kind, str) else None
