@@ -134,7 +134,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     k = g.add_mutually_exclusive_group()
     k.add_argument("--top-k", type=int, help="fixed K per position (default 320)")
     k.add_argument(
-        "--target-epsilon", type=float, help="adaptive K: largest error ε = ‖p − p̃‖₁ a worker may send (see scope)"
+        "--target-epsilon", type=float, help="adaptive K: largest residual mass 1 − Σ top-K (see --epsilon-scope)"
     )
     g.add_argument(
         "--epsilon-scope",

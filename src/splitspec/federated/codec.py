@@ -24,7 +24,9 @@ Quantization: with the kept ids' exact mass 1 − τ (τ the tail mass outside t
 the largest grid value s <= min(2b/K, max p) for a budget b = ρ·τ + 2⁻¹⁶; each value moves by at
 most s/2, so η = Σ_kept |p̃ − p| <= K·s/2 <= b. Tokens whose value rounds to 0 are dropped (their
 mass joins ε). The worker sends the exact ε = τ + η (ceiled to the 16-bit grid), so the SpecFed
-bounds ‖p − p̂‖₁ <= 2ε and Δ <= 2Σ wᵢεᵢ hold with the transmitted ε, whatever the codec.
+bounds ‖p − p̂‖₁ <= 2ε and Δ <= 2Σ wᵢεᵢ hold with the transmitted ε, whatever the codec. Adaptive
+K selects on τ (the residual mass, as the paper defines it); the codec then adds at most
+ρτ + 2⁻¹⁶ (quantized), 2⁻¹¹ (float16, relative rounding) or nothing (float32, the law's dtype).
 
 Measured on the demo models at K = 1 % of |V| = 8192 (T = 1, ρ = 0.05): ids ~6.8 bits and
 values ~5.6 bits per kept token, η ~2.5 % of τ: ~132 bytes per position against 16 384 for the
@@ -186,15 +188,6 @@ def quantization_step(tail: float, k: int, top: float, rho: float) -> tuple[int,
     wanted = min(2.0 * (rho * tail + ETA_FLOOR) / k, top)
     e = min((1 << STEP_BITS) - 1, max(0, math.ceil(-4.0 * math.log2(wanted))))
     return e, 2.0 ** (-e / 4.0)
-
-
-def selection_target(target_epsilon: float, codec: str, rho: float) -> float:
-    """Tail mass to select for so that tail + quantization error stays <= ``target_epsilon``."""
-    if codec == "float16":  # rounding to float16 moves each value by <= 2⁻¹¹ of itself (η <= 2⁻¹¹)
-        return max(0.0, target_epsilon - 2.0**-11)
-    if codec == "float32":  # the worker's law is float32: sent exactly
-        return target_epsilon
-    return max(0.0, (target_epsilon - ETA_FLOOR) / (1.0 + rho))
 
 
 def encode_topk(

@@ -85,7 +85,7 @@ class CoordinatorConfig:
     worker_urls: tuple[str, ...]  # ws:// URLs of the workers
     weights: tuple[float, ...] | None = None  # aggregation weight per worker (renormalised); None = equal
     top_k: int | None = 320  # fixed K per position, tokens; None = adaptive (target_epsilon)
-    target_epsilon: float | None = None  # adaptive K: largest ε = ‖p − p̃‖₁ allowed, probability
+    target_epsilon: float | None = None  # adaptive K: largest residual mass 1 − Σ top-K, probability
     epsilon_scope: str = "position"  # adaptive K: target on every position, or on each round's mean
     max_k: int = 4096  # cap on adaptive K, tokens
     reconstruct: str = "renorm"  # "renorm" or "residual"
@@ -140,6 +140,7 @@ class WorkerRound:
     weight: float  # weight used this round after renormalisation; 0 when absent
     k: list[int] = field(default_factory=list)  # tokens sent per position
     epsilon: list[float] = field(default_factory=list)  # ε = ‖p − p̃‖₁ per position, as the worker reported it
+    residual: list[float] = field(default_factory=list)  # 1 − Σ p̃ per position as received (≈ tail mass τ)
     bytes_up: int = 0  # request frame(s), bytes
     bytes_down: int = 0  # reply frame(s), bytes
     payload_bytes: int = 0  # top-K bit stream in the reply, bytes
@@ -527,6 +528,7 @@ class Coordinator:
                     weight=w,
                     k=topk.counts.tolist(),
                     epsilon=[round(float(e), 8) for e in eps],
+                    residual=[round(float(e), 8) for e in topk.residual_mass()],
                     bytes_up=up,
                     bytes_down=down,
                     payload_bytes=len(reply.stream),

@@ -30,7 +30,7 @@ from splitspec.exceptions import (
     TooManySessions,
     UnexpectedMessage,
 )
-from splitspec.federated.codec import encode_topk, selection_target
+from splitspec.federated.codec import encode_topk
 from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
 from splitspec.federated.topk import TopKPolicy, select_topk
 from splitspec.protocol.fed import (
@@ -123,10 +123,12 @@ class FedWorker:
         logits = lm.append(request.tokens.tolist(), request.num_scored)
         temperature = request.temperature if request.temperature > 0 else 1.0
         probs = probabilities(logits, temperature)
-        target = request.target_epsilon
-        if target is not None:  # leave room for the quantization error inside the target
-            target = selection_target(target, request.prob_codec, request.quant_budget)
-        policy = TopKPolicy(k=request.k, target_epsilon=target, max_k=request.max_k, scope=request.epsilon_scope)  # type: ignore[arg-type]  # validated by FedScore
+        policy = TopKPolicy(
+            k=request.k,
+            target_epsilon=request.target_epsilon,
+            max_k=request.max_k,
+            scope=request.epsilon_scope,  # type: ignore[arg-type]  # validated by FedScore
+        )
         topk = select_topk(probs, policy)
         stream = encode_topk(probs, topk, request.prob_codec, request.quant_budget)  # type: ignore[arg-type]  # validated by FedScore
         if self.config.delay_s > 0:
