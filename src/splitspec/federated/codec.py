@@ -61,18 +61,18 @@ def _bit_length(u: np.ndarray) -> np.ndarray:
     return np.frexp(u.astype(np.float64))[1].astype(np.int64)
 
 
-def _eg_bits(values: np.ndarray, order: int) -> int:
-    """Bits of ``values`` (>= 0) in exp-Golomb of ``order``."""
-    n = _bit_length(values + (1 << order))
-    return int((2 * n - 1 - order).sum())
-
-
 def _best_order(values: np.ndarray) -> int:
+    """The exp-Golomb order that codes ``values`` (>= 0) in the fewest bits.
+
+    Order r costs ``2·bitlen((v >> r) + 1) − 1 + r`` bits per value v; orders above
+    bitlen(max v) only add bits, so the search stops there.
+    """
     if not values.size:
         return 0
-    top = min((1 << ORDER_BITS) - 1, int(values.max()).bit_length())  # a larger order only adds bits
-    costs = [_eg_bits(values, r) for r in range(top + 1)]
-    return int(np.argmin(costs))
+    top = min((1 << ORDER_BITS) - 1, int(values.max()).bit_length())
+    orders = np.arange(top + 1, dtype=np.int64)
+    n = _bit_length((values.astype(np.int64)[:, None] >> orders[None, :]) + 1)  # (K, orders)
+    return int(np.argmin((2 * n - 1).sum(axis=0) + values.size * orders))
 
 
 class _BitWriter:
