@@ -40,9 +40,10 @@ and against ½Δ.
 Writes ``specfed_wan.json``, ``specfed_wan.md`` and ``specfed_wan.png`` to
 ``benchmarks/results/specfed_wan/``. Medians are over prompts.
 
-    python benchmarks/specfed_wan.py                      # ~3-6 minutes on one core
+    python benchmarks/specfed_wan.py                      # ~2 minutes on one core
     python benchmarks/specfed_wan.py --prompts 1 --new-tokens 8 --rtt-ms 20 --out /tmp/x   # smoke
     python benchmarks/specfed_wan.py --plot-only
+    python benchmarks/specfed_wan.py --bandwidth-mbps 20 --no-audit --out benchmarks/results/specfed_wan_20mbit
 """
 
 from __future__ import annotations
@@ -509,14 +510,14 @@ def plots(res: dict[str, Any], out: Path) -> Path:
 
     table = res["table"]
     mode_names = list(dict.fromkeys(r["mode"] for r in table))
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, axes = plt.subplots(1, 3 if res["audit"] else 2, figsize=(16 if res["audit"] else 11, 4.5))
     width = 0.8 / len(res["rtt_ms"])
     for j, rtt in enumerate(res["rtt_ms"]):
         rows = {r["mode"]: r for r in table if r["rtt_ms"] == rtt}
         xs = [i + j * width for i in range(len(mode_names))]
         axes[0].bar(xs, [rows[m]["tok_per_s"] for m in mode_names], width, label=f"RTT {rtt:g} ms")
     axes[0].set_xticks(
-        [i + width * (len(res["rtt_ms"]) - 1) / 2 for i in range(len(mode_names))], mode_names, rotation=15
+        [i + width * (len(res["rtt_ms"]) - 1) / 2 for i in range(len(mode_names))], mode_names, rotation=30, ha="right"
     )
     axes[0].set_ylabel("tokens / s (median over prompts)")
     axes[0].set_title("generation speed")
@@ -534,20 +535,23 @@ def plots(res: dict[str, Any], out: Path) -> Path:
     axes[1].axhline(2 * res["vocab_size"], color="red", linestyle=":", label="dense float16")
     axes[1].axhline(0.02 * res["vocab_size"], color="green", linestyle="--", label="1/100 dense float16")
     axes[1].set_yscale("log")
-    axes[1].set_xticks([i + 0.4 * (n_workers - 1) / n_workers for i in range(len(mode_names))], mode_names, rotation=15)
+    axes[1].set_xticks(
+        [i + 0.4 * (n_workers - 1) / n_workers for i in range(len(mode_names))], mode_names, rotation=30, ha="right"
+    )
     axes[1].set_ylabel("bytes / position / worker")
     axes[1].set_title("uplink frames per scored position")
     axes[1].legend(fontsize=7)
-    for a in res["audit"]:
-        if not a["scatter"]:
-            continue
-        axes[2].scatter([e for e, _ in a["scatter"]], [d for _, d in a["scatter"]], s=6, alpha=0.5, label=a["mode"])
-    top = max((e for a in res["audit"] for e, _ in a["scatter"]), default=1.0)
-    axes[2].plot([0, top], [0, top], color="black", linestyle=":", label="drift = Σwε")
-    axes[2].set_xlabel("Σ w ε (exact: tail mass + quantization error)")
-    axes[2].set_ylabel("|α − α̂| per drafted position")
-    axes[2].set_title("acceptance-rate drift vs bound (audit)")
-    axes[2].legend(fontsize=7)
+    if res["audit"]:
+        for a in res["audit"]:
+            if not a["scatter"]:
+                continue
+            axes[2].scatter([e for e, _ in a["scatter"]], [d for _, d in a["scatter"]], s=6, alpha=0.5, label=a["mode"])
+        top = max((e for a in res["audit"] for e, _ in a["scatter"]), default=1.0)
+        axes[2].plot([0, top], [0, top], color="black", linestyle=":", label="drift = Σwε")
+        axes[2].set_xlabel("Σ w ε (exact: tail mass + quantization error)")
+        axes[2].set_ylabel("|α − α̂| per drafted position")
+        axes[2].set_title("acceptance-rate drift vs bound (audit)")
+        axes[2].legend(fontsize=7)
     fig.tight_layout()
     path = out / "specfed_wan.png"
     fig.savefig(path, dpi=110)
