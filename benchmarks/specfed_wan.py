@@ -484,7 +484,7 @@ def markdown(res: dict[str, Any]) -> str:
             "the rebuilt one; Σwε with the exact ε = ‖p − p̃‖₁ (tail mass plus quantization error). Audit runs also "
             "carry the full laws, so they are not timed.",
             "",
-            "| mode | target ε | positions | mean Σwε | mean drift | max drift | max (drift − Σwε) "
+            "| mode | target τ | positions | mean Σwε | mean drift | max drift | max (drift − Σwε) "
             "| # drift > Σwε | # drift > ½Δ | bound violations | acceptance |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
@@ -576,10 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-audit", action="store_true", help="skip the audit runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (shared machines: 1)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "specfed_wan")
-    parser.add_argument("--plot-only", action="store_true", help="redraw the plot from the saved JSON")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the plot and table from the saved JSON")
     args = parser.parse_args(argv)
     if args.plot_only:
-        plots(json.loads((args.out / "specfed_wan.json").read_text()), args.out)
+        saved = json.loads((args.out / "specfed_wan.json").read_text())
+        plots(saved, args.out)
+        (args.out / "specfed_wan.md").write_text(markdown(saved))
         return 0
     args.worker = args.worker or default_workers()
     args.prompts = max(1, min(args.prompts, len(PROMPT_SOURCES)))
