@@ -176,6 +176,7 @@ _VALUES = [(_f32(0.5), 32), (_f32(0.25), 32)]
         (_stream((2, 2), (15, 4), (0, 16), (0, 5), *[(1, 1)] * 16), 1, "exceeds the vocabulary"),
         (_stream((2, 2), (0, 4), (0, 16), (0, 5), (0, 3), (15, 4)), 1, "outside the vocabulary"),  # EG_0: id 14
         (_stream((2, 2), (0, 4), (0, 16), (0, 5), (0, 60)), 1, "over-long code"),
+        (_stream((2, 2), (0, 4), (0, 16), (0, 5), (1, 4)), 1, "ends inside the ids"),  # "0001" needs 3 more bits
         (_stream(*_HEAD, (_f32(0.5), 32)), 1, "ends inside the values"),
         (_stream(*_HEAD, *_VALUES), 2, "ends inside"),  # a second position is missing
         (_stream(*_HEAD, *_VALUES, (0, 8)), 1, "trailing bytes"),
@@ -194,6 +195,13 @@ def test_decode_refuses_bad_streams(data: bytes, positions: int, match: str) -> 
 def test_valid_hand_built_stream_decodes() -> None:
     back = decode_topk(_stream(*_HEAD, *_VALUES), 1, 10)
     assert back.ids.tolist() == [3, 7] and back.probs.tolist() == [0.5, 0.25]
+
+
+def test_bit_writer_refuses_fields_that_do_not_fit() -> None:
+    with pytest.raises(ValueError):
+        _BitWriter().fixed(16, 4)
+    with pytest.raises(ValueError):
+        _BitWriter().exp_golomb(np.array([1 << 53]), 0)
 
 
 def test_encoder_refuses_bad_arguments() -> None:

@@ -78,13 +78,14 @@ def test_round_trips() -> None:
         ({"epsilon_scope": "global"}, MalformedFrame),
         ({"quant_budget": 0.0}, MalformedFrame),
         ({"quant_budget": 0.9}, MalformedFrame),
+        ({"audit": "yes"}, MalformedFrame),
         ({"keep": -1}, MalformedFrame),
         ({"tokens": torch.tensor([5, 6, 7], dtype=torch.int64)}, BadTensor),
         ({"tokens": torch.zeros(0, dtype=torch.int32), "num_scored": 1}, BadTensor),
     ],
 )
 def test_bad_score_is_refused(overrides: dict[str, object], error: type[Exception]) -> None:
-    raw = {"temperature", "quant_budget"} & overrides.keys()
+    raw = {"temperature", "quant_budget", "audit"} & overrides.keys()
     data = encode_fed(_score(**overrides)) if not raw else _raw_score(overrides)
     with pytest.raises(error):
         decode_fed(data)
@@ -141,6 +142,13 @@ def test_bad_scores_reply_is_refused(data: bytes, error: type[Exception]) -> Non
     decode_fed(_scores())  # the untouched one parses
     with pytest.raises(error):
         decode_fed(data)
+
+
+def test_other_frames_are_checked_too() -> None:
+    with pytest.raises(BadMagic):
+        FedScores.from_bytes(_scores(magic=b"SPLT"))  # direct use still checks the magic
+    with pytest.raises(MalformedFrame, match="unknown federated message type"):
+        decode_fed(encode_frame({"type": "pickle"}))
 
 
 def test_scores_reply_size_cap() -> None:

@@ -63,13 +63,11 @@ def _bit_length(u: np.ndarray) -> np.ndarray:
 
 
 def _best_order(values: np.ndarray) -> int:
-    """The exp-Golomb order that codes ``values`` (>= 0) in the fewest bits.
+    """The exp-Golomb order that codes ``values`` (>= 0, at least one) in the fewest bits.
 
     Order r costs ``2·bitlen((v >> r) + 1) − 1 + r`` bits per value v; orders above
     bitlen(max v) only add bits, so the search stops there.
     """
-    if not values.size:
-        return 0
     top = min((1 << ORDER_BITS) - 1, int(values.max()).bit_length())
     orders = np.arange(top + 1, dtype=np.int64)
     n = _bit_length((values.astype(np.int64)[:, None] >> orders[None, :]) + 1)  # (K, orders)
@@ -129,8 +127,6 @@ class _BitReader:
         return self._next_one
 
     def _values_at(self, starts: np.ndarray, widths: np.ndarray) -> np.ndarray:
-        if starts.size == 0:
-            return np.zeros(0, dtype=np.int64)
         field = np.repeat(np.arange(starts.size), widths)
         offset = np.arange(field.size) - (np.cumsum(widths) - widths)[field]
         weighted = self.bits[starts[field] + offset] << (widths[field] - 1 - offset)
