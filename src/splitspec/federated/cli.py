@@ -22,6 +22,7 @@ from pathlib import Path
 
 from splitspec.cli import read_token_file
 from splitspec.exceptions import ConfigError
+from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +160,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument(
         "--quant-budget",
         type=float,
-        default=0.05,
-        help="quantized: error allowed per position, as a fraction of its tail mass (default 0.05)",
+        default=DEFAULT_QUANT_BUDGET,
+        help=f"quantized: error allowed per position, as a fraction of its tail mass (default {DEFAULT_QUANT_BUDGET})",
     )
     g.add_argument("--round-timeout", type=float, default=30.0, help="seconds before a slow worker is dropped")
     g.add_argument("--token-file", type=Path, help="file holding the shared secret")

@@ -44,10 +44,9 @@ import torch
 
 from splitspec.exceptions import BadTensor, ConfigError
 from splitspec.federated.topk import TopK
-from splitspec.protocol.fed import MAX_QUANT_BUDGET, VALUE_CODECS
+from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET, MAX_QUANT_BUDGET, VALUE_CODECS
 
 ValueCodec = Literal["quantized", "float16", "float32"]  # one of VALUE_CODECS
-DEFAULT_QUANT_BUDGET = 0.05  # ρ: quantization error allowed per position, as a fraction of the tail mass
 ETA_FLOOR = 2.0**-16  # quantization error always allowed, probability (covers τ = 0)
 EPS_SCALE = 65535  # ε travels as ⌈ε · EPS_SCALE⌉ in 16 bits
 MAX_CODE_BITS = 52  # longest exp-Golomb payload accepted (values < 2**52 fit float64 exactly)

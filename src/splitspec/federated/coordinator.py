@@ -51,7 +51,6 @@ from splitspec.exceptions import (
 from splitspec.federated.codec import decode_topk
 from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
 from splitspec.federated.topk import (
-    EPSILON_SCOPES,
     RECONSTRUCTIONS,
     TopK,
     aggregate,
@@ -61,6 +60,8 @@ from splitspec.federated.topk import (
     reconstruct,
 )
 from splitspec.protocol.fed import (
+    DEFAULT_QUANT_BUDGET,
+    EPSILON_SCOPES,
     MAX_QUANT_BUDGET,
     VALUE_CODECS,
     FedHello,
@@ -91,7 +92,7 @@ class CoordinatorConfig:
     reconstruct: str = "renorm"  # "renorm" or "residual"
     gamma: int = 4  # draft tokens per round
     prob_codec: str = "quantized"  # how top-K probabilities travel: "quantized", "float16", "float32"
-    quant_budget: float = 0.05  # ρ: quantization error allowed per position, fraction of its tail mass
+    quant_budget: float = DEFAULT_QUANT_BUDGET  # ρ: quantization error allowed per position, fraction of its tail mass
     audit: bool = False  # workers also send full laws; rounds record Δ, drift and bound checks
     auth_token: str | None = None  # shared secret for the workers
     round_timeout_s: float = 30.0  # a worker slower than this is dropped for the round, seconds

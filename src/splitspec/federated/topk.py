@@ -30,11 +30,11 @@ from typing import Literal
 import torch
 
 from splitspec.exceptions import ConfigError
+from splitspec.protocol.fed import EPSILON_SCOPES
 
 Reconstruction = Literal["renorm", "residual"]
 EpsilonScope = Literal["position", "round"]
 RECONSTRUCTIONS: tuple[str, ...] = ("renorm", "residual")
-EPSILON_SCOPES: tuple[str, ...] = ("position", "round")
 
 
 @dataclass(frozen=True)

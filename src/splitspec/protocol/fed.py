@@ -57,6 +57,7 @@ from splitspec.protocol.messages import Error, _int, _str, _tensor
 FED_VERSION = 2  # version of the federated conversation (the frame version is separate)
 VALUE_CODECS: tuple[str, ...] = ("quantized", "float16", "float32")  # how top-K probabilities travel
 EPSILON_SCOPES: tuple[str, ...] = ("position", "round")  # where an adaptive-K target applies
+DEFAULT_QUANT_BUDGET = 0.05  # ρ: quantization error allowed per position, as a fraction of its tail mass
 MAX_QUANT_BUDGET = 0.5  # largest quantization budget ρ a coordinator may ask for
 SCORES_MAGIC = b"SPFS"
 _SCORES_HEAD = struct.Struct(">4sHIHIIBI")  # magic, version, seq, positions, vocab, worker µs, flags, S
@@ -175,7 +176,7 @@ class FedScore:
     max_k: int = 4096  # cap on adaptive K, tokens
     epsilon_scope: str = "position"  # adaptive K: target per position, or on a round's mean
     prob_codec: str = "quantized"  # how top-K probabilities travel: one of VALUE_CODECS
-    quant_budget: float = 0.05  # ρ: quantization error allowed, fraction of the tail mass
+    quant_budget: float = DEFAULT_QUANT_BUDGET  # ρ: quantization error allowed, fraction of the tail mass
     audit: bool = False  # also return the full distributions (n_scored, V) float32
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
