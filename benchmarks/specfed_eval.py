@@ -96,7 +96,7 @@ def adaptive_comparison(law: torch.Tensor, k: int) -> dict[str, dict[str, float]
     for start in range(0, law.shape[0], ROUND):
         rows = law[start : start + ROUND]
         fixed = select_topk(rows, TopKPolicy(k=k))
-        tau = 1 - rows.double().topk(k, -1).values.sum(-1)
+        tau = true_residual_mass(rows, fixed).double()
         policies = {
             "fixed": TopKPolicy(k=k),
             "round_mean": TopKPolicy(target_epsilon=max(0.0, float(tau.mean())), scope="round", max_k=vocab),

@@ -54,6 +54,7 @@ ORDER_BITS = 5  # width of an exp-Golomb order field
 STEP_BITS = 8  # width of the quantization step exponent
 MASS_SLACK = 1e-4  # |Σ p̃ − 1| may exceed the reported ε by this much (float32 laws), no more
 _CODEC_IDS = {"quantized": 0, "float16": 1, "float32": 2}
+_RAW_FLOATS = {1: (np.float16, np.uint16), 2: (np.float32, np.uint32)}  # codec id -> (float, same-width uint)
 
 
 def _bit_length(u: np.ndarray) -> np.ndarray:
@@ -127,9 +128,10 @@ class _BitReader:
 
     def _values_at(self, starts: np.ndarray, widths: np.ndarray) -> np.ndarray:
         field = np.repeat(np.arange(starts.size), widths)
-        offset = np.arange(field.size) - (np.cumsum(widths) - widths)[field]
+        first = np.cumsum(widths) - widths  # index of each field's first bit among all read bits
+        offset = np.arange(field.size) - first[field]
         weighted = self.bits[starts[field] + offset] << (widths[field] - 1 - offset)
-        out: np.ndarray = np.add.reduceat(weighted, np.cumsum(widths) - widths)  # widths are all >= 1
+        out: np.ndarray = np.add.reduceat(weighted, first)  # widths are all >= 1
         return out
 
     def fixed(self, width: int, what: str) -> int:
@@ -203,22 +205,23 @@ def encode_topk(
     exact = laws.double().numpy()
     ends = np.cumsum(topk.counts.numpy())
     all_ids = topk.ids.numpy()
+    codec_id = _CODEC_IDS[codec]
     out = _BitWriter()
-    out.fixed(_CODEC_IDS[codec], 2)
+    out.fixed(codec_id, 2)
     for j in range(n):
         ids = all_ids[ends[j] - int(topk.counts[j]) : ends[j]].astype(np.int64)
         row = exact[j]
         kept = row[ids]
-        if codec == "quantized":
+        if codec_id == 0:
             e, step = quantization_step(max(0.0, 1.0 - float(kept.sum())), ids.size, float(kept.max()), rho)
             q = np.rint(kept / step).astype(np.int64)
             nonzero = q >= 1  # a value that rounds to 0 is dropped: its mass joins ε
             ids, q, kept = ids[nonzero], q[nonzero], kept[nonzero]
             sent = q * step
-        elif codec == "float16":
-            sent = kept.astype(np.float16).astype(np.float64)
         else:
-            sent = kept.astype(np.float32).astype(np.float64)
+            float_type, uint_type = _RAW_FLOATS[codec_id]
+            wire = kept.astype(float_type)
+            sent = wire.astype(np.float64)
         epsilon = float(np.abs(sent - kept).sum()) + max(0.0, float(row.sum()) - float(kept.sum()))
         out.fixed(ids.size - 1, _id_width(vocab))
         out.fixed(min(EPS_SCALE, math.ceil((epsilon + 1e-12) * EPS_SCALE)), 16)
@@ -226,15 +229,13 @@ def encode_topk(
         order = _best_order(gaps)
         out.fixed(order, ORDER_BITS)
         out.exp_golomb(gaps, order)
-        if codec == "quantized":
+        if codec_id == 0:
             order = _best_order(q - 1)
             out.fixed(e, STEP_BITS)
             out.fixed(order, ORDER_BITS)
             out.exp_golomb(q - 1, order)
-        elif codec == "float16":
-            out.raw(kept.astype(np.float16).view(np.uint16), 16)
         else:
-            out.raw(kept.astype(np.float32).view(np.uint32), 32)
+            out.raw(wire.view(uint_type), 8 * wire.itemsize)
     return out.to_bytes()
 
 
@@ -262,10 +263,10 @@ def decode_topk(data: bytes, positions: int, vocab_size: int) -> TopK:
             upper += step / 2
             q = reader.exp_golomb(k, reader.fixed(ORDER_BITS, "an order"), "the values") + 1
             values = q.astype(np.float64) * step
-        elif codec == 1:
-            values = reader.raw(k, 16, "the values").astype(np.uint16).view(np.float16).astype(np.float64)
         else:
-            values = reader.raw(k, 32, "the values").astype(np.uint32).view(np.float32).astype(np.float64)
+            float_type, uint_type = _RAW_FLOATS[codec]
+            raw = reader.raw(k, 8 * np.dtype(float_type).itemsize, "the values")
+            values = raw.astype(uint_type).view(float_type).astype(np.float64)
         if not np.isfinite(values).all() or (values < 0).any() or (values > upper).any():
             raise BadTensor(f"position {j}: top-K probabilities must be finite and in [0, 1]")
         # ‖p − p̃‖₁ <= ε and Σp = 1 imply |Σp̃ − 1| <= ε: a reply breaking it misreports ε
