@@ -1,10 +1,15 @@
-# Two entry points (see README): `make demo` and `make test`. Both create .venv if missing.
+# Entry points (see README): `make demo` and `make test`. Both create .venv if missing.
+# `make test` = lint + types + the whole test suite (fast and slow lanes) under branch coverage,
+# with coverage floors. `make test-fast` skips the slow lane (subprocess CLI and demo runs).
 # TORCH picks the PyTorch build. torch==2.13.0 resolves to the CPU wheel on the project's
 # build machines; on a GPU box pass e.g. TORCH="torch==2.13.0 --index-url <your CUDA index>".
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
+# Coverage floors (percent of lines and branches), set at what the suite measures; raise, never lower.
+PROTOCOL_FLOOR := 100
+CODEC_FLOOR := 100
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,9 +22,35 @@ install: $(BIN)/python
 demo: install
 	$(BIN)/splitspec demo
 
-test: install
-	$(BIN)/ruff check src tests
-	$(BIN)/mypy
-	$(BIN)/pytest -q
+test: install lint types coverage
 
-.PHONY: install demo test
+# ruff lint rules (pyproject: [tool.ruff.lint], PT included) and the formatter, as checks.
+lint: install
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+# Rewrite the code to the formatter's layout and apply ruff's safe fixes.
+format: install
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+# mypy --strict on src/ (pyproject: [tool.mypy]), and on the tests.
+types: install
+	$(BIN)/mypy
+	$(BIN)/mypy tests
+
+# The whole suite (both lanes) with branch coverage, then the floors.
+coverage: install
+	$(BIN)/pytest -q --cov --cov-report=term
+	$(BIN)/coverage report --include='src/splitspec/protocol/*' --fail-under=$(PROTOCOL_FLOOR)
+	$(BIN)/coverage report --include='src/splitspec/federated/codec.py' --fail-under=$(CODEC_FLOOR)
+
+# The fast lane only: everything not marked slow.
+test-fast: install
+	$(BIN)/pytest -q -m 'not slow'
+
+clean:
+	rm -rf .coverage .coverage.* htmlcov .mypy_cache .ruff_cache .pytest_cache build dist src/*.egg-info
+	find src tests benchmarks -name __pycache__ -type d -prune -exec rm -rf {} +
+
+.PHONY: install demo test lint format types coverage test-fast clean

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -29,7 +31,7 @@ TOKENIZER_TEXT = (
 def tiny_config(
     family: str, layers: int = 6, vocab: int = VOCAB, hidden: int = 64, max_positions: int = 4096
 ) -> object:
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -97,15 +99,17 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     return build
 
 
-def local_model(directory: Path) -> torch.nn.Module:
+def local_model(directory: Path) -> PreTrainedModel:
     """The whole checkpoint in one process, as transformers loads it."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return model
 
 
 def local_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
     model = local_model(directory)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        generate: Callable[..., torch.Tensor] = model.generate  # type: ignore[assignment]  # transformers types it as a Tensor
+        out = generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return list(out[0, len(prompt) :].tolist())

@@ -16,9 +16,10 @@ import pytest
 from splitspec.demo import ASSETS
 
 CLI = [sys.executable, "-m", "splitspec.cli"]
-pytestmark = pytest.mark.skipif(
-    not (ASSETS / "models" / "base" / "config.json").is_file(), reason="embedded models not built"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (ASSETS / "models" / "base" / "config.json").is_file(), reason="embedded models not built"),
+]
 
 
 def ports_of(output: str) -> tuple[int, int]:
@@ -54,10 +55,13 @@ def test_demo_runs_end_to_end_and_cleans_up() -> None:
     )
     assert out.returncode == 0, out.stderr
     ports = ports_of(out.stdout)
-    assert "tok/s" in out.stdout and "network, ms" in out.stdout and "bytes up" in out.stdout
+    assert "tok/s" in out.stdout
+    assert "network, ms" in out.stdout
+    assert "bytes up" in out.stdout
     assert "16 tokens" in out.stdout or "<|eos|>" in out.stdout
     assert not survivors(ports)
-    assert not listening(ports[0]) and not listening(ports[1])
+    assert not listening(ports[0])
+    assert not listening(ports[1])
 
 
 def test_ctrl_c_stops_every_child() -> None:

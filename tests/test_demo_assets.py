@@ -76,7 +76,8 @@ def test_manifest_splits_are_disjoint(manifest: dict[str, Any]) -> None:
         splits = {d["split"] for d in docs if d["domain"] == domain}
         assert splits == {"train", "val", "test"}, domain
     for d in docs:
-        assert d["source"] and d["licence"]
+        assert d["source"]
+        assert d["licence"]
 
 
 def test_heldout_files_match_manifest(manifest: dict[str, Any]) -> None:
@@ -112,7 +113,8 @@ def test_tokenizer_vocab_and_round_trip(tokenizers: dict[str, PreTrainedTokenize
     base, draft = tokenizers["base"], tokenizers["draft"]
     assert 8000 <= len(base) <= 8500
     assert base.get_vocab() == draft.get_vocab() == tokenizers["worker"].get_vocab()
-    assert base.bos_token is not None and base.eos_token is not None
+    assert base.bos_token is not None
+    assert base.eos_token is not None
     assert base.bos_token_id != base.eos_token_id
     text = "O, what a rogue and peasant slave am I!\n\ndef f(x: int) -> int:\n    return x ** 2  # é\n"
     ids = base(text)["input_ids"]

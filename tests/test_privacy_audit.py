@@ -81,7 +81,9 @@ def test_weight_report_detects_stock_and_modified(make_checkpoint: Callable[...,
     published = make_checkpoint("llama", layers=6)
     plan = SplitPlan(6, 2, 2)
     same = edge_weight_report(published, published, plan)
-    assert same.is_stock and same.max_relative_difference == 0.0 and same.stock_layers == [0, 1, 4, 5]
+    assert same.is_stock
+    assert same.max_relative_difference == 0.0
+    assert same.stock_layers == [0, 1, 4, 5]
     ckpt = Checkpoint(published)
     name = "model.layers.1.mlp.down_proj.weight"
     w = ckpt.read([name], torch.float32)[name]
@@ -136,13 +138,15 @@ def test_audit_end_to_end(make_checkpoint: Callable[..., Path], tmp_path: Path) 
             assert ("diverged/adaptive", "mlp", side, d) in seen
         assert ("stock", "search", "input", d) in seen
         assert ("stock", "stock-tail", "output", d) in seen
-    assert ("-", "freq", "-", 0) in seen and ("-", "freq-pos", "-", 0) in seen
+    assert ("-", "freq", "-", 0) in seen
+    assert ("-", "freq-pos", "-", 0) in seen
     n = report["n_test_tokens"]
     assert n == results["n_test_tokens"]
     assert n > 0
     for s in report["series"]:
         lo, hi = s["top1"]["wilson95"]
-        assert lo <= s["top1"]["rate"] <= hi and s["top1"]["rate"] <= s["top5"]["rate"]
+        assert lo <= s["top1"]["rate"] <= hi
+        assert s["top1"]["rate"] <= s["top5"]["rate"]
     # With stock weights the published tail gives the model's own prediction at every depth.
     by_key = {(s["condition"], s["attacker"], s["side"], s["depth"]): s for s in report["series"]}
     assert by_key[("stock", "stock-tail", "output", 1)]["top1"] == by_key[("stock", "stock-tail", "output", 2)]["top1"]
@@ -150,10 +154,12 @@ def test_audit_end_to_end(make_checkpoint: Callable[..., Path], tmp_path: Path) 
     assert {"adjacent depths", "stock vs diverged", "attacker vs frequency prior"} <= families
     for t in report["tests"]:
         assert 0.0 <= t["p_exact_mcnemar"] <= t["p_holm"] <= 1.0
-    assert report["edges"]["1"]["is_stock"] is False and report["edges"]["2"]["is_stock"] is False
+    assert report["edges"]["1"]["is_stock"] is False
+    assert report["edges"]["2"]["is_stock"] is False
     # Per-token outcomes reload and reproduce the reported rates.
     cols, docs = load_outcomes(out / "outcomes.csv.gz")
-    assert len(docs) == n and set(docs) <= set(split["test_documents"])
+    assert len(docs) == n
+    assert set(docs) <= set(split["test_documents"])
     col = SeriesKey("stock", "mlp", "input", 1).column
     assert (cols[col] == 1).sum() == by_key[("stock", "mlp", "input", 1)]["top1"]["successes"]
     assert "Paired tests" in (out / "report.md").read_text()
@@ -175,7 +181,8 @@ def test_diverge_cli_writes_loadable_private_edge(make_checkpoint: Callable[...,
     assert info["fingerprint_sha256"] == edge_fingerprint(out / "checkpoint", plan)
     assert info["fingerprint_sha256"] != info["published_fingerprint_sha256"]
     assert info["weight_report"]["is_stock"] is False
-    assert info["heldout_perplexity_before"] > 0 and info["heldout_perplexity_after"] > 0
+    assert info["heldout_perplexity_before"] > 0
+    assert info["heldout_perplexity_after"] > 0
     edge = load_edge(Checkpoint(out / "checkpoint"), plan, torch.float32)  # same loaders work
     assert edge.hidden_size == 64
     # Only edge layers changed: the trunk is still the published one.

@@ -26,7 +26,8 @@ def test_shipped_corpus_split_by_document() -> None:
     assert not train_ids & test_ids
     assert train_ids | test_ids == {d.doc_id for d in docs}
     for domain in {d.domain for d in docs}:  # every domain on both sides
-        assert any(d.domain == domain for d in split.train) and any(d.domain == domain for d in split.test)
+        assert any(d.domain == domain for d in split.train)
+        assert any(d.domain == domain for d in split.test)
     again = split_documents(list(reversed(docs)), 0.3, seed=0)  # order-independent, deterministic
     assert {d.doc_id for d in again.test} == test_ids
     assert {d.doc_id for d in split_documents(docs, 0.3, seed=1).test} != test_ids

@@ -22,11 +22,13 @@ def test_wilson_known_value() -> None:
 
 def test_wilson_edges() -> None:
     lo, hi = wilson_interval(0, 10)
-    assert lo == 0.0 and hi == pytest.approx(0.2775, abs=1e-4)
+    assert lo == 0.0
+    assert hi == pytest.approx(0.2775, abs=1e-4)
     lo, hi = wilson_interval(10, 10)
-    assert hi == 1.0 and lo == pytest.approx(0.7225, abs=1e-4)
+    assert hi == 1.0
+    assert lo == pytest.approx(0.7225, abs=1e-4)
     assert wilson_interval(0, 0) == (0.0, 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="successes <= n"):
         wilson_interval(11, 10)
 
 
@@ -54,7 +56,7 @@ def test_mcnemar_table_counts_pairs() -> None:
     a = np.array([1, 1, 0, 0, 1], dtype=bool)
     b = np.array([1, 0, 1, 0, 0], dtype=bool)
     assert mcnemar_table(a, b).tolist() == [[1, 2], [1, 1]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="same shape"):
         mcnemar_table(a, b[:3])
 
 

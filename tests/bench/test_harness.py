@@ -35,7 +35,8 @@ def test_quick_bench_writes_report(tmp_path: Path, make_checkpoint: Callable[...
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["scenario"]["name"] == "tiny_quick"
-    assert summary["scenario"]["repeats"] == 1 and summary["scenario"]["max_new_tokens"] == 16
+    assert summary["scenario"]["repeats"] == 1
+    assert summary["scenario"]["max_new_tokens"] == 16
     assert [p["prompt_id"] for p in summary["prompts"]] == ["code0", "prose0", "structured0"]
     assert set(summary["baselines"]) == {"hf_generate", "hf_prompt_lookup", "local_loop"}
     assert summary["baselines"]["local_loop"]["token_match"] == [3, 3]
@@ -45,25 +46,32 @@ def test_quick_bench_writes_report(tmp_path: Path, make_checkpoint: Callable[...
         assert set(g) >= EXPECTED_SPLIT_KEYS
         assert g["token_match"] == [3, 3]  # split greedy == transformers generate, every prompt
         assert g["accepted_per_step"] == 1.0
-        assert g["decode_tok_s"] > 0 and g["bytes_up_per_step"] > 0 and g["bytes_down_per_step"] > 0
+        assert g["decode_tok_s"] > 0
+        assert g["bytes_up_per_step"] > 0
+        assert g["bytes_down_per_step"] > 0
         assert set(g["step_ms"]) == {"network_ms", "edge_ms", "cloud_ms", "serialize_ms", "step_ms"}
     assert split[1]["measured_rtt_ms"] >= 19.5
     assert split[1]["step_ms"]["network_ms"] >= 19.5
     assert split[0]["decode_tok_s"] > split[1]["decode_tok_s"]
     fit = summary["fits"]["sequential"]
-    assert fit["overhead_ms"] > 0 and fit["n_points"] == 2
+    assert fit["overhead_ms"] > 0
+    assert fit["n_points"] == 2
     assert len(summary["split_by_set"]) == 6
 
     runs = sorted((out / "runs").glob("*.json"))
     assert len(runs) == 3 * 3 + 3 * 2  # baselines + split runs
     run = json.loads((out / "runs" / "r0_sequential_rtt20_prose0.json").read_text())
-    assert run["new_tokens"] == 16 and len(run["token_ids"]) == 16
+    assert run["new_tokens"] == 16
+    assert len(run["token_ids"]) == 16
     assert [s["kind"] for s in run["steps"]] == ["prefill"] + ["decode"] * 15
     assert run["matches_hf_generate"] is True
 
     md = (out / "summary.md").read_text()
-    assert "| split sequential | 0 |" in md and "| split sequential | 20 |" in md
-    assert "hf_generate (local)" in md and "hf_prompt_lookup (local)" in md and "local_loop (local)" in md
+    assert "| split sequential | 0 |" in md
+    assert "| split sequential | 20 |" in md
+    assert "hf_generate (local)" in md
+    assert "hf_prompt_lookup (local)" in md
+    assert "local_loop (local)" in md
     for png in ("tok_s_vs_rtt.png", "step_breakdown.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -25,13 +25,18 @@ def check_sane(report: ProbeReport) -> None:
     assert [s.query_tokens for s in report.steps] == list(KS)
     for s in report.steps:
         assert s.n == 5
-        assert s.step_ms > 0 and s.edge_ms > 0 and s.cloud_ms > 0 and s.serialize_ms > 0
+        assert s.step_ms > 0
+        assert s.edge_ms > 0
+        assert s.cloud_ms > 0
+        assert s.serialize_ms > 0
         assert s.overhead_ms > 0  # the step costs more than a bare round trip
     # Payloads grow strictly with k (deterministic); compute roughly does too on a shared machine.
     ups = [s.bytes_up for s in report.steps]
     downs = [s.bytes_down for s in report.steps]
-    assert ups == sorted(ups) and len(set(ups)) == len(ups)
-    assert downs == sorted(downs) and len(set(downs)) == len(downs)
+    assert ups == sorted(ups)
+    assert len(set(ups)) == len(ups)
+    assert downs == sorted(downs)
+    assert len(set(downs)) == len(downs)
     f1, f16 = report.overhead_ms(1), report.overhead_ms(16)
     assert f16 > 0.5 * f1, "f(k) should not fall with k beyond noise"
     assert report.break_even_measured[1] == pytest.approx(1.0)
@@ -63,7 +68,8 @@ async def test_probe_loopback_and_emulated_rtt(make_checkpoint: Callable[..., Pa
     assert one.network_ms == pytest.approx(emulated.rtt_ms + one.transfer_ms)
     assert one.step_ms > 40.0
     text = format_report(emulated)
-    assert "a*(16)" in text and "$/Mtok" in text
+    assert "a*(16)" in text
+    assert "$/Mtok" in text
     json.dumps(emulated.to_json())
 
 

@@ -29,7 +29,9 @@ def test_minimal_scenario_and_relative_model(tmp_path: Path, make_checkpoint: Ca
     assert sc.rtt_ms == (0.0, 5.0, 20.0, 80.0, 150.0)
     assert sc.prompts.corpus_dir == DEFAULT_CORPUS_DIR
     quick = sc.quick()
-    assert quick.repeats == 1 and quick.prompts.per_set == 1 and quick.max_new_tokens <= 16
+    assert quick.repeats == 1
+    assert quick.prompts.per_set == 1
+    assert quick.max_new_tokens <= 16
 
 
 @pytest.mark.parametrize(
@@ -95,7 +97,8 @@ def test_prompts_are_fixed_length_windows(tmp_path: Path) -> None:
     assert [p.prompt_id for p in prompts] == ["prose0", "prose1", "code0", "code1", "structured0", "structured1"]
     assert all(len(p.token_ids) == 20 and p.token_ids[0] == 0 for p in prompts)
     structured = CharTokenizer().decode(list(prompts[4].token_ids[1:]))
-    assert structured.endswith(",\n") and "'k" in structured  # cut inside the table, after whole rows
+    assert structured.endswith(",\n")
+    assert "'k" in structured
     assert prompts[4].source != "zz_plain.txt"
     with pytest.raises(ConfigError, match="only"):
         build_prompts(CharTokenizer(), tmp_path, ("prose",), 5, 20)

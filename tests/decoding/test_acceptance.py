@@ -89,4 +89,5 @@ def test_greedy_tree_walks_the_matching_branch() -> None:
     tokens, parents = [3, 4, 5, 1], [-1, 0, -1, 2]
     logits = logits_for([5, 0, 0, 1, 2])  # root picks 5 (node 2), node 2's row (3) picks 1 (node 3), then 2
     verdict = greedy_verify_tree(tokens, parents, logits)
-    assert verdict.path == [2, 3] and verdict.next_token == 2
+    assert verdict.path == [2, 3]
+    assert verdict.next_token == 2

@@ -63,7 +63,8 @@ def test_ngram_pool_prefers_recent_continuations() -> None:
 def test_prompt_lookup_branches_on_distinct_matches() -> None:
     lookup = PromptLookup(max_ngram=2, min_ngram=1, branches=2)
     draft = lookup.propose([1, 2, 3, 1, 2, 4, 1, 2], 4)  # budget: 4 tree nodes in all
-    assert draft.tokens == [4, 1, 2, 3] and draft.parents == [-1, 0, 1, -1]
+    assert draft.tokens == [4, 1, 2, 3]
+    assert draft.parents == [-1, 0, 1, -1]
     assert len(lookup.propose([1, 2, 3], 4)) == 0
 
 
@@ -155,6 +156,7 @@ def test_greedy_draft_model_adds_runner_up_branches(make_checkpoint: Callable[..
     model = full(make_checkpoint("llama", layers=2, seed=99))
     tree = DraftModel(model, SamplingParams(), alternatives=2).propose(PROMPT, 12)
     chain = DraftModel(model, SamplingParams(), alternatives=0).propose(PROMPT, 12)
-    assert len(tree) == 12 and tree.parents.count(-1) == 2  # a second root: the runner-up first token
+    assert len(tree) == 12
+    assert tree.parents.count(-1) == 2
     assert tree.tokens[:8] == chain.tokens[:8]  # the main chain is the greedy chain
     assert leaf_chains(tree)[0] == tree.tokens[:8]

@@ -167,7 +167,8 @@ async def test_tree_step_and_cache_command_ride_on_the_next_step(make_checkpoint
 
     def local_logits(tokens: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return local(torch.tensor([tokens])).logits[0]
+            logits: torch.Tensor = local(torch.tensor([tokens])).logits[0]  # (T, V)
+            return logits
 
     async with TrunkServer(cloud_config(model)) as server:
         async with SplitClient(

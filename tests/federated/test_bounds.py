@@ -42,7 +42,8 @@ def test_aggregation_bias_and_acceptance_drift_bounds(
     assert bool((report.per_worker_delta <= 2 * report.per_worker_epsilon + tol).all())  # ‖p_i − p̂_i‖₁ ≤ 2ε_i
     assert bool((report.delta <= report.bound + tol).all())  # Δ ≤ 2Σ w_i ε_i
     drift = report.drift
-    assert drift is not None and bool((drift <= 0.5 * report.delta + tol).all())  # |α − α̂| ≤ ½Δ
+    assert drift is not None
+    assert bool((drift <= 0.5 * report.delta + tol).all())
     assert bool((drift <= report.weighted_epsilon + tol).all())  # hence |α − α̂| ≤ Σ w_i ε_i
     # ... also with the ε the workers reported (an upper bound on the exact one)
     assert report.per_worker_reported is not None

@@ -56,9 +56,11 @@ def test_literal_stream_of_a_small_case() -> None:
     assert _bits(stream) == expected
     assert stream == bytes.fromhex("05071c5f8d0cd1e0")
     back = decode_topk(stream, 1, 10)
-    assert back.ids.tolist() == [3, 7] and back.counts.tolist() == [1 + 1]
+    assert back.ids.tolist() == [3, 7]
+    assert back.counts.tolist() == [1 + 1]
     assert back.probs.tolist() == pytest.approx([45 * step, 23 * step], rel=1e-6)
-    assert back.epsilon is not None and float(back.epsilon[0]) == pytest.approx(16839 / EPS_SCALE)
+    assert back.epsilon is not None
+    assert float(back.epsilon[0]) == pytest.approx(16839 / EPS_SCALE)
 
 
 def test_exp_golomb_literal_codes() -> None:
@@ -89,7 +91,8 @@ def test_round_trip_and_reported_epsilon(codec: str, vocab: int, k: int) -> None
     kept = set(zip(back.segment_index().tolist(), back.ids.tolist(), strict=True))
     assert kept <= set(zip(topk.segment_index().tolist(), topk.ids.tolist(), strict=True))
     if codec == "float32":
-        assert torch.equal(back.ids, topk.ids) and torch.equal(back.probs, topk.probs)
+        assert torch.equal(back.ids, topk.ids)
+        assert torch.equal(back.probs, topk.probs)
     elif codec == "float16":
         assert torch.equal(back.ids, topk.ids)
         assert torch.allclose(back.probs, topk.probs, rtol=2**-10, atol=2**-24)
@@ -111,7 +114,9 @@ def test_quantized_is_smaller_than_float16_and_dense_ids_cost_one_bit() -> None:
 
 def test_step_keeps_the_top_token_and_the_grid() -> None:
     e, s = quantization_step(tail=0.99, k=82, top=1e-4, rho=0.05)
-    assert s <= 1e-4 and s == 2 ** (-e / 4) and 2 ** (-(e - 1) / 4) > 1e-4
+    assert s <= 1e-4
+    assert s == 2 ** (-e / 4)
+    assert 2 ** (-(e - 1) / 4) > 1e-4
     e, s = quantization_step(tail=0.0, k=8192, top=0.9, rho=0.05)
     assert s <= 2 * ETA_FLOOR / 8192
 
@@ -194,13 +199,14 @@ def test_decode_refuses_bad_streams(data: bytes, positions: int, match: str) -> 
 
 def test_valid_hand_built_stream_decodes() -> None:
     back = decode_topk(_stream(*_HEAD, *_VALUES), 1, 10)
-    assert back.ids.tolist() == [3, 7] and back.probs.tolist() == [0.5, 0.25]
+    assert back.ids.tolist() == [3, 7]
+    assert back.probs.tolist() == [0.5, 0.25]
 
 
 def test_bit_writer_refuses_fields_that_do_not_fit() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="does not fit 4 bits"):
         _BitWriter().fixed(16, 4)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="more than 52 bits"):
         _BitWriter().exp_golomb(np.array([1 << 53]), 0)
 
 
@@ -210,7 +216,7 @@ def test_encoder_refuses_bad_arguments() -> None:
         encode_topk(LAW, topk, "int8")  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         encode_topk(LAW, topk, rho=0.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="do not match a top-K"):
         encode_topk(LAW.repeat(2, 1), topk)
     with pytest.raises(BadTensor):
         decode_topk(encode_topk(LAW, topk), 1, 0)

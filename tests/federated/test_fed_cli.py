@@ -45,6 +45,7 @@ def worker_url(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Te
     proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_generate_json_against_a_worker_process(
     worker_url: str, make_checkpoint: Callable[..., Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -56,11 +57,13 @@ def test_generate_json_against_a_worker_process(
     assert main(args) == 0
     out = json.loads(capsys.readouterr().out)
     ids = out["token_ids"]
-    assert out["seed"] == 4 and (len(ids) == 9 or (len(ids) < 9 and ids[-1] == 1))  # 1 = </s> stops early
+    assert out["seed"] == 4
+    assert len(ids) == 9 or (len(ids) < 9 and ids[-1] == 1)
     assert out["summary"]["audit"]["violations"] == 0
     assert all(w["k"] == [5] * (r["drafted"] + 1) for r in out["rounds"] for w in r["workers"])
 
 
+@pytest.mark.slow
 def test_wrong_secret_is_refused(
     worker_url: str, make_checkpoint: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -72,7 +72,8 @@ async def test_greedy_equals_local_argmax_of_aggregate(models: dict[str, LoadedM
     summary = result.summary()
     assert summary["audit"]["violations"] == 0
     for stats in summary["workers"].values():
-        assert stats["rounds_missed"] == 0 and stats["mean_k"] == K
+        assert stats["rounds_missed"] == 0
+        assert stats["mean_k"] == K
     first = result.rounds[0]
     assert all(w.bytes_up > 0 and w.bytes_down > 0 for w in first.workers)
     assert len(first.weighted_epsilon) == first.drafted + 1
@@ -85,14 +86,16 @@ async def test_sampling_runs_with_adaptive_k_and_audit(models: dict[str, LoadedM
             result = await coord.generate(PROMPT, 12, SamplingParams(temperature=1.0, top_p=0.95, seed=3))
     assert len(result.token_ids) == 12
     for r in result.rounds:
-        assert r.audit is not None and not r.audit.violations
+        assert r.audit is not None
+        assert not r.audit.violations
         for w in r.workers:
             assert all(e <= 0.05 + 1e-3 for e in w.epsilon)  # float16 rounding of the kept mass
 
 
 async def test_worker_drop_and_rejoin(models: dict[str, LoadedModel]) -> None:
     async with worker(models["a"]) as wa:
-        wb = worker(models["b"])
+        wb: FedWorker | None = worker(models["b"])
+        assert wb is not None
         await wb.start()
         port_b = wb.port
         async with Coordinator(config(wa.url, wb.url), models["draft"]) as coord:
@@ -112,7 +115,8 @@ async def test_worker_drop_and_rejoin(models: dict[str, LoadedModel]) -> None:
         assert restarted is not None
         await restarted.stop()
     assert len(tokens) == 30
-    assert "dropped" in statuses and "rejoined" in statuses
+    assert "dropped" in statuses
+    assert "rejoined" in statuses
     assert statuses[-1] == "ok"
     assert all(r.workers[0].status == "ok" for r in coord.rounds)
     dropped = [r for r in coord.rounds if r.workers[1].status in ("dropped", "down")]

@@ -50,15 +50,20 @@ def test_round_trips() -> None:
     welcome = FedWelcome("w/1", "ff", 96, "abcd", 1 << 20, 4096, 2048)
     assert decode_fed(encode_fed(welcome)) == welcome
     score = decode_fed(encode_fed(_score()))
-    assert isinstance(score, FedScore) and score.tokens.tolist() == [5, 6, 7] and score.k == 4
+    assert isinstance(score, FedScore)
+    assert score.tokens.tolist() == [5, 6, 7]
+    assert score.k == 4
     p = torch.softmax(torch.randn(3, 96), -1)
     stream = encode_topk(p, select_topk(p, TopKPolicy(k=5)))
     reply = FedScores(3, 3, 96, stream, 1.5, full=p)
     data = encode_fed(reply)
     assert len(data) == SCORES_HEADER_SIZE + len(stream) + 3 * 96 * 4
     back = decode_fed(data)
-    assert isinstance(back, FedScores) and back.full is not None and torch.equal(back.full, p)
-    assert back.worker_ms == 1.5 and back.stream == stream
+    assert isinstance(back, FedScores)
+    assert back.full is not None
+    assert torch.equal(back.full, p)
+    assert back.worker_ms == 1.5
+    assert back.stream == stream
     topk = decode_topk(back.stream, 3, 96)
     assert topk.counts.tolist() == [5, 5, 5]
     assert decode_fed(encode_fed(FedScores(3, 3, 96, stream, 1.5))) == FedScores(3, 3, 96, stream, 1.5)

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.federated.codec import decode_topk, encode_topk
 from splitspec.federated.coordinator import aggregate_target, verify_against
-from splitspec.federated.topk import TopKPolicy, select_topk
+from splitspec.federated.topk import RECONSTRUCTIONS, Reconstruction, TopKPolicy, select_topk
 
 V = 6
 GAMMA = 2
@@ -22,8 +22,8 @@ def _fixed_laws() -> tuple[list[torch.Tensor], torch.Tensor]:
     return workers, draft
 
 
-@pytest.mark.parametrize("method", ["renorm", "residual"])
-def test_first_emitted_token_follows_the_aggregate(method: str) -> None:
+@pytest.mark.parametrize("method", RECONSTRUCTIONS)
+def test_first_emitted_token_follows_the_aggregate(method: Reconstruction) -> None:
     workers, q = _fixed_laws()
     topks = []
     for law in workers:
@@ -51,6 +51,8 @@ def test_greedy_takes_the_argmax_of_the_aggregate() -> None:
     p_hat = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]])
     gen = torch.Generator()
     verdict = verify_against([1, 2], torch.zeros(2, 3), p_hat, SamplingParams(), gen)
-    assert verdict.accepted == 1 and verdict.next_token == 0
+    assert verdict.accepted == 1
+    assert verdict.next_token == 0
     verdict = verify_against([1, 0], torch.zeros(2, 3), p_hat, SamplingParams(), gen)
-    assert verdict.accepted == 2 and verdict.next_token == 2
+    assert verdict.accepted == 2
+    assert verdict.next_token == 2

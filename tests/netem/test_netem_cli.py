@@ -28,7 +28,7 @@ def test_parse_hostport() -> None:
     assert parse_hostport("[::1]:8765") == ("::1", 8765)
     assert parse_hostport("localhost:0", allow_zero_port=True) == ("localhost", 0)
     for bad in ("9000", ":9000", "host:", "host:x", "host:70000", "host:0"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"HOST:PORT|port must be"):
             parse_hostport(bad)
 
 
@@ -54,10 +54,13 @@ def test_arguments_build_config() -> None:
     cfg = build_config(args)
     assert (cfg.listen_host, cfg.listen_port) == ("127.0.0.1", 9000)
     assert (cfg.upstream_host, cfg.upstream_port) == ("127.0.0.1", 8765)
-    assert cfg.rtt_ms == 80.0 and cfg.jitter_ms == 5.0 and cfg.seed == 3
+    assert cfg.rtt_ms == 80.0
+    assert cfg.jitter_ms == 5.0
+    assert cfg.seed == 3
     assert cfg.bandwidth_bps == pytest.approx(100e6)
     default = build_config(_parser().parse_args(["netem", "--upstream", "127.0.0.1:1"]))
-    assert default.bandwidth_bps is None and default.rtt_ms == 0.0
+    assert default.bandwidth_bps is None
+    assert default.rtt_ms == 0.0
 
 
 def test_bad_values_are_rejected() -> None:
@@ -67,6 +70,7 @@ def test_bad_values_are_rejected() -> None:
     assert run(args) == 2
 
 
+@pytest.mark.slow
 def test_standalone_module_end_to_end() -> None:
     with socket.socket() as listener:  # a one-shot echo upstream
         listener.bind(("127.0.0.1", 0))

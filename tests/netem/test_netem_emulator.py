@@ -196,7 +196,7 @@ async def test_clean_shutdown_closes_both_sides(ping: Pinger, caplog: pytest.Log
         while upstream_open and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert not upstream_open  # upstream sockets were closed too
-        with pytest.raises(OSError):
+        with pytest.raises(ConnectionRefusedError):
             await _connect(emu_port)
         await asyncio.sleep(0.05)  # let late callbacks (asyncio's own error reports) run
         errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -263,5 +263,5 @@ def test_threaded_emulator_for_sync_callers(sync_echo_port: int) -> None:
         assert emu.stats().connections_total == 1
     added = min(samples) - direct
     assert 18.0 <= added <= 45.0, samples
-    with pytest.raises(OSError):
+    with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", emu.port), timeout=1.0).close()

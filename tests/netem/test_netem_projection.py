@@ -68,7 +68,7 @@ def test_fit_exact_synthetic_data() -> None:
     [([80.0], [8.0]), ([80.0, 80.0], [8.0, 8.1]), ([20.0, 40.0], [8.0]), ([20.0, 40.0], [0.0, 1.0])],
 )
 def test_fit_rejects_degenerate_input(rtt: list[float], tps: list[float]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"distinct RTT|differ in length|must be > 0"):
         fit_projection(rtt, tps)
 
 
@@ -77,7 +77,7 @@ def test_projection_and_inversion_hand_values() -> None:
     assert projected_tok_s(80.0, 45.0, 1.25) == pytest.approx(10.0)
     assert overhead_from_throughput(80.0, 8.0) == pytest.approx(45.0)
     assert overhead_from_throughput(80.0, 10.0, 1.25) == pytest.approx(45.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="RTT \\+ overhead must be > 0"):
         projected_tok_s(-50.0, 10.0)
 
 
@@ -103,7 +103,7 @@ def test_cost_hand_values() -> None:
     assert cost_per_million_tokens(3.6, 1.0) == pytest.approx(1000.0)  # 3600 tokens per $3.60
     assert cost_per_million_tokens(1.35, 8.8) == pytest.approx(42.61, abs=0.01)
     assert cost_per_million_tokens(0.59, 15.0) == pytest.approx(10.93, abs=0.01)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tok_s must be > 0"):
         cost_per_million_tokens(1.0, 0.0)
 
 
@@ -119,7 +119,8 @@ def test_step_time_fit_recovers_rtt_and_overhead() -> None:
     assert fit.f0_ms == pytest.approx(f0, abs=1.5)
     assert fit.f1_ms_per_token == pytest.approx(f1, abs=0.15)
     assert fit.query_tokens == (1, 2, 4, 8, 16)
-    assert fit.n_steps == 200 and fit.n_pings == 200
+    assert fit.n_steps == 200
+    assert fit.n_pings == 200
     assert fit.residual_rms_ms < 2.0
     assert fit.overhead_ms(4) == pytest.approx(f0 + 4 * f1, abs=1.5)
     assert fit.overhead_ms(6, interpolate=True) == pytest.approx(f0 + 6 * f1, abs=2.0)
@@ -145,9 +146,9 @@ def test_step_time_fit_single_k_and_validation() -> None:
     assert fit.rtt_ms == pytest.approx(30.0)
     assert fit.f0_ms == pytest.approx(45.0)
     assert fit.f1_ms_per_token == 0.0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at least one ping"):
         fit_step_time([], [1], [10.0])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="positive integers"):
         fit_step_time([1.0], [0], [10.0])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="equal length"):
         fit_step_time([1.0], [1, 2], [10.0])

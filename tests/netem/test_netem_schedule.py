@@ -85,4 +85,5 @@ def test_config_validation(kwargs: dict[str, object]) -> None:
 def test_config_defaults() -> None:
     cfg = NetemConfig(upstream_port=8765, rtt_ms=80.0)
     assert cfg.one_way_delay_s == pytest.approx(0.040)
-    assert cfg.listen_port == 0 and cfg.bandwidth_bps is None
+    assert cfg.listen_port == 0
+    assert cfg.bandwidth_bps is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -65,6 +66,9 @@ def test_round_trip_plain_messages(message: object) -> None:
 
 
 def test_round_trip_step_with_cache_command() -> None:
+    truncate_only = decode_message(encode_message(step(cache=CacheCommand(truncate_to=12))))
+    assert isinstance(truncate_only, Step)
+    assert truncate_only.cache == CacheCommand(truncate_to=12)
     original = step(cache=CacheCommand(truncate_to=12, keep_last=(0, 2)))
     out = decode_message(encode_message(original))
     assert isinstance(out, Step)
@@ -73,7 +77,8 @@ def test_round_trip_step_with_cache_command() -> None:
     assert torch.equal(out.parents, original.parents)
     result = StepResult(session_id="s1", seq=4, hidden=original.hidden, cloud_ms=1.25)
     back = decode_message(encode_message(result))
-    assert isinstance(back, StepResult) and back.cloud_ms == 1.25
+    assert isinstance(back, StepResult)
+    assert back.cloud_ms == 1.25
 
 
 def test_step_size_does_not_grow_with_context() -> None:
@@ -113,6 +118,7 @@ def raw(header: dict[str, object], tensors: dict[str, torch.Tensor] | None = Non
         (encode_message(step(positions=torch.arange(2, dtype=torch.int32))), BadTensor),
         (encode_message(step(hidden=torch.randn(2, 3, 8))), BadTensor),
         (encode_message(step(cache=CacheCommand(keep_last=(2, 1)))), MalformedFrame),
+        (encode_message(step(cache=CacheCommand(keep_last=(-1, 2)))), MalformedFrame),
         (
             raw(
                 {"type": "step", "session_id": "s", "seq": 1, "cache": [1]},
@@ -164,7 +170,7 @@ def test_server_state_refuses_everything_before_hello() -> None:
         ("hidden_size", 16, HandshakeMismatch),
     ],
 )
-def test_hello_pins_identity_and_auth(field: str, value: object, error: type[Exception]) -> None:
+def test_hello_pins_identity_and_auth(field: str, value: Any, error: type[Exception]) -> None:
     import dataclasses
 
     conn = ServerConnection(IDENTITY, auth_token="t")

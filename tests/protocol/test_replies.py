@@ -52,4 +52,5 @@ def test_internal_error_is_never_fatal_and_round_trips() -> None:
     assert (error.code, error.fatal, error.seq) == ("server_error", False, 3)
     assert "ValueError: boom" in error.message
     decoded = decode_message(encode_message(error))
-    assert isinstance(decoded, Error) and decoded == error
+    assert isinstance(decoded, Error)
+    assert decoded == error

@@ -31,7 +31,7 @@ class LocalSequence:
         """tokens (q,) -> logits (q, V); appends them to the cache."""
         parent_t = torch.tensor(chain(len(tokens)) if parents is None else list(parents), dtype=torch.int32)
         positions = (len(self.tokens) + depths(parent_t)).to(torch.int32)
-        logits = self.model(torch.tensor(list(tokens), dtype=torch.long), positions, parent_t, self.cache)
+        logits: torch.Tensor = self.model(torch.tensor(list(tokens), dtype=torch.long), positions, parent_t, self.cache)
         self.tokens.extend(tokens)
         return logits
 

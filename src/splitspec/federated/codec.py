@@ -37,16 +37,14 @@ values.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import numpy as np
 import torch
 
 from splitspec.exceptions import BadTensor, ConfigError
 from splitspec.federated.topk import TopK
-from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET, MAX_QUANT_BUDGET, VALUE_CODECS
+from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET, MAX_QUANT_BUDGET, VALUE_CODECS, ValueCodec
 
-ValueCodec = Literal["quantized", "float16", "float32"]  # one of VALUE_CODECS
 ETA_FLOOR = 2.0**-16  # quantization error always allowed, probability (covers τ = 0)
 EPS_SCALE = 65535  # ε travels as ⌈ε · EPS_SCALE⌉ in 16 bits
 MAX_CODE_BITS = 52  # longest exp-Golomb payload accepted (values < 2**52 fit float64 exactly)

@@ -52,6 +52,7 @@ from splitspec.federated.codec import decode_topk
 from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
 from splitspec.federated.topk import (
     RECONSTRUCTIONS,
+    Reconstruction,
     TopK,
     aggregate,
     bound_report,
@@ -64,11 +65,13 @@ from splitspec.protocol.fed import (
     EPSILON_SCOPES,
     MAX_QUANT_BUDGET,
     VALUE_CODECS,
+    EpsilonScope,
     FedHello,
     FedMessage,
     FedScore,
     FedScores,
     FedWelcome,
+    ValueCodec,
     decode_fed,
     encode_fed,
 )
@@ -87,11 +90,11 @@ class CoordinatorConfig:
     weights: tuple[float, ...] | None = None  # aggregation weight per worker (renormalised); None = equal
     top_k: int | None = 320  # fixed K per position, tokens; None = adaptive (target_epsilon)
     target_epsilon: float | None = None  # adaptive K: largest residual mass 1 − Σ top-K, probability
-    epsilon_scope: str = "position"  # adaptive K: target on every position, or on each round's mean
+    epsilon_scope: EpsilonScope = "position"  # adaptive K: target on every position, or on each round's mean
     max_k: int = 4096  # cap on adaptive K, tokens
-    reconstruct: str = "renorm"  # "renorm" or "residual"
+    reconstruct: Reconstruction = "renorm"  # top-K only, or top-K plus the residual spread uniformly
     gamma: int = 4  # draft tokens per round
-    prob_codec: str = "quantized"  # how top-K probabilities travel: "quantized", "float16", "float32"
+    prob_codec: ValueCodec = "quantized"  # how top-K probabilities travel
     quant_budget: float = DEFAULT_QUANT_BUDGET  # ρ: quantization error allowed per position, fraction of its tail mass
     audit: bool = False  # workers also send full laws; rounds record Δ, drift and bound checks
     auth_token: str | None = None  # shared secret for the workers
@@ -238,9 +241,9 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def aggregate_target(topks: Sequence[TopK], weights: Sequence[float], method: str) -> torch.Tensor:
+def aggregate_target(topks: Sequence[TopK], weights: Sequence[float], method: Reconstruction) -> torch.Tensor:
     """(n, V) aggregate p̂ = Σ w_i reconstruct(top-K_i), weights renormalised over the given workers."""
-    return aggregate([reconstruct(t, method) for t in topks], weights)  # type: ignore[arg-type]
+    return aggregate([reconstruct(t, method) for t in topks], weights)
 
 
 def verify_against(
@@ -575,7 +578,7 @@ class Coordinator:
             [f for f in fulls if f is not None],
             [a[2] for a in answered],
             weights,
-            self.config.reconstruct,  # type: ignore[arg-type]  # validated in CoordinatorConfig
+            self.config.reconstruct,
             draft=q,
         )
         violations = report.violations()

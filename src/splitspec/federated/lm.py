@@ -113,7 +113,8 @@ class IncrementalLM:
         out = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, logits_to_keep=num_scored)
         self.cache = out.past_key_values
         self.tokens.extend(int(t) for t in tokens)
-        return out.logits[0, -num_scored:].float()
+        scored: torch.Tensor = out.logits[0, -num_scored:].float()  # (num_scored, V)
+        return scored
 
     def logits_for(self, sequence: Sequence[int], num_scored: int = 1) -> torch.Tensor:
         """(num_scored, V) logits for the last ``num_scored`` positions of ``sequence``, reusing the cache."""

@@ -25,16 +25,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from splitspec.exceptions import ConfigError
-from splitspec.protocol.fed import EPSILON_SCOPES
+from splitspec.protocol.fed import EPSILON_SCOPES, EpsilonScope
 
-Reconstruction = Literal["renorm", "residual"]
-EpsilonScope = Literal["position", "round"]
-RECONSTRUCTIONS: tuple[str, ...] = ("renorm", "residual")
+Reconstruction = Literal["renorm", "residual"]  # how a top-K becomes a full distribution
+RECONSTRUCTIONS: tuple[Reconstruction, ...] = get_args(Reconstruction)
 
 
 @dataclass(frozen=True)

@@ -127,10 +127,10 @@ class FedWorker:
             k=request.k,
             target_epsilon=request.target_epsilon,
             max_k=request.max_k,
-            scope=request.epsilon_scope,  # type: ignore[arg-type]  # validated by FedScore
+            scope=request.epsilon_scope,
         )
         topk = select_topk(probs, policy)
-        stream = encode_topk(probs, topk, request.prob_codec, request.quant_budget)  # type: ignore[arg-type]  # validated by FedScore
+        stream = encode_topk(probs, topk, request.prob_codec, request.quant_budget)
         if self.config.delay_s > 0:
             time.sleep(self.config.delay_s)
         self.rounds_served += 1

@@ -117,7 +117,8 @@ def add_lora(model: FullModel, layer_indices: list[int], config: DivergeConfig) 
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)).mean()
+    rel: torch.Tensor = ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-6)).mean()
+    return rel
 
 
 @torch.no_grad()

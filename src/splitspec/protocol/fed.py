@@ -38,7 +38,7 @@ import hmac
 import math
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, TypeVar, get_args
 
 import torch
 
@@ -55,14 +55,25 @@ from splitspec.protocol.frames import Frame, decode_frame, encode_frame, tensor_
 from splitspec.protocol.messages import Error, _int, _str, _tensor
 
 FED_VERSION = 2  # version of the federated conversation (the frame version is separate)
-VALUE_CODECS: tuple[str, ...] = ("quantized", "float16", "float32")  # how top-K probabilities travel
-EPSILON_SCOPES: tuple[str, ...] = ("position", "round")  # where an adaptive-K target applies
+ValueCodec = Literal["quantized", "float16", "float32"]  # how top-K probabilities travel
+EpsilonScope = Literal["position", "round"]  # where an adaptive-K target applies
+VALUE_CODECS: tuple[ValueCodec, ...] = get_args(ValueCodec)
+EPSILON_SCOPES: tuple[EpsilonScope, ...] = get_args(EpsilonScope)
 DEFAULT_QUANT_BUDGET = 0.05  # ρ: quantization error allowed per position, as a fraction of its tail mass
 MAX_QUANT_BUDGET = 0.5  # largest quantization budget ρ a coordinator may ask for
 SCORES_MAGIC = b"SPFS"
 _SCORES_HEAD = struct.Struct(">4sHIHIIBI")  # magic, version, seq, positions, vocab, worker µs, flags, S
 SCORES_HEADER_SIZE = _SCORES_HEAD.size  # 25 bytes
 _AUDIT_FLAG = 1
+_Option = TypeVar("_Option", bound=str)
+
+
+def _choice(header: dict[str, Any], key: str, options: tuple[_Option, ...]) -> _Option:
+    value = _str(header, key, max_len=16)
+    for option in options:
+        if value == option:
+            return option
+    raise MalformedFrame(f"{key} must be one of {options}, got {value!r}")
 
 
 def _number(header: dict[str, Any], key: str, *, optional: bool = False, upper: float | None = None) -> Any:
@@ -174,8 +185,8 @@ class FedScore:
     k: int | None = None  # fixed K per position, tokens
     target_epsilon: float | None = None  # adaptive K: largest residual mass allowed, probability
     max_k: int = 4096  # cap on adaptive K, tokens
-    epsilon_scope: str = "position"  # adaptive K: target per position, or on a round's mean
-    prob_codec: str = "quantized"  # how top-K probabilities travel: one of VALUE_CODECS
+    epsilon_scope: EpsilonScope = "position"  # adaptive K: target per position, or on a round's mean
+    prob_codec: ValueCodec = "quantized"  # how top-K probabilities travel
     quant_budget: float = DEFAULT_QUANT_BUDGET  # ρ: quantization error allowed, fraction of the tail mass
     audit: bool = False  # also return the full distributions (n_scored, V) float32
 
@@ -207,12 +218,8 @@ class FedScore:
         target_epsilon = _number(h, "target_epsilon", optional=True, upper=1.0)
         if (k is None) == (target_epsilon is None):
             raise MalformedFrame("give exactly one of 'k' and 'target_epsilon'")
-        prob_codec = _str(h, "prob_codec", max_len=16)
-        if prob_codec not in VALUE_CODECS:
-            raise MalformedFrame(f"prob_codec must be one of {VALUE_CODECS}, got {prob_codec!r}")
-        scope = _str(h, "epsilon_scope", max_len=16)
-        if scope not in EPSILON_SCOPES:
-            raise MalformedFrame(f"epsilon_scope must be one of {EPSILON_SCOPES}, got {scope!r}")
+        prob_codec = _choice(h, "prob_codec", VALUE_CODECS)
+        scope = _choice(h, "epsilon_scope", EPSILON_SCOPES)
         quant_budget = _number(h, "quant_budget", upper=MAX_QUANT_BUDGET)
         if quant_budget <= 0:
             raise MalformedFrame("quant_budget must be positive")
