@@ -69,7 +69,11 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
         metavar="HEAD,TAIL",
         help="decoder layers kept on the edge before and after the trunk (default 2,2)",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="compute and wire dtype (default: the checkpoint's own, config.json's dtype); both sides must agree",
+    )
     p.add_argument("--token-file", type=Path, help="file holding the shared secret")
     p.add_argument("--threads", type=int, help="CPU threads for this side's compute (default: torch's choice)")
 

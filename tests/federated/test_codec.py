@@ -226,6 +226,7 @@ def test_demo_worker_laws_at_one_percent_fit_a_hundredth_of_dense_float16() -> N
     """On the embedded demo worker and held-out code, K = 1 % costs < 1/100 of the float16 law per
     position, the 25-byte reply header of a γ = 4 round included (a regression guard on the codec)."""
     import splitspec
+    from splitspec.decoding.local import LocalSequence
     from splitspec.federated.lm import load_model
     from splitspec.protocol.fed import SCORES_HEADER_SIZE
 
@@ -233,8 +234,7 @@ def test_demo_worker_laws_at_one_percent_fit_a_hundredth_of_dense_float16() -> N
     loaded = load_model(assets / "models" / "worker")
     text = sorted((assets / "corpus" / "heldout" / "code").glob("*.txt"))[0].read_text()
     ids = list(loaded.tokenizer.encode(text))[:101]
-    with torch.no_grad():
-        logits = loaded.model(input_ids=torch.tensor([ids])).logits[0].float()
+    logits = LocalSequence(loaded.model).run(ids)  # (101, V) float32
     laws = torch.softmax(logits, -1)  # (101, 8192), T = 1
     vocab = laws.shape[1]
     sizes = []

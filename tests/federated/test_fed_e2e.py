@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import HandshakeMismatch
 from splitspec.federated.codec import decode_topk, encode_topk
 from splitspec.federated.coordinator import Coordinator, CoordinatorConfig
-from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
+from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.topk import TopKPolicy, aggregate, reconstruct, select_topk
 from splitspec.federated.worker import FedWorker, WorkerConfig
 
@@ -46,7 +47,7 @@ def config(*urls: str, **overrides: object) -> CoordinatorConfig:
 
 def reference_greedy(workers: list[LoadedModel], prompt: list[int], n: int, method: str = "renorm") -> list[int]:
     """Argmax of the aggregate of quantized top-K reconstructions, one token at a time, locally."""
-    lms = [IncrementalLM(w.model) for w in workers]
+    lms = [LocalSequence(w.model) for w in workers]
     seq = list(prompt)
     for _ in range(n):
         laws = []

@@ -1,22 +1,28 @@
-"""IncrementalLM: cache rollback (transformers 5.x crop semantics) matches a fresh full forward."""
+"""LocalSequence as workers use it: rollback then append matches a fresh full forward (HF's)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
-from splitspec.federated.lm import IncrementalLM
-from tests.conftest import _MODEL_CLASSES, tiny_config
+from splitspec.decoding.local import LocalSequence
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.stack import load_full
+from tests.conftest import local_model
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: sliding window 8, cannot crop past it
-def test_truncate_then_append_matches_full_forward(family: str) -> None:
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: sliding window 8, rolled back past it
+def test_truncate_then_append_matches_full_forward(family: str, make_checkpoint: Callable[..., Path]) -> None:
+    directory = make_checkpoint(family, layers=2)
+    model = local_model(directory)
     torch.manual_seed(0)
-    model = _MODEL_CLASSES[family](tiny_config(family, 2)).eval()
     seq = torch.randint(0, 96, (30,)).tolist()
     with torch.no_grad():
         full = model(input_ids=torch.tensor([seq])).logits[0].float()
-    lm = IncrementalLM(model)
+    lm = LocalSequence(load_full(Checkpoint(directory), torch.float32))
     lm.append(seq[:20], 1)
     lm.truncate(14)
     assert lm.tokens == seq[:14]

@@ -19,8 +19,8 @@ class CloudConfig:
     max_sessions: int = 64  # concurrent sessions across all connections
     max_message_bytes: int = 16 * 1024 * 1024  # largest accepted frame, bytes
     max_query_tokens: int = 2048  # largest number of query tokens in one step
-    dtype: str = "float32"  # compute and wire dtype: float32, bfloat16 or float16
-    attn_implementation: str = "sdpa"  # transformers attention kernel: sdpa or eager
+    dtype: str | None = None  # compute and wire dtype (float32, bfloat16, float16); None = the checkpoint's
+    attn_implementation: str | None = None  # transformers attention kernel (sdpa, eager); None = the family's
     compute_workers: int = 4  # sessions computing at once (threads); others' steps queue
     torch_threads: int | None = None  # intra-op CPU threads for the trunk; None = torch's default
     sweep_interval_s: float | None = None  # TTL sweep period, seconds; None = ttl / 4 capped at 5

@@ -31,7 +31,7 @@ from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import dtype_from_name, load_trunk
+from splitspec.models.stack import load_trunk, resolve_dtype
 from splitspec.protocol.messages import (
     CacheCommand,
     CloseSession,
@@ -63,13 +63,13 @@ class TrunkServer:
         self.checkpoint = Checkpoint(config.model_dir)
         model_config = self.checkpoint.config
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
-        self.dtype = dtype_from_name(config.dtype)
+        self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype)
         self.trunk = load_trunk(self.checkpoint, self.plan, self.dtype, config.attn_implementation)
         self.identity = TrunkIdentity(
             fingerprint=fingerprint(model_config),
             layer_start=self.plan.trunk_layers.start,
             layer_end=self.plan.trunk_layers.stop,
-            dtype=config.dtype,
+            dtype=dtype_name,
             hidden_size=model_config.hidden_size,
         )
         self.max_positions = int(model_config.max_position_embeddings)
@@ -106,7 +106,7 @@ class TrunkServer:
             self.identity.layer_start,
             self.identity.layer_end - 1,
             self.config.model_dir,
-            self.config.dtype,
+            self.identity.dtype,
             self.identity.fingerprint,
         )
 

@@ -1,7 +1,9 @@
 """A whole model on this machine, behind the same Verifier interface as the split client.
 
-Used for local baselines, for the draft model, and for tests that need the decoding loops
-without a network.
+Used for local baselines, for the draft model, for federated workers and the coordinator's
+drafter, and for tests that need the decoding loops without a network. Our :class:`KVCache`
+keeps every entry (sliding windows are applied in the masks), so any prefix can be kept: rolling
+back never re-prefills.
 """
 
 from __future__ import annotations
@@ -46,5 +48,21 @@ class LocalSequence:
         self.tokens = self.tokens[:start] + [self.tokens[start + i] for i in keep]
 
     def truncate(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens."""
         self.cache.truncate(length)
         del self.tokens[length:]
+
+    def append(self, tokens: Sequence[int], num_scored: int) -> torch.Tensor:
+        """Feed ``tokens`` after the cached ones; (num_scored, V) float32 logits of the last positions."""
+        if not tokens or not 1 <= num_scored <= len(tokens):
+            raise ValueError(f"need 1 <= num_scored ({num_scored}) <= new tokens ({len(tokens)})")
+        return self.run(tokens)[-num_scored:]
+
+    def logits_for(self, sequence: Sequence[int], num_scored: int = 1) -> torch.Tensor:
+        """(num_scored, V) logits for the last ``num_scored`` positions of ``sequence``, reusing the cache."""
+        common = 0
+        limit = min(len(self.tokens), len(sequence) - num_scored)
+        while common < limit and self.tokens[common] == sequence[common]:
+            common += 1
+        self.truncate(common)
+        return self.append(list(sequence[common:]), num_scored)

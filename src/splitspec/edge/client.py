@@ -37,7 +37,7 @@ from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import EdgeModel, FullModel, dtype_from_name, load_edge, load_full
+from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
 from splitspec.protocol.messages import (
     CacheCommand,
     CloseSession,
@@ -132,13 +132,13 @@ class SplitClient:
         self.provenance = check_edge_weights(
             config.model_dir, self.plan, config.published_model_dir, config.allow_stock_edge_weights
         )
-        self.dtype = dtype_from_name(config.dtype)
+        self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype)
         self.model = edge if edge is not None else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation)
         self.hello = Hello(
             fingerprint=fingerprint(ckpt.config),
             layer_start=self.plan.trunk_layers.start,
             layer_end=self.plan.trunk_layers.stop,
-            dtype=config.dtype,
+            dtype=dtype_name,
             hidden_size=self.model.hidden_size,
             auth_token=config.auth_token,
             client="splitspec-edge",
@@ -152,7 +152,8 @@ class SplitClient:
                     f"draft model vocabulary ({draft_ckpt.config.vocab_size}) differs from the model's "
                     f"({ckpt.config.vocab_size}): they must share one tokenizer"
                 )
-            self.draft_model = load_full(draft_ckpt, torch.float32, config.attn_implementation)
+            draft_dtype = None if config.dtype is None else self.dtype  # the draft's own unless --dtype
+            self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation)
         self._channel: Channel | None = None
         self._welcome: Welcome | None = None
         self._session_id: str | None = None

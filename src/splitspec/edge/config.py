@@ -12,14 +12,14 @@ class EdgeConfig:
     cloud_url: str  # trunk server, e.g. ws://127.0.0.1:8765, or wss://host:port for TLS
     tls_ca_file: Path | None = None  # PEM CA bundle to verify a wss:// server; None = system store
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
-    dtype: str = "float32"  # compute and wire dtype; must equal the server's
+    dtype: str | None = None  # compute and wire dtype; None = the checkpoint's; must equal the server's
     auth_token: str | None = None  # shared secret, if the server requires one
     max_message_bytes: int = 16 * 1024 * 1024  # our own frame cap, bytes (the server's may be lower)
     connect_timeout_s: float = 10.0  # one connection attempt, seconds
     request_timeout_s: float = 120.0  # waiting for one reply, seconds
     reconnect_timeout_s: float = 30.0  # how long recovery keeps retrying the cloud, seconds
     max_recoveries: int = 3  # recoveries allowed for one step before giving up
-    attn_implementation: str = "sdpa"  # transformers attention kernel: sdpa or eager
+    attn_implementation: str | None = None  # transformers attention kernel (sdpa, eager); None = the family's
     draft_model_dir: Path | None = None  # small local model sharing the tokenizer, for drafting
     allow_stock_edge_weights: bool = False  # run the published edge weights anyway (warned every session)
     published_model_dir: Path | None = None  # published checkpoint to compare the edge weights with

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from splitspec.decoding.acceptance import Verdict, greedy_verify, speculative_verify
+from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.exceptions import (
     BadTensor,
@@ -49,7 +50,7 @@ from splitspec.exceptions import (
     error_from_code,
 )
 from splitspec.federated.codec import decode_topk
-from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
+from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.topk import (
     RECONSTRUCTIONS,
     Reconstruction,
@@ -391,7 +392,7 @@ class Coordinator:
             tokenizer_fingerprint=self.draft.tokenizer_fingerprint,
             auth_token=config.auth_token,
         )
-        self._draft_lm = IncrementalLM(self.draft.model)
+        self._draft_lm = LocalSequence(self.draft.model)
         self.rounds: list[RoundStats] = []
 
     async def __aenter__(self) -> Coordinator:

@@ -22,6 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 from splitspec import __version__
+from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import probabilities
 from splitspec.exceptions import (
     BadTensor,
@@ -31,7 +32,7 @@ from splitspec.exceptions import (
     UnexpectedMessage,
 )
 from splitspec.federated.codec import encode_topk
-from splitspec.federated.lm import IncrementalLM, LoadedModel, load_model
+from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.topk import TopKPolicy, select_topk
 from splitspec.protocol.fed import (
     FedHello,
@@ -116,7 +117,7 @@ class FedWorker:
         self._connections += 1
         return _WorkerPeer(self, self._connections, remote)
 
-    def score(self, lm: IncrementalLM, request: FedScore) -> FedScores:
+    def score(self, lm: LocalSequence, request: FedScore) -> FedScores:
         """Run one round for a session (on the compute thread)."""
         t0 = time.perf_counter()
         lm.truncate(request.keep)
@@ -152,7 +153,7 @@ class _WorkerPeer:
         self.conn_id = conn_id
         self.remote = remote
         self.ready = False
-        self.lm: IncrementalLM | None = None
+        self.lm: LocalSequence | None = None
 
     async def handle(self, data: bytes) -> tuple[bytes, bool]:
         message: FedMessage | None = None
@@ -182,7 +183,7 @@ class _WorkerPeer:
                 raise TooManySessions(f"the worker already serves {len(worker.active)} sessions")
             self.ready = True
             worker.active.add(self.conn_id)
-            self.lm = IncrementalLM(worker.loaded.model)
+            self.lm = LocalSequence(worker.loaded.model)
             log.info("fed connection %d (%s): handshake ok, client %s", self.conn_id, self.remote, message.client)
             return FedWelcome(
                 worker=f"splitspec-fed-worker/{__version__}",
@@ -202,7 +203,7 @@ class _WorkerPeer:
             return await loop.run_in_executor(worker._executor, worker.score, lm, message)
         raise UnexpectedMessage(f"a worker does not accept {message.TYPE!r} messages")
 
-    def _validate(self, request: FedScore, lm: IncrementalLM) -> None:
+    def _validate(self, request: FedScore, lm: LocalSequence) -> None:
         worker = self.worker
         n = request.tokens.numel()
         if request.keep > len(lm.tokens):

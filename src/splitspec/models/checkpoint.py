@@ -14,14 +14,14 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
+from safetensors import SafetensorError, safe_open
+from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+from transformers import __version__ as transformers_version
 
 from splitspec.exceptions import CheckpointError
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -51,6 +51,32 @@ def fingerprint(config: PretrainedConfig) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def read_config(directory: Path) -> PretrainedConfig:
+    """config.json as transformers reads it, after our own checks (so nothing prompts or downloads)."""
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    if "auto_map" in raw:
+        raise CheckpointError(
+            f"{directory} needs trust_remote_code (its config.json has an auto_map): splitspec runs no code "
+            "shipped with a checkpoint"
+        )
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise CheckpointError(
+            f"{path}: model_type {model_type!r} is not a model type transformers {transformers_version} knows"
+        )
+    try:
+        config: PretrainedConfig = AutoConfig.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{path} is not a valid {model_type} config: {str(exc).splitlines()[0]}") from None
+    return config
+
+
 class Checkpoint:
     """A checkpoint directory: its config and lazy, selective access to its tensors."""
 
@@ -58,23 +84,25 @@ class Checkpoint:
         self.directory = Path(directory)
         if not (self.directory / "config.json").is_file():
             raise CheckpointError(f"{self.directory} is not a checkpoint directory: config.json is missing")
-        self.config: PretrainedConfig = AutoConfig.from_pretrained(self.directory, local_files_only=True)
-        if self.config.model_type not in SUPPORTED_FAMILIES:
-            raise CheckpointError(
-                f"model type {self.config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}"
-            )
+        self.config = read_config(self.directory)
         self._files = self._tensor_files()
         self.read_names: set[str] = set()  # every tensor name read so far
 
     def _tensor_files(self) -> dict[str, Path]:
         index = self.directory / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.directory / fname for name, fname in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return {str(name): self.directory / str(fname) for name, fname in weight_map.items()}
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({exc!r})") from None
         single = self.directory / SINGLE_FILE
         if single.is_file():
-            with safe_open(str(single), framework="pt") as f:
-                return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+            try:
+                with safe_open(str(single), framework="pt") as f:
+                    return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+            except SafetensorError as exc:
+                raise CheckpointError(f"{single} is not a readable safetensors file ({exc})") from None
         raise CheckpointError(f"{self.directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
     @property
@@ -84,8 +112,8 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._files
 
-    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Read exactly ``names`` (cast to ``dtype``), opening each shard once."""
+    def read(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Read exactly ``names`` (cast to ``dtype``, or as stored), opening each shard once."""
         missing = [n for n in names if n not in self._files]
         if missing:
             raise CheckpointError(f"{self.directory} lacks tensors: {', '.join(missing[:5])}")
@@ -94,9 +122,13 @@ class Checkpoint:
             by_file.setdefault(self._files[name], []).append(name)
         out: dict[str, torch.Tensor] = {}
         for path, file_names in by_file.items():
-            with safe_open(str(path), framework="pt") as f:
-                for name in file_names:
-                    out[name] = f.get_tensor(name).to(dtype)
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in file_names:
+                        tensor = f.get_tensor(name)
+                        out[name] = tensor if dtype is None else tensor.to(dtype)
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
         self.read_names.update(names)
         log.debug("read %d tensors from %s", len(names), self.directory)
         return out

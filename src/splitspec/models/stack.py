@@ -1,94 +1,84 @@
-"""Runnable pieces of a split model, built from transformers' own decoder-layer classes.
+"""Runnable pieces of a split model, taken from the family's own transformers model.
 
 * :class:`LayerStack` runs a contiguous range of decoder layers over one step of query tokens,
-  computing rotary embeddings from position ids and the attention mask from parent indices.
+  computing rotary embeddings from position ids (per layer type where the family has several)
+  and the attention mask from parent indices (with each layer's sliding window).
 * :class:`EdgeModel` is what the trusted edge holds: embedding, head layers, tail layers, final
   norm and LM head. :func:`load_trunk` builds what the untrusted cloud holds: the middle layers.
+* :class:`FullModel` is a whole model on one machine (drafting, federated workers, baselines,
+  privacy audits): the one way this package runs a whole model.
 
-Each piece reads only its own tensors from the checkpoint.
+Every piece is a module of :func:`splitspec.models.family.skeleton` (the family's ``*ForCausalLM``
+on the meta device); each role reads only its own tensors from the checkpoint, through
+transformers' own loader (so its renames and fused-expert conversions apply).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import convert_and_load_state_dict_in_model
+from transformers.modeling_utils import LoadStateDictConfig
 
 from splitspec.exceptions import CheckpointError
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.family import Skeleton, published_dtype, skeleton
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import step_mask
 from splitspec.models.split import SplitPlan
 
 log = logging.getLogger(__name__)
 
-_FAMILY_MODULES = {
-    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
-    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
-    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
-}
-
-
-@dataclass(frozen=True)
-class Family:
-    """The transformers classes of one model family."""
-
-    decoder_layer: type[nn.Module]
-    rotary: type[nn.Module]
-    norm: type[nn.Module]
-
-
-def family_of(config: PretrainedConfig) -> Family:
-    module_name, prefix = _FAMILY_MODULES[config.model_type]
-    module = importlib.import_module(module_name)
-    return Family(
-        decoder_layer=getattr(module, f"{prefix}DecoderLayer"),
-        rotary=getattr(module, f"{prefix}RotaryEmbedding"),
-        norm=getattr(module, f"{prefix}RMSNorm"),
-    )
-
-
-def layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
-    """Sliding-window size of a layer, or None for full attention (as transformers decides it)."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if layer_types[layer_idx] == "sliding_attention" else None
-    return window
-
-
-def prepare_config(config: PretrainedConfig, attn_implementation: str = "sdpa") -> PretrainedConfig:
-    """A copy of ``config`` set up for our layers (attention kernel chosen explicitly)."""
-    config = config.__class__.from_dict(config.to_dict())
-    config._attn_implementation = attn_implementation
-    return config
+PositionEmbeddings = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (1, q, head_dim)
 
 
 class LayerStack(nn.Module):
     """Decoder layers ``layer_indices`` of a model, run over one step with an explicit tree mask."""
 
-    def __init__(self, config: PretrainedConfig, layers: Sequence[nn.Module], layer_indices: range) -> None:
+    def __init__(self, skel: Skeleton, layer_indices: range) -> None:
         super().__init__()
-        family = family_of(config)
         self.layer_indices = layer_indices
-        self.layers = nn.ModuleList(layers)
-        self.rotary = family.rotary(config)
-        self.windows = [layer_window(config, i) for i in layer_indices]
+        self.layers = nn.ModuleList([skel.layers[i] for i in layer_indices])
+        self.rotary = skel.rotary
+        self.rotary_per_layer_type = skel.rotary_per_layer_type
+        self.layer_types = [skel.layer_type(i) for i in layer_indices]
+        self.windows = [skel.layer_window(i) for i in layer_indices]
+        self._skeleton = skel
 
-    @torch.inference_mode()
-    def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
-        """hidden (1, q, H), positions (q,), parents (q,) -> hidden (1, q, H); appends q entries to cache."""
+    def first(self, count: int) -> LayerStack:
+        """A stack of this stack's first ``count`` layers (same modules, no copy)."""
+        start = self.layer_indices.start
+        return LayerStack(self._skeleton, range(start, start + count)).eval()
+
+    def position_embeddings(self, hidden: torch.Tensor, pos: torch.Tensor) -> dict[str, PositionEmbeddings]:
+        """(cos, sin) per layer type for positions ``pos`` (1, q)."""
+        if self.rotary_per_layer_type:
+            return {t: self.rotary(hidden, pos, t) for t in set(self.layer_types)}
+        shared = self.rotary(hidden, pos)
+        return {t: shared for t in set(self.layer_types)}
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: torch.Tensor,
+        cache: KVCache | None,
+        layers: Iterable[int] | None = None,
+    ) -> list[torch.Tensor]:
+        """hidden (B, q, H) through the local ``layers`` (default all) -> one (B, q, H) output per layer.
+
+        Gradients flow when the caller enables them (privacy audits train through this); the
+        cache, when given, receives q entries per layer but is not committed here.
+        """
         pos = positions.to(torch.long)[None]  # (1, q)
-        cos_sin = self.rotary(hidden, pos)
-        past = len(cache)
+        rope = self.position_embeddings(hidden, pos)
+        past = 0 if cache is None else len(cache)
         masks = {
             # one query token with the whole prefix in view needs no mask at all
             w: None
@@ -96,15 +86,27 @@ class LayerStack(nn.Module):
             else step_mask(parents, positions, past, hidden.dtype, w)
             for w in set(self.windows)
         }
+        outs: list[torch.Tensor] = []
+        for j in range(len(self.layers)) if layers is None else layers:
+            hidden = self.layers[j](
+                hidden,
+                attention_mask=masks[self.windows[j]],
+                position_ids=pos,
+                past_key_values=cache,
+                position_embeddings=rope[self.layer_types[j]],
+            )
+            outs.append(hidden)
+        return outs
+
+    @torch.inference_mode()
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """hidden (1, q, H), positions (q,), parents (q,) -> hidden (1, q, H); appends q entries to cache."""
+        if not len(self.layers):
+            return hidden
         try:
-            for layer, window in zip(self.layers, self.windows, strict=True):
-                hidden = layer(
-                    hidden,
-                    attention_mask=masks[window],
-                    position_ids=pos,
-                    past_key_values=cache,
-                    position_embeddings=cos_sin,
-                )
+            hidden = self.run(hidden, positions, parents, cache)[-1]
         except BaseException:
             cache.rollback()
             raise
@@ -112,69 +114,56 @@ class LayerStack(nn.Module):
         return hidden
 
 
-def _build_layers(ckpt: Checkpoint, config: PretrainedConfig, indices: range, dtype: torch.dtype) -> LayerStack:
-    family = family_of(config)
-    layers = []
-    for i in indices:
-        state = ckpt.read_prefix(f"model.layers.{i}.", dtype)
-        with torch.device("meta"):
-            layer = family.decoder_layer(config, i)
-        try:
-            layer.load_state_dict(state, strict=True, assign=True)
-        except RuntimeError as exc:
-            raise CheckpointError(f"layer {i} of {ckpt.directory} does not match its config: {exc}") from None
-        layers.append(layer.eval())
-    return LayerStack(config, layers, indices).eval()
+class ModelEnds(nn.Module):
+    """Embedding, final norm and LM head, with the family's scaling and soft-capping."""
 
-
-def load_trunk(ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype, attn_implementation: str = "sdpa") -> LayerStack:
-    """The cloud's piece: only the trunk layers' tensors are read."""
-    config = prepare_config(ckpt.config, attn_implementation)
-    trunk = _build_layers(ckpt, config, plan.trunk_layers, dtype)
-    log.info(
-        "trunk layers %d..%d loaded (%d tensors read)",
-        plan.trunk_layers.start,
-        plan.trunk_layers.stop - 1,
-        len(ckpt.read_names),
-    )
-    return trunk
-
-
-class EdgeModel(nn.Module):
-    """The edge's pieces: embedding, head layers, tail layers, final norm, LM head."""
-
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        embed: nn.Embedding,
-        head: LayerStack,
-        tail: LayerStack,
-        norm: nn.Module,
-        lm_head: nn.Linear,
-    ) -> None:
+    def __init__(self, skel: Skeleton) -> None:
         super().__init__()
-        self.config = config
-        self.embed_tokens = embed
-        self.head = head
-        self.tail = tail
-        self.norm = norm
-        self.lm_head = lm_head
+        self.config: PretrainedConfig = skel.config
+        self.embed_tokens = skel.embed
+        self.norm = skel.norm
+        self.lm_head = skel.lm_head
+        self._skeleton = skel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
 
     @property
     def hidden_size(self) -> int:
         return int(self.config.hidden_size)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token ids (B, q) -> the stream before layer 0 (B, q, H)."""
+        hidden: torch.Tensor = self.embed_tokens(token_ids.to(torch.long))
+        if self._skeleton.embedding_multiplier is not None:
+            hidden = hidden * self._skeleton.embedding_multiplier
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The stream after the last layer (B, q, H) -> logits (B, q, V) in float32."""
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return self._skeleton.finish_logits(logits).float()
+
+
+class EdgeModel(ModelEnds):
+    """The edge's pieces: embedding, head layers, tail layers, final norm, LM head."""
+
+    def __init__(self, skel: Skeleton, plan: SplitPlan) -> None:
+        super().__init__(skel)
+        self.head = LayerStack(skel, plan.head_layers)
+        self.tail = LayerStack(skel, plan.tail_layers)
 
     @torch.inference_mode()
     def run_head(
         self, token_ids: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """token_ids (q,) -> hidden (1, q, H) after the head layers."""
-        hidden = self.embed_tokens(token_ids.to(torch.long)[None])  # (1, q, H)
-        out: torch.Tensor = self.head(hidden, positions, parents, cache)
+        out: torch.Tensor = self.head(self.embed(token_ids[None]), positions, parents, cache)
         return out
 
     @torch.inference_mode()
@@ -182,75 +171,123 @@ class EdgeModel(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """hidden (1, q, H) from the trunk -> logits (q, V) in float32."""
-        hidden = self.tail(hidden, positions, parents, cache)
-        logits: torch.Tensor = self.lm_head(self.norm(hidden))  # (1, q, V)
-        return logits[0].float()
+        return self.logits(self.tail(hidden, positions, parents, cache))[0]
 
 
-def _load_ends(
-    ckpt: Checkpoint, config: PretrainedConfig, dtype: torch.dtype
-) -> tuple[nn.Embedding, nn.Module, nn.Linear]:
-    """Embedding, final norm and LM head (tied to the embedding when the checkpoint says so)."""
-    family = family_of(config)
-    embed_w = ckpt.read(["model.embed_tokens.weight"], dtype)["model.embed_tokens.weight"]
-    embed = nn.Embedding.from_pretrained(embed_w, freeze=True, padding_idx=config.pad_token_id)
-    norm_args: dict[str, Any] = {"eps": config.rms_norm_eps}
-    norm = family.norm(config.hidden_size, **norm_args)
-    norm.load_state_dict(ckpt.read_prefix("model.norm.", dtype), strict=True)
-    norm = norm.to(dtype)
-    lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-    if ckpt.has("lm_head.weight"):
-        lm_head.weight = nn.Parameter(ckpt.read(["lm_head.weight"], dtype)["lm_head.weight"], requires_grad=False)
-    elif getattr(config, "tie_word_embeddings", False):
-        lm_head.weight = embed.weight
-    else:
-        raise CheckpointError(f"{ckpt.directory} has no lm_head.weight and does not tie embeddings")
-    return embed, norm, lm_head
+class FullModel(ModelEnds):
+    """A whole model in one process (drafting, workers, local verification), on the same stacks."""
 
-
-def load_edge(ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype, attn_implementation: str = "sdpa") -> EdgeModel:
-    """The edge's piece: embedding, head and tail layers, final norm, LM head. No trunk tensor is read."""
-    config = prepare_config(ckpt.config, attn_implementation)
-    embed, norm, lm_head = _load_ends(ckpt, config, dtype)
-    head = _build_layers(ckpt, config, plan.head_layers, dtype)
-    tail = _build_layers(ckpt, config, plan.tail_layers, dtype)
-    return EdgeModel(config, embed, head, tail, norm, lm_head).eval()
-
-
-class FullModel(nn.Module):
-    """A whole model in one process (for drafting and local verification), on the same stacks."""
-
-    def __init__(
-        self, config: PretrainedConfig, embed: nn.Embedding, layers: LayerStack, norm: nn.Module, lm_head: nn.Linear
-    ) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = embed
-        self.layers = layers
-        self.norm = norm
-        self.lm_head = lm_head
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.config.vocab_size)
+    def __init__(self, skel: Skeleton) -> None:
+        super().__init__(skel)
+        self.layers = LayerStack(skel, range(len(skel.layers)))
 
     @torch.inference_mode()
     def forward(
         self, token_ids: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
     ) -> torch.Tensor:
         """token_ids (q,) -> logits (q, V) float32; appends q entries to ``cache``."""
-        hidden = self.embed_tokens(token_ids.to(torch.long)[None])  # (1, q, H)
-        hidden = self.layers(hidden, positions, parents, cache)
-        logits: torch.Tensor = self.lm_head(self.norm(hidden))  # (1, q, V)
-        return logits[0].float()
+        hidden = self.layers(self.embed(token_ids[None]), positions, parents, cache)
+        return self.logits(hidden)[0]
 
 
-def load_full(ckpt: Checkpoint, dtype: torch.dtype, attn_implementation: str = "sdpa") -> FullModel:
+# -- loading --------------------------------------------------------------------------------------
+
+
+def resolve_dtype(ckpt: Checkpoint, name: str | None) -> tuple[torch.dtype, str]:
+    """The compute/wire dtype: ``name`` when given, else the checkpoint's published dtype."""
+    dtype = published_dtype(ckpt.config) if name is None else dtype_from_name(name)
+    return dtype, str(dtype).removeprefix("torch.")
+
+
+def _materialize_buffers(skel: Skeleton, modules: Sequence[nn.Module]) -> None:
+    """Non-persistent buffers (rotary frequencies, embedding scales) from the family's own initializer."""
+    for root in modules:
+        for module in root.modules():
+            meta = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+            if not meta:
+                continue
+            for name in meta:
+                module._buffers[name] = torch.empty_like(getattr(module, name), device="cpu")
+            with torch.no_grad():
+                skel.lm._init_weights(module)  # loaded parameters carry _is_hf_initialized: untouched
+
+
+def _load_modules(ckpt: Checkpoint, skel: Skeleton, modules: Sequence[nn.Module], dtype: torch.dtype) -> None:
+    """Read exactly the tensors of ``modules`` and load them through transformers' own converters."""
+    qualified = {id(m): name for name, m in skel.lm.named_modules()}
+    prefixes = tuple(f"{qualified[id(m)]}." for m in modules)
+    names = [n for n in ckpt.tensor_names if n.startswith(prefixes)]
+    state = ckpt.read(names)
+    lm = skel.lm
+    conversions: list[Any] = get_model_conversion_mapping(lm)  # transformers' renames and expert fusions
+    load_config = LoadStateDictConfig(dtype=dtype, dtype_plan=lm._get_dtype_plan(dtype), weight_mapping=conversions)
+    info, _ = convert_and_load_state_dict_in_model(lm, state, load_config)
+    problems = [
+        *(f"unexpected tensor {k}" for k in sorted(info.unexpected_keys)),
+        *(f"{k} has shape {tuple(got)}, expected {tuple(want)}" for k, got, want in sorted(info.mismatched_keys)),
+        *(f"{k}: {v}" for k, v in info.conversion_errors.items()),
+        *info.error_msgs,
+    ]
+    for prefix, module in zip(prefixes, modules, strict=True):
+        problems += [f"{prefix}{n} is missing" for n, p in module.named_parameters() if p.is_meta]
+    if problems:
+        raise CheckpointError(f"{ckpt.directory} does not match its config: {'; '.join(problems[:5])}")
+    for module in modules:
+        module.requires_grad_(False)
+    _materialize_buffers(skel, modules)
+
+
+def _ends_modules(ckpt: Checkpoint, skel: Skeleton) -> list[nn.Module]:
+    """Embedding, final norm, rotary and LM head; the LM head is the embedding when tied."""
+    modules = [skel.embed, skel.norm, skel.rotary]
+    if ckpt.has("lm_head.weight"):
+        return [*modules, skel.lm_head]
+    if not getattr(skel.config, "tie_word_embeddings", False):
+        raise CheckpointError(f"{ckpt.directory} has no lm_head.weight and does not tie embeddings")
+    return modules
+
+
+def _tie(skel: Skeleton) -> None:
+    if skel.lm_head.weight.is_meta:
+        skel.lm_head.weight = skel.embed.weight
+
+
+def load_trunk(
+    ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype | None = None, attn_implementation: str | None = None
+) -> LayerStack:
+    """The cloud's piece: only the trunk layers' tensors are read."""
+    dtype = published_dtype(ckpt.config) if dtype is None else dtype
+    skel = skeleton(ckpt.config, dtype, attn_implementation)
+    _load_modules(ckpt, skel, [*(skel.layers[i] for i in plan.trunk_layers), skel.rotary], dtype)
+    log.info(
+        "trunk layers %d..%d loaded (%d tensors read, %s)",
+        plan.trunk_layers.start,
+        plan.trunk_layers.stop - 1,
+        len(ckpt.read_names),
+        dtype,
+    )
+    return LayerStack(skel, plan.trunk_layers).eval()
+
+
+def load_edge(
+    ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype | None = None, attn_implementation: str | None = None
+) -> EdgeModel:
+    """The edge's piece: embedding, head and tail layers, final norm, LM head. No trunk tensor is read."""
+    dtype = published_dtype(ckpt.config) if dtype is None else dtype
+    skel = skeleton(ckpt.config, dtype, attn_implementation)
+    layers = [skel.layers[i] for i in (*plan.head_layers, *plan.tail_layers)]
+    _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *layers], dtype)
+    _tie(skel)
+    return EdgeModel(skel, plan).eval()
+
+
+def load_full(ckpt: Checkpoint, dtype: torch.dtype | None = None, attn_implementation: str | None = None) -> FullModel:
     """Every piece of a checkpoint, for running it whole on one machine."""
-    config = prepare_config(ckpt.config, attn_implementation)
-    embed, norm, lm_head = _load_ends(ckpt, config, dtype)
-    layers = _build_layers(ckpt, config, range(config.num_hidden_layers), dtype)
-    return FullModel(config, embed, layers, norm, lm_head).eval()
+    dtype = published_dtype(ckpt.config) if dtype is None else dtype
+    skel = skeleton(ckpt.config, dtype, attn_implementation)
+    _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *skel.layers], dtype)
+    _tie(skel)
+    return FullModel(skel).eval()
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -16,9 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 import torch
-from torch import nn
 
-from splitspec.models.masks import step_mask
 from splitspec.models.stack import FullModel, LayerStack
 
 log = logging.getLogger(__name__)
@@ -33,21 +31,12 @@ def run_layers(stack: LayerStack, hidden: torch.Tensor, layers: Iterable[int] | 
     q = hidden.shape[1]
     positions = torch.arange(q, dtype=torch.int32)
     parents = torch.arange(-1, q - 1, dtype=torch.int32)
-    pos = positions.to(torch.long)[None]
-    cos_sin = stack.rotary(hidden, pos)
-    masks = {w: step_mask(parents, positions, 0, hidden.dtype, w) for w in set(stack.windows)}
-    chosen = range(len(stack.layers)) if layers is None else list(layers)
-    outs: list[torch.Tensor] = []
-    for j in chosen:
-        layer: nn.Module = stack.layers[j]
-        hidden = layer(hidden, attention_mask=masks[stack.windows[j]], position_ids=pos, position_embeddings=cos_sin)
-        outs.append(hidden)
-    return outs
+    return stack.run(hidden, positions, parents, None, layers)
 
 
 def residual_stream(model: FullModel, tokens: torch.Tensor) -> list[torch.Tensor]:
     """[h_0, h_1, ..., h_L] for windows ``tokens`` (B, q); h_k is the stream after k layers."""
-    h0 = model.embed_tokens(tokens.to(torch.long))
+    h0 = model.embed(tokens)
     return [h0, *run_layers(model.layers, h0)]
 
 
@@ -78,8 +67,8 @@ def stock_tail_top5(public: FullModel, hidden: np.ndarray, depth: int, batch: in
     tail = range(n_layers - depth, n_layers)
     tops: list[np.ndarray] = []
     for s in range(0, hidden.shape[0], batch):
-        h = torch.from_numpy(hidden[s : s + batch]).to(public.embed_tokens.weight.dtype)
+        h = torch.from_numpy(hidden[s : s + batch]).to(public.dtype)
         h = run_layers(public.layers, h, tail)[-1]
-        logits = public.lm_head(public.norm(h)).float()
+        logits = public.logits(h)
         tops.append(logits.topk(5, dim=-1).indices.numpy())
     return np.concatenate(tops)

@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.stack import FullModel, LayerStack
+from splitspec.models.stack import FullModel
 
 log = logging.getLogger(__name__)
 
@@ -267,19 +267,19 @@ def whitebox_search_top5(public: FullModel, observed: np.ndarray, k: int, candid
     """
     n, w1, _ = observed.shape
     n_cand = candidates.shape[-1]
-    stack = LayerStack(public.config, list(public.layers.layers)[:k], range(k)).eval()
+    stack = public.layers.first(k)
     obs = nn.functional.normalize(torch.from_numpy(observed).float(), dim=-1)
     cand = torch.from_numpy(candidates).long()
     out = np.empty((n, w1 - 1, TOPK), dtype=np.int64)
     cache = KVCache()
     bos = int(public.config.bos_token_id)
     one = torch.zeros(1, dtype=torch.int32)
-    stack(public.embed_tokens(torch.full((n, 1), bos)), one, one - 1, cache)
+    stack(public.embed(torch.full((n, 1), bos)), one, one - 1, cache)
     chosen = torch.empty(n, dtype=torch.long)
     for j in tqdm(range(1, w1), desc=f"search h{k}", leave=False, mininterval=2.0):
         positions = torch.full((n_cand,), j, dtype=torch.int32)
         parents = torch.full((n_cand,), -1, dtype=torch.int32)
-        h = stack(public.embed_tokens(cand[:, j - 1]), positions, parents, cache)  # (n, K, H)
+        h = stack(public.embed(cand[:, j - 1]), positions, parents, cache)  # (n, K, H)
         sim = (nn.functional.normalize(h.float(), dim=-1) * obs[:, j : j + 1]).sum(-1)  # (n, K)
         order = sim.argsort(dim=-1, descending=True)
         ranked = cand[:, j - 1].gather(1, order)
@@ -295,7 +295,7 @@ def whitebox_search_top5(public: FullModel, observed: np.ndarray, k: int, candid
             out[b, j - 1] = seen
         chosen = ranked[:, 0]
         cache.truncate(j)
-        stack(public.embed_tokens(chosen[:, None]), positions[:1], parents[:1], cache)
+        stack(public.embed(chosen[:, None]), positions[:1], parents[:1], cache)
     return out
 
 

@@ -128,7 +128,7 @@ def perplexity(model: FullModel, windows: Windows, batch: int = 8) -> float:
     for s in range(0, windows.tokens.shape[0], batch):
         tokens = torch.from_numpy(windows.tokens[s : s + batch])
         h = residual_stream(model, tokens[:, :-1])[-1]
-        logits = model.lm_head(model.norm(h)).float()
+        logits = model.logits(h)
         ce = nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum"
         )
@@ -201,11 +201,11 @@ def diverge(config: DivergeConfig) -> DivergeResult:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         with torch.no_grad():
             ref = residual_stream(stock, inputs)
-        h = model.embed_tokens(inputs)
+        h = model.embed(inputs)
         h_head = run_layers(model.layers, h, plan.head_layers)[-1]
         h_trunk = run_layers(model.layers, h_head, plan.trunk_layers)[-1]
         h_out = run_layers(model.layers, h_trunk, plan.tail_layers)[-1]
-        logits = model.lm_head(model.norm(h_out))
+        logits = model.logits(h_out)
         ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         d_in, d_out = _rel(h_head, ref[head_out]), _rel(h_trunk, ref[trunk_out])
         loss = ce + config.divergence_weight * (torch.relu(config.margin - d_in) + torch.relu(config.margin - d_out))

@@ -1,0 +1,197 @@
+"""A checkpoint's family, as transformers' own modelling classes define it.
+
+Nothing here is a per-family table. The family's ``*ForCausalLM`` class comes from transformers'
+auto mapping; :func:`skeleton` instantiates it on the ``meta`` device (no memory, no weights), and
+the pieces a role runs are that skeleton's own modules: the embedding (Gemma's scaled embedding is
+a module), the decoder layers (pre/post norms, q/k norms, NoPE layers, attention soft-capping,
+MoE blocks and Granite's residual/attention multipliers all live inside them), the rotary
+embedding (one per layer type for Gemma 3), the final norm and the LM head.
+
+What the model's ``forward`` methods do *between* those modules is the rest of a family's
+quirks. :func:`forward_quirks` reads which attributes those methods use and refuses a family
+that uses one we do not reproduce, naming it; the ones we do reproduce are:
+
+* ``embedding_multiplier`` (Granite): the embedding output is multiplied by it;
+* ``final_logit_softcapping`` (Gemma 2/3): ``cap * tanh(logits / cap)``;
+* ``logits_scaling`` (Granite): logits are divided by it;
+* ``layer_types`` / ``sliding_window``: which layers see a sliding window (applied in our masks).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers import initialization as hf_init
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from splitspec.exceptions import CheckpointError
+
+# Attributes a Model/ForCausalLM forward may read that our pieces reproduce (or that do not
+# change the computation: losses, router statistics, gradient checkpointing, the layer count).
+_KNOWN_SELF = frozenset(
+    {
+        "config",
+        "model",
+        "embed_tokens",
+        "layers",
+        "norm",
+        "rotary_emb",
+        "lm_head",
+        "embedding_multiplier",
+        "gradient_checkpointing",
+        "training",
+        "loss_function",
+        "vocab_size",
+        "num_experts",
+        "num_experts_per_tok",
+        "router_aux_loss_coef",
+        "has_sliding_layers",  # only picks which masks to build; our masks apply each layer's window
+    }
+)
+_KNOWN_CONFIG = frozenset(
+    {
+        "num_hidden_layers",
+        "layer_types",
+        "sliding_window",
+        "vocab_size",
+        "final_logit_softcapping",
+        "logits_scaling",
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "use_bidirectional_attention",  # refused below when set
+    }
+)
+M = TypeVar("M", bound=nn.Module)
+_SELF_ATTR = re.compile(r"\bself\.(\w+)")
+_CONFIG_ATTR = re.compile(r"\bself\.config\.(\w+)")
+
+
+def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """transformers' ``*ForCausalLM`` class for this config (its auto mapping), or a clear refusal."""
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        raise CheckpointError(
+            f"model type {config.model_type!r} has no causal-LM class in transformers: it cannot be split"
+        )
+    return cls
+
+
+def forward_quirks(lm: PreTrainedModel) -> None:
+    """Refuse a family whose forward methods apply something between modules we do not reproduce."""
+    base = lm.base_model
+    unknown: set[str] = set()
+    for cls in (type(base), type(lm)):
+        source = inspect.getsource(cls.forward)
+        body = source.split('"""')[-1] if source.count('"""') >= 2 else source  # skip the docstring
+        unknown |= {f"config.{a}" for a in _CONFIG_ATTR.findall(body) if a not in _KNOWN_CONFIG}
+        unknown |= {a for a in _SELF_ATTR.findall(body) if a not in _KNOWN_SELF and a != "config"}
+    if getattr(lm.config, "use_bidirectional_attention", False):
+        unknown.add("config.use_bidirectional_attention=True")
+    if unknown:
+        raise CheckpointError(
+            f"{type(lm).__name__} cannot be split: its forward applies {', '.join(sorted(unknown))}, "
+            "which splitspec does not reproduce between decoder layers"
+        )
+
+
+def _module(owner: nn.Module, name: str, kind: type[M], lm: PreTrainedModel) -> M:
+    child = getattr(owner, name, None)
+    if not isinstance(child, kind):
+        raise CheckpointError(
+            f"{type(lm).__name__} cannot be split: {type(owner).__name__} has no {name!r} {kind.__name__} "
+            "(splitspec needs embed_tokens, layers, norm, rotary_emb and lm_head)"
+        )
+    return child
+
+
+@dataclass
+class Skeleton:
+    """A family's ``*ForCausalLM`` on the meta device, and the modules splitspec takes from it."""
+
+    lm: PreTrainedModel  # meta-device model: parameters are loaded only into the pieces a role uses
+    embed: nn.Embedding  # the family's token embedding (scaled for Gemma)
+    layers: nn.ModuleList  # decoder layers, index = layer index
+    norm: nn.Module  # final norm
+    rotary: nn.Module  # rotary embedding, shared by every layer
+    lm_head: nn.Linear
+    embedding_multiplier: float | None  # Granite's, read from the model itself
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.lm.config
+
+    @property
+    def rotary_per_layer_type(self) -> bool:
+        """True when the rotary embedding takes a layer type (Gemma 3: local and global rope)."""
+        return "layer_type" in inspect.signature(self.rotary.forward).parameters
+
+    def layer_type(self, layer_idx: int) -> str:
+        types = getattr(self.config, "layer_types", None)
+        return str(types[layer_idx]) if types is not None else "full_attention"
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """Sliding-window size of a layer, or None for full attention (as the family's forward decides)."""
+        window = getattr(self.config, "sliding_window", None)
+        if getattr(self.config, "layer_types", None) is not None:
+            return window if self.layer_type(layer_idx) == "sliding_attention" else None
+        return window
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The family's logit transforms, in the compute dtype as its ``forward`` applies them."""
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        scaling = getattr(self.config, "logits_scaling", None)
+        if scaling is not None:
+            logits = logits / scaling
+        return logits
+
+
+def skeleton(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None = None) -> Skeleton:
+    """Instantiate the family's causal-LM class on ``meta`` in ``dtype`` and check it can be split.
+
+    ``attn_implementation`` None keeps the family's own choice (Gemma 2 picks eager attention for
+    its soft-capping); "sdpa" or "eager" force one.
+    """
+    cls = causal_lm_class(config)
+    config = config.__class__.from_dict(config.to_dict())  # never mutate the checkpoint's config
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    with hf_init.no_init_weights(), torch.device("meta"):
+        lm = cls._from_config(config, **kwargs)
+    lm.eval()
+    base = lm.base_model
+    layers = _module(base, "layers", nn.ModuleList, lm)
+    forward_quirks(lm)
+    multiplier = getattr(base, "embedding_multiplier", None)
+    return Skeleton(
+        lm=lm,
+        embed=_module(base, "embed_tokens", nn.Embedding, lm),
+        layers=layers,
+        norm=_module(base, "norm", nn.Module, lm),
+        rotary=_module(base, "rotary_emb", nn.Module, lm),
+        lm_head=_module(lm, "lm_head", nn.Linear, lm),
+        embedding_multiplier=None if multiplier is None else float(multiplier),
+    )
+
+
+def published_dtype(config: PretrainedConfig) -> torch.dtype:
+    """The dtype the checkpoint was published in (config ``dtype``/``torch_dtype``), float32 if unsaid."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if value is None:
+        return torch.float32
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    if not isinstance(value, torch.dtype) or value not in (torch.float32, torch.float16, torch.bfloat16):
+        raise CheckpointError(f"the checkpoint's dtype {value!r} is not one of float32, float16, bfloat16")
+    return value
