@@ -111,5 +111,8 @@ def local_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> lis
     model = local_model(directory)
     with torch.no_grad():
         generate: Callable[..., torch.Tensor] = model.generate  # type: ignore[assignment]  # transformers types it as a Tensor
-        out = generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        ids = torch.tensor([prompt])  # an explicit mask: a BOS equal to pad_token_id must not be masked out
+        out = generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+        )
     return list(out[0, len(prompt) :].tolist())

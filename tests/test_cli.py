@@ -140,8 +140,9 @@ def test_chat_keeps_the_cache_across_turns(
     turns = [json.loads(line) for line in out.stdout.splitlines()]
     assert [t["turn"] for t in turns] == [1, 2]  # /quit stops before the third line
     first, second = turns
-    assert second["input_ids"][0] == first["token_ids"][-1]  # the carried token, not yet cached
-    history = first["input_ids"] + first["token_ids"][:-1] + second["input_ids"]
+    assert second["sent_ids"][0] == first["token_ids"][-1]  # the carried token, not yet cached
+    history = first["input_ids"] + first["token_ids"] + second["sent_ids"][1:]
+    assert second["input_ids"] == history
     assert second["token_ids"] == local_greedy(model, history, 6)
     if speculate == "off":  # only the new tokens went up: the earlier turn stayed in the caches
-        assert second["sent_tokens"] == len(second["input_ids"]) + len(second["token_ids"]) - 1
+        assert second["sent_tokens"] == len(second["sent_ids"]) + len(second["token_ids"]) - 1

@@ -1,7 +1,11 @@
 """``splitspec chat``: an interactive multi-turn session against a running trunk server.
 
-The KV caches (edge and cloud) are kept across turns: each turn sends only its new tokens. Lines
-starting with ``/`` are commands: ``/reset`` starts over, ``/quit`` (or end of input) leaves.
+With a tokenizer that has a chat template (instruct checkpoints), every turn renders the whole
+conversation with it (:mod:`splitspec.chat_template`) and sends only what the caches (edge and
+cloud) do not already hold; a turn ends at the template's end-of-turn token or the checkpoint's
+stop tokens. Without one (base models), or with ``plain=True``, each line is plain text appended
+to the running context (special tokens such as BOS only at the very start). Lines starting with
+``/`` are commands: ``/reset`` starts over, ``/quit`` (or end of input) leaves.
 """
 
 from __future__ import annotations
@@ -12,8 +16,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TextIO
 
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from splitspec.chat_template import Message, end_of_turn_ids, has_chat_template, plan_turn, render
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.exceptions import ConfigError
 
 
 @dataclass(frozen=True)
@@ -23,17 +31,49 @@ class ChatConfig:
     params: SamplingParams  # temperature / top-p / seed
     speculate: str  # --speculate mode
     json_lines: bool = False  # print one JSON object per turn instead of streaming text
+    system_prompt: str | None = None  # a system message opening the conversation (chat template only)
+    plain: bool = False  # ignore the chat template: plain text turns (base models)
+
+
+class Conversation:
+    """The turns so far and how to turn the next user line into tokens for the caches."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, config: ChatConfig) -> None:
+        self.tokenizer = tokenizer
+        self.templated = has_chat_template(tokenizer) and not config.plain
+        if config.system_prompt is not None and not self.templated:
+            raise ConfigError("--system needs a tokenizer with a chat template (this one has none, or --plain)")
+        self.system = config.system_prompt
+        self.messages: list[Message] = []
+        self.stop_ids = end_of_turn_ids(tokenizer) if self.templated else frozenset()
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+
+    def rendered(self, line: str, cached: tuple[int, ...]) -> list[int]:
+        """The whole context this turn's generation continues from."""
+        if self.templated:
+            self.messages.append({"role": "user", "content": line})
+            return render(self.tokenizer, self.messages)
+        return [*cached, *self.tokenizer.encode(line + "\n", add_special_tokens=not cached)]
+
+    def reply(self, generated: list[int]) -> str:
+        text = str(self.tokenizer.decode([t for t in generated if t not in self.stop_ids], skip_special_tokens=True))
+        if self.templated:
+            self.messages.append({"role": "assistant", "content": text})
+        return text
 
 
 async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdout) -> int:
     """Run turns read from ``lines``; returns the number of turns answered."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(config.edge.model_dir, local_files_only=True)
+    conversation = Conversation(tokenizer, config)
     generator, _ = config.params.generator()
     turns = 0
     carry: list[int] = []  # the last generated token: not in the caches yet
     async with SplitClient(config.edge) as client:
+        stops = client.eos_token_ids | conversation.stop_ids
         if not config.json_lines:
             out.write("splitspec chat: type a line and press enter; /reset starts over, /quit leaves.\n> ")
             out.flush()
@@ -44,38 +84,41 @@ async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdou
             if line.strip() == "/reset":
                 carry = []
                 client.reset()
+                conversation.reset()
                 out.write("(history cleared)\n> " if not config.json_lines else "")
                 continue
-            ids = [*carry, *tokenizer.encode(line + "\n")]
-            if not ids:
-                continue
-            fresh = not carry
+            context = conversation.rendered(line, (*client.history, *carry))
+            plan = plan_turn(client.history, context)
+            client.truncate(plan.keep)
             first_step = len(client.steps)
             generated: list[int] = []
             shown = ""
             async for token in client.stream(
-                ids,
+                plan.send,
                 config.max_new_tokens,
                 config.params,
+                stop_token_ids=stops,
                 generator=generator,
                 speculate=config.speculate,
-                fresh=fresh,
+                fresh=plan.keep == 0,
             ):
                 generated.append(token)
                 if not config.json_lines:
-                    text = str(tokenizer.decode(generated))
+                    text = str(tokenizer.decode([t for t in generated if t not in stops]))
                     out.write(text[len(shown) :])
                     out.flush()
                     shown = text
             carry = generated[-1:]
+            text = conversation.reply(generated)
             turns += 1
             steps = client.steps[first_step:]
             if config.json_lines:
                 record = {
                     "turn": turns,
-                    "input_ids": ids,
+                    "input_ids": context,
+                    "sent_ids": plan.send,
                     "token_ids": generated,
-                    "text": tokenizer.decode(generated),
+                    "text": text,
                     "sent_tokens": sum(s.query_tokens for s in steps),
                     "round_trips": len(steps),
                 }

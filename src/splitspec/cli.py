@@ -232,6 +232,8 @@ def _run_chat(args: argparse.Namespace) -> int:
         params=_sampling(args),
         speculate=args.speculate,
         json_lines=args.json,
+        system_prompt=args.system,
+        plain=args.plain,
     )
     asyncio.run(chat(config, sys.stdin))
     return 0
@@ -241,6 +243,12 @@ def _register_chat(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p = sub.add_parser("chat", help="interactive multi-turn generation; the KV cache is kept across turns")
     _add_edge_args(p, "tokens per turn")
     p.add_argument("--json", action="store_true", help="one JSON object per turn (for scripts)")
+    p.add_argument("--system", help="system prompt opening the conversation (needs a chat template)")
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="ignore the tokenizer's chat template: each line is plain text appended to the context (base models)",
+    )
     p.set_defaults(run=_run_chat)
 
 

@@ -240,8 +240,35 @@ class SplitClient:
         """Start a new sequence: the cloud cache is truncated on the next step."""
         self._head_cache = KVCache()
         self._tail_cache = KVCache()
-        self._command = CacheCommand(truncate_to=0) if self._tokens else None
+        # a pending command (a truncation, a kept path) is superseded: the cloud's cache empties too
+        self._command = CacheCommand(truncate_to=0) if self._tokens or self._command is not None else None
         self._tokens = []
+
+    @property
+    def history(self) -> tuple[int, ...]:
+        """The token ids behind every committed cache entry, in order (what the caches hold)."""
+        return tuple(self._tokens)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` committed tokens on both sides (prefix reuse across chat turns).
+
+        The edge caches change now; the cloud's change rides on the next step, merged with a
+        pending keep of the last step's accepted path.
+        """
+        if not 0 <= length <= len(self._tokens):
+            raise ValueError(f"cannot truncate {len(self._tokens)} committed tokens to {length}")
+        if length == len(self._tokens):
+            return
+        pending = self._command
+        command = CacheCommand(truncate_to=length)
+        if pending is not None and pending.keep_last is not None:
+            start = len(self._tokens) - len(pending.keep_last)  # the kept step's first entry
+            if length > start:
+                command = CacheCommand(truncate_to=pending.truncate_to, keep_last=pending.keep_last[: length - start])
+        self._head_cache.truncate(length)
+        self._tail_cache.truncate(length)
+        del self._tokens[length:]
+        self._command = command
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep only ``indices`` of the last step's entries (the accepted path), on both sides.

@@ -1,0 +1,75 @@
+"""A conversation as the model's publisher formats it: the tokenizer's own chat template.
+
+Used by ``splitspec chat``, the Python API and the OpenAI-compatible server alike. The whole
+conversation is rendered with ``tokenizer.apply_chat_template`` every turn (so a BOS token, if the
+template has one, appears once, at the start) and compared with the tokens the caches already
+hold: only the part after their common prefix crosses the link (:func:`plan_turn`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], add_generation_prompt: bool = True
+) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template (with the assistant's cue)."""
+    ids = tokenizer.apply_chat_template(
+        [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
+    out = [t for t in ids if isinstance(t, int)] if isinstance(ids, list) else []
+    if len(out) != len(ids):
+        raise TypeError(f"{type(tokenizer).__name__}.apply_chat_template did not return token ids")
+    return out
+
+
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The special token(s) the template closes an assistant turn with (e.g. <|im_end|>, <|eot_id|>).
+
+    Found by rendering a one-exchange conversation and reading the first special token after the
+    assistant's content; empty when the template closes turns with plain text.
+    """
+    user = [{"role": "user", "content": "hi"}]
+    cue = render(tokenizer, user)
+    full = render(tokenizer, [*user, {"role": "assistant", "content": "ok"}], add_generation_prompt=False)
+    if full[: len(cue)] != cue:
+        return frozenset()
+    special = set(tokenizer.all_special_ids)
+    reply = tokenizer.encode("ok", add_special_tokens=False)
+    after = full[len(cue) + len(reply) :]
+    return frozenset(t for t in after[:1] if t in special)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """How to bring caches holding ``cached`` tokens to a rendered conversation."""
+
+    keep: int  # cached tokens to keep (the rest are truncated)
+    send: list[int]  # tokens to run after them (never empty)
+
+
+def plan_turn(cached: Sequence[int], rendered: Sequence[int]) -> TurnPlan:
+    """Keep the longest common prefix of what the caches hold and the new rendering; send the rest."""
+    if not rendered:
+        raise ValueError("the rendered conversation is empty")
+    keep = min(common_prefix(cached, rendered), len(rendered) - 1)  # always send at least one token
+    return TurnPlan(keep=keep, send=list(rendered[keep:]))
