@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitspec.edge.provenance import EDGE_RECORD, check_edge_weights, edge_provenance
+from splitspec.edge.provenance import check_edge_weights, edge_provenance
 from splitspec.exceptions import ConfigError
 from splitspec.models.split import SplitPlan
+from splitspec.privacy.record import EDGE_RECORD
 from splitspec.privacy.weights import edge_fingerprint
 
 PLAN = SplitPlan(6, 2, 2)

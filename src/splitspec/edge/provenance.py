@@ -16,18 +16,16 @@ client warns at every session.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from splitspec.exceptions import ConfigError
 from splitspec.models.split import SplitPlan
+from splitspec.privacy.record import EDGE_RECORD, DivergenceRecord
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 
 log = logging.getLogger(__name__)
-
-EDGE_RECORD = "splitspec_edge.json"  # divergence record inside a diverged checkpoint directory
 
 
 @dataclass(frozen=True)
@@ -47,24 +45,17 @@ def edge_provenance(model_dir: Path, plan: SplitPlan, published_model_dir: Path 
         return EdgeProvenance(
             False, f"edge layers differ from {published_model_dir} (max relative {report.max_relative_difference:.3g})"
         )
-    record_path = model_dir / EDGE_RECORD
-    if not record_path.is_file():
+    record = DivergenceRecord.read(model_dir)
+    if record is None:
         return EdgeProvenance(True, f"no divergence record ({EDGE_RECORD}) in {model_dir}")
-    try:
-        record = json.loads(record_path.read_text())
-        recorded = str(record["fingerprint_sha256"])
-        published = str(record["published_fingerprint_sha256"])
-        head, tail = int(record["head"]), int(record["tail"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{record_path} is not a valid divergence record: {exc}") from None
-    if (head, tail) != (plan.head, plan.tail):
+    if (record.head, record.tail) != (plan.head, plan.tail):
         return EdgeProvenance(
-            True, f"the divergence record is for edge layers {head},{tail}, not {plan.head},{plan.tail}"
+            True, f"the divergence record is for edge layers {record.head},{record.tail}, not {plan.head},{plan.tail}"
         )
     actual = edge_fingerprint(model_dir, plan)
-    if actual != recorded:
+    if actual != record.fingerprint_sha256:
         return EdgeProvenance(True, "the edge tensors do not match the divergence record's fingerprint")
-    if actual == published:
+    if actual == record.published_fingerprint_sha256:
         return EdgeProvenance(True, "the divergence record says these are the published weights")
     return EdgeProvenance(False, f"diverged edge weights, fingerprint {actual[:16]}")
 

@@ -21,7 +21,6 @@ guesses, 0 = not in the top-5), so anyone can re-run the tests.
 
 from __future__ import annotations
 
-import gzip
 import itertools
 import logging
 import time
@@ -34,11 +33,13 @@ import torch
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_full
+from splitspec.models.stack import FullModel, load_full
 from splitspec.privacy import attackers as atk
 from splitspec.privacy.activations import collect_layers, stock_tail_top5
-from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
+from splitspec.privacy.corpus import DEFAULT_CORPUS, CorpusWindows, corpus_windows
 from splitspec.privacy.diverge import DivergeConfig, diverge
+from splitspec.privacy.outcomes import AuditData, SeriesKey, ranks_of
+from splitspec.privacy.report import write_report
 from splitspec.privacy.stats import cluster_bootstrap_diff, mcnemar_exact, wilson_interval
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 
@@ -79,36 +80,6 @@ class AuditConfig:
             raise ConfigError(f"token caps must be at least one window ({self.window} tokens)")
 
 
-@dataclass(frozen=True)
-class SeriesKey:
-    """One measured series: a condition, an attacker, a side and a depth."""
-
-    condition: str  # "stock", "diverged/non-adaptive", "diverged/adaptive", or "-" for baselines
-    attacker: str
-    side: str  # "input", "output", or "-" for baselines
-    depth: int  # 0 for baselines
-
-    @property
-    def column(self) -> str:
-        return f"{self.condition}|{self.attacker}|{self.side}|{self.depth}"
-
-
-@dataclass
-class AuditData:
-    """Per-token ranks of every series on the shared test tokens."""
-
-    test: Windows
-    targets: np.ndarray  # (n, W) test token ids
-    vocab_size: int  # model vocabulary (for the uniform reference)
-    ranks: dict[SeriesKey, np.ndarray] = field(default_factory=dict)  # (n, W) int8: 1..5, 0 = miss
-    extra: dict[str, object] = field(default_factory=dict)
-
-
-def _ranks(top5: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    match = top5 == targets[..., None]
-    return np.where(match.any(-1), match.argmax(-1) + 1, 0).astype(np.int8)
-
-
 def _depth_plans(n_layers: int, depths: tuple[int, ...]) -> None:
     for d in depths:
         if d > n_layers - 2:
@@ -118,13 +89,165 @@ def _depth_plans(n_layers: int, depths: tuple[int, ...]) -> None:
             )
 
 
-def run_audit(config: AuditConfig) -> dict[str, object]:
-    """Collect activations, run every attacker in every condition, write the report files."""
+@dataclass
+class _AuditRun:
+    """What the steps of one audit share: the corpus, the stock model and its activations, the inverters."""
 
-    from splitspec.privacy.report import write_report
+    config: AuditConfig
+    n_layers: int
+    depths: tuple[int, ...]  # sorted, distinct split depths
+    corpus: CorpusWindows
+    data: AuditData
+    stock: FullModel
+    sides: dict[int, dict[str, int]]  # depth -> {side: stream index k the cloud sees}
+    stock_train: dict[int, np.ndarray]  # k -> (n_train, W+1, H) stock activations
+    stock_test: dict[int, np.ndarray]  # k -> (n_test, W+1, H) stock activations
+    inverters: dict[tuple[str, int, str], atk.TrainedInverter] = field(default_factory=dict)
+    edges: dict[int, dict[str, object]] = field(default_factory=dict)  # depth -> diverged edge summary
 
-    t0 = time.monotonic()
-    torch.manual_seed(config.seed)
+    @property
+    def train_targets(self) -> np.ndarray:
+        return self.corpus.train.tokens[:, 1:]  # (n_train, W)
+
+    def inverter(self, tag: str, k: int, kind: str, acts: np.ndarray) -> atk.TrainedInverter:
+        """The ``kind`` inverter trained on ``acts`` (tagged ``tag``) at stream index k, trained once."""
+        key = (tag, k, kind)
+        if key not in self.inverters:
+            self.inverters[key] = atk.train_inverter(
+                kind, acts[:, 1:], self.train_targets, self.config.train, desc=f"{kind} {tag} h{k}"
+            )
+        return self.inverters[key]
+
+    def record(self, key: SeriesKey, top5: np.ndarray) -> None:
+        self.data.ranks[key] = ranks_of(top5, self.data.targets)
+
+    def attack(
+        self,
+        condition: str,
+        d: int,
+        test_acts: dict[int, np.ndarray],
+        train_tag: str,
+        train_acts: dict[int, np.ndarray],
+    ) -> None:
+        """Every attacker on one condition's test activations at depth d (learned ones trained on train_acts)."""
+        attackers = self.config.attackers
+        for side, k in self.sides[d].items():
+            acts = test_acts[k]
+            if "nn-embed" in attackers:
+                embedding = self.stock.embed_tokens.weight.detach()
+                self.record(SeriesKey(condition, "nn-embed", side, d), atk.nearest_embedding(acts[:, 1:], embedding))
+            for kind in LEARNED:
+                if kind in attackers:
+                    inv = self.inverter(train_tag, k, kind, train_acts[k])
+                    self.record(SeriesKey(condition, kind, side, d), inv.predict_top5(acts[:, 1:]))
+            if side == "input" and "search" in attackers:
+                proposer = "bigru" if "bigru" in attackers else "mlp"
+                inv = self.inverter(train_tag, k, proposer, train_acts[k])
+                cand = inv.predict_topk(acts[:, 1:], self.config.search_candidates)
+                self.record(
+                    SeriesKey(condition, "search", side, d), atk.whitebox_search_top5(self.stock, acts, k, cand)
+                )
+            if side == "output" and "stock-tail" in attackers:
+                top5 = stock_tail_top5(self.stock, acts, d)[:, :-1]  # position j-1 guesses token j
+                self.record(SeriesKey(condition, "stock-tail", side, d), top5)
+
+    def diverged_edge(self, d: int, given: dict[int, Path]) -> tuple[Path, dict[str, object]] | None:
+        """The diverged checkpoint for depth d (given, or built here) and what is known of it; None if none."""
+        config = self.config
+        if 2 * d > self.n_layers - 1 and d not in given:
+            log.info("depth %d: no diverged edge (split %d,%d leaves no trunk)", d, d, d)
+            self.edges[d] = {"skipped": f"split ({d},{d}) leaves no trunk in a {self.n_layers}-layer model"}
+            return None
+        if d in given:
+            edge_dir = Path(given[d])
+            return edge_dir, {"checkpoint": str(edge_dir), "built_here": False}
+        if config.diverge_steps <= 0:
+            return None
+        res = diverge(
+            DivergeConfig(
+                model_dir=config.model_dir,
+                out_dir=config.out_dir / "edges" / f"d{d}",
+                head=d,
+                tail=d,
+                steps=config.diverge_steps,
+                corpus_dir=config.corpus_dir,
+                test_fraction=config.test_fraction,
+                seed=config.seed,
+                window=config.window,
+            )
+        )
+        return res.checkpoint_dir, {"checkpoint": str(res.checkpoint_dir), "built_here": True, **res.summary}
+
+    def attack_diverged(self, d: int, edge_dir: Path, info: dict[str, object]) -> None:
+        """Both diverged conditions at depth d: stock-trained attackers, then attackers retrained on it."""
+        plan = SplitPlan(self.n_layers, d, d)
+        wr = edge_weight_report(edge_dir, self.config.model_dir, plan)
+        info["is_stock"] = wr.is_stock
+        info["max_relative_weight_difference"] = wr.max_relative_difference
+        info.setdefault("fingerprint_sha256", edge_fingerprint(edge_dir, plan))
+        self.edges[d] = info
+        edge_model = load_full(Checkpoint(edge_dir), torch.float32)
+        dk = list(self.sides[d].values())
+        div_test = collect_layers(edge_model, self.corpus.test.tokens, dk)
+        div_train = collect_layers(edge_model, self.corpus.train.tokens, dk)
+        info["activation_relative_distance"] = {
+            side: float(
+                np.mean(
+                    np.linalg.norm(div_test[k] - self.stock_test[k], axis=-1)
+                    / np.linalg.norm(self.stock_test[k], axis=-1)
+                )
+            )
+            for side, k in self.sides[d].items()
+        }
+        # Non-adaptive: the stock-trained attackers (and the white-box ones) on diverged activations.
+        self.attack("diverged/non-adaptive", d, div_test, "stock", self.stock_train)
+        # Adaptive: retrain on what the cloud saw from the diverged edge on chosen text.
+        for side, k in self.sides[d].items():
+            for kind in LEARNED:
+                if kind in self.config.attackers:
+                    inv = self.inverter(f"diverged-d{d}", k, kind, div_train[k])
+                    self.record(SeriesKey("diverged/adaptive", kind, side, d), inv.predict_top5(div_test[k][:, 1:]))
+
+    def summary(self) -> dict[str, object]:
+        """What the report says besides the measured series: model, split, edges, inverter losses."""
+        split, train, test = self.corpus.split, self.corpus.train, self.corpus.test
+        return {
+            "model_dir": str(self.config.model_dir),
+            "num_layers": self.n_layers,
+            "vocab_size": self.data.vocab_size,
+            "depths": list(self.depths),
+            "stream_index": {str(d): self.sides[d] for d in self.depths},
+            "split": {
+                "train_documents": [d.doc_id for d in split.train],
+                "test_documents": [d.doc_id for d in split.test],
+                "train_tokens": train.n_targets,
+                "test_tokens": test.n_targets,
+                "train_documents_used": len(set(train.doc_index.tolist())),
+                "test_documents_used": len(set(test.doc_index.tolist())),
+                "test_classes_seen_in_train": float(np.isin(self.data.targets, np.unique(self.train_targets)).mean()),
+            },
+            "edges": {str(k): v for k, v in self.edges.items()},
+            "inverters": {f"{t}|h{k}|{kind}": inv.final_loss for (t, k, kind), inv in self.inverters.items()},
+            "config": _jsonable(asdict(self.config)),
+        }
+
+
+def _baselines(config: AuditConfig, corpus: CorpusWindows, data: AuditData) -> None:
+    """The frequency priors (independent of depth and side)."""
+    train, test = corpus.train, corpus.test
+    train_targets, targets = train.tokens[:, 1:], data.targets
+    if "freq" in config.attackers:
+        prior = atk.frequency_prior(train_targets, targets.shape)
+        data.ranks[SeriesKey("-", "freq", "-", 0)] = ranks_of(prior, targets)
+    if "freq-pos" in config.attackers:
+        offsets = np.arange(config.window)
+        train_pos, test_pos = train.start[:, None] + offsets, test.start[:, None] + offsets
+        prior = atk.positional_prior(train_targets, train_pos, test_pos)
+        data.ranks[SeriesKey("-", "freq-pos", "-", 0)] = ranks_of(prior, targets)
+
+
+def _start(config: AuditConfig) -> _AuditRun:
+    """Load the corpus, score the baselines, run the stock model over it: everything before the attacks."""
     ckpt = Checkpoint(config.model_dir)
     n_layers = int(ckpt.config.num_hidden_layers)
     depths = tuple(sorted(set(config.depths)))
@@ -138,11 +261,8 @@ def run_audit(config: AuditConfig) -> dict[str, object]:
         max_train_tokens=config.max_train_tokens,
         max_test_tokens=config.max_test_tokens,
     )
-    split, train, test = corpus.split, corpus.train, corpus.test
-    train_targets, targets = train.tokens[:, 1:], test.tokens[:, 1:]
-    offsets = np.arange(config.window)
-    train_pos, test_pos = train.start[:, None] + offsets, test.start[:, None] + offsets
-    data = AuditData(test, targets, int(ckpt.config.vocab_size))
+    train, test = corpus.train, corpus.test
+    data = AuditData(test, test.tokens[:, 1:], int(ckpt.config.vocab_size))
     log.info(
         "audit: %d attacker-train tokens from %d documents, %d test tokens from %d documents",
         train.n_targets,
@@ -150,143 +270,34 @@ def run_audit(config: AuditConfig) -> dict[str, object]:
         test.n_targets,
         len(set(test.doc_index.tolist())),
     )
-
-    # Baselines (independent of depth and side).
-    if "freq" in config.attackers:
-        data.ranks[SeriesKey("-", "freq", "-", 0)] = _ranks(atk.frequency_prior(train_targets, targets.shape), targets)
-    if "freq-pos" in config.attackers:
-        data.ranks[SeriesKey("-", "freq-pos", "-", 0)] = _ranks(
-            atk.positional_prior(train_targets, train_pos, test_pos), targets
-        )
-
-    stock = load_full(Checkpoint(config.model_dir), torch.float32)
-    embedding = stock.embed_tokens.weight.detach()
     sides = {d: {"input": d, "output": n_layers - d} for d in depths}  # stream index k per side
     ks = sorted({k for s in sides.values() for k in s.values()})
+    _baselines(config, corpus, data)
+    stock = load_full(Checkpoint(config.model_dir), torch.float32)
     stock_train = collect_layers(stock, train.tokens, ks)
     stock_test = collect_layers(stock, test.tokens, ks)
+    return _AuditRun(config, n_layers, depths, corpus, data, stock, sides, stock_train, stock_test)
 
-    inverters: dict[tuple[str, int, str], atk.TrainedInverter] = {}
 
-    def inverter(tag: str, k: int, kind: str, acts: np.ndarray) -> atk.TrainedInverter:
-        key = (tag, k, kind)
-        if key not in inverters:
-            inverters[key] = atk.train_inverter(
-                kind, acts[:, 1:], train_targets, config.train, desc=f"{kind} {tag} h{k}"
-            )
-        return inverters[key]
-
-    def attack_all(
-        condition: str, d: int, test_acts: dict[int, np.ndarray], train_tag: str, train_acts: dict[int, np.ndarray]
-    ) -> None:
-        """Every attacker on one condition's test activations at depth d (learned ones trained on train_acts)."""
-        for side, k in sides[d].items():
-            acts = test_acts[k]
-            if "nn-embed" in config.attackers:
-                data.ranks[SeriesKey(condition, "nn-embed", side, d)] = _ranks(
-                    atk.nearest_embedding(acts[:, 1:], embedding), targets
-                )
-            for kind in LEARNED:
-                if kind in config.attackers:
-                    inv = inverter(train_tag, k, kind, train_acts[k])
-                    data.ranks[SeriesKey(condition, kind, side, d)] = _ranks(inv.predict_top5(acts[:, 1:]), targets)
-            if side == "input" and "search" in config.attackers:
-                proposer = "bigru" if "bigru" in config.attackers else "mlp"
-                cand = inverter(train_tag, k, proposer, train_acts[k]).predict_topk(
-                    acts[:, 1:], config.search_candidates
-                )
-                data.ranks[SeriesKey(condition, "search", side, d)] = _ranks(
-                    atk.whitebox_search_top5(stock, acts, k, cand), targets
-                )
-            if side == "output" and "stock-tail" in config.attackers:
-                top5 = stock_tail_top5(stock, acts, d)[:, :-1]  # position j-1 guesses token j
-                data.ranks[SeriesKey(condition, "stock-tail", side, d)] = _ranks(top5, targets)
-
-    for d in depths:
-        attack_all("stock", d, stock_test, "stock", stock_train)
+def run_audit(config: AuditConfig) -> dict[str, object]:
+    """Collect activations, run every attacker in every condition, write the report files."""
+    t0 = time.monotonic()
+    torch.manual_seed(config.seed)
+    run = _start(config)
+    for d in run.depths:
+        run.attack("stock", d, run.stock_test, "stock", run.stock_train)
         log.info("stock depth %d done (%.0f s)", d, time.monotonic() - t0)
-
-    edges_info: dict[int, dict[str, object]] = {}
     if config.diverge_steps > 0 or config.edges:
         given = dict(config.edges)
-        for d in depths:
-            if 2 * d > n_layers - 1 and d not in given:
-                log.info("depth %d: no diverged edge (split %d,%d leaves no trunk)", d, d, d)
-                edges_info[d] = {"skipped": f"split ({d},{d}) leaves no trunk in a {n_layers}-layer model"}
-                continue
-            plan = SplitPlan(n_layers, d, d)
-            if d in given:
-                edge_dir = Path(given[d])
-                info: dict[str, object] = {"checkpoint": str(edge_dir), "built_here": False}
-            elif config.diverge_steps > 0:
-                res = diverge(
-                    DivergeConfig(
-                        model_dir=config.model_dir,
-                        out_dir=config.out_dir / "edges" / f"d{d}",
-                        head=d,
-                        tail=d,
-                        steps=config.diverge_steps,
-                        corpus_dir=config.corpus_dir,
-                        test_fraction=config.test_fraction,
-                        seed=config.seed,
-                        window=config.window,
-                    )
-                )
-                edge_dir = res.checkpoint_dir
-                info = {"checkpoint": str(edge_dir), "built_here": True, **res.summary}
-            else:
-                continue
-            wr = edge_weight_report(edge_dir, config.model_dir, plan)
-            info["is_stock"] = wr.is_stock
-            info["max_relative_weight_difference"] = wr.max_relative_difference
-            info.setdefault("fingerprint_sha256", edge_fingerprint(edge_dir, plan))
-            edges_info[d] = info
-            edge_model = load_full(Checkpoint(edge_dir), torch.float32)
-            dk = list(sides[d].values())
-            div_test = collect_layers(edge_model, test.tokens, dk)
-            div_train = collect_layers(edge_model, train.tokens, dk)
-            info["activation_relative_distance"] = {
-                side: float(
-                    np.mean(
-                        np.linalg.norm(div_test[k] - stock_test[k], axis=-1) / np.linalg.norm(stock_test[k], axis=-1)
-                    )
-                )
-                for side, k in sides[d].items()
-            }
-            # Non-adaptive: the stock-trained attackers (and the white-box ones) on diverged activations.
-            attack_all("diverged/non-adaptive", d, div_test, "stock", stock_train)
-            # Adaptive: retrain on what the cloud saw from the diverged edge on chosen text.
-            for side, k in sides[d].items():
-                for kind in LEARNED:
-                    if kind in config.attackers:
-                        inv = inverter(f"diverged-d{d}", k, kind, div_train[k])
-                        data.ranks[SeriesKey("diverged/adaptive", kind, side, d)] = _ranks(
-                            inv.predict_top5(div_test[k][:, 1:]), targets
-                        )
-            log.info("diverged depth %d done (%.0f s)", d, time.monotonic() - t0)
-
-    data.extra = {
-        "model_dir": str(config.model_dir),
-        "num_layers": n_layers,
-        "vocab_size": int(ckpt.config.vocab_size),
-        "depths": list(depths),
-        "stream_index": {str(d): sides[d] for d in depths},
-        "split": {
-            "train_documents": [d.doc_id for d in split.train],
-            "test_documents": [d.doc_id for d in split.test],
-            "train_tokens": train.n_targets,
-            "test_tokens": test.n_targets,
-            "train_documents_used": len(set(train.doc_index.tolist())),
-            "test_documents_used": len(set(test.doc_index.tolist())),
-            "test_classes_seen_in_train": float(np.isin(targets, np.unique(train_targets)).mean()),
-        },
-        "edges": {str(k): v for k, v in edges_info.items()},
-        "inverters": {f"{t}|h{k}|{kind}": inv.final_loss for (t, k, kind), inv in inverters.items()},
-        "config": _jsonable(asdict(config)),
-    }
-    results = analyse(data, config)
+        for d in run.depths:
+            edge = run.diverged_edge(d, given)
+            if edge is not None:
+                run.attack_diverged(d, *edge)
+                log.info("diverged depth %d done (%.0f s)", d, time.monotonic() - t0)
+    run.data.extra = run.summary()
+    results = analyse(run.data, config)
     results["seconds"] = time.monotonic() - t0
-    write_report(data, results, config.out_dir)
+    write_report(run.data, results, config.out_dir)
     log.info("audit written to %s (%.0f s)", config.out_dir, results["seconds"])
     return results
 
@@ -381,30 +392,3 @@ def analyse(data: AuditData, config: AuditConfig) -> dict[str, object]:
         t["p_holm"] = p
         t["significant"] = p < ALPHA
     return {"n_test_tokens": n, "uniform": uniform, "series": series, "tests": tests, "alpha": ALPHA, **data.extra}
-
-
-def write_outcomes(data: AuditData, path: Path) -> None:
-    """Per-token outcomes as gzipped CSV: one row per test token, one rank column per series."""
-    n, w = data.targets.shape
-    cols = sorted(data.ranks, key=lambda k: k.column)
-    with gzip.open(path, "wt", encoding="utf-8", newline="") as f:
-        f.write("# rank of the true token among the attacker's top-5 guesses (1..5), 0 = not in top-5\n")
-        f.write(",".join(["window", "position", "doc_id", "token", *[c.column for c in cols]]) + "\n")
-        flat = [data.ranks[c].reshape(-1) for c in cols]
-        for i in range(n * w):
-            win, pos = divmod(i, w)
-            doc = data.test.doc_ids[int(data.test.doc_index[win])]
-            f.write(
-                f"{win},{pos + 1},{doc},{int(data.targets[win, pos])}," + ",".join(str(int(r[i])) for r in flat) + "\n"
-            )
-
-
-def load_outcomes(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Read :func:`write_outcomes` back: {series column: ranks (tokens,)}, document id per token."""
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        lines = [ln for ln in f.read().splitlines() if not ln.startswith("#")]
-    header = lines[0].split(",")
-    rows = [ln.split(",") for ln in lines[1:]]
-    docs = np.array([r[2] for r in rows])
-    cols = {h: np.array([int(r[j]) for r in rows], dtype=np.int8) for j, h in enumerate(header) if j >= 4}
-    return cols, docs

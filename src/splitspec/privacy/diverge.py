@@ -34,13 +34,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from splitspec.edge.provenance import EDGE_RECORD
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import FullModel, load_full
 from splitspec.privacy.activations import residual_stream, run_layers
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
+from splitspec.privacy.record import DivergenceRecord
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 
 log = logging.getLogger(__name__)
@@ -241,13 +241,12 @@ def diverge(config: DivergeConfig) -> DivergeResult:
     }
     (config.out_dir / "edge.json").write_text(json.dumps(summary, indent=2) + "\n")
     # the divergence record the edge checks before it agrees to run these weights
-    record = {
-        "head": plan.head,
-        "tail": plan.tail,
-        "fingerprint_sha256": fp,
-        "published_fingerprint_sha256": summary["published_fingerprint_sha256"],
-        "published_model": str(config.model_dir),
-    }
-    (ckpt_dir / EDGE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    DivergenceRecord(
+        head=plan.head,
+        tail=plan.tail,
+        fingerprint_sha256=fp,
+        published_fingerprint_sha256=str(summary["published_fingerprint_sha256"]),
+        published_model=str(config.model_dir),
+    ).write(ckpt_dir)
     log.info("diverged edge %s: ppl %.2f -> %.2f, fingerprint %s", ckpt_dir, ppl_before, ppl_after, fp[:16])
     return DivergeResult(ckpt_dir, fp, ppl_before, ppl_after, summary)

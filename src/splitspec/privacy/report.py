@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from splitspec.privacy.audit import AuditData
+from splitspec.privacy.outcomes import AuditData, write_outcomes
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +224,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "(depth, stock vs diverged, adaptive vs not) are the point.",
         "",
         "Per-token outcomes: `outcomes.csv.gz` (rank of the true token in each series' top-5, 0 = miss); "
-        "`splitspec.privacy.audit.load_outcomes` reads it back for re-testing.",
+        "`splitspec.privacy.outcomes.load_outcomes` reads it back for re-testing.",
         "",
     ]
     return "\n".join(lines)
@@ -296,8 +295,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def write_report(data: AuditData, results: dict[str, Any], out_dir: Path) -> None:
-    from splitspec.privacy.audit import write_outcomes
-
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(results, indent=1) + "\n")
     (out_dir / "report.md").write_text(render_markdown(results))

@@ -1,0 +1,74 @@
+"""Audit outcomes: per test token, the rank of the true token in each attacker's top-5 guesses.
+
+:class:`AuditData` holds them while the audit runs (:mod:`splitspec.privacy.audit`); the report
+(:mod:`splitspec.privacy.report`) writes them to ``outcomes.csv.gz`` with :func:`write_outcomes`,
+and :func:`load_outcomes` reads them back so anyone can re-run the paired tests.
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from splitspec.privacy.corpus import Windows
+
+
+@dataclass(frozen=True)
+class SeriesKey:
+    """One measured series: a condition, an attacker, a side and a depth."""
+
+    condition: str  # "stock", "diverged/non-adaptive", "diverged/adaptive", or "-" for baselines
+    attacker: str
+    side: str  # "input", "output", or "-" for baselines
+    depth: int  # 0 for baselines
+
+    @property
+    def column(self) -> str:
+        return f"{self.condition}|{self.attacker}|{self.side}|{self.depth}"
+
+
+@dataclass
+class AuditData:
+    """Per-token ranks of every series on the shared test tokens."""
+
+    test: Windows
+    targets: np.ndarray  # (n, W) test token ids
+    vocab_size: int  # model vocabulary (for the uniform reference)
+    ranks: dict[SeriesKey, np.ndarray] = field(default_factory=dict)  # (n, W) int8: 1..5, 0 = miss
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def ranks_of(top5: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """(n, W) int8 rank of each target among its guesses ``top5`` (n, W, 5): 1..5, 0 = not there."""
+    match = top5 == targets[..., None]
+    return np.where(match.any(-1), match.argmax(-1) + 1, 0).astype(np.int8)
+
+
+def write_outcomes(data: AuditData, path: Path) -> None:
+    """Per-token outcomes as gzipped CSV: one row per test token, one rank column per series."""
+    n, w = data.targets.shape
+    cols = sorted(data.ranks, key=lambda k: k.column)
+    with gzip.open(path, "wt", encoding="utf-8", newline="") as f:
+        f.write("# rank of the true token among the attacker's top-5 guesses (1..5), 0 = not in top-5\n")
+        f.write(",".join(["window", "position", "doc_id", "token", *[c.column for c in cols]]) + "\n")
+        flat = [data.ranks[c].reshape(-1) for c in cols]
+        for i in range(n * w):
+            win, pos = divmod(i, w)
+            doc = data.test.doc_ids[int(data.test.doc_index[win])]
+            f.write(
+                f"{win},{pos + 1},{doc},{int(data.targets[win, pos])}," + ",".join(str(int(r[i])) for r in flat) + "\n"
+            )
+
+
+def load_outcomes(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Read :func:`write_outcomes` back: {series column: ranks (tokens,)}, document id per token."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        lines = [ln for ln in f.read().splitlines() if not ln.startswith("#")]
+    header = lines[0].split(",")
+    rows = [ln.split(",") for ln in lines[1:]]
+    docs = np.array([r[2] for r in rows])
+    cols = {h: np.array([int(r[j]) for r in rows], dtype=np.int8) for j, h in enumerate(header) if j >= 4}
+    return cols, docs

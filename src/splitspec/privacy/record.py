@@ -1,0 +1,51 @@
+"""The divergence record: what ``splitspec diverge`` leaves in a diverged checkpoint directory.
+
+:mod:`splitspec.privacy.diverge` writes it; the edge (:mod:`splitspec.edge.provenance`) reads it
+before it agrees to run the checkpoint's edge weights. It lives here, apart from both, so that
+the edge depends on privacy and never the other way round.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from splitspec.exceptions import ConfigError
+
+EDGE_RECORD = "splitspec_edge.json"  # divergence record inside a diverged checkpoint directory
+
+
+@dataclass(frozen=True)
+class DivergenceRecord:
+    """Which edge layers were diverged, and the fingerprints before and after."""
+
+    head: int  # edge layers at the bottom of the model
+    tail: int  # edge layers at the top of the model
+    fingerprint_sha256: str  # sha256 over the diverged edge tensors (privacy.weights.edge_fingerprint)
+    published_fingerprint_sha256: str  # the same fingerprint of the published checkpoint
+    published_model: str = ""  # where the published checkpoint was, for people reading the file
+
+    def write(self, checkpoint_dir: Path) -> Path:
+        """Write the record into ``checkpoint_dir``; returns its path."""
+        path = checkpoint_dir / EDGE_RECORD
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, checkpoint_dir: Path) -> DivergenceRecord | None:
+        """The record of ``checkpoint_dir``; None if it has none. A malformed one raises ConfigError."""
+        path = checkpoint_dir / EDGE_RECORD
+        if not path.is_file():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            return cls(
+                head=int(raw["head"]),
+                tail=int(raw["tail"]),
+                fingerprint_sha256=str(raw["fingerprint_sha256"]),
+                published_fingerprint_sha256=str(raw["published_fingerprint_sha256"]),
+                published_model=str(raw.get("published_model", "")),
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{path} is not a valid divergence record: {exc}") from None
