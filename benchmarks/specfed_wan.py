@@ -67,7 +67,9 @@ from typing import Any
 import torch
 
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.federated.coordinator import Coordinator, CoordinatorConfig, FedResult
+from splitspec.federated.config import CoordinatorConfig
+from splitspec.federated.coordinator import Coordinator
+from splitspec.federated.records import FedResult
 from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.worker import FedWorker, WorkerConfig
 from splitspec.netem.emulator import NetemConfig, WanEmulator

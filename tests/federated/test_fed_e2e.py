@@ -12,7 +12,8 @@ from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import HandshakeMismatch
 from splitspec.federated.codec import decode_topk, encode_topk
-from splitspec.federated.coordinator import Coordinator, CoordinatorConfig
+from splitspec.federated.config import CoordinatorConfig
+from splitspec.federated.coordinator import Coordinator
 from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.topk import TopKPolicy, aggregate, reconstruct, select_topk
 from splitspec.federated.worker import FedWorker, WorkerConfig

@@ -21,8 +21,8 @@ from splitspec.privacy import cli
 from splitspec.privacy.activations import collect_layers, stock_tail_top5
 from splitspec.privacy.attackers import TrainConfig, whitebox_search_top5
 from splitspec.privacy.audit import AuditConfig, run_audit
-from splitspec.privacy.outcomes import SeriesKey, load_outcomes
 from splitspec.privacy.diverge import write_checkpoint
+from splitspec.privacy.outcomes import SeriesKey, load_outcomes
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 
 torch.set_num_threads(1)

@@ -24,7 +24,6 @@ from splitspec.exceptions import (
     BadTensor,
     ConfigError,
     PositionOutOfRange,
-    ProtocolError,
     UnexpectedMessage,
 )
 from splitspec.models.checkpoint import Checkpoint, fingerprint
@@ -46,8 +45,8 @@ from splitspec.protocol.messages import (
     decode_message,
     encode_message,
 )
-from splitspec.protocol.replies import internal_error, refusal
 from splitspec.protocol.state import ServerConnection, TrunkIdentity
+from splitspec.transport.peer import MessagePeer
 from splitspec.transport.server import FrameServer, run_until_signalled, server_tls
 
 log = logging.getLogger(__name__)
@@ -194,31 +193,21 @@ def _length_after(command: CacheCommand | None, length: int, last_step: int) -> 
     return length
 
 
-class _TrunkPeer:
+class _TrunkPeer(MessagePeer[Message]):
     """One connection's protocol handling on the server."""
 
     def __init__(self, server: TrunkServer, conn_id: int, remote: str) -> None:
-        self.server = server
-        self.conn_id = conn_id
-        self.remote = remote
         self.state = ServerConnection(server.identity, server.config.auth_token)
+        super().__init__(self.state, conn_id, remote)
+        self.server = server
 
-    async def handle(self, data: bytes) -> tuple[bytes, bool]:
-        message: Message | None = None
-        try:
-            self.state.admit(data)  # before the handshake, nothing but a Hello is decoded
-            message = decode_message(data, max_bytes=self.server.config.max_message_bytes)
-            reply = await self._dispatch(message)
-            return encode_message(reply), False
-        except ProtocolError as exc:
-            error = refusal(exc, message, ready=self.state.ready)
-            log.info("connection %d (%s): refused %s: %s", self.conn_id, self.remote, exc.code, exc)
-            return encode_message(error), error.fatal
-        except Exception as exc:  # a bug of ours: report it, keep serving
-            log.exception("connection %d: step failed", self.conn_id)
-            return encode_message(internal_error(exc, message)), False
+    def decode(self, data: bytes) -> Message:
+        return decode_message(data, max_bytes=self.server.config.max_message_bytes)
 
-    async def _dispatch(self, message: Message) -> Message:
+    def encode(self, message: Message) -> bytes:
+        return encode_message(message)
+
+    async def dispatch(self, message: Message) -> Message:
         server = self.server
         if isinstance(message, Hello):
             self.state.accept_hello(message)

@@ -54,7 +54,8 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from splitspec.decoding.sampling import SamplingParams
-    from splitspec.federated.coordinator import Coordinator, CoordinatorConfig
+    from splitspec.federated.config import CoordinatorConfig
+    from splitspec.federated.coordinator import Coordinator
     from splitspec.federated.lm import load_model
 
     if args.max_new_tokens < 1:

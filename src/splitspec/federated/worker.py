@@ -27,7 +27,6 @@ from splitspec.decoding.sampling import probabilities
 from splitspec.exceptions import (
     BadTensor,
     PositionOutOfRange,
-    ProtocolError,
     TooManySessions,
     UnexpectedMessage,
 )
@@ -45,8 +44,8 @@ from splitspec.protocol.fed import (
     decode_fed,
     encode_fed,
 )
-from splitspec.protocol.frames import peek_type
-from splitspec.protocol.replies import internal_error, refusal
+from splitspec.protocol.state import HandshakeGate
+from splitspec.transport.peer import MessagePeer
 from splitspec.transport.server import FrameServer, run_until_signalled
 
 log = logging.getLogger(__name__)
@@ -145,43 +144,31 @@ class FedWorker:
         )
 
 
-class _WorkerPeer:
+class _WorkerPeer(MessagePeer[FedMessage]):
     """One connection: handshake state and the session's cache."""
 
+    label = "fed connection"
+
     def __init__(self, worker: FedWorker, conn_id: int, remote: str) -> None:
+        super().__init__(HandshakeGate(FedHello.TYPE, worker.config.auth_token), conn_id, remote)
         self.worker = worker
-        self.conn_id = conn_id
-        self.remote = remote
-        self.ready = False
         self.lm: LocalSequence | None = None
 
-    async def handle(self, data: bytes) -> tuple[bytes, bool]:
-        message: FedMessage | None = None
-        try:
-            kind = peek_type(data)
-            if not self.ready and kind != FedHello.TYPE:
-                raise UnexpectedMessage(f"expected a fed_hello first, got {kind!r}")
-            message = decode_fed(data, max_bytes=self.worker.config.max_message_bytes)
-            reply = await self._dispatch(message)
-            return encode_fed(reply), False
-        except ProtocolError as exc:
-            error = refusal(exc, message, ready=self.ready)
-            log.info("fed connection %d (%s): refused %s: %s", self.conn_id, self.remote, exc.code, exc)
-            return encode_fed(error), error.fatal
-        except Exception as exc:  # a bug of ours: report it, keep serving
-            log.exception("fed connection %d: round failed", self.conn_id)
-            return encode_fed(internal_error(exc, message)), False
+    def decode(self, data: bytes) -> FedMessage:
+        return decode_fed(data, max_bytes=self.worker.config.max_message_bytes)
 
-    async def _dispatch(self, message: FedMessage) -> FedMessage:
+    def encode(self, message: FedMessage) -> bytes:
+        return encode_fed(message)
+
+    async def dispatch(self, message: FedMessage) -> FedMessage:
         worker = self.worker
         config = worker.config
         if isinstance(message, FedHello):
-            if self.ready:
-                raise UnexpectedMessage("this connection has already completed its handshake")
+            self.gate.begin_hello(message.auth_token)
             check_fed_hello(message, worker.identity, config.auth_token)
             if len(worker.active) >= config.max_sessions:
                 raise TooManySessions(f"the worker already serves {len(worker.active)} sessions")
-            self.ready = True
+            self.gate.open()
             worker.active.add(self.conn_id)
             self.lm = LocalSequence(worker.loaded.model)
             log.info("fed connection %d (%s): handshake ok, client %s", self.conn_id, self.remote, message.client)

@@ -34,16 +34,13 @@ Nothing here imports asyncio, websockets or transformers.
 
 from __future__ import annotations
 
-import hmac
-import math
 import struct
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, TypeVar, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
 from splitspec.exceptions import (
-    AuthenticationFailed,
     BadMagic,
     BadTensor,
     HandshakeMismatch,
@@ -51,8 +48,17 @@ from splitspec.exceptions import (
     MessageTooLarge,
     UnsupportedVersion,
 )
+from splitspec.protocol.fields import (
+    bool_field,
+    choice_field,
+    int_field,
+    number_field,
+    str_field,
+    tensor_field,
+)
 from splitspec.protocol.frames import Frame, decode_frame, encode_frame, tensor_bytes
-from splitspec.protocol.messages import Error, _int, _str, _tensor
+from splitspec.protocol.messages import Error
+from splitspec.protocol.state import check_secret
 
 FED_VERSION = 2  # version of the federated conversation (the frame version is separate)
 ValueCodec = Literal["quantized", "float16", "float32"]  # how top-K probabilities travel
@@ -65,37 +71,6 @@ SCORES_MAGIC = b"SPFS"
 _SCORES_HEAD = struct.Struct(">4sHIHIIBI")  # magic, version, seq, positions, vocab, worker µs, flags, S
 SCORES_HEADER_SIZE = _SCORES_HEAD.size  # 25 bytes
 _AUDIT_FLAG = 1
-_Option = TypeVar("_Option", bound=str)
-
-
-def _choice(header: dict[str, Any], key: str, options: tuple[_Option, ...]) -> _Option:
-    value = _str(header, key, max_len=16)
-    for option in options:
-        if value == option:
-            return option
-    raise MalformedFrame(f"{key} must be one of {options}, got {value!r}")
-
-
-def _number(header: dict[str, Any], key: str, *, optional: bool = False, upper: float | None = None) -> Any:
-    value = header.get(key)
-    if value is None and optional:
-        return None
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not math.isfinite(value)
-        or value < 0
-        or (upper is not None and value > upper)
-    ):
-        raise MalformedFrame(f"field {key!r} must be a finite number in [0, {upper}], got {value!r}")
-    return float(value)
-
-
-def _bool(header: dict[str, Any], key: str) -> bool:
-    value = header.get(key, False)
-    if not isinstance(value, bool):
-        raise MalformedFrame(f"field {key!r} must be a boolean, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -122,11 +97,11 @@ class FedHello:
     def from_wire(cls, frame: Frame) -> FedHello:
         h = frame.header
         return cls(
-            vocab_size=_int(h, "vocab_size", minimum=1),
-            tokenizer_fingerprint=_str(h, "tokenizer_fingerprint", max_len=128),
-            auth_token=_str(h, "auth_token", optional=True, max_len=1024),
-            client=_str(h, "client", max_len=256),
-            fed_version=_int(h, "fed_version", minimum=1),
+            vocab_size=int_field(h, "vocab_size", minimum=1),
+            tokenizer_fingerprint=str_field(h, "tokenizer_fingerprint", max_len=128),
+            auth_token=str_field(h, "auth_token", optional=True, max_len=1024),
+            client=str_field(h, "client", max_len=256),
+            fed_version=int_field(h, "fed_version", minimum=1),
         )
 
 
@@ -158,13 +133,13 @@ class FedWelcome:
     def from_wire(cls, frame: Frame) -> FedWelcome:
         h = frame.header
         return cls(
-            worker=_str(h, "worker", max_len=256),
-            model_fingerprint=_str(h, "model_fingerprint", max_len=128),
-            vocab_size=_int(h, "vocab_size", minimum=1),
-            tokenizer_fingerprint=_str(h, "tokenizer_fingerprint", max_len=128),
-            max_message_bytes=_int(h, "max_message_bytes", minimum=1),
-            max_query_tokens=_int(h, "max_query_tokens", minimum=1),
-            max_positions=_int(h, "max_positions", minimum=1),
+            worker=str_field(h, "worker", max_len=256),
+            model_fingerprint=str_field(h, "model_fingerprint", max_len=128),
+            vocab_size=int_field(h, "vocab_size", minimum=1),
+            tokenizer_fingerprint=str_field(h, "tokenizer_fingerprint", max_len=128),
+            max_message_bytes=int_field(h, "max_message_bytes", minimum=1),
+            max_query_tokens=int_field(h, "max_query_tokens", minimum=1),
+            max_positions=int_field(h, "max_positions", minimum=1),
         )
 
 
@@ -208,34 +183,34 @@ class FedScore:
     @classmethod
     def from_wire(cls, frame: Frame) -> FedScore:
         h = frame.header
-        tokens = _tensor(frame, "tokens", torch.int32)
+        tokens = tensor_field(frame, "tokens", torch.int32)
         if tokens.dim() != 1 or tokens.numel() < 1:
             raise BadTensor(f"tokens must have shape (n>=1,), got {tuple(tokens.shape)}")
-        num_scored = _int(h, "num_scored", minimum=1)
+        num_scored = int_field(h, "num_scored", minimum=1)
         if num_scored > tokens.numel():
             raise BadTensor(f"cannot score {num_scored} positions of {tokens.numel()} new tokens")
-        k = _int(h, "k", minimum=1, optional=True)
-        target_epsilon = _number(h, "target_epsilon", optional=True, upper=1.0)
+        k = int_field(h, "k", minimum=1, optional=True)
+        target_epsilon = number_field(h, "target_epsilon", optional=True, upper=1.0)
         if (k is None) == (target_epsilon is None):
             raise MalformedFrame("give exactly one of 'k' and 'target_epsilon'")
-        prob_codec = _choice(h, "prob_codec", VALUE_CODECS)
-        scope = _choice(h, "epsilon_scope", EPSILON_SCOPES)
-        quant_budget = _number(h, "quant_budget", upper=MAX_QUANT_BUDGET)
+        prob_codec = choice_field(h, "prob_codec", VALUE_CODECS)
+        scope = choice_field(h, "epsilon_scope", EPSILON_SCOPES)
+        quant_budget = number_field(h, "quant_budget", upper=MAX_QUANT_BUDGET)
         if quant_budget <= 0:
             raise MalformedFrame("quant_budget must be positive")
         return cls(
-            seq=_int(h, "seq"),
-            keep=_int(h, "keep"),
+            seq=int_field(h, "seq"),
+            keep=int_field(h, "keep"),
             tokens=tokens,
             num_scored=num_scored,
-            temperature=_number(h, "temperature", upper=100.0),
+            temperature=number_field(h, "temperature", upper=100.0),
             k=k,
             target_epsilon=target_epsilon,
-            max_k=_int(h, "max_k", minimum=1),
+            max_k=int_field(h, "max_k", minimum=1),
             epsilon_scope=scope,
             prob_codec=prob_codec,
             quant_budget=quant_budget,
-            audit=_bool(h, "audit"),
+            audit=bool_field(h, "audit"),
         )
 
 
@@ -340,10 +315,7 @@ class WorkerIdentity:
 
 def check_fed_hello(hello: FedHello, identity: WorkerIdentity, auth_token: str | None) -> None:
     """Check auth, version, vocabulary size and tokenizer; raise a typed error on any mismatch."""
-    if auth_token is not None and not (
-        hello.auth_token is not None and hmac.compare_digest(hello.auth_token.encode(), auth_token.encode())
-    ):
-        raise AuthenticationFailed("missing or wrong shared secret")
+    check_secret(hello.auth_token, auth_token)
     mismatches = [
         f"{name}: coordinator has {theirs!r}, worker has {ours!r}"
         for name, theirs, ours in (

@@ -26,43 +26,10 @@ from typing import Any, ClassVar
 import torch
 
 from splitspec.exceptions import BadTensor, MalformedFrame, PositionOutOfRange
+from splitspec.protocol.fields import int_field, number_field, str_field, tensor_field
 from splitspec.protocol.frames import Frame, decode_frame, encode_frame
 
 MAX_ID_LEN = 128
-
-
-def _int(header: dict[str, Any], key: str, *, minimum: int = 0, optional: bool = False) -> Any:
-    value = header.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise MalformedFrame(f"field {key!r} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-def _float(header: dict[str, Any], key: str) -> float:
-    value = header.get(key)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise MalformedFrame(f"field {key!r} must be a non-negative number, got {value!r}")
-    return float(value)
-
-
-def _str(header: dict[str, Any], key: str, *, optional: bool = False, max_len: int = 4096) -> Any:
-    value = header.get(key)
-    if value is None and optional:
-        return None
-    if not isinstance(value, str) or len(value) > max_len:
-        raise MalformedFrame(f"field {key!r} must be a string of <= {max_len} chars, got {value!r:.80}")
-    return value
-
-
-def _tensor(frame: Frame, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    tensor = frame.tensors.get(name)
-    if tensor is None:
-        raise BadTensor(f"message lacks tensor {name!r}")
-    if dtype is not None and tensor.dtype != dtype:
-        raise BadTensor(f"tensor {name!r} must be {dtype}, got {tensor.dtype}")
-    return tensor
 
 
 @dataclass(frozen=True)
@@ -93,13 +60,13 @@ class Hello:
     def from_wire(cls, frame: Frame) -> Hello:
         h = frame.header
         return cls(
-            fingerprint=_str(h, "fingerprint", max_len=256),
-            layer_start=_int(h, "layer_start"),
-            layer_end=_int(h, "layer_end"),
-            dtype=_str(h, "dtype", max_len=32),
-            hidden_size=_int(h, "hidden_size", minimum=1),
-            auth_token=_str(h, "auth_token", optional=True, max_len=1024),
-            client=_str(h, "client", max_len=256),
+            fingerprint=str_field(h, "fingerprint", max_len=256),
+            layer_start=int_field(h, "layer_start"),
+            layer_end=int_field(h, "layer_end"),
+            dtype=str_field(h, "dtype", max_len=32),
+            hidden_size=int_field(h, "hidden_size", minimum=1),
+            auth_token=str_field(h, "auth_token", optional=True, max_len=1024),
+            client=str_field(h, "client", max_len=256),
         )
 
 
@@ -125,10 +92,10 @@ class Welcome:
     def from_wire(cls, frame: Frame) -> Welcome:
         h = frame.header
         return cls(
-            server=_str(h, "server", max_len=256),
-            max_message_bytes=_int(h, "max_message_bytes", minimum=1),
-            max_query_tokens=_int(h, "max_query_tokens", minimum=1),
-            session_ttl_s=_float(h, "session_ttl_s"),
+            server=str_field(h, "server", max_len=256),
+            max_message_bytes=int_field(h, "max_message_bytes", minimum=1),
+            max_query_tokens=int_field(h, "max_query_tokens", minimum=1),
+            session_ttl_s=number_field(h, "session_ttl_s"),
         )
 
 
@@ -144,7 +111,7 @@ class OpenSession:
 
     @classmethod
     def from_wire(cls, frame: Frame) -> OpenSession:
-        return cls(request_id=_int(frame.header, "request_id"))
+        return cls(request_id=int_field(frame.header, "request_id"))
 
 
 @dataclass(frozen=True)
@@ -161,7 +128,7 @@ class SessionOpened:
     @classmethod
     def from_wire(cls, frame: Frame) -> SessionOpened:
         h = frame.header
-        return cls(request_id=_int(h, "request_id"), session_id=_str(h, "session_id", max_len=MAX_ID_LEN))
+        return cls(request_id=int_field(h, "request_id"), session_id=str_field(h, "session_id", max_len=MAX_ID_LEN))
 
 
 @dataclass(frozen=True)
@@ -186,7 +153,7 @@ class CacheCommand:
     def from_header(cls, raw: object, max_keep: int) -> CacheCommand:
         if not isinstance(raw, dict):
             raise MalformedFrame("cache command is not an object")
-        truncate_to = _int(raw, "truncate_to", optional=True)
+        truncate_to = int_field(raw, "truncate_to", optional=True)
         keep = raw.get("keep_last")
         if keep is not None:
             if (
@@ -226,9 +193,9 @@ class Step:
     @classmethod
     def from_wire(cls, frame: Frame) -> Step:
         h = frame.header
-        hidden = _tensor(frame, "hidden")
-        positions = _tensor(frame, "positions", torch.int32)
-        parents = _tensor(frame, "parents", torch.int32)
+        hidden = tensor_field(frame, "hidden")
+        positions = tensor_field(frame, "positions", torch.int32)
+        parents = tensor_field(frame, "parents", torch.int32)
         if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1:
             raise BadTensor(f"hidden must have shape (1, q>=1, H), got {tuple(hidden.shape)}")
         q = hidden.shape[1]
@@ -237,8 +204,8 @@ class Step:
         check_parents(parents)
         cache = h.get("cache")
         return cls(
-            session_id=_str(h, "session_id", max_len=MAX_ID_LEN),
-            seq=_int(h, "seq"),
+            session_id=str_field(h, "session_id", max_len=MAX_ID_LEN),
+            seq=int_field(h, "seq"),
             hidden=hidden,
             positions=positions,
             parents=parents,
@@ -262,14 +229,14 @@ class StepResult:
     @classmethod
     def from_wire(cls, frame: Frame) -> StepResult:
         h = frame.header
-        hidden = _tensor(frame, "hidden")
+        hidden = tensor_field(frame, "hidden")
         if hidden.dim() != 3 or hidden.shape[0] != 1:
             raise BadTensor(f"hidden must have shape (1, q, H), got {tuple(hidden.shape)}")
         return cls(
-            session_id=_str(h, "session_id", max_len=MAX_ID_LEN),
-            seq=_int(h, "seq"),
+            session_id=str_field(h, "session_id", max_len=MAX_ID_LEN),
+            seq=int_field(h, "seq"),
             hidden=hidden,
-            cloud_ms=_float(h, "cloud_ms"),
+            cloud_ms=number_field(h, "cloud_ms"),
         )
 
 
@@ -285,7 +252,7 @@ class CloseSession:
 
     @classmethod
     def from_wire(cls, frame: Frame) -> CloseSession:
-        return cls(session_id=_str(frame.header, "session_id", max_len=MAX_ID_LEN))
+        return cls(session_id=str_field(frame.header, "session_id", max_len=MAX_ID_LEN))
 
 
 @dataclass(frozen=True)
@@ -300,7 +267,7 @@ class SessionClosed:
 
     @classmethod
     def from_wire(cls, frame: Frame) -> SessionClosed:
-        return cls(session_id=_str(frame.header, "session_id", max_len=MAX_ID_LEN))
+        return cls(session_id=str_field(frame.header, "session_id", max_len=MAX_ID_LEN))
 
 
 @dataclass(frozen=True)
@@ -327,10 +294,10 @@ class Error:
     def from_wire(cls, frame: Frame) -> Error:
         h = frame.header
         return cls(
-            code=_str(h, "code", max_len=64),
-            message=_str(h, "message"),
-            session_id=_str(h, "session_id", optional=True, max_len=MAX_ID_LEN),
-            seq=_int(h, "seq", optional=True),
+            code=str_field(h, "code", max_len=64),
+            message=str_field(h, "message"),
+            session_id=str_field(h, "session_id", optional=True, max_len=MAX_ID_LEN),
+            seq=int_field(h, "seq", optional=True),
             fatal=bool(h.get("fatal", False)),
         )
 

@@ -1,8 +1,10 @@
-"""Server-side connection state machine (sans-I/O).
+"""Server-side connection state machine (sans-I/O), shared by every splitspec server.
 
-Decides, from a frame's header alone, whether the frame may be decoded at all: before a
-successful :class:`Hello`, nothing but a Hello is read, so a client without the shared secret is
-refused before a single tensor byte is parsed.
+:class:`HandshakeGate` decides, from a frame's header alone, whether the frame may be decoded at
+all: before a successful hello (the trunk's :class:`Hello`, the worker's ``FedHello``) nothing but
+a hello is read, so a client without the shared secret is refused before a single tensor byte is
+parsed; after it, a second hello is refused. :class:`ServerConnection` is the trunk server's gate
+with the identity its Hello must match.
 """
 
 from __future__ import annotations
@@ -30,11 +32,19 @@ class TrunkIdentity:
     hidden_size: int  # elements per hidden state
 
 
-class ServerConnection:
-    """Tracks one connection: unauthenticated until a matching Hello arrives."""
+def check_secret(presented: str | None, expected: str | None) -> None:
+    """Refuse a hello without the shared secret ``expected`` (constant-time compare); None: no secret set."""
+    if expected is not None and not (
+        presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
+    ):
+        raise AuthenticationFailed("missing or wrong shared secret")
 
-    def __init__(self, identity: TrunkIdentity, auth_token: str | None) -> None:
-        self.identity = identity
+
+class HandshakeGate:
+    """One connection's handshake state: unauthenticated until a matching hello of ``hello_type``."""
+
+    def __init__(self, hello_type: str, auth_token: str | None) -> None:
+        self.hello_type = hello_type
         self._auth_token = auth_token
         self.ready = False
 
@@ -47,19 +57,32 @@ class ServerConnection:
         if self.ready:
             return
         kind = peek_type(data)
-        if kind != Hello.TYPE:
+        if kind != self.hello_type:
             if self._auth_token is not None:
-                raise AuthenticationFailed("authenticate with a Hello before anything else")
-            raise UnexpectedMessage(f"expected a Hello first, got {kind!r}")
+                raise AuthenticationFailed(f"authenticate with a {self.hello_type} before anything else")
+            raise UnexpectedMessage(f"expected a {self.hello_type} first, got {kind!r}")
+
+    def begin_hello(self, presented_token: str | None) -> None:
+        """First checks of a decoded hello: not a second one, and the right shared secret."""
+        if self.ready:
+            raise UnexpectedMessage("this connection has already completed its handshake")
+        check_secret(presented_token, self._auth_token)
+
+    def open(self) -> None:
+        """The hello passed every check: frames of every type are decoded from now on."""
+        self.ready = True
+
+
+class ServerConnection(HandshakeGate):
+    """The trunk server's gate: the edge's Hello must also match the trunk's identity."""
+
+    def __init__(self, identity: TrunkIdentity, auth_token: str | None) -> None:
+        super().__init__(Hello.TYPE, auth_token)
+        self.identity = identity
 
     def accept_hello(self, hello: Hello) -> None:
         """Check auth and the pinned identity; raise a typed error on any mismatch."""
-        if self.ready:
-            raise UnexpectedMessage("this connection has already completed its handshake")
-        if self._auth_token is not None and not (
-            hello.auth_token is not None and hmac.compare_digest(hello.auth_token.encode(), self._auth_token.encode())
-        ):
-            raise AuthenticationFailed("missing or wrong shared secret")
+        self.begin_hello(hello.auth_token)
         ident = self.identity
         mismatches = [
             f"{name}: edge expects {theirs!r}, trunk is {ours!r}"
@@ -74,4 +97,4 @@ class ServerConnection:
         ]
         if mismatches:
             raise HandshakeMismatch("; ".join(mismatches))
-        self.ready = True
+        self.open()

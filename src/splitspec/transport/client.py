@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
@@ -14,6 +16,9 @@ from websockets.frames import CloseCode
 
 from splitspec.exceptions import ConfigError, MessageTooLarge, TransportError, error_from_code
 from splitspec.protocol.messages import Error, Message, decode_message, encode_message
+
+Request = TypeVar("Request")
+Reply = TypeVar("Reply")
 
 
 def websocket_max_size(max_message_bytes: int) -> int:
@@ -87,13 +92,23 @@ class Channel:
 
     async def request(self, message: Message, timeout_s: float) -> tuple[Message, Exchange]:
         """Send ``message``, wait for the reply; raise the typed error if the reply is an Error."""
+        return await self.exchange(message, timeout_s, encode_message, decode_message)
+
+    async def exchange(
+        self,
+        message: Request,
+        timeout_s: float,
+        encode: Callable[[Request], bytes],
+        decode: Callable[..., Reply],
+    ) -> tuple[Reply, Exchange]:
+        """:meth:`request` for any message family: ``encode`` the request, ``decode(raw, max_bytes=)`` the reply."""
         t0 = time.perf_counter()
-        data = encode_message(message)
+        data = encode(message)
         t1 = time.perf_counter()
         await self.send_raw(data)
         raw = await self.recv_raw(timeout_s)
         t2 = time.perf_counter()
-        reply = decode_message(raw, max_bytes=websocket_max_size(self.max_message_bytes))
+        reply = decode(raw, max_bytes=websocket_max_size(self.max_message_bytes))
         t3 = time.perf_counter()
         if isinstance(reply, Error):
             raise error_from_code(reply.code, reply.message)

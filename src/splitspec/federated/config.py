@@ -1,0 +1,71 @@
+"""The coordinator's configuration: one frozen dataclass, built once by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitspec.exceptions import ConfigError
+from splitspec.federated.topk import RECONSTRUCTIONS, Reconstruction, normalize_weights
+from splitspec.protocol.fed import (
+    DEFAULT_QUANT_BUDGET,
+    EPSILON_SCOPES,
+    MAX_QUANT_BUDGET,
+    VALUE_CODECS,
+    EpsilonScope,
+    ValueCodec,
+)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """Everything a coordinator needs, built once by the CLI."""
+
+    draft_dir: Path  # HF checkpoint directory of the draft model, with tokenizer
+    worker_urls: tuple[str, ...]  # ws:// URLs of the workers
+    weights: tuple[float, ...] | None = None  # aggregation weight per worker (renormalised); None = equal
+    top_k: int | None = 320  # fixed K per position, tokens; None = adaptive (target_epsilon)
+    target_epsilon: float | None = None  # adaptive K: largest residual mass 1 − Σ top-K, probability
+    epsilon_scope: EpsilonScope = "position"  # adaptive K: target on every position, or on each round's mean
+    max_k: int = 4096  # cap on adaptive K, tokens
+    reconstruct: Reconstruction = "renorm"  # top-K only, or top-K plus the residual spread uniformly
+    gamma: int = 4  # draft tokens per round
+    prob_codec: ValueCodec = "quantized"  # how top-K probabilities travel
+    quant_budget: float = DEFAULT_QUANT_BUDGET  # ρ: quantization error allowed per position, fraction of its tail mass
+    audit: bool = False  # workers also send full laws; rounds record Δ, drift and bound checks
+    auth_token: str | None = None  # shared secret for the workers
+    round_timeout_s: float = 30.0  # a worker slower than this is dropped for the round, seconds
+    connect_timeout_s: float = 10.0  # connecting and handshaking, seconds
+    rejoin_interval_s: float = 0.5  # first wait before reconnecting a dropped worker, seconds (doubles, <= 10)
+    max_message_bytes: int = 64 * 1024 * 1024  # largest frame sent or accepted, bytes
+
+    def __post_init__(self) -> None:
+        if not self.worker_urls:
+            raise ConfigError("give at least one worker URL")
+        if self.weights is not None:
+            if len(self.weights) != len(self.worker_urls):
+                raise ConfigError(f"{len(self.weights)} weights for {len(self.worker_urls)} workers")
+            normalize_weights(self.weights)
+        if (self.top_k is None) == (self.target_epsilon is None):
+            raise ConfigError("give exactly one of --top-k and --target-epsilon")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError("--top-k must be at least 1")
+        if self.target_epsilon is not None and not 0 <= self.target_epsilon < 1:
+            raise ConfigError("--target-epsilon must be in [0, 1)")
+        if self.reconstruct not in RECONSTRUCTIONS:
+            raise ConfigError(f"--reconstruct must be one of {RECONSTRUCTIONS}")
+        if self.prob_codec not in VALUE_CODECS:
+            raise ConfigError(f"probability codec must be one of {VALUE_CODECS}")
+        if self.epsilon_scope not in EPSILON_SCOPES:
+            raise ConfigError(f"--epsilon-scope must be one of {EPSILON_SCOPES}")
+        if self.epsilon_scope != "position" and self.target_epsilon is None:
+            raise ConfigError("--epsilon-scope applies to adaptive K: give --target-epsilon")
+        if not 0 < self.quant_budget <= MAX_QUANT_BUDGET:
+            raise ConfigError(f"--quant-budget must be in (0, {MAX_QUANT_BUDGET}]")
+        if self.gamma < 0:
+            raise ConfigError("--gamma must be >= 0")
+        if self.round_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ConfigError("timeouts must be positive")
+
+    def weight_list(self) -> list[float]:
+        return list(self.weights) if self.weights is not None else [1.0] * len(self.worker_urls)

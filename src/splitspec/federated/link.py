@@ -1,0 +1,125 @@
+"""The coordinator's link to one worker: connection, handshake, what its cache holds, retry schedule.
+
+:meth:`WorkerLink.score` brings the worker's cache to a context (keeping the longest common
+prefix, chunked prefill) and has it score the last positions; every exchange is one
+:meth:`splitspec.transport.client.Channel.exchange`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+from splitspec.exceptions import BadTensor, HandshakeMismatch, TransportError, UnexpectedMessage
+from splitspec.federated.config import CoordinatorConfig
+from splitspec.protocol.fed import FedHello, FedScore, FedScores, FedWelcome, decode_fed, encode_fed
+from splitspec.transport.client import Channel
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLink:
+    """The coordinator's view of one worker: connection, cache contents, retry schedule."""
+
+    def __init__(self, url: str, weight: float, config: CoordinatorConfig) -> None:
+        self.url = url
+        self.weight = weight
+        self.config = config
+        self.channel: Channel | None = None
+        self.welcome: FedWelcome | None = None
+        self.tokens: list[int] = []  # tokens the worker's cache holds, as far as we know
+        self.seq = 0
+        self.next_retry = 0.0  # monotonic time of the next reconnect attempt
+        self.backoff_s = config.rejoin_interval_s
+
+    @property
+    def alive(self) -> bool:
+        return self.channel is not None
+
+    async def connect(self, hello: FedHello) -> FedWelcome:
+        """Connect and handshake; a refused handshake raises its typed error."""
+        cfg = self.config
+        channel = await Channel.connect(
+            self.url, max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.connect_timeout_s
+        )
+        try:
+            reply, _ = await channel.exchange(hello, cfg.connect_timeout_s, encode_fed, decode_fed)
+            if not isinstance(reply, FedWelcome):
+                raise UnexpectedMessage(f"expected fed_welcome, got {reply.TYPE!r}")
+            if reply.vocab_size != hello.vocab_size or reply.tokenizer_fingerprint != hello.tokenizer_fingerprint:
+                raise HandshakeMismatch(f"worker {self.url} answered with another vocabulary or tokenizer")
+        except BaseException:
+            await close_quietly(channel)
+            raise
+        self.channel, self.welcome, self.tokens, self.seq = channel, reply, [], 0
+        self.backoff_s = cfg.rejoin_interval_s
+        return reply
+
+    async def drop(self, reason: str) -> None:
+        channel, self.channel = self.channel, None
+        self.tokens = []
+        self.next_retry = time.monotonic() + self.backoff_s
+        self.backoff_s = min(10.0, 2 * self.backoff_s)
+        log.warning("worker %s dropped: %s", self.url, reason)
+        if channel is not None:
+            await close_quietly(channel)
+
+    async def score(self, context: list[int], num_scored: int, temperature: float) -> tuple[FedScores, int, int]:
+        """Bring the worker's cache to ``context`` and score its last positions; (reply, bytes up, bytes down)."""
+        channel, welcome = self.channel, self.welcome
+        if channel is None or welcome is None:
+            raise TransportError("not connected")
+        cfg = self.config
+        keep = 0
+        limit = min(len(self.tokens), len(context) - num_scored)
+        while keep < limit and self.tokens[keep] == context[keep]:
+            keep += 1
+        up = down = 0
+        # chunked prefill: no single message appends more than the worker's max_query_tokens
+        while len(context) - keep > welcome.max_query_tokens:
+            chunk = context[keep : keep + welcome.max_query_tokens]
+            reply, u, d = await self._exchange(channel, keep, chunk, 1, 1.0, k=1)
+            up, down, keep = up + u, down + d, keep + len(chunk)
+            self.tokens = context[:keep]
+        reply, u, d = await self._exchange(channel, keep, context[keep:], num_scored, temperature, k=cfg.top_k)
+        self.tokens = list(context)
+        return reply, up + u, down + d
+
+    async def _exchange(
+        self, channel: Channel, keep: int, tokens: list[int], num_scored: int, temperature: float, k: int | None
+    ) -> tuple[FedScores, int, int]:
+        cfg = self.config
+        self.seq += 1
+        request = FedScore(
+            seq=self.seq,
+            keep=keep,
+            tokens=torch.tensor(tokens, dtype=torch.int32),
+            num_scored=num_scored,
+            temperature=temperature,
+            k=k,
+            target_epsilon=cfg.target_epsilon if k is None else None,
+            max_k=cfg.max_k,
+            epsilon_scope=cfg.epsilon_scope,
+            prob_codec=cfg.prob_codec,
+            quant_budget=cfg.quant_budget,
+            audit=cfg.audit,
+        )
+        reply, exchange = await channel.exchange(request, cfg.round_timeout_s, encode_fed, decode_fed)
+        if not isinstance(reply, FedScores):
+            raise UnexpectedMessage(f"expected fed_scores, got {reply.TYPE!r}")
+        if reply.seq != self.seq or reply.positions != num_scored:
+            raise BadTensor(
+                f"reply for round {reply.seq} with {reply.positions} positions, expected {self.seq}/{num_scored}"
+            )
+        return reply, exchange.bytes_up, exchange.bytes_down
+
+
+async def close_quietly(channel: Channel) -> None:
+    """Close ``channel``, logging (not raising) whatever a dead connection throws."""
+    try:
+        await asyncio.wait_for(channel.close(), 2.0)
+    except Exception:  # closing a dead connection may fail in many ways; nothing to do about it
+        log.debug("closing a worker connection failed", exc_info=True)
