@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from splitspec.arguments import add_token_file, edge_layers, read_token_file
 from splitspec.exceptions import ConfigError, SplitspecError
-from splitspec.models.split import parse_edge_layers
 
 if TYPE_CHECKING:
     from splitspec.decoding.sampling import SamplingParams
@@ -27,19 +27,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("splitspec")
 
 Runner = Callable[[argparse.Namespace], int]
-
-
-def read_token_file(path: Path | None) -> str | None:
-    """The shared secret stored in ``path`` (surrounding whitespace ignored), or None."""
-    if path is None:
-        return None
-    try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc}") from None
-    if not token:
-        raise ConfigError(f"token file {path} is empty")
-    return token
 
 
 def set_threads(threads: int | None) -> None:
@@ -53,18 +40,11 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def _edge_layers(text: str) -> tuple[int, int]:
-    try:
-        return parse_edge_layers(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory (config.json + safetensors)")
     p.add_argument(
         "--edge-layers",
-        type=_edge_layers,
+        type=edge_layers,
         default=(2, 2),
         metavar="HEAD,TAIL",
         help="decoder layers kept on the edge before and after the trunk (default 2,2)",
@@ -74,7 +54,7 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="compute and wire dtype (default: the checkpoint's own, config.json's dtype); both sides must agree",
     )
-    p.add_argument("--token-file", type=Path, help="file holding the shared secret")
+    add_token_file(p)
     p.add_argument("--threads", type=int, help="CPU threads for this side's compute (default: torch's choice)")
 
 
@@ -286,7 +266,7 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--model", type=Path, help="checkpoint to split (default: the embedded base model)")
     p.add_argument("--draft-model", type=Path, help="drafter (default: the embedded draft model)")
-    p.add_argument("--edge-layers", type=_edge_layers, default=(2, 2), metavar="HEAD,TAIL")
+    p.add_argument("--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for the edge (default 1: small models)")
     p.set_defaults(run=_run_demo)
 

@@ -23,9 +23,9 @@ import json
 import logging
 from pathlib import Path
 
+from splitspec.arguments import add_token_file, edge_layers, read_token_file
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
 from splitspec.exceptions import ConfigError
-from splitspec.models.split import parse_edge_layers
 
 __all__ = ["register", "run_bench", "run_probe"]
 
@@ -33,13 +33,6 @@ log = logging.getLogger(__name__)
 
 SCENARIO_DIR = Path("benchmarks") / "scenarios"  # where bare scenario names are looked up
 RESULTS_DIR = Path("benchmarks") / "results"  # default parent of a bench's output folder
-
-
-def _edge_layers(text: str) -> tuple[int, int]:
-    try:
-        return parse_edge_layers(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -78,7 +71,6 @@ def _positive_int(text: str) -> int:
 def run_probe(args: argparse.Namespace) -> int:
     """Probe the server and print the tables (or JSON). Returns an exit status."""
     from splitspec.bench.probe import ProbeConfig, format_report, probe
-    from splitspec.cli import read_token_file
 
     config = ProbeConfig(
         cloud_url=args.cloud,
@@ -120,10 +112,10 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="checkpoint directory; only edge tensors are loaded (default: the demo base model)",
     )
     p.add_argument(
-        "--edge-layers", type=_edge_layers, default=(2, 2), metavar="HEAD,TAIL", help="edge layers (default 2,2)"
+        "--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL", help="edge layers (default 2,2)"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
-    p.add_argument("--token-file", type=Path, help="file holding the shared secret")
+    add_token_file(p)
     p.add_argument("--dollars-per-hour", type=float, help="cloud rental price, USD/hour (adds $/M tokens)")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per k (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per k first (default 2)")

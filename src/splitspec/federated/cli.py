@@ -20,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from splitspec.cli import read_token_file
+from splitspec.arguments import add_token_file, read_token_file
 from splitspec.exceptions import ConfigError
 from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET
 
@@ -124,7 +124,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--model", type=Path, required=True, help="checkpoint directory with tokenizer")
     w.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     w.add_argument("--port", type=int, default=8781, help="TCP port (default 8781; 0 picks one)")
-    w.add_argument("--token-file", type=Path, help="file holding the shared secret")
+    add_token_file(w)
     w.add_argument("--max-message-mb", type=int, default=64, help="largest message, MiB (default 64)")
     w.add_argument("--max-sessions", type=int, default=16, help="concurrent coordinator sessions (default 16)")
     w.set_defaults(run=_run_worker)
@@ -165,7 +165,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=f"quantized: error allowed per position, as a fraction of its tail mass (default {DEFAULT_QUANT_BUDGET})",
     )
     g.add_argument("--round-timeout", type=float, default=30.0, help="seconds before a slow worker is dropped")
-    g.add_argument("--token-file", type=Path, help="file holding the shared secret")
+    add_token_file(g)
     g.add_argument("--json", action="store_true", help="print tokens, text and per-round figures as JSON")
     g.add_argument("--audit", action="store_true", help="workers also send full laws: check the bounds each round")
     g.set_defaults(run=_run_generate)

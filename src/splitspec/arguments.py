@@ -1,0 +1,41 @@
+"""Argument helpers shared by the ``splitspec`` command and its subcommand modules.
+
+They live here, not in :mod:`splitspec.cli`, so that the subcommand modules (``bench/cli.py``,
+``federated/cli.py``, ...) never import the top-level command that imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from splitspec.exceptions import ConfigError
+from splitspec.models.split import parse_edge_layers
+
+__all__ = ["add_token_file", "edge_layers", "read_token_file"]
+
+
+def read_token_file(path: Path | None) -> str | None:
+    """The shared secret stored in ``path`` (surrounding whitespace ignored), or None."""
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc}") from None
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    return token
+
+
+def add_token_file(parser: argparse.ArgumentParser) -> None:
+    """``--token-file F``: where the shared secret is (read with :func:`read_token_file`)."""
+    parser.add_argument("--token-file", type=Path, help="file holding the shared secret")
+
+
+def edge_layers(text: str) -> tuple[int, int]:
+    """argparse type for ``--edge-layers HEAD,TAIL``."""
+    try:
+        return parse_edge_layers(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
