@@ -17,7 +17,9 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from splitspec.models.split import SplitPlan
 from splitspec.models.stack import FullModel, LayerStack
+from splitspec.privacy.defences import add_send_noise
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,47 @@ def residual_stream(model: FullModel, tokens: torch.Tensor) -> list[torch.Tensor
     """[h_0, h_1, ..., h_L] for windows ``tokens`` (B, q); h_k is the stream after k layers."""
     h0 = model.embed(tokens)
     return [h0, *run_layers(model.layers, h0)]
+
+
+def split_forward(
+    model: FullModel,
+    plan: SplitPlan,
+    inputs: torch.Tensor,
+    noise_scale: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sent, returned, final) hidden states of windows ``inputs`` (B, q) through a split deployment.
+
+    ``sent`` is h_head plus the send noise (what the cloud receives), ``returned`` the trunk's output
+    on it, ``final`` the tail's output. Gradients flow when enabled by the caller.
+    """
+    h = model.embed(inputs)
+    h_head = run_layers(model.layers, h, plan.head_layers)[-1]  # (B, q, H)
+    noise = None
+    if noise_scale > 0:
+        noise = torch.randn(h_head.shape, generator=generator, dtype=torch.float32).to(h_head.dtype)
+    sent = add_send_noise(h_head, noise_scale, noise)
+    returned = run_layers(model.layers, sent, plan.trunk_layers)[-1]
+    final = run_layers(model.layers, returned, plan.tail_layers)[-1]
+    return sent, returned, final
+
+
+@torch.no_grad()
+def cloud_view(
+    model: FullModel, plan: SplitPlan, tokens: np.ndarray, noise_scale: float = 0.0, seed: int = 0, batch: int = 16
+) -> dict[str, np.ndarray]:
+    """What the cloud sees from a deployment under ``plan`` with send noise: {"input", "output"} (n, q, H) float32.
+
+    ``input`` is the noisy state sent up (h_head + noise), ``output`` the trunk's reply to it.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    sent: list[np.ndarray] = []
+    returned: list[np.ndarray] = []
+    for s in range(0, tokens.shape[0], batch):
+        a, b, _ = split_forward(model, plan, torch.from_numpy(tokens[s : s + batch]).long(), noise_scale, gen)
+        sent.append(a.float().numpy())
+        returned.append(b.float().numpy())
+    return {"input": np.concatenate(sent), "output": np.concatenate(returned)}
 
 
 @torch.no_grad()

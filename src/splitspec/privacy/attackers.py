@@ -31,6 +31,7 @@ from splitspec.models.stack import FullModel
 log = logging.getLogger(__name__)
 
 TOPK = 5
+IGNORE = -100  # label of a position the loss skips (torch's cross-entropy default)
 
 
 @dataclass(frozen=True)
@@ -203,11 +204,17 @@ def _scaler(acts: np.ndarray) -> _Standardize:
 def train_inverter(
     kind: str, acts: np.ndarray, targets: np.ndarray, config: TrainConfig, desc: str = ""
 ) -> TrainedInverter:
-    """Train an ``"mlp"`` or ``"bigru"`` inverter on activations (n, q, H) and token targets (n, q)."""
+    """Train an ``"mlp"`` or ``"bigru"`` inverter on activations (n, q, H) and token targets (n, q).
+
+    A negative target marks a position without a label (it is skipped by the loss).
+    """
     torch.manual_seed(config.seed)
     rng = np.random.default_rng(config.seed)
-    classes, labels = np.unique(targets, return_inverse=True)
-    labels = labels.reshape(targets.shape)
+    known = targets >= 0
+    if not known.any():
+        raise ValueError("no labelled position to train on")
+    classes = np.unique(targets[known])
+    labels = np.where(known, np.searchsorted(classes, np.where(known, targets, classes[0])), IGNORE)
     hidden_size = acts.shape[-1]
     scaler = _scaler(acts)
     model: nn.Module
@@ -237,6 +244,8 @@ def train_inverter(
             losses: list[float] = []
             for s in range(0, n, step_size):
                 idx = order[s : s + step_size]
+                if not (y_all[idx] != IGNORE).any():
+                    continue  # a batch of unlabelled positions only: nothing to learn
                 logits = model(x_all[idx])
                 loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y_all[idx].reshape(-1))
                 opt.zero_grad(set_to_none=True)

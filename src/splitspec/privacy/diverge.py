@@ -9,7 +9,9 @@ published trunk on local text with
          + weight * relu(margin - rel(h_trunk', h_trunk))        # ... and what it returns
 
 where rel(a, b) = mean_tokens ||a - b|| / ||b|| measures the distance from the stock activations
-on the same tokens. The adapters start from a random (non-zero) perturbation. The merged weights
+on the same tokens. The defences of :mod:`splitspec.privacy.defences` hook in here: send noise is
+added to h_head before the trunk (so the tail learns to tolerate it), and an adversary in the loop
+adds its hinge to the loss. The adapters start from a random (non-zero) perturbation. The merged weights
 are written as a full checkpoint directory (a copy of the published one with the edge layers
 replaced, same config), so every loader works on it, plus ``edge.json`` with the edge fingerprint
 and held-out perplexity before and after.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -38,8 +41,9 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import FullModel, load_full
-from splitspec.privacy.activations import residual_stream, run_layers
+from splitspec.privacy.activations import residual_stream, split_forward
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
+from splitspec.privacy.defences import Adversary, DefenceConfig
 from splitspec.privacy.record import DivergenceRecord
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 
@@ -70,6 +74,7 @@ class DivergeConfig:
     max_train_tokens: int = 40_000  # cap on local training tokens
     max_eval_tokens: int = 6_000  # cap on held-out perplexity tokens
     seed: int = 0  # split, init and batch order
+    defence: DefenceConfig = field(default_factory=DefenceConfig)  # send noise, adversary in the loop
 
     @property
     def plan_tuple(self) -> tuple[int, int]:
@@ -122,12 +127,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def perplexity(model: FullModel, windows: Windows, batch: int = 8) -> float:
-    """Teacher-forced next-token perplexity over the windows (BOS-conditioned)."""
+def perplexity(
+    model: FullModel,
+    windows: Windows,
+    batch: int = 8,
+    plan: SplitPlan | None = None,
+    noise_scale: float = 0.0,
+    seed: int = 0,
+) -> float:
+    """Teacher-forced next-token perplexity over the windows (BOS-conditioned).
+
+    With ``noise_scale`` > 0 the windows run split under ``plan`` with that send noise (seeded).
+    """
+    if noise_scale > 0 and plan is None:
+        raise ValueError("perplexity with send noise needs the split plan")
+    gen = torch.Generator().manual_seed(seed)
     total, count = 0.0, 0
     for s in range(0, windows.tokens.shape[0], batch):
         tokens = torch.from_numpy(windows.tokens[s : s + batch])
-        h = residual_stream(model, tokens[:, :-1])[-1]
+        if noise_scale > 0 and plan is not None:
+            h = split_forward(model, plan, tokens[:, :-1], noise_scale, gen)[2]
+        else:
+            h = residual_stream(model, tokens[:, :-1])[-1]
         logits = model.logits(h)
         ce = nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="sum"
@@ -193,6 +214,11 @@ def diverge(config: DivergeConfig) -> DivergeResult:
     opt = torch.optim.Adam(params, lr=config.lr)
     rng = np.random.default_rng(config.seed)
     head_out, trunk_out = plan.head, n_layers - plan.tail
+    defence = config.defence
+    adversary = None
+    if defence.adversary_weight > 0:
+        vocab = int(ckpt.config.vocab_size)
+        adversary = Adversary(model.hidden_size, train.tokens[:, 1:], vocab, defence)
     history: list[dict[str, float]] = []
     model.train()
     for step in tqdm(range(config.steps), desc=f"diverge {plan.head},{plan.tail}", leave=False, mininterval=2.0):
@@ -201,27 +227,33 @@ def diverge(config: DivergeConfig) -> DivergeResult:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         with torch.no_grad():
             ref = residual_stream(stock, inputs)
-        h = model.embed(inputs)
-        h_head = run_layers(model.layers, h, plan.head_layers)[-1]
-        h_trunk = run_layers(model.layers, h_head, plan.trunk_layers)[-1]
-        h_out = run_layers(model.layers, h_trunk, plan.tail_layers)[-1]
+        h_sent, h_trunk, h_out = split_forward(model, plan, inputs, defence.noise_scale)
         logits = model.logits(h_out)
         ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
-        d_in, d_out = _rel(h_head, ref[head_out]), _rel(h_trunk, ref[trunk_out])
+        d_in, d_out = _rel(h_sent, ref[head_out]), _rel(h_trunk, ref[trunk_out])
         loss = ce + config.divergence_weight * (torch.relu(config.margin - d_in) + torch.relu(config.margin - d_out))
+        probe_ce: dict[str, float] = {}
+        if adversary is not None:
+            views = {"input": h_sent[:, 1:], "output": h_trunk[:, 1:]}  # BOS is no secret
+            probe_ce = adversary.fit(views, inputs[:, 1:])
+            loss = loss + adversary.penalty(views, inputs[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 10 == 0 or step == config.steps - 1:
-            history.append({"step": step, "ce": ce.item(), "rel_in": d_in.item(), "rel_out": d_out.item()})
-            log.info("diverge step %d: CE %.3f rel_in %.3f rel_out %.3f", step, *list(history[-1].values())[1:])
+            history.append(
+                {"step": step, "ce": ce.item(), "rel_in": d_in.item(), "rel_out": d_out.item()}
+                | {f"probe_ce_{side}": v for side, v in probe_ce.items()}
+            )
+            log.info("diverge step %d: %s", step, {k: round(v, 3) for k, v in history[-1].items() if k != "step"})
 
     ckpt_dir = config.out_dir / "checkpoint"
     config.out_dir.mkdir(parents=True, exist_ok=True)
     write_checkpoint(config.model_dir, ckpt_dir, {n: a.merged_weight() for n, a in adapters.items()})
     diverged = load_full(Checkpoint(ckpt_dir), torch.float32)
-    ppl_before, ppl_after = perplexity(stock, test), perplexity(diverged, test)
+    ppl_before = perplexity(stock, test)
+    ppl_after = perplexity(diverged, test, plan=plan, noise_scale=defence.noise_scale, seed=config.seed)
     fp = edge_fingerprint(ckpt_dir, plan)
     report = edge_weight_report(ckpt_dir, config.model_dir, plan)
     summary: dict[str, object] = {
@@ -231,6 +263,7 @@ def diverge(config: DivergeConfig) -> DivergeResult:
         "edge_layers": list(config.plan_tuple),
         "heldout_perplexity_before": ppl_before,
         "heldout_perplexity_after": ppl_after,
+        "defence": asdict(defence) | {"label": defence.label},
         "heldout_tokens": test.n_targets,
         "heldout_documents": sorted({test.doc_ids[i] for i in test.doc_index}),
         "train_tokens": train.n_targets,
@@ -247,6 +280,9 @@ def diverge(config: DivergeConfig) -> DivergeResult:
         fingerprint_sha256=fp,
         published_fingerprint_sha256=str(summary["published_fingerprint_sha256"]),
         published_model=str(config.model_dir),
+        send_noise_scale=defence.noise_scale,
+        # secret: makes the serving noise a keyed function of the token prefix
+        send_noise_key=secrets.token_hex(32) if defence.noise_scale > 0 else "",
     ).write(ckpt_dir)
     log.info("diverged edge %s: ppl %.2f -> %.2f, fingerprint %s", ckpt_dir, ppl_before, ppl_after, fp[:16])
     return DivergeResult(ckpt_dir, fp, ppl_before, ppl_after, summary)

@@ -1,0 +1,427 @@
+"""Privacy-utility frontier of the edge defences: perplexity cost vs T1/T2/T3 token recovery.
+
+    python benchmarks/privacy_frontier.py [--models base:2,worker:1] [--seeds 0,1]
+        [--settings none,adv=1,noise=0.5,...] [--steps N] [--max-tokens N] [--seq-epochs E]
+        [--out benchmarks/results/privacy_frontier] [--report-only]
+
+Every measured point is appended to ``points.jsonl`` as soon as it exists (an interrupted run keeps
+what it finished; a rerun skips points already there). ``--report-only`` (and the end of a run)
+renders ``report.md`` (threat model, frontier tables, targets check, recommended setting) and one
+plot per side, ``frontier_input.png`` and ``frontier_output.png``. See
+:mod:`splitspec.privacy.frontier` for what each point measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from splitspec.privacy.attackers import TrainConfig
+from splitspec.privacy.defences import parse_defence
+from splitspec.privacy.frontier import TIERS, FrontierConfig, run_frontier
+from splitspec.privacy.stats import wilson_interval
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "src" / "splitspec" / "assets" / "models"
+RESULTS = ROOT / "benchmarks" / "results" / "privacy_frontier"
+COST_BUDGET = 0.10  # the issue's perplexity-cost budget
+log = logging.getLogger("privacy_frontier")
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
+    return out.stdout.strip() or "unknown"
+
+
+def load_points(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------ aggregation over seeds
+
+
+def family(setting: str) -> str:
+    """Which curve a setting belongs to: the knobs it turns (values stripped)."""
+    if setting in ("stock", "none"):
+        return setting
+    return "+".join(part.split("=")[0] for part in setting.split("+"))
+
+
+def pooled(points: list[dict[str, Any]], side: str, tier: str) -> dict[str, Any] | None:
+    """Best-of-tier top-1 recovery pooled over seeds (sum of hits / sum of tokens, Wilson 95%)."""
+    entries = [p["sides"][side]["best"].get(tier) for p in points]
+    if any(e is None for e in entries) or not entries:
+        return None
+    s = sum(int(e["successes"]) for e in entries if e)
+    n = sum(int(e["n"]) for e in entries if e)
+    diffs = [e["minus_stock"] for e in entries if e and "minus_stock" in e]
+    return {
+        "rate": s / n,
+        "wilson95": list(wilson_interval(s, n)),
+        "attackers": sorted({str(e["attacker"]) for e in entries if e}),
+        "minus_stock": diffs,
+    }
+
+
+def aggregate(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, setting): mean perplexity cost over seeds and pooled tier recoveries per side."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["model_name"], p["setting"]), []).append(p)
+    rows: list[dict[str, Any]] = []
+    for (model, setting), items in groups.items():
+        floor_s = sum(p["frequency_floor"]["top1"]["successes"] for p in items)
+        floor_n = sum(p["frequency_floor"]["top1"]["n"] for p in items)
+        row: dict[str, Any] = {
+            "model": model,
+            "depth": items[0]["depth"],
+            "setting": setting,
+            "family": family(setting),
+            "seeds": sorted(p["seed"] for p in items),
+            "ppl_cost": float(np.mean([p["ppl_cost"] for p in items])),
+            "ppl_cost_range": [min(p["ppl_cost"] for p in items), max(p["ppl_cost"] for p in items)],
+            "floor": floor_s / floor_n,
+            "sides": {},
+        }
+        for side in ("input", "output"):
+            tiers = {t: pooled(items, side, t) for t in TIERS}
+            if setting == "stock":  # public weights: T2 and T3 learn nothing T1 cannot compute
+                tiers = {t: tiers["T1"] for t in TIERS}
+            row["sides"][side] = tiers
+        rows.append(row)
+    return rows
+
+
+def strongest(row: dict[str, Any], side: str, tiers: tuple[str, ...] = TIERS) -> float:
+    return max(row["sides"][side][t]["rate"] for t in tiers if row["sides"][side][t] is not None)
+
+
+def significant_drop(row: dict[str, Any], side: str, tier: str) -> bool:
+    """Every seed's bootstrap interval of (defended - stock) lies below zero."""
+    entry = row["sides"][side][tier]
+    return bool(entry and entry["minus_stock"] and all(d["bootstrap95"][1] < 0 for d in entry["minus_stock"]))
+
+
+def meets_targets(row: dict[str, Any], stock_row: dict[str, Any]) -> dict[str, bool]:
+    """The issue's targets at <= 10 % perplexity cost (T1 and T2)."""
+    return {
+        "cost <= 10%": row["ppl_cost"] <= COST_BUDGET,
+        "input T1,T2 <= 2x floor": strongest(row, "input", ("T1", "T2")) <= 2 * row["floor"],
+        "output T1,T2 significantly below stock": all(significant_drop(row, "output", t) for t in ("T1", "T2")),
+    }
+
+
+def recommend(rows: list[dict[str, Any]], model: str) -> dict[str, Any] | None:
+    """The setting within the cost budget that minimises the worst of T1/T2 over both sides."""
+    cands = [r for r in rows if r["model"] == model and r["setting"] != "stock" and r["ppl_cost"] <= COST_BUDGET]
+    if not cands:
+        return None
+    return min(cands, key=lambda r: max(strongest(r, "input", ("T1", "T2")), strongest(r, "output", ("T1", "T2"))))
+
+
+# ------------------------------------------------------------------ rendering
+
+
+def _fmt(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return "n/a"
+    lo, hi = entry["wilson95"]
+    return f"{100 * entry['rate']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def _diff(entry: dict[str, Any] | None) -> str:
+    if entry is None or not entry["minus_stock"]:
+        return ""
+    return "; ".join(
+        f"{100 * d['diff']:+.1f} [{100 * d['bootstrap95'][0]:+.1f}, {100 * d['bootstrap95'][1]:+.1f}]"
+        for d in entry["minus_stock"]
+    )
+
+
+def render(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    rows = aggregate(points)
+    models = sorted({r["model"] for r in rows})
+    lines = [
+        "# Privacy-utility frontier of the edge defences",
+        "",
+        f"Commit `{meta.get('commit', 'unknown')}`. Reproduce: `{meta.get('command', '')}`.",
+        "",
+        "Per model the split is d,d edge layers (the cloud receives h_d and returns h_(L-d)). Each point trains "
+        "a diverged edge with one defence setting, then measures held-out perplexity (with the defence on) and "
+        "top-1 token recovery from what the cloud sees, on the same held-out test tokens for every point. "
+        "Rates pool both seeds' test tokens (Wilson 95%); `- stock` is the paired document-clustered bootstrap "
+        "95% interval of (this point's strongest attacker of the tier) minus (the strongest attacker on the "
+        "stock edge), one per seed. The strongest attacker of a tier is chosen per point on the test tokens "
+        "(a choice that favours the attacker).",
+        "",
+        "## Threat model",
+        "",
+        "The cloud runs the published trunk and sees every hidden state the edge sends up (input side, "
+        "h_d) and every state it returns (output side, h_(L-d)); it holds the published weights of the "
+        "whole model. It is honest-but-curious: it computes correctly and tries to read the user's text.",
+        "",
+        "- **T1, non-adaptive**: inverters trained on the published model's activations of public text "
+        "(`t1-bigru`), white-box search that re-runs the published edge layers on candidate tokens "
+        "(`t1-search`, input side), and the published tail on the returned state (`t1-stock-tail`, output "
+        "side, guesses the next token).",
+        "- **T2, adaptive without labels** (the target of the defences): additionally the deployment's own "
+        "activations on its users' text (the traffic half of attacker-train, ~half the tokens), never the "
+        "text. `t2-selftrain`: the T1 GRU re-standardised on the traffic, its confident guesses become labels "
+        "for a new GRU on deployed activations; `t2-align`: a ridge map from deployed activations to the "
+        "published model's activations of the traffic's pseudo-text (two rounds), read by the T1 GRU. The T2 "
+        "API takes activations only (`splitspec.privacy.adaptive.Traffic`); a test checks that a token only the "
+        "traffic contains is never produced.",
+        "- **T3, chosen plaintext**: labelled (deployed activation, token) pairs of the traffic (`t3-bigru`). "
+        "The upper bound, reported, not the target.",
+        "",
+        "Defences (knobs; `splitspec diverge --noise-scale S --adversary-weight W`):",
+        "",
+        "- `noise=S`: Gaussian noise of std S x the token's RMS activation added to the state sent up; the "
+        "edge layers are trained with it so the tail tolerates it; the serving edge adds the same noise "
+        "(keyed by the token prefix, so a replay repeats it and cannot be averaged away).",
+        "- `adv=W`: adversarial divergence: per-token probes learn the current token from both sides' states "
+        "during training, alternating with the edge, which pays W x relu(CE_prior - CE_probe) per side on top "
+        "of the next-token loss (it is pushed until a probe does no better than the frequency prior).",
+        "- `none`: the plain weight divergence (`splitspec diverge` before this change).",
+        "",
+    ]
+    for model in models:
+        mrows = sorted(
+            (r for r in rows if r["model"] == model),
+            key=lambda r: (r["setting"] != "stock", r["family"], r["ppl_cost"]),
+        )
+        stock_row = next((r for r in mrows if r["setting"] == "stock"), None)
+        depth = mrows[0]["depth"]
+        seeds = sorted({s for r in mrows for s in r["seeds"]})
+        tok = next(p["tokens"] for p in points if p["model_name"] == model)
+        lines += [
+            f"## Model `{model}` (split {depth},{depth}; seeds {seeds})",
+            "",
+            f"Attacker-train per seed: {tok['public']} public tokens (T1), {tok['traffic']} traffic tokens (T2 "
+            f"unlabelled, T3 labelled); {tok['test']} test tokens. Frequency floor (top-1): "
+            f"{100 * mrows[0]['floor']:.1f} %. Stock held-out perplexity: "
+            + ", ".join(f"{p['ppl_stock']:.2f}" for p in points if p["model_name"] == model and p["setting"] == "stock")
+            + ".",
+            "",
+        ]
+        for side in ("input", "output"):
+            lines += [
+                f"### {side} side: top-1 recovery (%)",
+                "",
+                "| setting | ppl cost (mean, range) | T1 | T2 | T3 | T1 - stock | T2 - stock | T3 - stock |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            for r in mrows:
+                t = r["sides"][side]
+                lo, hi = r["ppl_cost_range"]
+                lines.append(
+                    f"| {r['setting']} | {100 * r['ppl_cost']:+.1f} % ({100 * lo:+.1f}, {100 * hi:+.1f}) | "
+                    + " | ".join(_fmt(t[x]) for x in TIERS)
+                    + " | "
+                    + " | ".join(_diff(t[x]) if r["setting"] != "stock" else "" for x in TIERS)
+                    + " |"
+                )
+            lines.append("")
+        best_attackers = {
+            (side, tier): sorted({a for r in mrows for a in (r["sides"][side][tier] or {}).get("attackers", [])})
+            for side in ("input", "output")
+            for tier in TIERS
+        }
+        lines += [
+            "Strongest attackers seen per tier: "
+            + "; ".join(f"{s} {t}: {', '.join(a)}" for (s, t), a in best_attackers.items())
+            + ".",
+            "",
+        ]
+        if stock_row is not None:
+            lines += ["### Targets (at <= 10 % perplexity cost)", ""]
+            lines += ["| setting | ppl cost | " + " | ".join(meets_targets(stock_row, stock_row)) + " |"]
+            lines += ["|---|---|---|---|---|"]
+            for r in mrows:
+                if r["setting"] == "stock":
+                    continue
+                met = meets_targets(r, stock_row)
+                lines.append(
+                    f"| {r['setting']} | {100 * r['ppl_cost']:+.1f} % | "
+                    + " | ".join("yes" if v else "no" for v in met.values())
+                    + " |"
+                )
+            rec = recommend(rows, model)
+            lines += [
+                "",
+                (
+                    f"Best setting within the budget (lowest worst-case T1/T2 top-1 over both sides): "
+                    f"**{rec['setting']}** (cost {100 * rec['ppl_cost']:+.1f} %; input T1/T2/T3 "
+                    f"{', '.join(_fmt(rec['sides']['input'][t]) for t in TIERS)}; output T1/T2/T3 "
+                    f"{', '.join(_fmt(rec['sides']['output'][t]) for t in TIERS)})."
+                )
+                if rec
+                else "No defence setting stays within the 10 % perplexity budget.",
+                "",
+            ]
+    lines += [
+        "## Plots",
+        "",
+        "`frontier_input.png`, `frontier_output.png`: per model, perplexity cost (x) against the strongest "
+        "attacker's top-1 recovery (y) of each tier (marker), one curve per defence family (colour, knob "
+        "increasing along the curve, starting from the plain divergence), with the stock point and the "
+        "frequency floor.",
+        "",
+        "Raw points (one JSON object per model, seed and setting, with every attacker's top-1/top-5): `points.jsonl`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+TIER_MARKER = {"T1": "o", "T2": "s", "T3": "^"}
+TIER_STYLE = {"T1": "-", "T2": "--", "T3": ":"}
+
+
+def plot(points: list[dict[str, Any]], side: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = aggregate(points)
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5.2), squeeze=False)
+    families = sorted({r["family"] for r in rows if r["family"] not in ("stock", "none")})
+    colours = dict(zip(families, plt.get_cmap("tab10").colors, strict=False))
+    for ax, model in zip(axes[0], models, strict=True):
+        mrows = [r for r in rows if r["model"] == model]
+        none = next((r for r in mrows if r["setting"] == "none"), None)
+        stock = next((r for r in mrows if r["setting"] == "stock"), None)
+        for fam in families:
+            curve = sorted((r for r in mrows if r["family"] == fam), key=lambda r: r["ppl_cost"])
+            if none is not None:
+                curve = [none, *curve]
+            for tier in TIERS:
+                pts = [(100 * r["ppl_cost"], r["sides"][side][tier]) for r in curve if r["sides"][side][tier]]
+                if not pts:
+                    continue
+                x = [p[0] for p in pts]
+                y = [100 * p[1]["rate"] for p in pts]
+                err = [
+                    [100 * (p[1]["rate"] - p[1]["wilson95"][0]) for p in pts],
+                    [100 * (p[1]["wilson95"][1] - p[1]["rate"]) for p in pts],
+                ]
+                ax.errorbar(
+                    x,
+                    y,
+                    yerr=err,
+                    color=colours[fam],
+                    linestyle=TIER_STYLE[tier],
+                    marker=TIER_MARKER[tier],
+                    markersize=4,
+                    capsize=2,
+                    label=f"{fam} {tier}",
+                )
+        if stock is not None:
+            for tier in TIERS:
+                ax.plot(
+                    [0],
+                    [100 * stock["sides"][side][tier]["rate"]],
+                    marker=TIER_MARKER[tier],
+                    color="black",
+                    linestyle="none",
+                    label=f"stock {tier}" if tier == "T1" else None,
+                )
+        ax.axhline(100 * mrows[0]["floor"], color="gray", linestyle="--", label="frequency floor")
+        ax.axhline(200 * mrows[0]["floor"], color="gray", linestyle=":", label="2x floor (input target)")
+        ax.axvline(100 * COST_BUDGET, color="red", alpha=0.4, linestyle="-.", label="10 % ppl budget")
+        ax.set_title(f"{model} (split {mrows[0]['depth']},{mrows[0]['depth']}), {side} side")
+        ax.set_xlabel("held-out perplexity cost (%)")
+        ax.set_ylabel("top-1 tokens recovered (%)")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"Privacy-utility frontier, {side} side (solid T1, dashed T2, dotted T3; Wilson 95%)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out: Path, meta: dict[str, Any]) -> None:
+    points = load_points(out / "points.jsonl")
+    if not points:
+        log.warning("no points yet in %s", out)
+        return
+    (out / "report.md").write_text(render(points, meta))
+    (out / "frontier.json").write_text(json.dumps({"meta": meta, "rows": aggregate(points)}, indent=1) + "\n")
+    for side in ("input", "output"):
+        plot(points, side, out / f"frontier_{side}.png")
+    log.info("wrote %s", out / "report.md")
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="base:2,worker:1", help="NAME:DEPTH list (shipped models) or DIR:DEPTH")
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--settings", default="none,adv=1,adv=4,noise=0.5,noise=1,adv=1+noise=0.5")
+    parser.add_argument("--steps", type=int, default=120, help="edge training steps per setting")
+    parser.add_argument("--max-tokens", type=int, default=48_000, help="attacker-train tokens (public + traffic)")
+    parser.add_argument("--seq-epochs", type=int, default=4, help="GRU epochs (T1, T2, T3)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/splitspec-frontier"), help="diverged edges")
+    parser.add_argument("--report-only", action="store_true", help="re-render report and plots from points.jsonl")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta_path = args.out / "meta.json"
+    if args.report_only:
+        write_report(args.out, json.loads(meta_path.read_text()) if meta_path.is_file() else {})
+        return 0
+    meta = {"commit": git_commit(), "command": "python benchmarks/privacy_frontier.py " + " ".join(sys.argv[1:])}
+    meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+    settings = tuple(parse_defence(s) for s in args.settings.split(","))
+    points_path = args.out / "points.jsonl"
+    done = {(p["model_name"], p["seed"], p["setting"]) for p in load_points(points_path)}
+    seeds = [int(s) for s in args.seeds.split(",")]
+    models = []
+    for item in args.models.split(","):
+        name, _, depth = item.rpartition(":")
+        path = MODELS / name if (MODELS / name).is_dir() else Path(name)
+        models.append((path, int(depth)))
+    # seeds outermost: a run cut short still has every model at one seed
+    for seed in seeds:
+        for path, depth in models:
+            todo = tuple(s for s in settings if (path.name, seed, s.label) not in done)
+            if not todo and (path.name, seed, "stock") in done:
+                continue
+
+            def on_point(point: dict[str, Any]) -> None:
+                if (point["model_name"], point["seed"], point["setting"]) in done:
+                    return
+                with points_path.open("a") as f:
+                    f.write(json.dumps(point) + "\n")
+                write_report(args.out, meta)
+
+            config = FrontierConfig(
+                model_dir=path,
+                out_dir=args.work,
+                depth=depth,
+                seed=seed,
+                settings=todo,
+                max_train_tokens=args.max_tokens,
+                diverge_steps=args.steps,
+                train=TrainConfig(seq_epochs=args.seq_epochs),
+            )
+            run_frontier(config, on_point)
+    write_report(args.out, meta)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The frontier on a tiny model: every point, tier and interval is produced and streamed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitspec.privacy.attackers import TrainConfig
+from splitspec.privacy.defences import DefenceConfig
+from splitspec.privacy.frontier import FrontierConfig, run_frontier
+from tests.test_privacy_audit import write_corpus
+
+torch.set_num_threads(1)
+
+
+def test_frontier_points(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    directory = make_checkpoint("llama", layers=4)
+    corpus = write_corpus(tmp_path / "corpus", docs_per_domain=4, words=120)
+    streamed: list[dict[str, Any]] = []
+    config = FrontierConfig(
+        model_dir=directory,
+        out_dir=tmp_path / "work",
+        depth=1,
+        settings=(DefenceConfig(), DefenceConfig(noise_scale=0.5, adversary_weight=1.0)),
+        corpus_dir=corpus,
+        window=16,
+        max_train_tokens=320,
+        max_test_tokens=96,
+        diverge_steps=3,
+        train=TrainConfig(epochs=1, seq_epochs=1, mlp_hidden=32, bottleneck=16, gru_hidden=8),
+        search_candidates=4,
+        bootstrap=50,
+    )
+    points = run_frontier(config, streamed.append)
+    assert [p["setting"] for p in points] == ["stock", "none", "adv=1+noise=0.5"]
+    assert streamed == points
+    stock, _, defended = points
+    assert stock["ppl_cost"] == 0.0 and defended["defence"]["noise_scale"] == 0.5
+    assert set(stock["sides"]["input"]["best"]) == {"T1"}
+    for side, expected in (("input", {"t1-bigru", "t1-search"}), ("output", {"t1-bigru", "t1-stock-tail"})):
+        attackers = set(defended["sides"][side]["attackers"])
+        assert attackers == expected | {"t2-selftrain", "t2-align", "t3-bigru"}
+        best = defended["sides"][side]["best"]
+        assert set(best) == {"T1", "T2", "T3"}
+        for entry in best.values():
+            lo, hi = entry["wilson95"]
+            assert lo <= entry["rate"] <= hi
+            d_lo, d_hi = entry["minus_stock"]["bootstrap95"]
+            assert d_lo <= entry["minus_stock"]["diff"] <= d_hi
