@@ -4,7 +4,7 @@
         [--settings none,adv=1,noise=0.5,...] [--steps N] [--max-tokens N] [--seq-epochs E]
         [--out benchmarks/results/privacy_frontier] [--report-only]
 
-Every measured point is appended to ``points.jsonl`` as soon as it exists (an interrupted run keeps
+Every measured point is appended to ``points-<model>-s<seed>.jsonl`` as soon as it exists (an interrupted run keeps
 what it finished; a rerun skips points already there). ``--report-only`` (and the end of a run)
 renders ``report.md`` (threat model, frontier tables, targets check, recommended setting) and one
 plot per side, ``frontier_input.png`` and ``frontier_output.png``. See
@@ -41,10 +41,12 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def load_points(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def load_points(out: Path) -> list[dict[str, Any]]:
+    """Every point of every ``points-*.jsonl`` under ``out`` (one file per model and seed)."""
+    points: list[dict[str, Any]] = []
+    for path in sorted(out.glob("points-*.jsonl")):
+        points += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return points
 
 
 # ------------------------------------------------------------------ aggregation over seeds
@@ -277,7 +279,8 @@ def render(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "increasing along the curve, starting from the plain divergence), with the stock point and the "
         "frequency floor.",
         "",
-        "Raw points (one JSON object per model, seed and setting, with every attacker's top-1/top-5): `points.jsonl`.",
+        "Raw points (one JSON object per model, seed and setting, with every attacker's top-1/top-5): "
+        "`points-<model>-s<seed>.jsonl`.",
         "",
     ]
     return "\n".join(lines)
@@ -353,7 +356,7 @@ def plot(points: list[dict[str, Any]], side: str, path: Path) -> None:
 
 
 def write_report(out: Path, meta: dict[str, Any]) -> None:
-    points = load_points(out / "points.jsonl")
+    points = load_points(out)
     if not points:
         log.warning("no points yet in %s", out)
         return
@@ -376,7 +379,7 @@ def main() -> int:
     parser.add_argument("--seq-epochs", type=int, default=4, help="GRU epochs (T1, T2, T3)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--work", type=Path, default=Path("/tmp/splitspec-frontier"), help="diverged edges")
-    parser.add_argument("--report-only", action="store_true", help="re-render report and plots from points.jsonl")
+    parser.add_argument("--report-only", action="store_true", help="re-render report and plots from the points files")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     meta_path = args.out / "meta.json"
@@ -386,8 +389,7 @@ def main() -> int:
     meta = {"commit": git_commit(), "command": "python benchmarks/privacy_frontier.py " + " ".join(sys.argv[1:])}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     settings = tuple(parse_defence(s) for s in args.settings.split(","))
-    points_path = args.out / "points.jsonl"
-    done = {(p["model_name"], p["seed"], p["setting"]) for p in load_points(points_path)}
+    done = {(p["model_name"], p["seed"], p["setting"]) for p in load_points(args.out)}
     seeds = [int(s) for s in args.seeds.split(",")]
     models = []
     for item in args.models.split(","):
@@ -404,7 +406,7 @@ def main() -> int:
             def on_point(point: dict[str, Any]) -> None:
                 if (point["model_name"], point["seed"], point["setting"]) in done:
                     return
-                with points_path.open("a") as f:
+                with (args.out / f"points-{point['model_name']}-s{point['seed']}.jsonl").open("a") as f:
                     f.write(json.dumps(point) + "\n")
                 write_report(args.out, meta)
 
