@@ -376,7 +376,9 @@ def main() -> int:
     parser.add_argument("--settings", default="none,adv=1,adv=4,noise=0.5,noise=1,adv=1+noise=0.5")
     parser.add_argument("--steps", type=int, default=120, help="edge training steps per setting")
     parser.add_argument("--max-tokens", type=int, default=48_000, help="attacker-train tokens (public + traffic)")
-    parser.add_argument("--seq-epochs", type=int, default=4, help="GRU epochs (T1, T2, T3)")
+    parser.add_argument("--inverter", default="mlp", choices=("mlp", "bigru"), help="learned inverter of every tier")
+    parser.add_argument("--epochs", type=int, default=3, help="MLP epochs (T1, T2, T3)")
+    parser.add_argument("--seq-epochs", type=int, default=6, help="GRU epochs (T1, T2, T3)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--work", type=Path, default=Path("/tmp/splitspec-frontier"), help="diverged edges")
     parser.add_argument("--report-only", action="store_true", help="re-render report and plots from the points files")
@@ -418,7 +420,8 @@ def main() -> int:
                 settings=todo,
                 max_train_tokens=args.max_tokens,
                 diverge_steps=args.steps,
-                train=TrainConfig(seq_epochs=args.seq_epochs),
+                train=TrainConfig(epochs=args.epochs, seq_epochs=args.seq_epochs),
+                inverter=args.inverter,
             )
             run_frontier(config, on_point)
     write_report(args.out, meta)

@@ -40,9 +40,9 @@ def test_frontier_points(make_checkpoint: Callable[..., Path], tmp_path: Path) -
     stock, _, defended = points
     assert stock["ppl_cost"] == 0.0 and defended["defence"]["noise_scale"] == 0.5
     assert set(stock["sides"]["input"]["best"]) == {"T1"}
-    for side, expected in (("input", {"t1-bigru", "t1-search"}), ("output", {"t1-bigru", "t1-stock-tail"})):
+    for side, expected in (("input", {"t1-mlp", "t1-search"}), ("output", {"t1-mlp", "t1-stock-tail"})):
         attackers = set(defended["sides"][side]["attackers"])
-        assert attackers == expected | {"t2-selftrain", "t2-align", "t3-bigru"}
+        assert attackers == expected | {"t2-selftrain", "t2-align", "t3-mlp"}
         best = defended["sides"][side]["best"]
         assert set(best) == {"T1", "T2", "T3"}
         for entry in best.values():

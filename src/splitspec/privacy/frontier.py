@@ -12,11 +12,11 @@ For one model, split depth d (edge layers d,d) and seed:
    measures held-out perplexity (with the send noise) and, on the *same* test tokens, top-1/top-5
    recovery from what the cloud sees on each side:
 
-   * T1 (non-adaptive): the stock-trained GRU inverter; on the input side also the white-box search
+   * T1 (non-adaptive): the stock-trained inverter (``config.inverter``); on the input side also the white-box search
      with the published layers; on the output side also the published tail (next-token guess);
    * T2 (adaptive, no labels): :func:`~splitspec.privacy.adaptive.self_train` and
      :func:`~splitspec.privacy.adaptive.align` on the traffic's activations;
-   * T3 (chosen plaintext): a GRU trained on the traffic's labelled deployed activations.
+   * T3 (chosen plaintext): an inverter trained on the traffic's labelled deployed activations.
 
 Each point records Wilson intervals and, per tier, the document-clustered bootstrap of the
 difference from the stock point (paired: same test tokens). Points are handed to ``on_point`` as
@@ -69,7 +69,7 @@ class FrontierConfig:
     train: atk.TrainConfig = field(default_factory=atk.TrainConfig)  # inverter training (T1, T2, T3)
     search_candidates: int = 8  # candidates per position of the white-box search (T1, input side)
     self_train_rounds: int = 1  # pseudo-labelling rounds of the T2 self-training attacker
-    self_train_student: str = "mlp"  # inverter the T2 self-training attacker trains ("mlp" is ~10x cheaper)
+    inverter: str = "mlp"  # learned inverter of every tier: "mlp" (cheap) or "bigru" (~5 points stronger, ~10x dearer)
     bootstrap: int = 1000  # document-clustered bootstrap resamples
 
 
@@ -194,7 +194,9 @@ def run_frontier(
     pub_acts = collect_layers(stock, public.tokens, ks.values())
     train_cfg = atk.TrainConfig(**{**asdict(config.train), "seed": config.seed})
     t1 = {
-        side: atk.train_inverter("bigru", pub_acts[k][:, 1:], public.tokens[:, 1:], train_cfg, desc=f"T1 {side}")
+        side: atk.train_inverter(
+            config.inverter, pub_acts[k][:, 1:], public.tokens[:, 1:], train_cfg, desc=f"T1 {side}"
+        )
         for side, k in ks.items()
     }
     clusters = np.repeat(test.doc_index[:, None], targets.shape[1], axis=1).ravel()
@@ -218,7 +220,7 @@ def run_frontier(
     def t1_ranks(view: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
         out: dict[str, dict[str, np.ndarray]] = {"input": {}, "output": {}}
         for side in ks:
-            out[side]["t1-bigru"] = _ranks(t1[side].predict_top5(view[side][:, 1:]), targets)
+            out[side][f"t1-{config.inverter}"] = _ranks(t1[side].predict_top5(view[side][:, 1:]), targets)
         cand = t1["input"].predict_topk(view["input"][:, 1:], config.search_candidates)
         out["input"]["t1-search"] = _ranks(atk.whitebox_search_top5(stock, view["input"], ks["input"], cand), targets)
         out["output"]["t1-stock-tail"] = _ranks(stock_tail_top5(stock, view["output"], config.depth)[:, :-1], targets)
@@ -262,14 +264,14 @@ def run_frontier(
         ranks = t1_ranks(view_test)
         for side in ks:
             seen = Traffic(view_traffic[side][:, 1:])  # activations only: T2 never gets the traffic's tokens
-            t2s = self_train(t1[side], seen, train_cfg, config.self_train_rounds, student=config.self_train_student)
+            t2s = self_train(t1[side], seen, train_cfg, config.self_train_rounds)
             ranks[side]["t2-selftrain"] = _ranks(t2s.predict_top5(view_test[side][:, 1:]), targets)
             t2a = align(t1[side], seen, public_view(side), bos)
             ranks[side]["t2-align"] = _ranks(t2a.predict_top5(view_test[side][:, 1:]), targets)
             t3 = atk.train_inverter(
-                "bigru", view_traffic[side][:, 1:], traffic.tokens[:, 1:], train_cfg, desc=f"T3 {side}"
+                config.inverter, view_traffic[side][:, 1:], traffic.tokens[:, 1:], train_cfg, desc=f"T3 {side}"
             )
-            ranks[side]["t3-bigru"] = _ranks(t3.predict_top5(view_test[side][:, 1:]), targets)
+            ranks[side][f"t3-{config.inverter}"] = _ranks(t3.predict_top5(view_test[side][:, 1:]), targets)
         extra = {
             **base_extra,
             "defence": asdict(setting),
