@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitspec.privacy.attackers import TOPK, TrainConfig, TrainedInverter, _scaler, train_inverter
+from splitspec.privacy.attackers import TOPK, TrainConfig, TrainedInverter, _scaler, _Standardize, train_inverter
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,10 @@ def guesses(inverter: TrainedInverter, acts: np.ndarray, batch: int = 64) -> tup
 def restandardised(inverter: TrainedInverter, acts: np.ndarray) -> TrainedInverter:
     """A copy of ``inverter`` whose input standardisation is refitted on ``acts`` (moment alignment)."""
     model = copy.deepcopy(inverter.model)
-    fitted = _scaler(acts)
-    model.scaler.mean.copy_(fitted.mean)
-    model.scaler.std.copy_(fitted.std)
+    scaler = model.get_submodule("scaler")
+    if not isinstance(scaler, _Standardize):
+        raise TypeError(f"a {inverter.kind} inverter without an input standardisation cannot be re-standardised")
+    scaler.load_state_dict(_scaler(acts).state_dict())
     return TrainedInverter(inverter.kind, model.eval(), inverter.classes, inverter.final_loss)
 
 

@@ -74,7 +74,9 @@ def parse_defence(text: str) -> DefenceConfig:
             values[knobs[name]] = float(value)
         except ValueError:
             raise ValueError(f"defence knob {name} needs a number, got {value!r}") from None
-    return DefenceConfig(**values)
+    return DefenceConfig(
+        noise_scale=values.get("noise_scale", 0.0), adversary_weight=values.get("adversary_weight", 0.0)
+    )
 
 
 def token_rms(hidden: torch.Tensor) -> torch.Tensor:

@@ -272,11 +272,12 @@ def run_frontier(
                 config.inverter, view_traffic[side][:, 1:], traffic.tokens[:, 1:], train_cfg, desc=f"T3 {side}"
             )
             ranks[side][f"t3-{config.inverter}"] = _ranks(t3.predict_top5(view_test[side][:, 1:]), targets)
+        cost = res.ppl_after / ppl_stock - 1.0
         extra = {
             **base_extra,
             "defence": asdict(setting),
             "ppl": res.ppl_after,
-            "ppl_cost": res.ppl_after / ppl_stock - 1.0,
+            "ppl_cost": cost,
             "edge_seconds": res.summary["seconds"],
             "point_seconds": time.monotonic() - t_set,
         }
@@ -285,7 +286,7 @@ def run_frontier(
             "%s done: ppl %.2f (%+.1f%%), %.0f s",
             setting.label,
             res.ppl_after,
-            100 * extra["ppl_cost"],
+            100 * cost,
             time.monotonic() - t_set,
         )
     return points
