@@ -80,7 +80,8 @@ def test_t2_api_takes_activations_only() -> None:
 def test_t2_never_learns_a_token_only_the_traffic_contains(setting: dict[str, object]) -> None:
     """If labels reached T2 it would learn the canary, as T3 (which is given them) does."""
     acts, traffic, canary = setting["acts"], setting["traffic"], setting["canary"]
-    assert isinstance(acts, dict) and isinstance(traffic, np.ndarray)
+    assert isinstance(acts, dict)
+    assert isinstance(traffic, np.ndarray)
     seen = Traffic(acts["traffic"][:, 1:])
     t3 = train_inverter("bigru", acts["traffic"][:, 1:], traffic[:, 1:], FAST)
     assert canary in t3.classes
@@ -88,7 +89,8 @@ def test_t2_never_learns_a_token_only_the_traffic_contains(setting: dict[str, ob
     assert (t3_top1[traffic[:, 1:] == canary] == canary).mean() > 0.5  # the canary is learnable from labels
     t2s = self_train(setting["stock"], seen, FAST)  # type: ignore[arg-type]
     t2a = align(setting["stock"], seen, _view(setting["full"]), bos_id=0)  # type: ignore[arg-type]
-    assert canary not in t2s.classes and canary not in t2a.inner.classes
+    assert canary not in t2s.classes
+    assert canary not in t2a.inner.classes
     for t2 in (t2s, t2a):
         assert not (t2.predict_top5(acts["traffic"][:, 1:]) == canary).any()
 
@@ -96,7 +98,8 @@ def test_t2_never_learns_a_token_only_the_traffic_contains(setting: dict[str, ob
 def test_t2_adapts_where_t1_fails(setting: dict[str, object]) -> None:
     """On a per-feature-rescaled deployment T1 collapses; both T2 attackers recover, without labels."""
     acts, test, stock = setting["acts"], setting["test"], setting["stock"]
-    assert isinstance(acts, dict) and isinstance(test, np.ndarray)
+    assert isinstance(acts, dict)
+    assert isinstance(test, np.ndarray)
     targets = test[:, 1:]
     deployed_traffic = Traffic(deployment(acts["traffic"][:, 1:]))
     deployed_test = deployment(acts["test"][:, 1:])
@@ -110,4 +113,5 @@ def test_t2_adapts_where_t1_fails(setting: dict[str, object]) -> None:
     t2a = top1(align(stock, deployed_traffic, _view(setting["full"]), bos_id=0), deployed_test)  # type: ignore[arg-type]
     assert clean > 0.6
     assert t1 < 0.5 * clean
-    assert t2s > t1 + 0.2 and t2a > t1 + 0.2, (clean, t1, t2s, t2a)
+    assert t2s > t1 + 0.2, (clean, t1, t2s)
+    assert t2a > t1 + 0.2, (clean, t1, t2a)

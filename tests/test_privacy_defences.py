@@ -52,7 +52,8 @@ def test_serving_noise_is_a_keyed_function_of_the_prefix() -> None:
     assert chain == again
     # token 7 as a tree child of the same path has the same prefix, hence the same digest
     tree = prefix_digests(b"k" * 32, [6, 9, 7], [-1, -1, 0], chain[0])
-    assert tree[2] == chain[2] and tree[1] != chain[1]
+    assert tree[2] == chain[2]
+    assert tree[1] != chain[1]
     assert prefix_digests(b"j" * 32, [5], [-1], b"") != chain[:1]
     eps = noise_for_tokens(chain, HIDDEN)
     assert eps.shape == (3, HIDDEN)
@@ -72,7 +73,7 @@ def test_parse_defence() -> None:
     assert parse_defence("adv=2+noise=0.5") == DefenceConfig(noise_scale=0.5, adversary_weight=2.0)
     assert parse_defence("noise=1").label == "noise=1"
     for bad in ("noise", "noise=x", "adv=1+adv=2", "rot=1"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="defence"):
             parse_defence(bad)
 
 
@@ -88,7 +89,8 @@ def test_adversary_charges_the_edge_not_the_probes() -> None:
     penalty = adv.penalty({"input": view}, t)
     assert float(penalty.detach()) > 0  # the probe beats the prior on a view that names the token
     penalty.backward()
-    assert view.grad is not None and float(view.grad.abs().sum()) > 0
+    assert view.grad is not None
+    assert float(view.grad.abs().sum()) > 0
     assert all(p.grad is None for p in adv.probes.parameters())
     off = Adversary(HIDDEN, tokens, 20, DefenceConfig(adversary_weight=0.0, adversary_classes=8))
     assert float(off.penalty({"input": view}, t).detach()) == 0.0
@@ -151,7 +153,8 @@ def test_defences_hide_tokens_from_a_fresh_probe(edges: dict[str, object], side:
 
 def test_noise_reaches_the_record_and_the_cloud_view(edges: dict[str, object]) -> None:
     noisy, plain = edges["noise"], edges["none"]
-    assert isinstance(noisy, DivergeResult) and isinstance(plain, DivergeResult)
+    assert isinstance(noisy, DivergeResult)
+    assert isinstance(plain, DivergeResult)
     assert json.loads((noisy.checkpoint_dir / EDGE_RECORD).read_text())["send_noise_scale"] == 2.0
     assert json.loads((plain.checkpoint_dir / EDGE_RECORD).read_text())["send_noise_scale"] == 0.0
     assert noisy.summary["defence"]["noise_scale"] == 2.0  # type: ignore[index]

@@ -38,7 +38,8 @@ def test_frontier_points(make_checkpoint: Callable[..., Path], tmp_path: Path) -
     assert [p["setting"] for p in points] == ["stock", "none", "adv=1+noise=0.5"]
     assert streamed == points
     stock, _, defended = points
-    assert stock["ppl_cost"] == 0.0 and defended["defence"]["noise_scale"] == 0.5
+    assert stock["ppl_cost"] == 0.0
+    assert defended["defence"]["noise_scale"] == 0.5
     assert set(stock["sides"]["input"]["best"]) == {"T1"}
     for side, expected in (("input", {"t1-mlp", "t1-search"}), ("output", {"t1-mlp", "t1-stock-tail"})):
         attackers = set(defended["sides"][side]["attackers"])

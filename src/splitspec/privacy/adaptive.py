@@ -111,7 +111,7 @@ class MappedInverter:
 
     def transform(self, acts: np.ndarray) -> np.ndarray:
         flat = acts.reshape(-1, acts.shape[-1])
-        mapped = np.concatenate([flat, np.ones((flat.shape[0], 1), flat.dtype)], axis=1) @ self.weight
+        mapped: np.ndarray = np.concatenate([flat, np.ones((flat.shape[0], 1), flat.dtype)], axis=1) @ self.weight
         return mapped.reshape(acts.shape).astype(np.float32)
 
     def predict_topk(self, acts: np.ndarray, k: int = TOPK) -> np.ndarray:
