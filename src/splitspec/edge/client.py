@@ -24,7 +24,7 @@ from splitspec.decoding.generate import decode_sequential
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
 from splitspec.edge.config import EdgeConfig
-from splitspec.edge.provenance import check_edge_weights
+from splitspec.edge.provenance import check_edge_weights, send_noise
 from splitspec.exceptions import (
     BadTensor,
     ConfigError,
@@ -38,6 +38,7 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
+from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
 from splitspec.protocol.messages import (
     CacheCommand,
     CloseSession,
@@ -132,6 +133,7 @@ class SplitClient:
         self.provenance = check_edge_weights(
             config.model_dir, self.plan, config.published_model_dir, config.allow_stock_edge_weights
         )
+        self.send_noise = send_noise(config.model_dir)  # the defence the edge layers were trained with
         self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype)
         self.model = edge if edge is not None else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation)
         self.hello = Hello(
@@ -161,6 +163,7 @@ class SplitClient:
         self._head_cache = KVCache()
         self._tail_cache = KVCache()
         self._tokens: list[int] = []  # token id behind every committed cache entry
+        self._digests: list[bytes] = []  # keyed prefix digest of every committed token (send noise only)
         self._command: CacheCommand | None = None  # rides on the next step
         self.steps: list[StepStats] = []
         self.recoveries = 0
@@ -243,6 +246,7 @@ class SplitClient:
         # a pending command (a truncation, a kept path) is superseded: the cloud's cache empties too
         self._command = CacheCommand(truncate_to=0) if self._tokens or self._command is not None else None
         self._tokens = []
+        self._digests = []
 
     @property
     def history(self) -> tuple[int, ...]:
@@ -282,6 +286,8 @@ class SplitClient:
         self._head_cache.keep_last(keep)
         self._tail_cache.keep_last(keep)
         self._tokens = self._tokens[:start] + [self._tokens[start + i] for i in keep]
+        if self._digests:
+            self._digests = self._digests[:start] + [self._digests[start + i] for i in keep]
         self._command = CacheCommand(keep_last=keep)
 
     async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
@@ -325,6 +331,12 @@ class SplitClient:
         try:
             t0 = time.perf_counter()
             hidden = self.model.run_head(ids, positions, parent_t, self._head_cache)  # (1, q, H)
+            digests: list[bytes] = []
+            if self.send_noise.scale > 0:
+                base_digest = self._digests[-1] if self._digests else b""
+                digests = prefix_digests(self.send_noise.key, tokens, parents, base_digest)
+                eps = noise_for_tokens(digests, hidden.shape[-1])[None]  # (1, q, H)
+                hidden = add_send_noise(hidden, self.send_noise.scale, eps)
             t1 = time.perf_counter()
             self._seq += 1
             step = Step(self._session_id, self._seq, hidden, positions, parent_t, self._command)
@@ -340,6 +352,7 @@ class SplitClient:
             raise
         self._command = None
         self._tokens.extend(tokens)
+        self._digests.extend(digests)
         self.steps.append(
             StepStats(
                 kind=kind,
@@ -371,7 +384,7 @@ class SplitClient:
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
         self._head_cache, self._tail_cache = KVCache(), KVCache()
-        self._tokens, self._command = [], None
+        self._tokens, self._command, self._digests = [], None, []
         if history:
             await self._forward_chunked(history, chain(len(history)), "replay")
 

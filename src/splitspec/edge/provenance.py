@@ -12,6 +12,9 @@ pairs at will, so splitspec treats stock edge weights as a conscious choice:
 
 Stock weights raise :class:`~splitspec.exceptions.ConfigError` unless explicitly allowed; then the
 client warns at every session.
+
+The record also carries the edge's send-noise defence (:func:`send_noise`): the noise scale the
+edge layers were trained with and the secret key that makes the noise a function of the prefix.
 """
 
 from __future__ import annotations
@@ -58,6 +61,22 @@ def edge_provenance(model_dir: Path, plan: SplitPlan, published_model_dir: Path 
     if actual == record.published_fingerprint_sha256:
         return EdgeProvenance(True, "the divergence record says these are the published weights")
     return EdgeProvenance(False, f"diverged edge weights, fingerprint {actual[:16]}")
+
+
+@dataclass(frozen=True)
+class SendNoise:
+    """The send-noise defence a diverged edge was trained with (scale 0 = none)."""
+
+    scale: float  # noise std relative to each token's RMS activation
+    key: bytes  # secret key of the per-prefix noise (empty when scale is 0)
+
+
+def send_noise(model_dir: Path) -> SendNoise:
+    """The send-noise settings of ``model_dir``'s divergence record (none without a record)."""
+    record = DivergenceRecord.read(model_dir)
+    if record is None or record.send_noise_scale == 0:
+        return SendNoise(0.0, b"")
+    return SendNoise(record.send_noise_scale, record.noise_key)
 
 
 def check_edge_weights(
