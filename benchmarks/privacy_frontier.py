@@ -43,10 +43,13 @@ def git_commit() -> str:
 
 def load_points(out: Path) -> list[dict[str, Any]]:
     """Every point of every ``points-*.jsonl`` under ``out`` (one file per model and seed)."""
-    points: list[dict[str, Any]] = []
+    points: dict[tuple[str, int, str], dict[str, Any]] = {}
     for path in sorted(out.glob("points-*.jsonl")):
-        points += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return points
+        for line in path.read_text().splitlines():
+            if line.strip():
+                p = json.loads(line)
+                points.setdefault((p["model_name"], p["seed"], p["setting"]), p)  # parallel runs may repeat one
+    return list(points.values())
 
 
 # ------------------------------------------------------------------ aggregation over seeds
@@ -376,11 +379,13 @@ def main() -> int:
     parser.add_argument("--settings", default="none,adv=1,adv=4,noise=0.5,noise=1,adv=1+noise=0.5")
     parser.add_argument("--steps", type=int, default=120, help="edge training steps per setting")
     parser.add_argument("--max-tokens", type=int, default=48_000, help="attacker-train tokens (public + traffic)")
+    parser.add_argument("--max-test-tokens", type=int, default=6_000, help="test tokens (the same for every point)")
     parser.add_argument("--inverter", default="mlp", choices=("mlp", "bigru"), help="learned inverter of every tier")
     parser.add_argument("--epochs", type=int, default=3, help="MLP epochs (T1, T2, T3)")
     parser.add_argument("--seq-epochs", type=int, default=6, help="GRU epochs (T1, T2, T3)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--work", type=Path, default=Path("/tmp/splitspec-frontier"), help="diverged edges")
+    parser.add_argument("--tag", default="main", help="points file suffix (parallel runs write separate files)")
     parser.add_argument("--report-only", action="store_true", help="re-render report and plots from the points files")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -408,7 +413,8 @@ def main() -> int:
             def on_point(point: dict[str, Any]) -> None:
                 if (point["model_name"], point["seed"], point["setting"]) in done:
                     return
-                with (args.out / f"points-{point['model_name']}-s{point['seed']}.jsonl").open("a") as f:
+                name = f"points-{point['model_name']}-s{point['seed']}-{args.tag}.jsonl"
+                with (args.out / name).open("a") as f:
                     f.write(json.dumps(point) + "\n")
                 write_report(args.out, meta)
 
@@ -419,6 +425,7 @@ def main() -> int:
                 seed=seed,
                 settings=todo,
                 max_train_tokens=args.max_tokens,
+                max_test_tokens=args.max_test_tokens,
                 diverge_steps=args.steps,
                 train=TrainConfig(epochs=args.epochs, seq_epochs=args.seq_epochs),
                 inverter=args.inverter,

@@ -4,6 +4,7 @@
         [--max-test-tokens N] [--seed S] [--attackers freq,mlp,...] [--epochs E] [--seq-epochs E]
         [--diverge-steps N] [--edge D=DIR ...]
     splitspec diverge --model DIR --out DIR --edge-layers 2,2 [--rank R] [--steps N] [--seed S]
+        [--noise-scale S] [--adversary-weight W]
 
 The main CLI wires these in with :func:`register`; each subparser sets ``run`` to a function
 ``(args) -> int``. ``python -m splitspec.privacy.cli audit ...`` runs it stand-alone.
@@ -17,6 +18,7 @@ import logging
 from pathlib import Path
 
 from splitspec.exceptions import ConfigError
+from splitspec.privacy.defences import DEFAULT_DEFENCE
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ def _run_diverge(args: argparse.Namespace) -> int:
 
     from splitspec.models.split import parse_edge_layers
     from splitspec.privacy.corpus import DEFAULT_CORPUS
+    from splitspec.privacy.defences import DefenceConfig
     from splitspec.privacy.diverge import DivergeConfig, diverge
 
     torch.set_num_threads(args.threads)
@@ -99,6 +102,7 @@ def _run_diverge(args: argparse.Namespace) -> int:
             steps=_positive("--steps", args.steps),
             corpus_dir=args.corpus or DEFAULT_CORPUS,
             seed=args.seed,
+            defence=DefenceConfig(noise_scale=args.noise_scale, adversary_weight=args.adversary_weight),
         )
     )
     print(
@@ -108,6 +112,7 @@ def _run_diverge(args: argparse.Namespace) -> int:
                 "fingerprint_sha256": result.fingerprint,
                 "heldout_perplexity_before": round(result.ppl_before, 3),
                 "heldout_perplexity_after": round(result.ppl_after, 3),
+                "defence": result.summary["defence"],
             }
         )
     )
@@ -160,5 +165,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     div.add_argument("--steps", type=int, default=120, help="optimiser steps (default 120)")
     div.add_argument("--corpus", type=Path, help="local text: <domain>/*.txt (default: shipped held-out, train side)")
     div.add_argument("--seed", type=int, default=0, help="seed")
+    div.add_argument(
+        "--noise-scale",
+        type=float,
+        default=DEFAULT_DEFENCE.noise_scale,
+        help="send-noise defence: std of the noise on the state sent up, relative to each token's RMS; the edge "
+        f"layers train with it and the serving edge adds it (default {DEFAULT_DEFENCE.noise_scale:g}; 0 = off)",
+    )
+    div.add_argument(
+        "--adversary-weight",
+        type=float,
+        default=DEFAULT_DEFENCE.adversary_weight,
+        help="adversarial divergence: weight of the in-the-loop token probes' hinge "
+        f"(default {DEFAULT_DEFENCE.adversary_weight:g}; 0 = off)",
+    )
     div.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     div.set_defaults(run=_run_diverge)

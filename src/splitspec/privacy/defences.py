@@ -60,6 +60,10 @@ class DefenceConfig:
         return "+".join(parts) or "none"
 
 
+# What `splitspec diverge` trains by default: see benchmarks/results/privacy_frontier/report.md.
+DEFAULT_DEFENCE = DefenceConfig()
+
+
 def parse_defence(text: str) -> DefenceConfig:
     """``"none"``, ``"noise=0.5"``, ``"adv=1"`` or ``"adv=1+noise=0.25"`` -> a :class:`DefenceConfig`."""
     if text.strip() == "none":

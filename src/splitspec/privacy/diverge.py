@@ -43,7 +43,7 @@ from splitspec.models.split import SplitPlan
 from splitspec.models.stack import FullModel, load_full
 from splitspec.privacy.activations import residual_stream, split_forward
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
-from splitspec.privacy.defences import Adversary, DefenceConfig
+from splitspec.privacy.defences import DEFAULT_DEFENCE, Adversary, DefenceConfig
 from splitspec.privacy.record import DivergenceRecord
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 
@@ -74,7 +74,7 @@ class DivergeConfig:
     max_train_tokens: int = 40_000  # cap on local training tokens
     max_eval_tokens: int = 6_000  # cap on held-out perplexity tokens
     seed: int = 0  # split, init and batch order
-    defence: DefenceConfig = field(default_factory=DefenceConfig)  # send noise, adversary in the loop
+    defence: DefenceConfig = DEFAULT_DEFENCE  # send noise, adversary in the loop (the recommended setting)
 
     @property
     def plan_tuple(self) -> tuple[int, int]:
