@@ -164,7 +164,7 @@ def render(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "Per model the split is d,d edge layers (the cloud receives h_d and returns h_(L-d)). Each point trains "
         "a diverged edge with one defence setting, then measures held-out perplexity (with the defence on) and "
         "top-1 token recovery from what the cloud sees, on the same held-out test tokens for every point. "
-        "Rates pool both seeds' test tokens (Wilson 95%); `- stock` is the paired document-clustered bootstrap "
+        "Rates pool the seeds' test tokens (Wilson 95%); `- stock` is the paired document-clustered bootstrap "
         "95% interval of (this point's strongest attacker of the tier) minus (the strongest attacker on the "
         "stock edge), one per seed. The strongest attacker of a tier is chosen per point on the test tokens "
         "(a choice that favours the attacker).",
@@ -176,17 +176,19 @@ def render(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "whole model. It is honest-but-curious: it computes correctly and tries to read the user's text.",
         "",
         "- **T1, non-adaptive**: inverters trained on the published model's activations of public text "
-        "(`t1-bigru`), white-box search that re-runs the published edge layers on candidate tokens "
+        "(`t1-mlp` / `t1-bigru`, see `--inverter`), white-box search that re-runs the published edge layers "
+        "on candidate tokens "
         "(`t1-search`, input side), and the published tail on the returned state (`t1-stock-tail`, output "
         "side, guesses the next token).",
         "- **T2, adaptive without labels** (the target of the defences): additionally the deployment's own "
         "activations on its users' text (the traffic half of attacker-train, ~half the tokens), never the "
-        "text. `t2-selftrain`: the T1 GRU re-standardised on the traffic, its confident guesses become labels "
-        "for a new GRU on deployed activations; `t2-align`: a ridge map from deployed activations to the "
-        "published model's activations of the traffic's pseudo-text (two rounds), read by the T1 GRU. The T2 "
+        "text. `t2-selftrain`: the T1 inverter re-standardised on the traffic, its confident guesses become "
+        "labels for a new inverter on deployed activations; `t2-align`: a ridge map from deployed activations to "
+        "the published model's activations of the traffic's pseudo-text (two rounds), read by the T1 inverter. The T2 "
         "API takes activations only (`splitspec.privacy.adaptive.Traffic`); a test checks that a token only the "
         "traffic contains is never produced.",
-        "- **T3, chosen plaintext**: labelled (deployed activation, token) pairs of the traffic (`t3-bigru`). "
+        "- **T3, chosen plaintext**: labelled (deployed activation, token) pairs of the traffic "
+        "(`t3-mlp` / `t3-bigru`). "
         "The upper bound, reported, not the target.",
         "",
         "Defences (knobs; `splitspec diverge --noise-scale S --adversary-weight W`):",
