@@ -180,9 +180,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                     rep = bound_report(laws, coded, weights, m, draft=q, tolerance=TOLERANCE)  # type: ignore[arg-type]
                     a = acc[(t, f, m)]
                     drift = rep.drift
-                    assert drift is not None
-                    assert rep.alpha is not None
-                    assert rep.alpha_hat is not None
+                    assert drift is not None and rep.alpha is not None and rep.alpha_hat is not None
                     a["delta"] += rep.delta.tolist()
                     a["weps"] += rep.weighted_epsilon.tolist()
                     a["wtail"] += rep.weighted_tail.tolist()
