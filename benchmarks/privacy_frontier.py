@@ -153,7 +153,7 @@ def _diff(entry: dict[str, Any] | None) -> str:
     )
 
 
-def render(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def render(points: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path | None = None) -> str:
     rows = aggregate(points)
     models = sorted({r["model"] for r in rows})
     lines = [
@@ -161,6 +161,7 @@ def render(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "",
         f"Commit `{meta.get('commit', 'unknown')}`. Reproduce: `{meta.get('command', '')}`.",
         "",
+        *([str(meta["notes"]), ""] if meta.get("notes") else []),
         "Per model the split is d,d edge layers (the cloud receives h_d and returns h_(L-d)). Each point trains "
         "a diverged edge with one defence setting, then measures held-out perplexity (with the defence on) and "
         "top-1 token recovery from what the cloud sees, on the same held-out test tokens for every point. "
@@ -276,6 +277,9 @@ def render(points: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 else "No defence setting stays within the 10 % perplexity budget.",
                 "",
             ]
+    transforms = out_dir / "transforms.md" if out_dir is not None else None
+    if transforms is not None and transforms.is_file():
+        lines += ["## Defences not built: evidence", "", *transforms.read_text().splitlines()[2:], ""]
     lines += [
         "## Plots",
         "",
@@ -365,7 +369,7 @@ def write_report(out: Path, meta: dict[str, Any]) -> None:
     if not points:
         log.warning("no points yet in %s", out)
         return
-    (out / "report.md").write_text(render(points, meta))
+    (out / "report.md").write_text(render(points, meta, out))
     (out / "frontier.json").write_text(json.dumps({"meta": meta, "rows": aggregate(points)}, indent=1) + "\n")
     for side in ("input", "output"):
         plot(points, side, out / f"frontier_{side}.png")
