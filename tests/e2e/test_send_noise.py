@@ -13,9 +13,10 @@ import torch
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
-from splitspec.edge.provenance import EDGE_RECORD, send_noise
+from splitspec.edge.provenance import send_noise
 from splitspec.exceptions import ConfigError
 from splitspec.models.split import SplitPlan
+from splitspec.privacy.record import EDGE_RECORD
 from splitspec.privacy.weights import edge_fingerprint
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 61, 30, 12, 7]

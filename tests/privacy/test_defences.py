@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from splitspec.edge.provenance import EDGE_RECORD
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_full
@@ -26,7 +25,8 @@ from splitspec.privacy.defences import (
     prefix_digests,
 )
 from splitspec.privacy.diverge import DivergeConfig, DivergeResult, diverge
-from tests.test_privacy_audit import write_corpus
+from splitspec.privacy.record import EDGE_RECORD
+from tests.privacy.test_audit import write_corpus
 
 torch.set_num_threads(1)
 

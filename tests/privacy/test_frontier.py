@@ -11,7 +11,7 @@ import torch
 from splitspec.privacy.attackers import TrainConfig
 from splitspec.privacy.defences import DefenceConfig
 from splitspec.privacy.frontier import FrontierConfig, run_frontier
-from tests.test_privacy_audit import write_corpus
+from tests.privacy.test_audit import write_corpus
 
 torch.set_num_threads(1)
 
