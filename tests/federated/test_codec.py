@@ -243,3 +243,30 @@ def test_demo_worker_laws_at_one_percent_fit_a_hundredth_of_dense_float16() -> N
         stream = encode_topk(rows, select_topk(rows, TopKPolicy(k=round(0.01 * vocab))))
         sizes.append((len(stream) + SCORES_HEADER_SIZE) / 5)
     assert max(sizes) < 2 * vocab / 100, sizes
+
+
+@pytest.mark.parametrize("fill", [b"\x00", b"\xff", b"\x55", None])
+def test_decoding_a_hostile_stream_holds_little_memory(fill: bytes | None) -> None:
+    """Issue #12 item 1: a 256 KiB reply used to be expanded to int64 bits (+128 MB) before any
+    check; now the decoder's peak stays within a small multiple of its input."""
+    import tracemalloc
+
+    size = 256 * 1024
+    body = np.random.default_rng(0).bytes(size) if fill is None else fill * size
+    data = _stream((2, 2), (9, 13), (0, 16), (0, 5)) + body  # float32 values, K = 10 of 8192
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadTensor):
+            decode_topk(data, 64, 8192)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= 8 * len(data), peak
+
+
+def test_a_count_above_what_the_request_allowed_is_refused() -> None:
+    law = torch.softmax(torch.randn(2, 50, generator=torch.Generator().manual_seed(3)), -1)
+    stream = encode_topk(law, select_topk(law, TopKPolicy(k=8)))
+    assert decode_topk(stream, 2, 50, max_k=8).counts.tolist() == [8, 8]
+    with pytest.raises(BadTensor, match="the 7 the request allowed"):
+        decode_topk(stream, 2, 50, max_k=7)

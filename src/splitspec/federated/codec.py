@@ -109,69 +109,73 @@ class _BitWriter:
 
 
 class _BitReader:
-    """Reads fields from a peer's bit string; every overrun or malformed code is a BadTensor."""
+    """Reads fields from a peer's bit string; every overrun or malformed code is a BadTensor.
+
+    Works on the bytes in place: each field reads the few bytes it spans, so decoding holds
+    O(1) memory beyond the input and the decoded values (never a per-bit expansion).
+    """
 
     def __init__(self, data: bytes) -> None:
-        self.bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8)).astype(np.int64)
-        self.size = int(self.bits.size)
-        self._next_one: np.ndarray | None = None  # built on the first code that needs it
+        self.data = bytes(data)
+        self._padded = self.data + bytes(16)  # lets a code read a fixed 16-byte window
+        self.size = 8 * len(self.data)
         self.pos = 0
 
-    def next_one(self) -> np.ndarray:
-        """next_one[i]: index of the first 1 bit at or after i (size when there is none)."""
-        if self._next_one is None:
-            marks = np.where(self.bits == 1, np.arange(self.size), self.size)
-            self._next_one = np.append(np.minimum.accumulate(marks[::-1])[::-1], self.size)
-        return self._next_one
-
-    def _values_at(self, starts: np.ndarray, widths: np.ndarray) -> np.ndarray:
-        field = np.repeat(np.arange(starts.size), widths)
-        first = np.cumsum(widths) - widths  # index of each field's first bit among all read bits
-        offset = np.arange(field.size) - first[field]
-        weighted = self.bits[starts[field] + offset] << (widths[field] - 1 - offset)
-        out: np.ndarray = np.add.reduceat(weighted, first)  # widths are all >= 1
-        return out
+    def _bits(self, start: int, width: int) -> int:
+        """``width`` bits from bit ``start``, as an int (bits past the end read as 0)."""
+        first, end = start >> 3, (start + width + 7) >> 3
+        chunk = int.from_bytes(self.data[first:end], "big") << 8 * max(0, end - len(self.data))
+        return (chunk >> (8 * end - start - width)) & ((1 << width) - 1)
 
     def fixed(self, width: int, what: str) -> int:
         if self.pos + width > self.size:
             raise BadTensor(f"top-K stream ends inside {what}")
-        value = int(self._values_at(np.array([self.pos]), np.array([width]))[0])
+        value = self._bits(self.pos, width)
         self.pos += width
         return value
 
     def raw(self, count: int, width: int, what: str) -> np.ndarray:
-        if self.pos + count * width > self.size:
+        """``count`` fields of ``width`` bits (a multiple of 8), realigned in one shift."""
+        nbits = count * width
+        if self.pos + nbits > self.size:
             raise BadTensor(f"top-K stream ends inside {what}")
-        block = self.bits[self.pos : self.pos + count * width].reshape(count, width)
-        self.pos += count * width
-        out: np.ndarray = block @ (1 << np.arange(width - 1, -1, -1, dtype=np.int64))
+        aligned = self._bits(self.pos, nbits).to_bytes(nbits // 8, "big")
+        self.pos += nbits
+        out: np.ndarray = np.frombuffer(aligned, dtype=f">u{width // 8}").astype(np.int64)
         return out
 
     def exp_golomb(self, count: int, order: int, what: str) -> np.ndarray:
-        if order == 0 and self.pos + count <= self.size and bool(self.bits[self.pos : self.pos + count].all()):
+        # every code takes at least order + 1 bits: refuse a count the stream cannot hold before
+        # allocating anything for it
+        if self.pos + count * (order + 1) > self.size:
+            raise BadTensor(f"top-K stream ends inside {what}")
+        if order == 0 and self._bits(self.pos, count) == (1 << count) - 1:
             self.pos += count  # K one-bits at order 0 are K zeros: every id of a dense law, at once
             return np.zeros(count, dtype=np.int64)
-        starts = np.empty(count, dtype=np.int64)
-        widths = np.empty(count, dtype=np.int64)
-        next_one = self.next_one()
-        pos, size = self.pos, self.size
-        for j in range(count):  # code boundaries depend on the previous code: a short scalar walk
-            zeros = int(next_one[pos]) - pos
-            width = zeros + order + 1
-            if width > MAX_CODE_BITS:
+        values = []
+        data, pos, size, top = self._padded, self.pos, self.size, MAX_CODE_BITS - order - 1
+        for _ in range(count):  # code boundaries depend on the previous code: a short scalar walk
+            # the 16 bytes from pos's byte hold pos's offset and a whole code (<= 2·52 bits)
+            first, skip = pos >> 3, pos & 7
+            window = int.from_bytes(data[first : first + 16], "big") & ((1 << (128 - skip)) - 1)
+            zeros = 128 - skip - window.bit_length()
+            if zeros > size - pos:  # the padding past the end is not the stream's
+                zeros = size - pos
+            if zeros > top:
                 raise BadTensor(f"top-K stream holds an over-long code in {what}")
-            if pos + zeros + width > size:
+            end = pos + 2 * zeros + order + 1
+            if end > size:
                 raise BadTensor(f"top-K stream ends inside {what}")
-            starts[j], widths[j] = pos + zeros, width
-            pos += zeros + width
+            values.append((window >> (8 * first + 128 - end)) - (1 << order))
+            pos = end
         self.pos = pos
-        return self._values_at(starts, widths) - (1 << order)
+        return np.array(values, dtype=np.int64)
 
     def finish(self) -> None:
         rest = self.size - self.pos
         if rest >= 8:
             raise BadTensor(f"top-K stream has {rest // 8} trailing bytes")
-        if rest and int(self.bits[self.pos :].sum()):
+        if rest and self._bits(self.pos, rest):
             raise BadTensor("top-K stream padding must be zero")
 
 
@@ -237,10 +241,16 @@ def encode_topk(
     return out.to_bytes()
 
 
-def decode_topk(data: bytes, positions: int, vocab_size: int) -> TopK:
-    """Inverse of :func:`encode_topk`, validating every field a peer could get wrong."""
+def decode_topk(data: bytes, positions: int, vocab_size: int, max_k: int | None = None) -> TopK:
+    """Inverse of :func:`encode_topk`, validating every field a peer could get wrong.
+
+    ``max_k``: the most tokens per position the request allowed (its K, or its adaptive cap);
+    a count above it is refused before anything is allocated for it. Memory stays within a small
+    multiple of the input and the decoded top-K (which the counts bound by the stream's length).
+    """
     if not 1 <= vocab_size <= 1 << 28:
         raise BadTensor(f"vocabulary size {vocab_size} is out of range")
+    limit = vocab_size if max_k is None else min(max_k, vocab_size)
     reader = _BitReader(data)
     codec = reader.fixed(2, "the codec field")
     if codec not in _CODEC_IDS.values():
@@ -248,8 +258,12 @@ def decode_topk(data: bytes, positions: int, vocab_size: int) -> TopK:
     counts, epsilons, id_parts, value_parts = [], [], [], []
     for j in range(positions):
         k = reader.fixed(_id_width(vocab_size), "a count") + 1
-        if k > vocab_size:
-            raise BadTensor(f"position {j}: K = {k} exceeds the vocabulary of {vocab_size}")
+        if k > limit:
+            raise BadTensor(
+                f"position {j}: K = {k} exceeds the vocabulary of {vocab_size}"
+                if k > vocab_size
+                else f"position {j}: K = {k} exceeds the {limit} the request allowed"
+            )
         epsilon = reader.fixed(16, "an epsilon") / EPS_SCALE
         gaps = reader.exp_golomb(k, reader.fixed(ORDER_BITS, "an order"), "the ids")
         ids = np.cumsum(gaps + 1) - 1
