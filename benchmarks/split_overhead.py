@@ -73,6 +73,8 @@ def local_run(model: LlamaForCausalLM, prompt: list[int], n: int) -> tuple[float
 class _EchoPeer:
     """Decodes a Step and answers with a StepResult carrying the same hidden state."""
 
+    ready = True  # no handshake
+
     async def handle(self, data: bytes) -> tuple[bytes, bool]:
         step = decode_message(data)
         if not isinstance(step, Step):

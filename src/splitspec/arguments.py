@@ -12,7 +12,7 @@ from pathlib import Path
 from splitspec.exceptions import ConfigError
 from splitspec.models.split import parse_edge_layers
 
-__all__ = ["add_token_file", "edge_layers", "read_token_file"]
+__all__ = ["add_connection_limit_args", "add_token_file", "edge_layers", "read_token_file"]
 
 
 def read_token_file(path: Path | None) -> str | None:
@@ -31,6 +31,22 @@ def read_token_file(path: Path | None) -> str | None:
 def add_token_file(parser: argparse.ArgumentParser) -> None:
     """``--token-file F``: where the shared secret is (read with :func:`read_token_file`)."""
     parser.add_argument("--token-file", type=Path, help="file holding the shared secret")
+
+
+def add_connection_limit_args(parser: argparse.ArgumentParser) -> None:
+    """Flags bounding what a server's connections may cost (see transport.server.ConnectionLimits)."""
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a new connection has to complete its handshake before it is closed (default 10)",
+    )
+    parser.add_argument(
+        "--max-connections-per-address",
+        type=int,
+        default=32,
+        help="open connections allowed from one IP address (default 32)",
+    )
 
 
 def edge_layers(text: str) -> tuple[int, int]:

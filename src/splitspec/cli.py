@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from splitspec.arguments import add_token_file, edge_layers, read_token_file
+from splitspec.arguments import add_connection_limit_args, add_token_file, edge_layers, read_token_file
 from splitspec.exceptions import ConfigError, SplitspecError
 
 if TYPE_CHECKING:
@@ -87,6 +87,8 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         auth_token=read_token_file(args.token_file),
         session_ttl_s=args.session_ttl,
         max_sessions=args.max_sessions,
+        handshake_timeout_s=args.handshake_timeout,
+        max_connections_per_address=args.max_connections_per_address,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         dtype=args.dtype,
         torch_threads=args.threads,
@@ -106,6 +108,7 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks one)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session is dropped")
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (default 64)")
+    add_connection_limit_args(p)
     p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve wss:// (TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")

@@ -47,8 +47,9 @@ def test_refusal_echoes_well_typed_ids_only() -> None:
     assert refusal(BadTensor("x"), None, ready=True).seq is None
 
 
-def test_internal_error_is_never_fatal_and_round_trips() -> None:
-    error = internal_error(ValueError("boom"), _Request(seq=3))
+def test_internal_error_is_fatal_only_before_the_handshake_and_round_trips() -> None:
+    assert internal_error(ValueError("boom"), None, ready=False).fatal
+    error = internal_error(ValueError("boom"), _Request(seq=3), ready=True)
     assert (error.code, error.fatal, error.seq) == ("server_error", False, 3)
     assert "ValueError: boom" in error.message
     decoded = decode_message(encode_message(error))

@@ -47,7 +47,7 @@ from splitspec.protocol.messages import (
 )
 from splitspec.protocol.state import ServerConnection, TrunkIdentity
 from splitspec.transport.peer import MessagePeer
-from splitspec.transport.server import FrameServer, run_until_signalled, server_tls
+from splitspec.transport.server import ConnectionLimits, FrameServer, run_until_signalled, server_tls, warn_if_open
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,13 @@ class TrunkServer:
         elif config.auth_token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
             log.warning("the shared secret and all hidden states travel unencrypted: serve TLS (--tls-cert/--tls-key)")
         self.scheme = "ws" if tls is None else "wss"
-        self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes, tls)
+        limits = ConnectionLimits(
+            handshake_timeout_s=config.handshake_timeout_s,
+            max_unauthenticated=config.max_unauthenticated,
+            max_per_address=config.max_connections_per_address,
+            idle_timeout_s=config.session_ttl_s,  # a connection idle that long has lost its sessions anyway
+        )
+        self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes, tls, limits)
         self._sweeper: asyncio.Task[None] | None = None
         self._connection_ids = itertools.count()
 
@@ -108,6 +114,7 @@ class TrunkServer:
             self.identity.dtype,
             self.identity.fingerprint,
         )
+        warn_if_open(self.config.auth_token, self.url, "trunk server")
 
     async def stop(self) -> None:
         if self._sweeper is not None:
@@ -172,6 +179,11 @@ class TrunkServer:
         try:
             loop = asyncio.get_running_loop()
             out, cloud_ms = await loop.run_in_executor(self._executor, self._compute, step, cache)
+        except Exception:
+            # the cache command is applied and the compute may have half-run: the cache no longer
+            # matches anything the edge knows, so the session goes (the edge replays its history)
+            self.sessions.close(step.session_id, "its step failed")
+            raise
         finally:
             session.busy = False
             session.last_used = time.monotonic()

@@ -3,8 +3,10 @@
 :class:`SplitClient` is a :class:`~splitspec.decoding.generate.Verifier`: ``forward(tokens)``
 embeds the tokens, runs the edge's head layers, sends the hidden states to the cloud, runs the
 tail layers on what comes back and returns logits. It keeps the token ids behind every cache
-entry, so when the cloud loses the session (TTL expiry, restart) it reconnects, opens a new
-session and replays that history; the caller sees the same logits as if nothing had happened.
+entry, so when the cloud loses the session (TTL expiry, restart, a failed step) it reconnects,
+opens a new session and replays that history; the caller sees the same logits as if nothing had
+happened. A forward is all or nothing on the edge: if any of its chunks fails, the edge forgets
+the chunks that went through before recovering, so the retry never sends a token twice.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from splitspec.exceptions import (
     BadTensor,
     ConfigError,
     ProtocolError,
+    ServerError,
     TransportError,
     UnexpectedMessage,
     UnknownSession,
@@ -146,6 +149,7 @@ class SplitClient:
             client="splitspec-edge",
         )
         self.eos_token_ids = _eos_ids(ckpt.config.eos_token_id)
+        self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
         self.draft_model: FullModel | None = None
         if config.draft_model_dir is not None:
             draft_ckpt = Checkpoint(config.draft_model_dir)
@@ -165,6 +169,7 @@ class SplitClient:
         self._tokens: list[int] = []  # token id behind every committed cache entry
         self._digests: list[bytes] = []  # keyed prefix digest of every committed token (send noise only)
         self._command: CacheCommand | None = None  # rides on the next step
+        self._lost = False  # the cloud session is gone or unknown: recover before the next step
         self.steps: list[StepStats] = []
         self.recoveries = 0
         self._controller: SpeculationController | None = None  # kept across chat turns
@@ -299,14 +304,22 @@ class SplitClient:
         if len(parents) != len(tokens):
             raise ValueError("tokens and parents must have the same length")
         kind = "prefill" if len(tokens) > 1 and not self._tokens else "decode"
+        base = len(self._tokens)
         for attempt in range(self.config.max_recoveries + 1):
             try:
+                if self._lost:
+                    await self._recover()
                 return await self._forward_chunked(tokens, parents, kind)
-            except (UnknownSession, TransportError) as exc:
+            except (UnknownSession, TransportError, ServerError) as exc:
+                # the chunks of this forward that went through are forgotten: the retry sends them
+                # again, after the recovery replayed only what was committed before this forward.
+                # A server error leaves the cloud's cache unknown (its cache command may have been
+                # applied), so it too is recovered from on a fresh session.
+                self._tokens = self._tokens[:base]
+                self._lost = True  # this attempt, or the next forward, starts with a recovery
                 if attempt == self.config.max_recoveries:
                     raise
-                log.warning("lost the cloud session (%s); recovering by replaying %d tokens", exc, len(self._tokens))
-                await self._recover()
+                log.warning("lost the cloud session (%s); recovering by replaying %d tokens", exc, base)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _forward_chunked(self, tokens: list[int], parents: list[int], kind: str) -> torch.Tensor:
@@ -368,9 +381,13 @@ class SplitClient:
         return logits
 
     async def _recover(self) -> None:
-        """Reconnect if needed, open a fresh session and replay every committed token."""
+        """Reconnect if needed, open a fresh session and replay every committed token.
+
+        The history is kept whole until the replay succeeds: a replay that fails leaves the client
+        disconnected with its full history, so the next attempt replays all of it again.
+        """
         self.recoveries += 1
-        history = self._tokens
+        history = list(self._tokens)
         await self._drop_channel()
         deadline = time.monotonic() + self.config.reconnect_timeout_s
         delay = 0.05
@@ -386,7 +403,12 @@ class SplitClient:
         self._head_cache, self._tail_cache = KVCache(), KVCache()
         self._tokens, self._command, self._digests = [], None, []
         if history:
-            await self._forward_chunked(history, chain(len(history)), "replay")
+            try:
+                await self._forward_chunked(history, chain(len(history)), "replay")
+            except BaseException:
+                self._tokens = history
+                raise
+        self._lost = False
 
     # -- generation ------------------------------------------------------------------------------
 
@@ -413,6 +435,7 @@ class SplitClient:
         params = params or SamplingParams()
         if generator is None:
             generator, _ = params.generator()
+        max_new_tokens = self._tokens_that_fit(len(prompt_ids) + (0 if fresh else len(self._tokens)), max_new_tokens)
         stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
         drafters = make_drafters(speculate, params, self.draft_model, generator)
         if not drafters:
@@ -431,6 +454,21 @@ class SplitClient:
             self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace, history
         ):
             yield token
+
+    def _tokens_that_fit(self, context: int, wanted: int) -> int:
+        """How many of ``wanted`` new tokens fit after ``context`` tokens in the model's positions.
+
+        The last token generated is never forwarded, so n tokens need context + n − 1 positions.
+        Generation stops at the limit (with a warning) instead of failing there and losing them.
+        """
+        room = self.max_positions - context + 1
+        if room < 1:
+            raise ConfigError(f"{context} tokens of context exceed the model's {self.max_positions} positions")
+        if wanted > room:
+            log.warning(
+                "generating %d tokens instead of %d: the model has %d positions", room, wanted, self.max_positions
+            )
+        return min(wanted, room)
 
     async def generate(
         self,

@@ -20,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from splitspec.arguments import add_token_file, read_token_file
+from splitspec.arguments import add_connection_limit_args, add_token_file, read_token_file
 from splitspec.exceptions import ConfigError
 from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET
 
@@ -47,6 +47,8 @@ def _run_worker(args: argparse.Namespace) -> int:
         auth_token=read_token_file(args.token_file),
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         max_sessions=args.max_sessions,
+        handshake_timeout_s=args.handshake_timeout,
+        max_connections_per_address=args.max_connections_per_address,
     )
     asyncio.run(serve_forever(config))
     return 0
@@ -127,6 +129,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_token_file(w)
     w.add_argument("--max-message-mb", type=int, default=64, help="largest message, MiB (default 64)")
     w.add_argument("--max-sessions", type=int, default=16, help="concurrent coordinator sessions (default 16)")
+    add_connection_limit_args(w)
     w.set_defaults(run=_run_worker)
 
     g = fed_sub.add_parser("generate", help="draft locally, verify against the workers' aggregate")

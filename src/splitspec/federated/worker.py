@@ -46,7 +46,7 @@ from splitspec.protocol.fed import (
 )
 from splitspec.protocol.state import HandshakeGate
 from splitspec.transport.peer import MessagePeer
-from splitspec.transport.server import FrameServer, run_until_signalled
+from splitspec.transport.server import ConnectionLimits, FrameServer, run_until_signalled, warn_if_open
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,10 @@ class WorkerConfig:
     max_message_bytes: int = 64 * 1024 * 1024  # largest frame accepted or sent, bytes
     max_query_tokens: int = 4096  # most tokens one FedScore may append, tokens
     max_sessions: int = 16  # concurrent connections (each holds a KV cache)
+    handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
+    max_unauthenticated: int = 64  # connections in their handshake at once, all addresses
+    max_connections_per_address: int = 32  # open connections from one IP address
+    idle_timeout_s: float = 300.0  # a session's connection silent this long is closed, seconds
     delay_s: float = 0.0  # artificial extra compute time per round, seconds (tests, demos)
 
 
@@ -75,7 +79,13 @@ class FedWorker:
             vocab_size=self.loaded.vocab_size, tokenizer_fingerprint=self.loaded.tokenizer_fingerprint
         )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fed-worker")
-        self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes)
+        limits = ConnectionLimits(
+            handshake_timeout_s=config.handshake_timeout_s,
+            max_unauthenticated=config.max_unauthenticated,
+            max_per_address=config.max_connections_per_address,
+            idle_timeout_s=config.idle_timeout_s,
+        )
+        self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes, limits=limits)
         self._connections = 0
         self.active: set[int] = set()  # connection ids past their handshake (each holds a cache)
         self.rounds_served = 0  # FedScore requests answered, all sessions
@@ -98,6 +108,7 @@ class FedWorker:
             self.identity.tokenizer_fingerprint,
             self.loaded.model_fingerprint,
         )
+        warn_if_open(self.config.auth_token, self.url, "fed worker")
 
     async def stop(self) -> None:
         await self._frames.stop()

@@ -20,13 +20,18 @@ __all__ = ["bool_field", "choice_field", "int_field", "number_field", "str_field
 Option = TypeVar("Option", bound=str)
 
 
-def int_field(header: dict[str, Any], key: str, *, minimum: int = 0, optional: bool = False) -> Any:
-    """An int >= ``minimum`` (bools refused); None when absent and ``optional``."""
+MAX_INT = 2**63 - 1  # largest integer any header field may hold
+
+
+def int_field(
+    header: dict[str, Any], key: str, *, minimum: int = 0, maximum: int = MAX_INT, optional: bool = False
+) -> Any:
+    """An int in [``minimum``, ``maximum``] (bools refused); None when absent and ``optional``."""
     value = header.get(key)
     if value is None and optional:
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise MalformedFrame(f"field {key!r} must be an int >= {minimum}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise MalformedFrame(f"field {key!r} must be an int in [{minimum}, {maximum}], got {value!r:.80}")
     return value
 
 
@@ -53,6 +58,11 @@ def str_field(header: dict[str, Any], key: str, *, optional: bool = False, max_l
         return None
     if not isinstance(value, str) or len(value) > max_len:
         raise MalformedFrame(f"field {key!r} must be a string of <= {max_len} chars, got {value!r:.80}")
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # JSON can spell a lone surrogate ("\ud800"); UTF-8 cannot
+            raise MalformedFrame(f"field {key!r} is not valid Unicode") from None
     return value
 
 

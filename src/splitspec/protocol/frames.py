@@ -111,6 +111,10 @@ def _descriptor(raw: object) -> tuple[str, torch.dtype, tuple[int, ...], int]:
     return name, torch_dtype, tuple(shape), nbytes
 
 
+def _refuse_constant(name: str) -> Any:
+    raise MalformedFrame(f"header holds {name}, which is not JSON")
+
+
 def _parse_header(data: bytes) -> tuple[dict[str, Any], int]:
     """Validate the prefix and parse the JSON header; return it and the payload offset."""
     if len(data) < PREFIX_SIZE:
@@ -123,18 +127,25 @@ def _parse_header(data: bytes) -> tuple[dict[str, Any], int]:
     if header_len > MAX_HEADER_BYTES or PREFIX_SIZE + header_len > len(data):
         raise MalformedFrame(f"header length {header_len} does not fit the frame")
     try:
-        header = json.loads(bytes(data[PREFIX_SIZE : PREFIX_SIZE + header_len]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise MalformedFrame(f"header is not UTF-8 JSON: {exc}") from None
+        header = json.loads(bytes(data[PREFIX_SIZE : PREFIX_SIZE + header_len]), parse_constant=_refuse_constant)
+    except RecursionError:
+        raise MalformedFrame("header JSON is nested too deeply") from None
+    except ValueError as exc:  # not UTF-8, not JSON, or an integer of more than 4,300 digits
+        raise MalformedFrame(f"header is not UTF-8 JSON: {str(exc)[:200]}") from None
     if not isinstance(header, dict):
         raise MalformedFrame("header is not a JSON object")
     return header, PREFIX_SIZE + header_len
 
 
+def peek_header(data: bytes) -> dict[str, Any]:
+    """A frame's validated header (its ``tensors`` list included), reading no payload byte."""
+    header, _ = _parse_header(data)
+    return header
+
+
 def peek_type(data: bytes) -> str | None:
     """The message type named by a frame's header, reading no payload byte."""
-    header, _ = _parse_header(data)
-    kind = header.get("type")
+    kind = peek_header(data).get("type")
     return kind if isinstance(kind, str) else None
 
 
@@ -155,7 +166,7 @@ def decode_frame(data: bytes, *, max_bytes: int | None = None) -> Frame:
     for name, dtype, shape, nbytes in descriptors:
         if name in tensors:
             raise MalformedFrame(f"tensor {name!r} appears twice")
-        buf = bytearray(data[offset : offset + nbytes])
+        buf = bytearray(memoryview(data)[offset : offset + nbytes])  # one copy, writable for torch
         offset += nbytes
         flat = torch.frombuffer(buf, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
         tensors[name] = flat.reshape(shape)

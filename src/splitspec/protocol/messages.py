@@ -30,6 +30,7 @@ from splitspec.protocol.fields import int_field, number_field, str_field, tensor
 from splitspec.protocol.frames import Frame, decode_frame, encode_frame
 
 MAX_ID_LEN = 128
+MAX_ERROR_CHARS = 4096  # longest error message a peer accepts, characters
 
 
 @dataclass(frozen=True)
@@ -295,7 +296,7 @@ class Error:
         h = frame.header
         return cls(
             code=str_field(h, "code", max_len=64),
-            message=str_field(h, "message"),
+            message=str_field(h, "message", max_len=MAX_ERROR_CHARS),
             session_id=str_field(h, "session_id", optional=True, max_len=MAX_ID_LEN),
             seq=int_field(h, "seq", optional=True),
             fatal=bool(h.get("fatal", False)),

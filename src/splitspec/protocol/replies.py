@@ -7,20 +7,31 @@ frame fails:
   :class:`~splitspec.protocol.messages.Error` with the exception's wire code; it is *fatal* (the
   server closes the connection after sending it) when it is an authentication or handshake
   failure, or when the connection has not completed its handshake yet;
-* any other exception is a bug of ours: it is reported as ``server_error`` and is never fatal,
-  so one failed step does not cost the peer its session.
+* any other exception is a bug of ours: it is reported as ``server_error``; past the handshake
+  it is never fatal, so one failed step does not cost the peer its session.
 
 The reply echoes the request's ``seq`` and ``session_id`` when the request was decoded far
-enough to have them. Logging and encoding stay with the caller (each server has its own message
-family and log wording).
+enough to have them. Its message is cut to :data:`MAX_ECHO_CHARS` characters: an error's text may
+quote what the peer sent, and a reply must stay readable by a peer's decoder. Logging and
+encoding stay with the caller (each server has its own message family and log wording).
 """
 
 from __future__ import annotations
 
 from splitspec.exceptions import AuthenticationFailed, HandshakeMismatch, ProtocolError, ServerError
-from splitspec.protocol.messages import Error
+from splitspec.protocol.messages import MAX_ERROR_CHARS, Error
 
-__all__ = ["internal_error", "is_fatal", "refusal"]
+__all__ = ["MAX_ECHO_CHARS", "internal_error", "is_fatal", "refusal", "truncated"]
+
+MAX_ECHO_CHARS = min(1024, MAX_ERROR_CHARS)  # longest error text a server sends or logs, characters
+
+
+def truncated(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    note = f"... ({len(text) - limit} more characters)"
+    return text[: limit - len(note)] + note
 
 
 def is_fatal(exc: ProtocolError, *, ready: bool) -> bool:
@@ -41,11 +52,14 @@ def _echo(request: object | None) -> tuple[str | None, int | None]:
 def refusal(exc: ProtocolError, request: object | None, *, ready: bool) -> Error:
     """The Error reply refusing ``request`` (None when it could not be decoded) because of ``exc``."""
     session_id, seq = _echo(request)
-    return Error(code=exc.code, message=str(exc), session_id=session_id, seq=seq, fatal=is_fatal(exc, ready=ready))
+    return Error(
+        code=exc.code, message=truncated(str(exc)), session_id=session_id, seq=seq, fatal=is_fatal(exc, ready=ready)
+    )
 
 
-def internal_error(exc: BaseException, request: object | None) -> Error:
-    """The non-fatal ``server_error`` reply for a failure of our own while serving ``request``."""
+def internal_error(exc: BaseException, request: object | None, *, ready: bool) -> Error:
+    """The ``server_error`` reply for a failure of our own while serving ``request``: never fatal
+    past the handshake (one failed step does not cost a session), always fatal before it."""
     session_id, seq = _echo(request)
-    error = ServerError(f"{type(exc).__name__}: {exc}")
-    return Error(code=error.code, message=str(error), session_id=session_id, seq=seq, fatal=False)
+    error = ServerError(truncated(f"{type(exc).__name__}: {exc}"))
+    return Error(code=error.code, message=str(error), session_id=session_id, seq=seq, fatal=not ready)

@@ -2,8 +2,9 @@
 
 :class:`HandshakeGate` decides, from a frame's header alone, whether the frame may be decoded at
 all: before a successful hello (the trunk's :class:`Hello`, the worker's ``FedHello``) nothing but
-a hello is read, so a client without the shared secret is refused before a single tensor byte is
-parsed; after it, a second hello is refused. :class:`ServerConnection` is the trunk server's gate
+a hello is read, and its shared secret is checked from its header before the frame is decoded, so
+a client without the secret is refused before a single tensor byte is parsed; after it, a second
+hello is refused. :class:`ServerConnection` is the trunk server's gate
 with the identity its Hello must match.
 """
 
@@ -17,7 +18,7 @@ from splitspec.exceptions import (
     HandshakeMismatch,
     UnexpectedMessage,
 )
-from splitspec.protocol.frames import peek_type
+from splitspec.protocol.frames import peek_header
 from splitspec.protocol.messages import Hello
 
 
@@ -32,10 +33,14 @@ class TrunkIdentity:
     hidden_size: int  # elements per hidden state
 
 
-def check_secret(presented: str | None, expected: str | None) -> None:
-    """Refuse a hello without the shared secret ``expected`` (constant-time compare); None: no secret set."""
+def check_secret(presented: object, expected: str | None) -> None:
+    """Refuse a hello without the shared secret ``expected`` (constant-time compare); None: no secret set.
+
+    ``presented`` is whatever the peer's header holds, of any type (a lone surrogate included).
+    """
     if expected is not None and not (
-        presented is not None and hmac.compare_digest(presented.encode(), expected.encode())
+        isinstance(presented, str)
+        and hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), expected.encode())
     ):
         raise AuthenticationFailed("missing or wrong shared secret")
 
@@ -56,11 +61,15 @@ class HandshakeGate:
         """
         if self.ready:
             return
-        kind = peek_type(data)
+        header = peek_header(data)
+        kind = header.get("type")
         if kind != self.hello_type:
             if self._auth_token is not None:
                 raise AuthenticationFailed(f"authenticate with a {self.hello_type} before anything else")
-            raise UnexpectedMessage(f"expected a {self.hello_type} first, got {kind!r}")
+            raise UnexpectedMessage(f"expected a {self.hello_type} first, got {kind!r:.80}")
+        check_secret(header.get("auth_token"), self._auth_token)  # from the header: nothing decoded yet
+        if header.get("tensors"):
+            raise UnexpectedMessage(f"a {self.hello_type} carries no tensors")
 
     def begin_hello(self, presented_token: str | None) -> None:
         """First checks of a decoded hello: not a second one, and the right shared secret."""

@@ -17,6 +17,7 @@ from splitspec.exceptions import ProtocolError
 from splitspec.protocol.messages import Error
 from splitspec.protocol.replies import internal_error, refusal
 from splitspec.protocol.state import HandshakeGate
+from splitspec.transport.server import LogBudget
 
 M = TypeVar("M")  # the message family a server speaks
 
@@ -31,6 +32,12 @@ class MessagePeer(ABC, Generic[M]):
         self.conn_id = conn_id
         self.remote = remote
         self._log = logging.getLogger(type(self).__module__)
+        self.log_budget = LogBudget()  # one connection's refusals cost a bounded number of log lines
+
+    @property
+    def ready(self) -> bool:
+        """The connection has completed its handshake."""
+        return self.gate.ready
 
     @abstractmethod
     def decode(self, data: bytes) -> M:
@@ -57,8 +64,15 @@ class MessagePeer(ABC, Generic[M]):
             return self.encode(await self.dispatch(message)), False
         except ProtocolError as exc:
             error = refusal(exc, message, ready=self.gate.ready)
-            self._log.info("%s %d (%s): refused %s: %s", self.label, self.conn_id, self.remote, exc.code, exc)
+            if self.log_budget.take():
+                self._log.info(
+                    "%s %d (%s): refused %s: %s (%d more refusals not logged)",
+                    *(self.label, self.conn_id, self.remote, exc.code, error.message, self.log_budget.skipped()),
+                )
             return self.encode(error), error.fatal
-        except Exception as exc:  # a bug of ours: report it, keep serving
-            self._log.exception("%s %d: request failed", self.label, self.conn_id)
-            return self.encode(internal_error(exc, message)), False
+        except Exception as exc:  # a bug of ours: report it, keep serving (closing before the handshake)
+            if self.log_budget.take():
+                skipped = self.log_budget.skipped()
+                self._log.exception("%s %d: request failed (%d more not logged)", self.label, self.conn_id, skipped)
+            error = internal_error(exc, message, ready=self.gate.ready)
+            return self.encode(error), error.fatal

@@ -1,4 +1,12 @@
-"""Server side: accept WebSocket connections and hand each binary frame to a per-connection peer."""
+"""Server side: accept WebSocket connections and hand each binary frame to a per-connection peer.
+
+What a connection may cost before it proves who it is is bounded here, in the transport, for every
+splitspec server (:class:`ConnectionLimits`): until its peer reports the handshake done, the
+WebSocket layer refuses any frame above a Hello's size (so nothing bigger is ever buffered), the
+connection must finish its handshake within a deadline, and only so many connections may be in
+their handshake at once and open from one address. After the handshake the frame cap is raised to
+the server's message cap, and a connection silent for longer than the idle timeout is closed.
+"""
 
 from __future__ import annotations
 
@@ -7,25 +15,53 @@ import contextlib
 import logging
 import signal
 import ssl
+import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import CloseCode
 
 from splitspec.exceptions import ConfigError
+from splitspec.protocol.frames import MAX_HEADER_BYTES, PREFIX_SIZE
 from splitspec.transport.client import websocket_max_size
 
 log = logging.getLogger(__name__)
 
 
 class Peer(Protocol):
-    """Per-connection logic. ``handle`` returns the reply frame and whether to close afterwards."""
+    """Per-connection logic. ``handle`` returns the reply frame and whether to close afterwards;
+    ``ready`` turns true once the peer has accepted the connection's handshake."""
+
+    @property
+    def ready(self) -> bool: ...
 
     async def handle(self, data: bytes) -> tuple[bytes, bool]: ...
 
     async def closed(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one connection may cost a server, before and after its handshake."""
+
+    handshake_max_bytes: int = PREFIX_SIZE + MAX_HEADER_BYTES  # largest frame before the handshake, bytes
+    handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
+    max_unauthenticated: int = 64  # connections still in their handshake, all addresses together
+    max_per_address: int = 32  # open connections from one IP address
+    idle_timeout_s: float | None = None  # close a connection past its handshake silent this long; None = never
+
+    def __post_init__(self) -> None:
+        if self.handshake_max_bytes < PREFIX_SIZE or self.handshake_timeout_s <= 0:
+            raise ConfigError("the handshake frame cap and deadline must be positive")
+        if self.max_unauthenticated < 1 or self.max_per_address < 1:
+            raise ConfigError("connection limits must be at least 1")
+        if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
+            raise ConfigError("the idle timeout must be positive (or None)")
 
 
 class FrameServer:
@@ -38,20 +74,29 @@ class FrameServer:
         port: int,
         max_message_bytes: int,
         ssl_context: ssl.SSLContext | None = None,
+        limits: ConnectionLimits | None = None,
     ) -> None:
         self._factory = peer_factory
         self._ssl = ssl_context
         self._host = host
         self._port = port
         self._max = max_message_bytes
+        self.limits = limits or ConnectionLimits()
         self._server: Server | None = None
+        self._per_address: Counter[str] = Counter()  # open connections by remote IP
+        self.unauthenticated = 0  # connections still in their handshake
+
+    @property
+    def connections(self) -> int:
+        """Open connections, all addresses."""
+        return sum(self._per_address.values())
 
     async def start(self) -> None:
         self._server = await serve(
             self._serve_connection,
             self._host,
             self._port,
-            max_size=websocket_max_size(self._max),
+            max_size=self.limits.handshake_max_bytes,  # raised per connection after its handshake
             compression=None,
             ping_interval=20,
             ping_timeout=60,
@@ -72,20 +117,93 @@ class FrameServer:
             self._server = None
 
     async def _serve_connection(self, ws: ServerConnection) -> None:
+        address = str(ws.remote_address[0]) if ws.remote_address else "?"
         remote = "{}:{}".format(*ws.remote_address[:2]) if ws.remote_address else "?"
+        limits = self.limits
+        if self._per_address[address] >= limits.max_per_address:
+            log.info("refused a connection from %s: %d already open", remote, self._per_address[address])
+            await ws.close(CloseCode.TRY_AGAIN_LATER, "too many connections from your address")
+            return
+        if self.unauthenticated >= limits.max_unauthenticated:
+            log.info("refused a connection from %s: %d handshakes in progress", remote, self.unauthenticated)
+            await ws.close(CloseCode.TRY_AGAIN_LATER, "too many connections in their handshake")
+            return
+        self._per_address[address] += 1
+        self.unauthenticated += 1
+        authenticated = False
         peer = self._factory(remote)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.handshake_timeout_s
         try:
-            async for data in ws:
+            while True:
+                if not authenticated and peer.ready:
+                    authenticated = True
+                    self.unauthenticated -= 1
+                    ws.protocol.max_message_size = websocket_max_size(self._max)
+                timeout = limits.idle_timeout_s if authenticated else deadline - loop.time()
+                try:
+                    data = await asyncio.wait_for(ws.recv(), timeout)
+                except TimeoutError:
+                    why = "idle" if authenticated else "no handshake"
+                    log.info("closing connection %s: %s within %.1f s", remote, why, timeout or 0.0)
+                    await ws.close(CloseCode.POLICY_VIOLATION, f"{why} within the deadline")
+                    break
                 raw = data if isinstance(data, bytes) else data.encode()
                 reply, close = await peer.handle(raw)
                 await ws.send(reply)
                 if close:
-                    await ws.close(code=1008, reason="refused")
+                    await ws.close(CloseCode.POLICY_VIOLATION, "refused")
                     break
         except ConnectionClosed:
             pass
         finally:
+            if not authenticated:
+                self.unauthenticated -= 1
+            self._per_address[address] -= 1
+            if not self._per_address[address]:
+                del self._per_address[address]
             await peer.closed()
+
+
+class LogBudget:
+    """A per-connection log throttle (token bucket): ``burst`` lines at once, then ``per_s`` a second.
+
+    One connection sending thousands of bad frames a second must not fill the server's log.
+    """
+
+    def __init__(self, burst: int = 10, per_s: float = 1.0) -> None:
+        self.burst = burst
+        self.per_s = per_s
+        self._tokens = float(burst)
+        self._last = time.monotonic()
+        self.suppressed = 0  # lines skipped since the last one logged
+
+    def take(self) -> bool:
+        """Whether to log this line; when not, it is counted in :attr:`suppressed`."""
+        now = time.monotonic()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._last) * self.per_s)
+        self._last = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        self.suppressed += 1
+        return False
+
+    def skipped(self) -> int:
+        """Lines skipped since the last call (to report alongside the next line logged)."""
+        count, self.suppressed = self.suppressed, 0
+        return count
+
+
+def warn_if_open(auth_token: str | None, url: str, name: str) -> None:
+    """Say loudly, at start-up, that a server without a shared secret serves anyone who reaches it."""
+    if auth_token is None:
+        log.warning(
+            "%s on %s requires NO authentication: anyone who can reach this address can use it "
+            "(give it a shared secret with --token-file)",
+            name,
+            url,
+        )
 
 
 def server_tls(cert_file: Path, key_file: Path) -> ssl.SSLContext:

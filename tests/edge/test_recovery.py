@@ -1,0 +1,135 @@
+"""Issue #12 item 8: recovery bugs of the split client, each proven on a real server first.
+
+Failures are injected at chosen Step requests: the n-th Step sent by any channel either loses the
+connection (a transport failure) or, on the server, fails its compute after the cache command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.server import TrunkServer
+from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.exceptions import TransportError
+from splitspec.models.kv_cache import KVCache
+from splitspec.protocol.messages import Message, Step
+from splitspec.transport.client import Channel, Exchange
+from tests.conftest import local_greedy
+from tests.e2e.test_split_generate import PROMPT
+
+LONG_PROMPT = random.Random(5).choices(range(3, 96), k=300)
+SMALL_CAP = 20_000  # (20,000 − 2,048) // (64 · 4 + 16) = 66-token chunks: a 300-token prompt is 5 steps
+
+
+@pytest.fixture
+def fail_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
+    """Step requests (numbered from 1, all channels) that lose their connection instead of an answer."""
+    failing: set[int] = set()
+    count = 0
+    request = Channel.request
+
+    async def flaky(self: Channel, message: Message, timeout_s: float) -> tuple[Message, Exchange]:
+        nonlocal count
+        if isinstance(message, Step):
+            count += 1
+            if count in failing:
+                await self.close()
+                raise TransportError(f"injected failure of step {count}")
+        return await request(self, message, timeout_s)
+
+    monkeypatch.setattr(Channel, "request", flaky)
+    yield failing
+
+
+def _edge(model: Path, server: TrunkServer, **kw: object) -> EdgeConfig:
+    return EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, **kw)  # type: ignore[arg-type]
+
+
+async def _only_session_length(server: TrunkServer) -> int:
+    for _ in range(200):  # the dropped connection's session goes once its handler notices
+        if len(server.sessions) == 1:
+            break
+        await asyncio.sleep(0.01)
+    (session,) = server.sessions._sessions.values()
+    return len(session.cache)
+
+
+async def test_a_failure_between_prefill_chunks_does_not_duplicate_them(
+    make_checkpoint: Callable[..., Path], fail_steps: set[int]
+) -> None:
+    model = make_checkpoint("llama")
+    fail_steps.add(2)  # the second of the five prefill chunks
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        async with SplitClient(_edge(model, server, max_message_bytes=SMALL_CAP)) as client:
+            assert client.chunk_tokens == 66
+            result = await client.generate(LONG_PROMPT, 8)
+            cached = await _only_session_length(server)
+    assert result.recoveries == 1
+    assert cached == len(LONG_PROMPT) + 8 - 1  # was 376 + 7 with the committed chunks sent twice
+    assert result.token_ids == local_greedy(model, LONG_PROMPT, 8)
+
+
+async def test_a_failed_replay_keeps_the_whole_history(
+    make_checkpoint: Callable[..., Path], fail_steps: set[int]
+) -> None:
+    """The decode step after the prefill fails, then the second chunk of its replay fails too:
+    the next attempt must replay all 301 tokens, not the 66 the broken replay got through."""
+    model = make_checkpoint("llama")
+    fail_steps.update({7, 9})  # prefill is steps 1-5, step 6 decodes; 7 fails; 8-12 replay, 9 fails
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        async with SplitClient(_edge(model, server, max_message_bytes=SMALL_CAP)) as client:
+            result = await client.generate(LONG_PROMPT, 6)
+            cached = await _only_session_length(server)
+    assert result.recoveries == 2
+    assert cached == len(LONG_PROMPT) + 6 - 1
+    assert result.token_ids == local_greedy(model, LONG_PROMPT, 6)
+
+
+async def test_a_server_error_after_the_cache_command_is_recovered(make_checkpoint: Callable[..., Path]) -> None:
+    """The trunk fails a step whose keep_last it had already applied: the edge used to resend the
+    command and be refused for good (PositionOutOfRange), wedging the session."""
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        compute = server._compute
+        injected: list[str] = []
+
+        def failing(step: Step, cache: KVCache) -> tuple[torch.Tensor, float]:
+            if not injected and step.cache is not None and step.cache.keep_last is not None:
+                injected.append(step.session_id)
+                raise RuntimeError("injected trunk failure")
+            return compute(step, cache)
+
+        server._compute = failing  # type: ignore[method-assign]
+        async with SplitClient(_edge(model, server)) as client:
+            client.reset()
+            await client.forward(PROMPT)
+            await client.forward([20, 21, 22])  # a draft of three
+            client.keep([0, 1])  # two accepted: the command rides on the next step
+            recovered = await client.forward([23])
+            after = await client.forward([24])  # and the session carries on (a chat's next turn)
+        assert injected and injected[0] not in server.sessions._sessions  # the broken session is gone
+        assert client.recoveries == 1
+        async with SplitClient(_edge(model, server)) as clean:
+            clean.reset()
+            expected = await clean.forward([*PROMPT, 20, 21, 23, 24])
+    torch.testing.assert_close(recovered[-1], expected[-2])
+    torch.testing.assert_close(after[-1], expected[-1])
+
+
+async def test_generation_stops_at_the_models_last_position(make_checkpoint: Callable[..., Path]) -> None:
+    """The edge used to fail with PositionOutOfRange at the limit, losing every token it made."""
+    model = make_checkpoint("llama", max_positions=24)
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        async with SplitClient(_edge(model, server)) as client:
+            result = await client.generate(PROMPT, 40)
+            with pytest.raises(Exception, match="exceed the model's 24 positions"):
+                await client.generate(PROMPT * 3, 4)
+    assert len(result.token_ids) == 24 - len(PROMPT) + 1
+    assert result.token_ids == local_greedy(model, PROMPT, 24 - len(PROMPT) + 1)
