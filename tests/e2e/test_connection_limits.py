@@ -32,10 +32,13 @@ async def _raw(server: TrunkServer) -> ClientConnection:
 
 async def _closed_within(ws: ClientConnection, seconds: float) -> int | None:
     """Wait for the server to close ``ws``; return its close code (fails after ``seconds``)."""
+
+    async def drain() -> None:
+        while True:
+            await ws.recv()
+
     with pytest.raises(ConnectionClosed):
-        async with asyncio.timeout(seconds):
-            while True:
-                await ws.recv()
+        await asyncio.wait_for(drain(), seconds)
     return ws.close_code
 
 
@@ -123,7 +126,8 @@ async def test_an_unauthenticated_server_warns_at_start(
         async with TrunkServer(CloudConfig(model_dir=model, port=0, auth_token="s")):
             pass
     warnings = [r.getMessage() for r in caplog.records if "NO authentication" in r.getMessage()]
-    assert len(warnings) == 1 and "anyone" in warnings[0]
+    assert len(warnings) == 1
+    assert "anyone" in warnings[0]
 
 
 async def test_malformed_json_before_login_gets_a_typed_error_and_a_close(
@@ -142,9 +146,12 @@ async def test_malformed_json_before_login_gets_a_typed_error_and_a_close(
         ws = await _raw(server)
         with caplog.at_level(logging.INFO):
             await ws.send(frame)
-            reply = decode_message(await ws.recv())
+            raw = await ws.recv()
+            assert isinstance(raw, bytes)
+            reply = decode_message(raw)
             assert await _closed_within(ws, 5) == CloseCode.POLICY_VIOLATION
-    assert isinstance(reply, Error) and (reply.code, reply.fatal) == ("malformed_frame", True)
+    assert isinstance(reply, Error)
+    assert (reply.code, reply.fatal) == ("malformed_frame", True)
     assert not [r for r in caplog.records if r.exc_info]  # no traceback logged
 
 

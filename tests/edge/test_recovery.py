@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +29,7 @@ SMALL_CAP = 20_000  # (20,000 − 2,048) // (64 · 4 + 16) = 66-token chunks: a 
 
 
 @pytest.fixture
-def fail_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
+def fail_steps(monkeypatch: pytest.MonkeyPatch) -> set[int]:
     """Step requests (numbered from 1, all channels) that lose their connection instead of an answer."""
     failing: set[int] = set()
     count = 0
@@ -45,7 +45,7 @@ def fail_steps(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[int]]:
         return await request(self, message, timeout_s)
 
     monkeypatch.setattr(Channel, "request", flaky)
-    yield failing
+    return failing
 
 
 def _edge(model: Path, server: TrunkServer, **kw: object) -> EdgeConfig:
@@ -114,7 +114,8 @@ async def test_a_server_error_after_the_cache_command_is_recovered(make_checkpoi
             client.keep([0, 1])  # two accepted: the command rides on the next step
             recovered = await client.forward([23])
             after = await client.forward([24])  # and the session carries on (a chat's next turn)
-        assert injected and injected[0] not in server.sessions._sessions  # the broken session is gone
+        assert injected
+        assert injected[0] not in server.sessions._sessions
         assert client.recoveries == 1
         async with SplitClient(_edge(model, server)) as clean:
             clean.reset()

@@ -182,6 +182,7 @@ _VALUES = [(_f32(0.5), 32), (_f32(0.25), 32)]
         (_stream((2, 2), (0, 4), (0, 16), (0, 5), (0, 3), (15, 4)), 1, "outside the vocabulary"),  # EG_0: id 14
         (_stream((2, 2), (0, 4), (0, 16), (0, 5), (0, 60)), 1, "over-long code"),
         (_stream((2, 2), (0, 4), (0, 16), (0, 5), (1, 4)), 1, "ends inside the ids"),  # "0001" needs 3 more bits
+        (_stream((2, 2), (9, 4), (0, 16), (5, 5)), 1, "ends inside the ids"),  # 10 codes of >= 6 bits: no room
         (_stream(*_HEAD, (_f32(0.5), 32)), 1, "ends inside the values"),
         (_stream(*_HEAD, *_VALUES), 2, "ends inside"),  # a second position is missing
         (_stream(*_HEAD, *_VALUES, (0, 8)), 1, "trailing bytes"),

@@ -87,6 +87,8 @@ def test_error_replies_echoing_long_input_stay_readable(make: object) -> None:
     """A refusal quoting 100,000 characters of attacker input is cut so the client decodes it (item 7)."""
     exc = BadTensor("x" * 100_000)
     error = make(exc, None, ready=True)  # type: ignore[operator]
-    assert len(error.message) <= MAX_ECHO_CHARS and "more characters" in error.message
+    assert len(error.message) <= MAX_ECHO_CHARS
+    assert "more characters" in error.message
     back = decode_message(encode_message(error))
-    assert isinstance(back, Error) and back.message == error.message
+    assert isinstance(back, Error)
+    assert back.message == error.message
