@@ -278,7 +278,8 @@ def decode_topk(data: bytes, positions: int, vocab_size: int, max_k: int | None 
         else:
             float_type, uint_type = _RAW_FLOATS[codec]
             raw = reader.raw(k, 8 * np.dtype(float_type).itemsize, "the values")
-            values = raw.astype(uint_type).view(float_type).astype(np.float64)
+            with np.errstate(invalid="ignore"):  # NaN bit patterns are refused just below
+                values = raw.astype(uint_type).view(float_type).astype(np.float64)
         if not np.isfinite(values).all() or (values < 0).any() or (values > upper).any():
             raise BadTensor(f"position {j}: top-K probabilities must be finite and in [0, 1]")
         # ‖p − p̃‖₁ <= ε and Σp = 1 imply |Σp̃ − 1| <= ε: a reply breaking it misreports ε
