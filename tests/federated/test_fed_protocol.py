@@ -85,6 +85,8 @@ def test_round_trips() -> None:
         ({"quant_budget": 0.9}, MalformedFrame),
         ({"audit": "yes"}, MalformedFrame),
         ({"keep": -1}, MalformedFrame),
+        ({"seq": 2**32}, MalformedFrame),  # #12 item 6: used to fail packing the reply after the compute
+        ({"k": None, "target_epsilon": 1.0}, MalformedFrame),  # #12 item 6: passed here, failed the policy
         ({"tokens": torch.tensor([5, 6, 7], dtype=torch.int64)}, BadTensor),
         ({"tokens": torch.zeros(0, dtype=torch.int32), "num_scored": 1}, BadTensor),
     ],

@@ -68,6 +68,7 @@ EPSILON_SCOPES: tuple[EpsilonScope, ...] = get_args(EpsilonScope)
 DEFAULT_QUANT_BUDGET = 0.05  # ρ: quantization error allowed per position, as a fraction of its tail mass
 MAX_QUANT_BUDGET = 0.5  # largest quantization budget ρ a coordinator may ask for
 SCORES_MAGIC = b"SPFS"
+MAX_SEQ = 0xFFFFFFFF  # a round counter travels as uint32 in FedScores
 _SCORES_HEAD = struct.Struct(">4sHIHIIBI")  # magic, version, seq, positions, vocab, worker µs, flags, S
 SCORES_HEADER_SIZE = _SCORES_HEAD.size  # 25 bytes
 _AUDIT_FLAG = 1
@@ -186,20 +187,22 @@ class FedScore:
         tokens = tensor_field(frame, "tokens", torch.int32)
         if tokens.dim() != 1 or tokens.numel() < 1:
             raise BadTensor(f"tokens must have shape (n>=1,), got {tuple(tokens.shape)}")
-        num_scored = int_field(h, "num_scored", minimum=1)
+        num_scored = int_field(h, "num_scored", minimum=1, maximum=0xFFFF)  # uint16 in the reply
         if num_scored > tokens.numel():
             raise BadTensor(f"cannot score {num_scored} positions of {tokens.numel()} new tokens")
         k = int_field(h, "k", minimum=1, optional=True)
         target_epsilon = number_field(h, "target_epsilon", optional=True, upper=1.0)
         if (k is None) == (target_epsilon is None):
             raise MalformedFrame("give exactly one of 'k' and 'target_epsilon'")
+        if target_epsilon is not None and target_epsilon >= 1.0:  # the top-K policy's own limit
+            raise MalformedFrame(f"target_epsilon must be in [0, 1), got {target_epsilon}")
         prob_codec = choice_field(h, "prob_codec", VALUE_CODECS)
         scope = choice_field(h, "epsilon_scope", EPSILON_SCOPES)
         quant_budget = number_field(h, "quant_budget", upper=MAX_QUANT_BUDGET)
         if quant_budget <= 0:
             raise MalformedFrame("quant_budget must be positive")
         return cls(
-            seq=int_field(h, "seq"),
+            seq=int_field(h, "seq", maximum=MAX_SEQ),  # checked here, not when the reply is packed
             keep=int_field(h, "keep"),
             tokens=tokens,
             num_scored=num_scored,
