@@ -64,7 +64,16 @@ def family(setting: str) -> str:
 
 def pooled(points: list[dict[str, Any]], side: str, tier: str) -> dict[str, Any] | None:
     """Best-of-tier top-1 recovery pooled over seeds (sum of hits / sum of tokens, Wilson 95%)."""
-    entries = [p["sides"][side]["best"].get(tier) for p in points]
+    # an attacker of a tier knows everything the lower tiers know: its best is the best of them all
+    allowed = TIERS[: TIERS.index(tier) + 1]
+    entries = [
+        max(
+            (p["sides"][side]["best"][t] for t in allowed if t in p["sides"][side]["best"]),
+            key=lambda e: float(e["rate"]),
+            default=None,
+        )
+        for p in points
+    ]
     if any(e is None for e in entries) or not entries:
         return None
     s = sum(int(e["successes"]) for e in entries if e)
@@ -168,7 +177,8 @@ def render(points: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path | N
         "Rates pool the seeds' test tokens (Wilson 95%); `- stock` is the paired document-clustered bootstrap "
         "95% interval of (this point's strongest attacker of the tier) minus (the strongest attacker on the "
         "stock edge), one per seed. The strongest attacker of a tier is chosen per point on the test tokens "
-        "(a choice that favours the attacker).",
+        "(a choice that favours the attacker) among that tier's attackers and those of the tiers below it "
+        "(a T2 cloud can also run every T1 attack).",
         "",
         "## Threat model",
         "",

@@ -134,7 +134,8 @@ def _point(
         attackers = {a: {"top1": _rates(r == 1), "top5": _rates(r > 0)} for a, r in by_attacker.items()}
         best: dict[str, Any] = {}
         for tier in TIERS:
-            names = [a for a in by_attacker if _tier_of(a) == tier]
+            allowed = TIERS[: TIERS.index(tier) + 1]  # a tier can run every attack of the tiers below it
+            names = [a for a in by_attacker if _tier_of(a) in allowed]
             if not names:
                 continue
             name = max(names, key=lambda a: attackers[a]["top1"]["rate"])
