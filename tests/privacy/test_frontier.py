@@ -40,12 +40,14 @@ def test_frontier_points(make_checkpoint: Callable[..., Path], tmp_path: Path) -
     stock, _, defended = points
     assert stock["ppl_cost"] == 0.0
     assert defended["defence"]["noise_scale"] == 0.5
-    assert set(stock["sides"]["input"]["best"]) == {"T1"}
+    stock_best = stock["sides"]["input"]["best"]
+    assert stock_best["T1"] == stock_best["T2"] == stock_best["T3"]  # on stock weights nobody knows more than T1
     for side, expected in (("input", {"t1-mlp", "t1-search"}), ("output", {"t1-mlp", "t1-stock-tail"})):
         attackers = set(defended["sides"][side]["attackers"])
         assert attackers == expected | {"t2-selftrain", "t2-align", "t3-mlp"}
         best = defended["sides"][side]["best"]
         assert set(best) == {"T1", "T2", "T3"}
+        assert best["T1"]["rate"] <= best["T2"]["rate"] <= best["T3"]["rate"]  # tiers include the lower ones
         for entry in best.values():
             lo, hi = entry["wilson95"]
             assert lo <= entry["rate"] <= hi
