@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -152,15 +153,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
-def _add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
+def _add_edge_link_args(p: argparse.ArgumentParser) -> None:
     """Arguments of every edge-side command that talks to a trunk server."""
     _add_split_args(p)
     p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765 or wss://HOST:PORT")
     p.add_argument("--tls-ca", type=Path, help="PEM CA bundle to verify a wss:// server (default: system store)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help=f"{tokens_help} (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
-    p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
     p.add_argument(
         "--allow-stock-edge-weights",
         action="store_true",
@@ -170,10 +167,19 @@ def _add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
     add_speculation_args(p)
 
 
+def _add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
+    """The link arguments plus one generation's length and sampling."""
+    _add_edge_link_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=64, help=f"{tokens_help} (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
+
+
 def _edge_config(args: argparse.Namespace) -> EdgeConfig:
     from splitspec.edge import EdgeConfig
 
-    if args.max_new_tokens < 1:
+    if getattr(args, "max_new_tokens", 1) < 1:  # serve has no --max-new-tokens: requests say
         raise ConfigError("--max-new-tokens must be at least 1")
     set_threads(args.threads)
     return EdgeConfig(
@@ -298,6 +304,53 @@ def _register_privacy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     register(sub)
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    from splitspec.serve.config import ServeConfig
+    from splitspec.serve.server import serve_forever
+
+    edge = dataclasses.replace(_edge_config(args), reconnect_timeout_s=args.reconnect_timeout)
+    config = ServeConfig(
+        edge=edge,
+        served_model_name=args.served_model_name or args.model.resolve().name,
+        host=args.host,
+        port=args.port,
+        api_key=read_token_file(args.api_key_file),
+        speculate=args.speculate,
+        max_active=args.max_active,
+        queue_timeout_s=args.queue_timeout,
+        prefix_cache_entries=args.prefix_cache_size,
+        prefix_cache_bytes=args.prefix_cache_mb * 1024 * 1024,
+        chat_template=_read_text(args.chat_template),
+    )
+    asyncio.run(serve_forever(config, args.log_level.lower()))
+    return 0
+
+
+def _read_text(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+
+
+def _register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the edge (chat/completions, completions)")
+    _add_edge_link_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
+    p.add_argument("--api-key-file", type=Path, help="file holding the bearer key clients must send")
+    p.add_argument("--chat-template", type=Path, help="Jinja chat template for a tokenizer that has none")
+    p.add_argument("--max-active", type=int, default=8, help="requests generating at once, one cloud session each")
+    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request waits for a session, then 429")
+    p.add_argument("--prefix-cache-size", type=int, default=16, help="idle conversations kept for reuse (default 16)")
+    p.add_argument("--prefix-cache-mb", type=int, default=512, help="edge KV memory of kept conversations, MiB")
+    p.add_argument("--reconnect-timeout", type=float, default=10.0, help="seconds to retry a lost trunk before 503")
+    p.set_defaults(run=_run_serve)
+
+
 REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None]] = [
     _register_cloud,
     _register_generate,
@@ -307,6 +360,7 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     _register_bench,
     _register_fed,
     _register_privacy,
+    _register_serve,
 ]
 
 

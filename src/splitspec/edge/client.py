@@ -129,7 +129,16 @@ class GenerationResult:
 class SplitClient:
     """Edge side of split inference. Use as ``async with SplitClient(cfg) as client``."""
 
-    def __init__(self, config: EdgeConfig, edge: EdgeModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EdgeConfig,
+        edge: EdgeModel | None = None,
+        draft_model: FullModel | None = None,
+        controller: SpeculationController | None = None,
+    ) -> None:
+        """``edge``, ``draft_model`` and ``controller`` may be shared by many clients (a server's
+        pool): the models hold no per-sequence state, and the controller's estimates describe the
+        link and the model pair, not a sequence."""
         self.config = config
         ckpt = Checkpoint(config.model_dir)
         self.plan = SplitPlan(ckpt.config.num_hidden_layers, *config.edge_layers)
@@ -150,8 +159,8 @@ class SplitClient:
         )
         self.eos_token_ids = _eos_ids(ckpt.config.eos_token_id)
         self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
-        self.draft_model: FullModel | None = None
-        if config.draft_model_dir is not None:
+        self.draft_model: FullModel | None = draft_model
+        if draft_model is None and config.draft_model_dir is not None:
             draft_ckpt = Checkpoint(config.draft_model_dir)
             if draft_ckpt.config.vocab_size != ckpt.config.vocab_size:
                 raise ConfigError(
@@ -172,7 +181,7 @@ class SplitClient:
         self._lost = False  # the cloud session is gone or unknown: recover before the next step
         self.steps: list[StepStats] = []
         self.recoveries = 0
-        self._controller: SpeculationController | None = None  # kept across chat turns
+        self._controller = controller  # kept across chat turns
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -243,6 +252,11 @@ class SplitClient:
         return max(1, min(self._welcome.max_query_tokens, (cap - _HEADER_RESERVE) // per_token))
 
     # -- the verifier interface ------------------------------------------------------------------
+
+    @property
+    def edge_cache_bytes(self) -> int:
+        """Memory held by this sequence's edge KV caches (head and tail), bytes."""
+        return self._head_cache.nbytes + self._tail_cache.nbytes
 
     def reset(self) -> None:
         """Start a new sequence: the cloud cache is truncated on the next step."""

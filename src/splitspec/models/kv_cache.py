@@ -24,6 +24,12 @@ class KVCache:
     def __len__(self) -> int:
         return self._length
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the buffers (their capacity, not only the committed entries), bytes."""
+        buffers = [*self._keys.values(), *self._values.values()]
+        return sum(b.numel() * b.element_size() for b in buffers)
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append a step's keys/values (1, kv, q, d) for ``layer_idx``; return all (1, kv, T+q, d)."""
         q = key.shape[2]

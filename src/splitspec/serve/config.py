@@ -1,0 +1,36 @@
+"""Configuration of ``splitspec serve``, built once by the CLI (or a test) and never mutated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from splitspec.edge.config import EdgeConfig
+from splitspec.exceptions import ConfigError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    edge: EdgeConfig  # model, trunk URL, TLS, secret, edge layers, dtype, draft model
+    served_model_name: str  # the `model` id clients must send and /v1/models lists
+    host: str = "127.0.0.1"  # interface the HTTP server listens on
+    port: int = 8000  # TCP port of the HTTP server (0 picks one)
+    api_key: str | None = None  # bearer token clients must send; None = no authentication
+    speculate: str = "auto"  # --speculate mode used for every request
+    max_active: int = 8  # requests generating at once, each on its own cloud session
+    queue_timeout_s: float = 10.0  # a request waits this long for a free session, then gets 429
+    prefix_cache_entries: int = 16  # idle conversations kept (edge caches + cloud session)
+    prefix_cache_bytes: int = 512 * 1024 * 1024  # edge KV memory the idle conversations may hold, bytes
+    prefix_reuse: bool = True  # False: every request re-prefills its whole prompt (for comparison)
+    chat_template: str | None = None  # Jinja chat template overriding the tokenizer's, if any
+
+    def __post_init__(self) -> None:
+        if self.max_active < 1:
+            raise ConfigError(f"--max-active must be at least 1, got {self.max_active}")
+        if self.queue_timeout_s < 0:
+            raise ConfigError(f"--queue-timeout must be >= 0, got {self.queue_timeout_s}")
+        if self.prefix_cache_entries < 0:
+            raise ConfigError(f"--prefix-cache-size must be >= 0, got {self.prefix_cache_entries}")
+        if self.prefix_cache_bytes < 0:
+            raise ConfigError(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_bytes}")
+        if not self.served_model_name:
+            raise ConfigError("the served model name must not be empty")

@@ -1,0 +1,61 @@
+"""Prometheus metrics of the edge server (prometheus-client), one registry per app."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from splitspec.edge.client import StepStats
+
+_MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560)
+_S_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
+
+
+class ServeMetrics:
+    """What ``/metrics`` exposes; every name starts with ``splitspec_serve_``."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        p = "splitspec_serve_"
+        self.requests = Counter(p + "requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(p + "cached_prompt_tokens", "prompt tokens reused from a kept session", registry=r)
+        self.completion_tokens = Counter(p + "completion_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds", "request start to first token", buckets=_S_BUCKETS, registry=r
+        )
+        self.decode_rate = Histogram(
+            p + "decode_tokens_per_second",
+            "tokens after the first over the time after the first, per request",
+            buckets=(1, 2, 5, 10, 20, 40, 80, 160, 320, 640),
+            registry=r,
+        )
+        self.tokens_per_trip = Histogram(
+            p + "tokens_per_round_trip",
+            "tokens generated per decode round trip, per request",
+            buckets=(1, 1.25, 1.5, 2, 2.5, 3, 4, 6, 8, 12),
+            registry=r,
+        )
+        self.step_ms = Histogram(
+            p + "step_milliseconds", "per round trip: network, edge, cloud, serialization", ["part"],
+            buckets=_MS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.wire_bytes = Counter(p + "wire_bytes", "bytes to (up) / from (down) the trunk", ["direction"], registry=r)
+        self.round_trips = Counter(p + "round_trips", "steps sent to the trunk", ["kind"], registry=r)
+        self.recoveries = Counter(p + "recoveries", "lost cloud sessions recovered by replay", registry=r)
+        self.errors = Counter(p + "errors", "failed requests by error type", ["type"], registry=r)
+        self.active = Gauge(p + "sessions_active", "requests generating now", registry=r)
+        self.idle = Gauge(p + "sessions_idle", "idle sessions kept for prefix reuse", registry=r)
+
+    def observe_steps(self, steps: Sequence[StepStats]) -> None:
+        for s in steps:
+            self.round_trips.labels(s.kind).inc()
+            self.wire_bytes.labels("up").inc(s.bytes_up)
+            self.wire_bytes.labels("down").inc(s.bytes_down)
+            for part in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms"):
+                self.step_ms.labels(part.removesuffix("_ms")).observe(getattr(s, part))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""Idle sessions kept for reuse, in an LRU keyed by the token sequence their caches hold.
+
+A chat client resends the whole conversation every turn. The session whose cached tokens share
+the longest common prefix with the new prompt is taken and rewound to that prefix (the edge
+caches now, the cloud's on the next step), so only the new suffix crosses the WAN; an edited
+conversation keeps what still matches. Bounded by count and by edge KV memory; what falls out
+is returned to the caller, which closes its cloud session.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitspec.edge.client import SplitClient
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class Taken:
+    client: SplitClient
+    reused: int  # prompt tokens already in the client's caches (after the rewind)
+
+
+class PrefixCache:
+    """LRU of idle :class:`SplitClient`; most recently used last."""
+
+    def __init__(self, max_entries: int, max_edge_bytes: int) -> None:
+        self.max_entries = max_entries
+        self.max_edge_bytes = max_edge_bytes
+        self._idle: OrderedDict[int, SplitClient] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    @property
+    def edge_bytes(self) -> int:
+        return sum(c.edge_cache_bytes for c in self._idle.values())
+
+    def take(self, prompt: Sequence[int], reuse: bool = True) -> Taken | None:
+        """The idle session to run ``prompt`` on, rewound to what it can reuse; None: open a new one.
+
+        With ``reuse`` the longest match wins (ties: the most recent). Without a match, the least
+        recently used session is recycled from scratch when the cache is full (its connection is
+        kept; only its sequence is dropped). At least one prompt token is always left to run.
+        """
+        if not self._idle:
+            return None
+        best_key, best = None, 0
+        if reuse:
+            for key, client in reversed(self._idle.items()):
+                n = min(common_prefix(client.history, prompt), len(prompt) - 1)
+                if n > best:
+                    best_key, best = key, n
+        if best_key is None:
+            if reuse and len(self._idle) < self.max_entries:
+                return None
+            best_key = next(iter(self._idle))
+        client = self._idle.pop(best_key)
+        return Taken(client, client.rewind(best))
+
+    def put(self, client: SplitClient) -> list[SplitClient]:
+        """Keep ``client`` as the most recent entry; return the entries evicted to stay in bounds."""
+        self._idle[id(client)] = client
+        evicted = []
+        while self._idle and (len(self._idle) > self.max_entries or self.edge_bytes > self.max_edge_bytes):
+            evicted.append(self._idle.popitem(last=False)[1])
+        return evicted
+
+    def drain(self) -> list[SplitClient]:
+        """Remove and return every idle entry."""
+        out = list(self._idle.values())
+        self._idle.clear()
+        return out

@@ -1,0 +1,65 @@
+"""Running the app under uvicorn: ``serve_forever`` for the CLI, ``RunningServer`` for tests and
+benchmarks (an in-process server on a free port of the current event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import TracebackType
+
+import uvicorn
+
+from splitspec.serve.app import create_app
+from splitspec.serve.config import ServeConfig
+from splitspec.serve.state import ServeState
+
+log = logging.getLogger(__name__)
+
+
+def _uvicorn_config(config: ServeConfig, state: ServeState, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(create_app(state), host=config.host, port=config.port, log_level=log_level,
+                          access_log=False, lifespan="on")  # fmt: skip
+
+
+async def serve_forever(config: ServeConfig, log_level: str = "info") -> None:
+    """Load the edge, then serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
+    state = ServeState(config)
+    log.info(
+        "serving %s as %r on http://%s:%d/v1 (trunk %s, speculate %s, %d active sessions at most)",
+        config.edge.model_dir, config.served_model_name, config.host, config.port,
+        config.edge.cloud_url, config.speculate, config.max_active,
+    )  # fmt: skip
+    await uvicorn.Server(_uvicorn_config(config, state, log_level)).serve()
+
+
+class RunningServer:
+    """``async with RunningServer(cfg) as srv:`` serves on ``srv.base_url`` until the block ends."""
+
+    def __init__(self, config: ServeConfig, log_level: str = "warning") -> None:
+        self.state = ServeState(config)
+        self._server = uvicorn.Server(_uvicorn_config(config, self.state, log_level))
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._server.servers[0].sockets[0].getsockname()[1])
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.state.config.host}:{self.port}/v1"
+
+    async def __aenter__(self) -> RunningServer:
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+                raise RuntimeError("the HTTP server stopped before it started")
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
