@@ -1,0 +1,134 @@
+"""Bad requests get OpenAI-shaped errors with the right status codes, naming the parameter."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import MODEL_NAME, Stack
+
+
+def post(stack: Stack, path: str, **kw: Any) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}{path}", timeout=60, **kw)
+
+
+def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return dict(body["error"])
+
+
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "to be"}], "max_tokens": 4}
+
+
+def test_malformed_json(stack: Stack) -> None:
+    err = error_of(post(stack, "/chat/completions", content=b'{"model": "tiny-chat", "messages": [', headers={
+        "content-type": "application/json"}), 400)  # fmt: skip
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+
+
+def test_unknown_model(stack: Stack) -> None:
+    err = error_of(post(stack, "/chat/completions", json={**CHAT, "model": "gpt-4o"}), 404)
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-4o" in err["message"]
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="to be", max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "param"),
+    [
+        ("/chat/completions", {"max_tokens": -1}, "max_tokens"),
+        ("/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+        ("/chat/completions", {"temperature": -0.5}, "temperature"),
+        ("/chat/completions", {"top_p": 0}, "top_p"),
+        ("/chat/completions", {"messages": []}, "messages"),
+        ("/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        ("/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/completions", {"prompt": [1, 2, 9999]}, "prompt"),
+    ],
+)
+def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: str) -> None:
+    body = {**CHAT, **change} if path == "/chat/completions" else {"model": MODEL_NAME, "max_tokens": 2, **change}
+    err = error_of(post(stack, path, json=body), 400)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("/chat/completions", {"n": 2}, "n"),
+        ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/completions", {"echo": True}, "echo"),
+        ("/completions", {"best_of": 3}, "best_of"),
+        ("/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ],
+)
+def test_unsupported_parameters_are_named(stack: Stack, path: str, extra: dict[str, Any], param: str) -> None:
+    base = CHAT if path == "/chat/completions" else {"model": MODEL_NAME, "prompt": "to be", "max_tokens": 2}
+    err = error_of(post(stack, path, json={**base, **extra}), 400)
+    assert err["param"] == param and err["code"] == "unsupported_parameter"
+    assert f"'{param}'" in err["message"]
+
+
+def test_over_long_prompt(stack: Stack) -> None:
+    long_prompt = list(range(10, 60)) * 82  # 4100 tokens: beyond the model's 4096 positions
+    err = error_of(post(stack, "/completions", json={"model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 4}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    fits_but_not_with_completion = long_prompt[:4090]
+    err = error_of(post(stack, "/completions", json={
+        "model": MODEL_NAME, "prompt": fits_but_not_with_completion, "max_tokens": 10}), 400)  # fmt: skip
+    assert err["code"] == "context_length_exceeded" and "4100" in err["message"]
+
+
+def test_unknown_route_and_method(stack: Stack) -> None:
+    assert error_of(post(stack, "/embeddings", json={}), 404)["code"] == "not_found"
+    assert error_of(httpx.get(f"{stack.base_url}/chat/completions"), 405)["code"] == "method_not_allowed"
+
+
+def test_wrong_api_key(make_stack: Callable[..., Stack]) -> None:
+    s = make_stack(api_key="sesame")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+        err = error_of(post(s, "/chat/completions", json=CHAT, headers=headers), 401)
+        assert err["code"] == "invalid_api_key"
+    assert httpx.get(f"{s.base_url}/models", headers={"Authorization": "Bearer x"}).status_code == 401
+    # the key is checked before the body: a wrong key never learns whether its body was valid
+    error_of(post(s, "/chat/completions", json={"model": "x"}, headers={"Authorization": "Bearer no"}), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0).models.list()
+    good = openai.OpenAI(base_url=s.base_url, api_key="sesame", max_retries=0)
+    reply = good.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=3, temperature=0)
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+
+
+async def test_busy_pool_gets_429_with_retry_after(make_stack: Callable[..., Stack]) -> None:
+    s = make_stack(rtt_ms=20.0, max_active=1, queue_timeout_s=0.3)
+    client = openai.AsyncOpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+    long = {"model": MODEL_NAME, "prompt": "to be", "max_tokens": 60, "temperature": 0}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", f"{s.base_url}/completions", json={**long, "stream": True}) as held:
+            assert held.status_code == 200
+            await asyncio.sleep(0.05)
+            response = await http.post(f"{s.base_url}/completions", json={**long, "max_tokens": 2})
+            err = error_of(response, 429)
+            assert err["type"] == "rate_limit_error" and int(response.headers["retry-after"]) >= 1
+            with pytest.raises(openai.RateLimitError):
+                await client.completions.create(**long)
+            async for _ in held.aiter_lines():
+                pass
+    reply = await client.completions.create(**{**long, "max_tokens": 2})  # the slot is free again
+    assert reply.usage is not None and reply.usage.completion_tokens == 2
+    await client.close()

@@ -1,0 +1,161 @@
+"""The official ``openai`` client against ``splitspec serve`` through a real trunk server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.conftest import MODEL_NAME, Stack
+from tests.serve.helpers import generate_cli, rendered
+
+MESSAGES = [
+    {"role": "system", "content": "to be or not to be"},
+    {"role": "user", "content": "whether tis nobler in the mind"},
+]
+
+
+@pytest.fixture(scope="module")
+def sync_client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+
+
+def test_chat_equals_generate_on_the_rendered_prompt(
+    stack: Stack, chat_model: Path, sync_client: openai.OpenAI, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = rendered(chat_model, MESSAGES)
+    expected = generate_cli(capsys, chat_model, f"ws://127.0.0.1:{stack.trunk_port}", prompt, 24)
+    reply = sync_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+    assert reply.choices[0].message.content == expected["visible_text"]
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.object == "chat.completion" and reply.model == MODEL_NAME
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(expected["prompt_ids"])
+    assert reply.usage.completion_tokens == len(expected["token_ids"]) == 24
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 24
+
+    # streamed: the chunks concatenate to the same text, the usage chunk comes last
+    chunks = list(
+        sync_client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0,  # type: ignore[arg-type]
+            stream=True, stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["visible_text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(expected["prompt_ids"]), 24)
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_async_client_completions_equal_generate(
+    stack: Stack, chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = "def main(): return print(value) for x in"
+    cloud = f"ws://127.0.0.1:{stack.trunk_port}"
+    expected = await asyncio.to_thread(generate_cli, capsys, chat_model, cloud, prompt, 16)  # runs its own loop
+    client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    reply = await client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0)
+    assert reply.choices[0].text == expected["visible_text"]
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(expected["prompt_ids"]), 16)
+    stream = await client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["visible_text"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    # the same prompt as token ids gives the same completion
+    by_ids = await client.completions.create(
+        model=MODEL_NAME, prompt=expected["prompt_ids"], max_tokens=16, temperature=0
+    )
+    assert by_ids.choices[0].text == expected["visible_text"]
+    chat = await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    assert chat.usage is not None and chat.usage.completion_tokens == 8
+    await client.close()
+
+
+def test_stop_strings_stop_and_are_excluded(sync_client: openai.OpenAI) -> None:
+    prompt = "to be or not to be that is"
+    full = sync_client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
+    text = full.choices[0].text
+    words = text.split()
+    assert len(words) >= 6, text
+    stop = " ".join(words[3:5])  # two words spanning at least two tokens, a few tokens in
+    cut = text.index(stop)
+    for stream in (False, True):
+        if stream:
+            chunks = list(
+                sync_client.completions.create(
+                    model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stop=["zzz", stop], stream=True
+                )
+            )
+            got = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            reply = sync_client.completions.create(
+                model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stop=stop
+            )
+            got, finish = reply.choices[0].text, reply.choices[0].finish_reason
+            assert reply.usage is not None and reply.usage.completion_tokens < 24
+        assert got == text[:cut]
+        assert finish == "stop"
+
+
+def test_seeded_sampling_is_reproducible(sync_client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        reply = sync_client.completions.create(
+            model=MODEL_NAME, prompt="the question", max_tokens=12, temperature=1.0, top_p=0.9, seed=seed
+        )
+        return reply.choices[0].text
+
+    assert sample(3) == sample(3)
+    assert len({sample(s) for s in range(4)}) > 1
+
+
+def test_sse_wire_format(stack: Stack) -> None:
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert {p["object"] for p in payloads} == {"chat.completion.chunk"}
+    assert payloads[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert all("usage" not in p for p in payloads)  # only with stream_options.include_usage
+
+
+def test_models_health_and_metrics(stack: Stack, sync_client: openai.OpenAI) -> None:
+    models = sync_client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+    assert sync_client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    sync_client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=3, temperature=0)
+    root = stack.base_url.removesuffix("/v1")
+    health = httpx.get(f"{root}/health").json()
+    assert health["status"] == "ok" and health["sessions_active"] == 0
+    metrics = httpx.get(f"{root}/metrics").text
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in metrics.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values['splitspec_serve_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert values["splitspec_serve_completion_tokens_total"] >= 3
+    assert values["splitspec_serve_time_to_first_token_seconds_count"] >= 1
+    assert values['splitspec_serve_wire_bytes_total{direction="up"}'] > 0
+    assert values['splitspec_serve_wire_bytes_total{direction="down"}'] > 0
+    for part in ("network", "edge", "cloud", "serialize"):
+        assert values[f'splitspec_serve_step_milliseconds_count{{part="{part}"}}'] > 0
+    assert "splitspec_serve_tokens_per_round_trip_count" in values
+    assert "splitspec_serve_decode_tokens_per_second_count" in values

@@ -1,0 +1,85 @@
+"""Prefix reuse across turns: only the new suffix crosses the wire; output equals a fresh session's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.serve.prefix_cache import common_prefix
+from tests.serve.conftest import MODEL_NAME, Stack
+from tests.serve.helpers import generate_cli, rendered
+
+HIDDEN_BYTES = 64 * 4  # one token's hidden state on the wire: hidden size 64, float32
+
+
+def chat_turn(stack: Stack, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+    """(reply, cached prompt tokens, bytes sent up the link) of one greedy turn."""
+    client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+    before = stack.emulator.stats().bytes_upstream
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    cached = reply.usage.prompt_tokens_details.cached_tokens or 0
+    return reply.choices[0].message.content or "", cached, stack.emulator.stats().bytes_upstream - before
+
+
+def test_second_turn_sends_only_its_new_tokens(
+    make_stack: Callable[..., Stack], chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reuse, fresh = make_stack(), make_stack(prefix_reuse=False)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
+    turn1 = [{"role": "user", "content": "to be or not to be that is the question"}]
+    answers = [chat_turn(s, turn1) for s in (reuse, fresh)]
+    assert answers[0][0] == answers[1][0]
+    turn2 = [*turn1, {"role": "assistant", "content": answers[0][0]}, {"role": "user", "content": "whether tis nobler"}]
+    text2, cached, up_reuse = chat_turn(reuse, turn2)
+    text2_fresh, cached_fresh, up_fresh = chat_turn(fresh, turn2)
+    prompt1 = tokenizer.encode(rendered(chat_model, turn1), add_special_tokens=False)
+    prompt2 = tokenizer.encode(rendered(chat_model, turn2), add_special_tokens=False)
+    assert cached_fresh == 0
+    assert cached >= len(prompt1)  # at least the whole first prompt stayed in the caches
+    # the wire carried (at most) the new tokens: the saving is the reused tokens' hidden states
+    assert up_fresh - up_reuse >= cached * HIDDEN_BYTES
+    assert up_reuse < (len(prompt2) - cached + 12) * (HIDDEN_BYTES + 64) + 4096
+    # output identical to a fresh session, and to `splitspec generate` on the rendered prompt
+    expected = generate_cli(capsys, chat_model, f"ws://127.0.0.1:{fresh.trunk_port}", rendered(chat_model, turn2), 12)
+    assert text2 == text2_fresh == expected["visible_text"]
+
+    # an edited conversation: the cloud cache is cut back to the longest common prefix
+    edited = [*turn1, {"role": "assistant", "content": answers[0][0]}, {"role": "user", "content": "def main():"}]
+    prompt3 = tokenizer.encode(rendered(chat_model, edited), add_special_tokens=False)
+    text3, cached3, _ = chat_turn(reuse, edited)
+    text3_fresh, _, _ = chat_turn(fresh, edited)
+    assert cached3 == common_prefix(prompt2, prompt3) < len(prompt2)
+    assert text3 == text3_fresh
+
+
+async def test_rewind_then_extend_equals_a_fresh_prefill(stack: Stack, chat_model: Path) -> None:
+    """SplitClient.rewind: the cut (edge now, cloud on the next step) leaves exactly the kept prefix."""
+    cfg = EdgeConfig(model_dir=chat_model, cloud_url=f"ws://127.0.0.1:{stack.trunk_port}", allow_stock_edge_weights=True)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
+    prompt = tokenizer.encode("to be or not to be to be or not to be to be or not")
+    async with SplitClient(cfg) as edited, SplitClient(cfg) as fresh:
+        await edited.generate(prompt, 24, speculate="ngram")  # speculative steps: keep_last commands
+        await edited.forward([5, 6, 7])  # a step whose accepted path (first two) is pending for the cloud
+        edited.keep([0, 1])
+        history = edited.history
+        assert edited.rewind(len(history)) == len(history)  # nothing to cut
+        assert edited.rewind(len(history) - 1) == len(history) - 2  # a cut cannot reach into that step
+        history = edited.history
+        for cut in (len(history), len(history) - 3, 5, 0):
+            kept = edited.rewind(cut)
+            assert kept <= cut and edited.history == history[:kept]
+            suffix = [7, 8, 9]
+            logits = await edited.forward(suffix)
+            fresh.reset()
+            expected = await fresh.forward([*history[:kept], *suffix])
+            torch.testing.assert_close(logits, expected[-3:], atol=1e-4, rtol=1e-4)
+            history = edited.history
+    with pytest.raises(ValueError, match="cannot rewind"):
+        edited.rewind(len(history) + 1)
