@@ -320,6 +320,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         queue_timeout_s=args.queue_timeout,
         prefix_cache_entries=args.prefix_cache_size,
         prefix_cache_bytes=args.prefix_cache_mb * 1024 * 1024,
+        prefix_reuse=not args.no_prefix_reuse,
         chat_template=_read_text(args.chat_template),
     )
     asyncio.run(serve_forever(config, args.log_level.lower()))
@@ -347,6 +348,7 @@ def _register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request waits for a session, then 429")
     p.add_argument("--prefix-cache-size", type=int, default=16, help="idle conversations kept for reuse (default 16)")
     p.add_argument("--prefix-cache-mb", type=int, default=512, help="edge KV memory of kept conversations, MiB")
+    p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every prompt (for comparison)")
     p.add_argument("--reconnect-timeout", type=float, default=10.0, help="seconds to retry a lost trunk before 503")
     p.set_defaults(run=_run_serve)
 

@@ -38,8 +38,9 @@ def save_chat_tokenizer(directory: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([TOKENIZER_TEXT] * 4, trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS))
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", additional_special_tokens=SPECIALS[3:]
-    )
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        additional_special_tokens=SPECIALS[3:],
+    )  # fmt: skip
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
 

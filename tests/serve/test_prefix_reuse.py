@@ -61,7 +61,8 @@ def test_second_turn_sends_only_its_new_tokens(
 
 async def test_rewind_then_extend_equals_a_fresh_prefill(stack: Stack, chat_model: Path) -> None:
     """SplitClient.rewind: the cut (edge now, cloud on the next step) leaves exactly the kept prefix."""
-    cfg = EdgeConfig(model_dir=chat_model, cloud_url=f"ws://127.0.0.1:{stack.trunk_port}", allow_stock_edge_weights=True)
+    url = f"ws://127.0.0.1:{stack.trunk_port}"
+    cfg = EdgeConfig(model_dir=chat_model, cloud_url=url, allow_stock_edge_weights=True)
     tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
     prompt = tokenizer.encode("to be or not to be to be or not to be to be or not")
     async with SplitClient(cfg) as edited, SplitClient(cfg) as fresh:

@@ -30,7 +30,7 @@ async def test_eight_concurrent_streams_are_correct_and_independent(stack: Stack
     for p in PROMPTS:  # the whole model, locally, one prompt at a time
         ids = tokenizer.encode(p)
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, pad_token_id=0)
+            out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
         expected.append(tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True))
     assert len(set(expected)) == len(PROMPTS)
     client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
@@ -40,7 +40,7 @@ async def test_eight_concurrent_streams_are_correct_and_independent(stack: Stack
     async def one(prompt: str) -> str:
         nonlocal live, peak
         stream = await client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=20, temperature=0, stream=True
+            model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True
         )
         live += 1
         peak = max(peak, live)

@@ -1,0 +1,88 @@
+"""``splitspec serve`` as a process, driven by the README's own curl and openai examples."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from splitspec.cli import main
+from tests.serve.conftest import Stack
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_URL = "http://127.0.0.1:8000"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def readme_blocks() -> tuple[str, str]:
+    """The serve section's curl command and its five-line openai example."""
+    text = README.read_text()
+    section = text[text.index("### The OpenAI API on the edge") :]
+    bash = re.search(r"```bash\n(.*?)```", section, re.S)
+    python = re.search(r"<!-- serve-example[^\n]*\n```python\n(.*?)```", section, re.S)
+    assert bash and python
+    curl = bash.group(1)[bash.group(1).index("curl ") :].replace("\\\n", " ")
+    assert len(python.group(1).strip().splitlines()) <= 5
+    return curl, python.group(1)
+
+
+def test_serve_process_answers_the_readme_examples(
+    stack: Stack, chat_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(chat_model),
+         "--cloud", f"ws://127.0.0.1:{stack.trunk_port}", "--served-model-name", "splitspec",
+         "--port", str(port), "--allow-stock-edge-weights", "--threads", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "splitspec serve did not come up"
+            time.sleep(0.2)
+        curl, example = readme_blocks()
+        if shutil.which("curl"):
+            command = shlex.split(curl.replace(README_URL, base))
+            out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+            reply = json.loads(out.stdout)
+            assert reply["object"] == "chat.completion" and reply["model"] == "splitspec"
+            assert reply["usage"]["completion_tokens"] <= 32
+        capsys.readouterr()
+        exec(compile(example.replace(README_URL, base), "README", "exec"), {})
+        printed = capsys.readouterr().out
+        assert printed.strip(), "the README example printed no reply"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+    assert code == 130  # uvicorn shut down cleanly, then main's KeyboardInterrupt exit status
+
+
+def test_serve_cli_refuses_bad_options(tmp_path: Path, chat_model: Path) -> None:
+    common = ["serve", "--model", str(chat_model), "--cloud", "ws://127.0.0.1:1", "--allow-stock-edge-weights"]
+    assert main([*common, "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert main([*common, "--max-active", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main([*common, "--speculate", "sometimes"])
