@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,10 @@ from transformers import AutoTokenizer
 from splitspec.cli import main
 
 
-def rendered(model: Path, messages: list[dict[str, str]]) -> str:
+def rendered(model: Path, messages: Sequence[Mapping[str, Any]]) -> str:
     """The prompt text the chat template makes of ``messages`` (rendered here, independently)."""
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return str(tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True))
 
 
 def generate_cli(

@@ -41,6 +41,7 @@ def readme_blocks() -> tuple[str, str]:
     return curl, python.group(1)
 
 
+@pytest.mark.slow
 def test_serve_process_answers_the_readme_examples(
     stack: Stack, chat_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -126,9 +126,9 @@ async def test_busy_pool_gets_429_with_retry_after(make_stack: Callable[..., Sta
             err = error_of(response, 429)
             assert err["type"] == "rate_limit_error" and int(response.headers["retry-after"]) >= 1
             with pytest.raises(openai.RateLimitError):
-                await client.completions.create(**long)
+                await client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=2)
             async for _ in held.aiter_lines():
                 pass
-    reply = await client.completions.create(**{**long, "max_tokens": 2})  # the slot is free again
+    reply = await client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=2)  # the slot is free again
     assert reply.usage is not None and reply.usage.completion_tokens == 2
     await client.close()

@@ -9,11 +9,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import generate_cli, rendered
 
-MESSAGES = [
+MESSAGES: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "to be or not to be"},
     {"role": "user", "content": "whether tis nobler in the mind"},
 ]
@@ -29,7 +30,7 @@ def test_chat_equals_generate_on_the_rendered_prompt(
 ) -> None:
     prompt = rendered(chat_model, MESSAGES)
     expected = generate_cli(capsys, chat_model, f"ws://127.0.0.1:{stack.trunk_port}", prompt, 24)
-    reply = sync_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0)  # type: ignore[arg-type]
+    reply = sync_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0)
     assert reply.choices[0].message.content == expected["visible_text"]
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].finish_reason == "length"
@@ -42,7 +43,7 @@ def test_chat_equals_generate_on_the_rendered_prompt(
     # streamed: the chunks concatenate to the same text, the usage chunk comes last
     chunks = list(
         sync_client.chat.completions.create(
-            model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0,  # type: ignore[arg-type]
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=24, temperature=0,
             stream=True, stream_options={"include_usage": True},
         )
     )  # fmt: skip
@@ -78,7 +79,7 @@ async def test_async_client_completions_equal_generate(
         model=MODEL_NAME, prompt=expected["prompt_ids"], max_tokens=16, temperature=0
     )
     assert by_ids.choices[0].text == expected["visible_text"]
-    chat = await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    chat = await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0)
     assert chat.usage is not None and chat.usage.completion_tokens == 8
     await client.close()
 
@@ -159,3 +160,15 @@ def test_models_health_and_metrics(stack: Stack, sync_client: openai.OpenAI) -> 
         assert values[f'splitspec_serve_step_milliseconds_count{{part="{part}"}}'] > 0
     assert "splitspec_serve_tokens_per_round_trip_count" in values
     assert "splitspec_serve_decode_tokens_per_second_count" in values
+
+
+def test_speculation_estimates_are_shared_across_requests(stack: Stack, sync_client: openai.OpenAI) -> None:
+    """The server's one controller learns from every request's session (link and model pair)."""
+    controller = stack.state.controller
+    assert controller is not None and controller.drafters == ["ngram", "prompt-lookup", "mix"]
+    sync_client.completions.create(model=MODEL_NAME, prompt="to be or not to be", max_tokens=8, temperature=0)
+    assert controller.step_time(1) < 1.0  # measured (the unmeasured prior is 1 s per step)
+    before = controller.value(None, 0)
+    for prompt in ("that is the question", "class Split: pass"):
+        sync_client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0)
+    assert controller.value(None, 0) != before  # later requests kept updating the same estimates

@@ -8,6 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from openai.types.chat import ChatCompletionMessageParam
 from transformers import AutoTokenizer
 
 from splitspec.edge import EdgeConfig, SplitClient
@@ -18,11 +19,11 @@ from tests.serve.helpers import generate_cli, rendered
 HIDDEN_BYTES = 64 * 4  # one token's hidden state on the wire: hidden size 64, float32
 
 
-def chat_turn(stack: Stack, messages: list[dict[str, str]]) -> tuple[str, int, int]:
+def chat_turn(stack: Stack, messages: list[ChatCompletionMessageParam]) -> tuple[str, int, int]:
     """(reply, cached prompt tokens, bytes sent up the link) of one greedy turn."""
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
     before = stack.emulator.stats().bytes_upstream
-    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)
     assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
     cached = reply.usage.prompt_tokens_details.cached_tokens or 0
     return reply.choices[0].message.content or "", cached, stack.emulator.stats().bytes_upstream - before
@@ -33,10 +34,14 @@ def test_second_turn_sends_only_its_new_tokens(
 ) -> None:
     reuse, fresh = make_stack(), make_stack(prefix_reuse=False)
     tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
-    turn1 = [{"role": "user", "content": "to be or not to be that is the question"}]
+    turn1: list[ChatCompletionMessageParam] = [{"role": "user", "content": "to be or not to be that is the question"}]
     answers = [chat_turn(s, turn1) for s in (reuse, fresh)]
     assert answers[0][0] == answers[1][0]
-    turn2 = [*turn1, {"role": "assistant", "content": answers[0][0]}, {"role": "user", "content": "whether tis nobler"}]
+    turn2: list[ChatCompletionMessageParam] = [
+        *turn1,
+        {"role": "assistant", "content": answers[0][0]},
+        {"role": "user", "content": "whether tis nobler"},
+    ]
     text2, cached, up_reuse = chat_turn(reuse, turn2)
     text2_fresh, cached_fresh, up_fresh = chat_turn(fresh, turn2)
     prompt1 = tokenizer.encode(rendered(chat_model, turn1), add_special_tokens=False)
@@ -51,7 +56,11 @@ def test_second_turn_sends_only_its_new_tokens(
     assert text2 == text2_fresh == expected["visible_text"]
 
     # an edited conversation: the cloud cache is cut back to the longest common prefix
-    edited = [*turn1, {"role": "assistant", "content": answers[0][0]}, {"role": "user", "content": "def main():"}]
+    edited: list[ChatCompletionMessageParam] = [
+        *turn1,
+        {"role": "assistant", "content": answers[0][0]},
+        {"role": "user", "content": "def main():"},
+    ]
     prompt3 = tokenizer.encode(rendered(chat_model, edited), add_special_tokens=False)
     text3, cached3, _ = chat_turn(reuse, edited)
     text3_fresh, _, _ = chat_turn(fresh, edited)

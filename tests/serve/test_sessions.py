@@ -95,15 +95,17 @@ def test_trunk_restart_during_a_request_recovers_identically(
 def test_unreachable_trunk_is_503_then_recovers(make_stack: Callable[..., Stack]) -> None:
     s = make_stack()
     client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
+    first = client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=3, temperature=0)
+    s.call(s.stop_trunk())  # the idle session kept by the first request now points at nothing
     body = {"model": MODEL_NAME, "prompt": "to be", "max_tokens": 3, "temperature": 0}
-    first = client.completions.create(**body)  # leaves an idle session behind, its trunk soon gone
-    s.call(s.stop_trunk())
-    for stream in (False, True):  # the kept session (then a new one) cannot reach it
+    for stream in (False, True):  # the kept session, then a new one: neither reaches the trunk
         response = httpx.post(f"{s.base_url}/completions", json={**body, "stream": stream}, timeout=30)
         assert response.status_code == 503, response.text
         err = response.json()["error"]
         assert err["code"] == "trunk_unreachable" and "unreachable" in err["message"]
-    assert httpx.get(f"{s.base_url.removesuffix('/v1')}/health").json()["status"] == "ok"  # still serving
+    root = s.base_url.removesuffix("/v1")
+    assert 'splitspec_serve_errors_total{type="trunk_unreachable"} 2.0' in httpx.get(f"{root}/metrics").text
+    assert httpx.get(f"{root}/health").json()["status"] == "ok"  # still serving
     s.call(s.start_trunk())
-    again = client.completions.create(**body)
+    again = client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=3, temperature=0)
     assert again.choices[0].text == first.choices[0].text

@@ -51,7 +51,7 @@ def test_incomplete_utf8_is_held_until_complete() -> None:
 
 class FakeClient:
     def __init__(self, history: list[int], nbytes: int = 10, pending_keep: int = 0) -> None:
-        self.history = tuple(history)
+        self.history: tuple[int, ...] = tuple(history)
         self.edge_cache_bytes = nbytes
         self.pending_keep = pending_keep  # tokens at the end that a pending keep_last protects
 
@@ -64,13 +64,13 @@ class FakeClient:
 
 
 def test_prefix_cache_takes_the_longest_match_and_leaves_a_token_to_run() -> None:
-    cache = PrefixCache(max_entries=4, max_edge_bytes=1000)
+    cache: PrefixCache[FakeClient] = PrefixCache(max_entries=4, max_edge_bytes=1000)
     a, b = FakeClient([1, 2, 3, 4, 5]), FakeClient([1, 2, 9])
-    cache.put(a)  # type: ignore[arg-type]
-    cache.put(b)  # type: ignore[arg-type]
+    cache.put(a)
+    cache.put(b)
     taken = cache.take([1, 2, 3, 4, 5, 6, 7])
     assert taken is not None and taken.client is a and taken.reused == 5
-    cache.put(a)  # type: ignore[arg-type]
+    cache.put(a)
     taken = cache.take([1, 2, 3, 4, 5])  # the whole prompt is cached: one token must still run
     assert taken is not None and taken.client is a and taken.reused == 4 and a.history == (1, 2, 3, 4)
     assert cache.take([7, 7]) is None  # no match and room left: the caller opens a new session
@@ -79,20 +79,20 @@ def test_prefix_cache_takes_the_longest_match_and_leaves_a_token_to_run() -> Non
 
 
 def test_prefix_cache_bounds_and_recycling() -> None:
-    cache = PrefixCache(max_entries=2, max_edge_bytes=25)
+    cache: PrefixCache[FakeClient] = PrefixCache(max_entries=2, max_edge_bytes=25)
     clients = [FakeClient([i, i]) for i in range(3)]
-    assert cache.put(clients[0]) == [] and cache.put(clients[1]) == []  # type: ignore[arg-type]
-    assert cache.put(clients[2]) == [clients[0]]  # type: ignore[arg-type]
+    assert cache.put(clients[0]) == [] and cache.put(clients[1]) == []
+    assert cache.put(clients[2]) == [clients[0]]
     big = FakeClient([5, 5], nbytes=20)
-    assert cache.put(big) == [clients[1], clients[2]]  # type: ignore[arg-type]
-    assert cache.put(FakeClient([6], nbytes=5)) == []  # type: ignore[arg-type]
+    assert cache.put(big) == [clients[1], clients[2]]
+    assert cache.put(FakeClient([6], nbytes=5)) == []
     taken = cache.take([7, 8])  # full and no match: the least recently used is recycled from scratch
     assert taken is not None and taken.client is big and taken.reused == 0 and big.history == ()
     keeper = FakeClient([1, 2, 3, 4], pending_keep=2)
-    cache.put(keeper)  # type: ignore[arg-type]
+    cache.put(keeper)
     taken = cache.take([1, 2, 3, 9], reuse=True)
     assert taken is not None and taken.reused == 2  # a pending accepted path limits the cut
-    cache.put(FakeClient([1, 2]))  # type: ignore[arg-type]
+    cache.put(FakeClient([1, 2]))
     taken = cache.take([1, 2, 3], reuse=False)  # reuse off: always a full re-prefill
     assert taken is not None and taken.reused == 0
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0

@@ -49,7 +49,8 @@ def create_app(state: ServeState) -> FastAPI:
 
     def error_response(request: Request, err: ApiError) -> JSONResponse:
         count(request, err.status)
-        state.metrics.errors.labels(err.code or err.type).inc()
+        if not err.counted:
+            state.metrics.errors.labels(err.code or err.type).inc()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(ApiError)
@@ -138,8 +139,10 @@ def create_app(state: ServeState) -> FastAPI:
         now = schemas.now()
         if body.stream:
             count(request, 200)
-            events = sse_chat(gen, rid, now, name, body.include_usage) if chat else sse_text(
-                gen, rid, now, name, body.include_usage
+            events = (
+                sse_chat(gen, rid, now, name, body.include_usage)
+                if chat
+                else sse_text(gen, rid, now, name, body.include_usage)
             )
             return GenerationStream(events, gen)
         async with aclosing(gen.deltas()) as deltas:

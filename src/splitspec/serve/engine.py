@@ -146,5 +146,9 @@ class Generation:
                 m.decode_rate.observe((out.completion_tokens - 1) / elapsed)
 
     def _failed(self, exc: SplitspecError) -> ApiError:
+        """The HTTP error for a failed generation, counted here: a stream reports it in-band."""
         log.warning("request failed: %s: %s", type(exc).__name__, exc)
-        return api_error_for(exc)
+        err = api_error_for(exc)
+        self.state.metrics.errors.labels(err.code or err.type).inc()
+        err.counted = True
+        return err

@@ -33,7 +33,7 @@ class SessionPool:
         new_client: Callable[[], SplitClient],
         max_active: int,
         queue_timeout_s: float,
-        cache: PrefixCache,
+        cache: PrefixCache[SplitClient],
         reuse: bool = True,
     ) -> None:
         self._new_client = new_client

@@ -12,8 +12,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
-from splitspec.edge.client import SplitClient
+
+class Reusable(Protocol):
+    """What the cache needs of a session (:class:`~splitspec.edge.SplitClient` has it)."""
+
+    @property
+    def history(self) -> tuple[int, ...]: ...
+
+    @property
+    def edge_cache_bytes(self) -> int: ...
+
+    def rewind(self, length: int) -> int: ...
+
+
+C = TypeVar("C", bound=Reusable)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -27,18 +41,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 @dataclass(frozen=True)
-class Taken:
-    client: SplitClient
+class Taken(Generic[C]):
+    client: C
     reused: int  # prompt tokens already in the client's caches (after the rewind)
 
 
-class PrefixCache:
-    """LRU of idle :class:`SplitClient`; most recently used last."""
+class PrefixCache(Generic[C]):
+    """LRU of idle sessions; most recently used last."""
 
     def __init__(self, max_entries: int, max_edge_bytes: int) -> None:
         self.max_entries = max_entries
         self.max_edge_bytes = max_edge_bytes
-        self._idle: OrderedDict[int, SplitClient] = OrderedDict()
+        self._idle: OrderedDict[int, C] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._idle)
@@ -47,7 +61,7 @@ class PrefixCache:
     def edge_bytes(self) -> int:
         return sum(c.edge_cache_bytes for c in self._idle.values())
 
-    def take(self, prompt: Sequence[int], reuse: bool = True) -> Taken | None:
+    def take(self, prompt: Sequence[int], reuse: bool = True) -> Taken[C] | None:
         """The idle session to run ``prompt`` on, rewound to what it can reuse; None: open a new one.
 
         With ``reuse`` the longest match wins (ties: the most recent). Without a match, the least
@@ -69,7 +83,7 @@ class PrefixCache:
         client = self._idle.pop(best_key)
         return Taken(client, client.rewind(best))
 
-    def put(self, client: SplitClient) -> list[SplitClient]:
+    def put(self, client: C) -> list[C]:
         """Keep ``client`` as the most recent entry; return the entries evicted to stay in bounds."""
         self._idle[id(client)] = client
         evicted = []
@@ -77,7 +91,7 @@ class PrefixCache:
             evicted.append(self._idle.popitem(last=False)[1])
         return evicted
 
-    def drain(self) -> list[SplitClient]:
+    def drain(self) -> list[C]:
         """Remove and return every idle entry."""
         out = list(self._idle.values())
         self._idle.clear()

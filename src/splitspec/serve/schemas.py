@@ -220,9 +220,7 @@ def chat_chunk(
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": []
-        if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
     }
     if with_usage_field:
         chunk["usage"] = use
@@ -245,9 +243,7 @@ def text_completion(
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": []
-        if text is None
-        else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
     }
     if with_usage_field:
         body["usage"] = use
