@@ -35,7 +35,8 @@ def readme_blocks() -> tuple[str, str]:
     section = text[text.index("### The OpenAI API on the edge") :]
     bash = re.search(r"```bash\n(.*?)```", section, re.S)
     python = re.search(r"<!-- serve-example[^\n]*\n```python\n(.*?)```", section, re.S)
-    assert bash and python
+    assert bash
+    assert python
     curl = bash.group(1)[bash.group(1).index("curl ") :].replace("\\\n", " ")
     assert len(python.group(1).strip().splitlines()) <= 5
     return curl, python.group(1)
@@ -69,7 +70,8 @@ def test_serve_process_answers_the_readme_examples(
             command = shlex.split(curl.replace(README_URL, base))
             out = subprocess.run(command, capture_output=True, text=True, timeout=60)
             reply = json.loads(out.stdout)
-            assert reply["object"] == "chat.completion" and reply["model"] == "splitspec"
+            assert reply["object"] == "chat.completion"
+            assert reply["model"] == "splitspec"
             assert reply["usage"]["completion_tokens"] <= 32
         capsys.readouterr()
         exec(compile(example.replace(README_URL, base), "README", "exec"), {})

@@ -32,12 +32,15 @@ CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "to be"}],
 def test_malformed_json(stack: Stack) -> None:
     err = error_of(post(stack, "/chat/completions", content=b'{"model": "tiny-chat", "messages": [', headers={
         "content-type": "application/json"}), 400)  # fmt: skip
-    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+    assert err["type"] == "invalid_request_error"
+    assert err["code"] == "invalid_json"
 
 
 def test_unknown_model(stack: Stack) -> None:
     err = error_of(post(stack, "/chat/completions", json={**CHAT, "model": "gpt-4o"}), 404)
-    assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-4o" in err["message"]
+    assert err["code"] == "model_not_found"
+    assert err["param"] == "model"
+    assert "gpt-4o" in err["message"]
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="to be", max_tokens=2)
@@ -60,7 +63,8 @@ def test_unknown_model(stack: Stack) -> None:
 def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: str) -> None:
     body = {**CHAT, **change} if path == "/chat/completions" else {"model": MODEL_NAME, "max_tokens": 2, **change}
     err = error_of(post(stack, path, json=body), 400)
-    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert err["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize(
@@ -80,18 +84,21 @@ def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: 
 def test_unsupported_parameters_are_named(stack: Stack, path: str, extra: dict[str, Any], param: str) -> None:
     base = CHAT if path == "/chat/completions" else {"model": MODEL_NAME, "prompt": "to be", "max_tokens": 2}
     err = error_of(post(stack, path, json={**base, **extra}), 400)
-    assert err["param"] == param and err["code"] == "unsupported_parameter"
+    assert err["param"] == param
+    assert err["code"] == "unsupported_parameter"
     assert f"'{param}'" in err["message"]
 
 
 def test_over_long_prompt(stack: Stack) -> None:
     long_prompt = list(range(10, 60)) * 82  # 4100 tokens: beyond the model's 4096 positions
     err = error_of(post(stack, "/completions", json={"model": MODEL_NAME, "prompt": long_prompt, "max_tokens": 4}), 400)
-    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert err["code"] == "context_length_exceeded"
+    assert err["param"] == "prompt"
     fits_but_not_with_completion = long_prompt[:4090]
     err = error_of(post(stack, "/completions", json={
         "model": MODEL_NAME, "prompt": fits_but_not_with_completion, "max_tokens": 10}), 400)  # fmt: skip
-    assert err["code"] == "context_length_exceeded" and "4100" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    assert "4100" in err["message"]
 
 
 def test_unknown_route_and_method(stack: Stack) -> None:
@@ -110,8 +117,11 @@ def test_wrong_api_key(make_stack: Callable[..., Stack]) -> None:
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=s.base_url, api_key="sesame", max_retries=0)
-    reply = good.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"], max_tokens=3, temperature=0)
-    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    reply = good.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "to be"}], max_tokens=3, temperature=0
+    )
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 3
 
 
 async def test_busy_pool_gets_429_with_retry_after(make_stack: Callable[..., Stack]) -> None:
@@ -124,11 +134,13 @@ async def test_busy_pool_gets_429_with_retry_after(make_stack: Callable[..., Sta
             await asyncio.sleep(0.05)
             response = await http.post(f"{s.base_url}/completions", json={**long, "max_tokens": 2})
             err = error_of(response, 429)
-            assert err["type"] == "rate_limit_error" and int(response.headers["retry-after"]) >= 1
+            assert err["type"] == "rate_limit_error"
+            assert int(response.headers["retry-after"]) >= 1
             with pytest.raises(openai.RateLimitError):
                 await client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=2)
             async for _ in held.aiter_lines():
                 pass
     reply = await client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=2)  # the slot is free again
-    assert reply.usage is not None and reply.usage.completion_tokens == 2
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 2
     await client.close()

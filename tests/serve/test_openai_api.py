@@ -34,7 +34,8 @@ def test_chat_equals_generate_on_the_rendered_prompt(
     assert reply.choices[0].message.content == expected["visible_text"]
     assert reply.choices[0].message.role == "assistant"
     assert reply.choices[0].finish_reason == "length"
-    assert reply.object == "chat.completion" and reply.model == MODEL_NAME
+    assert reply.object == "chat.completion"
+    assert reply.model == MODEL_NAME
     assert reply.usage is not None
     assert reply.usage.prompt_tokens == len(expected["prompt_ids"])
     assert reply.usage.completion_tokens == len(expected["token_ids"]) == 24
@@ -50,7 +51,8 @@ def test_chat_equals_generate_on_the_rendered_prompt(
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected["visible_text"]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == []
     assert chunks[-1].usage is not None
     assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(expected["prompt_ids"]), 24)
     assert len({c.id for c in chunks}) == 1
@@ -73,14 +75,16 @@ async def test_async_client_completions_equal_generate(
     )  # fmt: skip
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected["visible_text"]
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 16
     # the same prompt as token ids gives the same completion
     by_ids = await client.completions.create(
         model=MODEL_NAME, prompt=expected["prompt_ids"], max_tokens=16, temperature=0
     )
     assert by_ids.choices[0].text == expected["visible_text"]
     chat = await client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0)
-    assert chat.usage is not None and chat.usage.completion_tokens == 8
+    assert chat.usage is not None
+    assert chat.usage.completion_tokens == 8
     await client.close()
 
 
@@ -106,7 +110,8 @@ def test_stop_strings_stop_and_are_excluded(sync_client: openai.OpenAI) -> None:
                 model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stop=stop
             )
             got, finish = reply.choices[0].text, reply.choices[0].finish_reason
-            assert reply.usage is not None and reply.usage.completion_tokens < 24
+            assert reply.usage is not None
+            assert reply.usage.completion_tokens < 24
         assert got == text[:cut]
         assert finish == "stop"
 
@@ -144,7 +149,8 @@ def test_models_health_and_metrics(stack: Stack, sync_client: openai.OpenAI) -> 
     sync_client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=3, temperature=0)
     root = stack.base_url.removesuffix("/v1")
     health = httpx.get(f"{root}/health").json()
-    assert health["status"] == "ok" and health["sessions_active"] == 0
+    assert health["status"] == "ok"
+    assert health["sessions_active"] == 0
     metrics = httpx.get(f"{root}/metrics").text
     values = {
         line.split(" ")[0]: float(line.split(" ")[1])
@@ -165,7 +171,8 @@ def test_models_health_and_metrics(stack: Stack, sync_client: openai.OpenAI) -> 
 def test_speculation_estimates_are_shared_across_requests(stack: Stack, sync_client: openai.OpenAI) -> None:
     """The server's one controller learns from every request's session (link and model pair)."""
     controller = stack.state.controller
-    assert controller is not None and controller.drafters == ["ngram", "prompt-lookup", "mix"]
+    assert controller is not None
+    assert controller.drafters == ["ngram", "prompt-lookup", "mix"]
     sync_client.completions.create(model=MODEL_NAME, prompt="to be or not to be", max_tokens=8, temperature=0)
     assert controller.step_time(1) < 1.0  # measured (the unmeasured prior is 1 s per step)
     before = controller.value(None, 0)

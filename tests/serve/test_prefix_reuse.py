@@ -24,7 +24,8 @@ def chat_turn(stack: Stack, messages: list[ChatCompletionMessageParam]) -> tuple
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
     before = stack.emulator.stats().bytes_upstream
     reply = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)
-    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens_details is not None
     cached = reply.usage.prompt_tokens_details.cached_tokens or 0
     return reply.choices[0].message.content or "", cached, stack.emulator.stats().bytes_upstream - before
 
@@ -84,7 +85,8 @@ async def test_rewind_then_extend_equals_a_fresh_prefill(stack: Stack, chat_mode
         history = edited.history
         for cut in (len(history), len(history) - 3, 5, 0):
             kept = edited.rewind(cut)
-            assert kept <= cut and edited.history == history[:kept]
+            assert kept <= cut
+            assert edited.history == history[:kept]
             suffix = [7, 8, 9]
             logits = await edited.forward(suffix)
             fresh.reset()

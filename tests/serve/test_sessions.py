@@ -27,10 +27,11 @@ async def test_eight_concurrent_streams_are_correct_and_independent(stack: Stack
     tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
     model = local_model(chat_model)
     expected = []
+    generate: Callable[..., torch.Tensor] = model.generate  # type: ignore[assignment]  # typed as a Tensor
     for p in PROMPTS:  # the whole model, locally, one prompt at a time
         ids = tokenizer.encode(p)
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+            out = generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
         expected.append(tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True))
     assert len(set(expected)) == len(PROMPTS)
     client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
@@ -62,7 +63,8 @@ async def test_disconnect_mid_stream_frees_the_cloud_session(make_stack: Callabl
             lines = response.aiter_lines()
             for _ in range(6):
                 await anext(lines)
-            assert s.trunk_sessions() == 1 and s.state.pool.active == 1
+            assert s.trunk_sessions() == 1
+            assert s.state.pool.active == 1
             t0 = time.monotonic()
     while s.trunk_sessions() and time.monotonic() - t0 < 5:
         await asyncio.sleep(0.02)
@@ -102,7 +104,8 @@ def test_unreachable_trunk_is_503_then_recovers(make_stack: Callable[..., Stack]
         response = httpx.post(f"{s.base_url}/completions", json={**body, "stream": stream}, timeout=30)
         assert response.status_code == 503, response.text
         err = response.json()["error"]
-        assert err["code"] == "trunk_unreachable" and "unreachable" in err["message"]
+        assert err["code"] == "trunk_unreachable"
+        assert "unreachable" in err["message"]
     root = s.base_url.removesuffix("/v1")
     assert 'splitspec_serve_errors_total{type="trunk_unreachable"} 2.0' in httpx.get(f"{root}/metrics").text
     assert httpx.get(f"{root}/health").json()["status"] == "ok"  # still serving

@@ -31,13 +31,15 @@ def run(stream: StopTextStream, ids: list[int]) -> list[str]:
 def test_stop_string_across_tokens_is_cut_and_excluded() -> None:
     stream = StopTextStream(decode_letters, ["cde", "zz"])
     deltas = run(stream, [0, 1, 2, 3, 4, 5])  # a b c d e f
-    assert "".join(deltas) == "ab" and stream.stopped
+    assert "".join(deltas) == "ab"
+    assert stream.stopped
     assert deltas[:2] == ["", ""]  # "a", "ab" could still begin "cde"/"zz": held back (hold = 2 chars)
 
 
 def test_without_a_stop_everything_is_released() -> None:
     stream = StopTextStream(decode_letters, ["xyz"])
-    assert "".join(run(stream, [0, 1, 2, 3])) == "abcd" and not stream.stopped
+    assert "".join(run(stream, [0, 1, 2, 3])) == "abcd"
+    assert not stream.stopped
     plain = StopTextStream(decode_letters)
     assert run(plain, [0, 1]) == ["a", "b", ""]  # no stop strings: nothing held
 
@@ -69,33 +71,47 @@ def test_prefix_cache_takes_the_longest_match_and_leaves_a_token_to_run() -> Non
     cache.put(a)
     cache.put(b)
     taken = cache.take([1, 2, 3, 4, 5, 6, 7])
-    assert taken is not None and taken.client is a and taken.reused == 5
+    assert taken is not None
+    assert taken.client is a
+    assert taken.reused == 5
     cache.put(a)
     taken = cache.take([1, 2, 3, 4, 5])  # the whole prompt is cached: one token must still run
-    assert taken is not None and taken.client is a and taken.reused == 4 and a.history == (1, 2, 3, 4)
+    assert taken is not None
+    assert taken.client is a
+    assert taken.reused == 4
+    assert a.history == (1, 2, 3, 4)
     assert cache.take([7, 7]) is None  # no match and room left: the caller opens a new session
     taken = cache.take([1, 2, 3])
-    assert taken is not None and taken.client is b and taken.reused == 2
+    assert taken is not None
+    assert taken.client is b
+    assert taken.reused == 2
 
 
 def test_prefix_cache_bounds_and_recycling() -> None:
     cache: PrefixCache[FakeClient] = PrefixCache(max_entries=2, max_edge_bytes=25)
     clients = [FakeClient([i, i]) for i in range(3)]
-    assert cache.put(clients[0]) == [] and cache.put(clients[1]) == []
+    assert cache.put(clients[0]) == []
+    assert cache.put(clients[1]) == []
     assert cache.put(clients[2]) == [clients[0]]
     big = FakeClient([5, 5], nbytes=20)
     assert cache.put(big) == [clients[1], clients[2]]
     assert cache.put(FakeClient([6], nbytes=5)) == []
     taken = cache.take([7, 8])  # full and no match: the least recently used is recycled from scratch
-    assert taken is not None and taken.client is big and taken.reused == 0 and big.history == ()
+    assert taken is not None
+    assert taken.client is big
+    assert taken.reused == 0
+    assert big.history == ()
     keeper = FakeClient([1, 2, 3, 4], pending_keep=2)
     cache.put(keeper)
     taken = cache.take([1, 2, 3, 9], reuse=True)
-    assert taken is not None and taken.reused == 2  # a pending accepted path limits the cut
+    assert taken is not None
+    assert taken.reused == 2
     cache.put(FakeClient([1, 2]))
     taken = cache.take([1, 2, 3], reuse=False)  # reuse off: always a full re-prefill
-    assert taken is not None and taken.reused == 0
-    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0
+    assert taken is not None
+    assert taken.reused == 0
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0
 
 
 def test_render_chat(make_checkpoint: Callable[..., Path], chat_model: Path) -> None:
