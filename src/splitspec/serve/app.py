@@ -139,11 +139,7 @@ def create_app(state: ServeState) -> FastAPI:
         now = schemas.now()
         if body.stream:
             count(request, 200)
-            events = (
-                sse_chat(gen, rid, now, name, body.include_usage)
-                if chat
-                else sse_text(gen, rid, now, name, body.include_usage)
-            )
+            events = sse_events(gen, rid, now, name, body.include_usage, chat)
             return GenerationStream(events, gen)
         async with aclosing(gen.deltas()) as deltas:
             content = "".join([d async for d in deltas])
@@ -211,31 +207,22 @@ def _event(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-async def sse_chat(gen: Generation, rid: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
-    def chunk(delta: dict[str, str] | None, finish: schemas.FinishReason | None = None,
-              use: dict[str, Any] | None = None) -> str:  # fmt: skip
-        return _event(schemas.chat_chunk(rid, created, model, delta, finish, use, include_usage))
+async def sse_events(
+    gen: Generation, rid: str, created: int, model: str, include_usage: bool, chat: bool
+) -> AsyncIterator[str]:
+    """The SSE stream of one generation: chunks, the closing chunk, the usage chunk, ``[DONE]``."""
 
-    yield chunk({"role": "assistant", "content": ""})
-    try:
-        async with aclosing(gen.deltas()) as deltas:
-            async for delta in deltas:
-                yield chunk({"content": delta})
-    except ApiError as err:
-        yield _event(err.body())
-        yield _event("[DONE]")
-        return
-    out = gen.outcome
-    yield chunk({}, out.finish_reason)
-    if include_usage:
-        yield chunk(None, use=schemas.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens))
-    yield _event("[DONE]")
+    def chunk(piece: str | None, finish: schemas.FinishReason | None = None, use: dict[str, Any] | None = None) -> str:
+        """``piece=None``: the usage-only chunk; with ``finish``: the closing chunk."""
+        if chat:
+            delta = None if piece is None else ({} if finish else {"content": piece})
+            return _event(schemas.chat_chunk(rid, created, model, delta, finish, use, include_usage))
+        return _event(schemas.text_completion(rid, created, model, piece, finish, use, include_usage))
 
-
-async def sse_text(gen: Generation, rid: str, created: int, model: str, include_usage: bool) -> AsyncIterator[str]:
-    def chunk(text: str | None, finish: schemas.FinishReason | None = None, use: dict[str, Any] | None = None) -> str:
-        return _event(schemas.text_completion(rid, created, model, text, finish, use, include_usage))
-
+    if chat:
+        yield _event(
+            schemas.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, None, include_usage)
+        )
     try:
         async with aclosing(gen.deltas()) as deltas:
             async for delta in deltas:

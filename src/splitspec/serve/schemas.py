@@ -183,25 +183,35 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def chat_completion(
-    rid: str, created: int, model: str, content: str, finish: FinishReason, use: dict[str, Any]
+def _response(
+    rid: str,
+    obj: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    use: dict[str, Any] | None,
+    with_usage: bool,
 ) -> dict[str, Any]:
-    return {
+    """The envelope every completion object and stream chunk shares."""
+    body: dict[str, Any] = {
         "id": rid,
-        "object": "chat.completion",
+        "object": obj,
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": content},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        ],
-        "usage": use,
+        "choices": choices,
     }
+    if with_usage:
+        body["usage"] = use
+    return body
+
+
+def chat_completion(
+    rid: str, created: int, model: str, content: str, finish: FinishReason, use: dict[str, Any]
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": content}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+    return _response(rid, "chat.completion", created, model, [choice], use, True)
 
 
 def chat_chunk(
@@ -214,17 +224,8 @@ def chat_chunk(
     with_usage_field: bool = False,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices)."""
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-    }
-    if with_usage_field:
-        chunk["usage"] = use
-    return chunk
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    return _response(rid, "chat.completion.chunk", created, model, choices, use, with_usage_field)
 
 
 def text_completion(
@@ -237,17 +238,8 @@ def text_completion(
     with_usage_field: bool = True,
 ) -> dict[str, Any]:
     """A ``text_completion`` response or stream chunk; ``text=None`` is the usage-only chunk."""
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }
-    if with_usage_field:
-        body["usage"] = use
-    return body
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    return _response(rid, "text_completion", created, model, choices, use, with_usage_field)
 
 
 def model_card(name: str, created: int) -> dict[str, Any]:
