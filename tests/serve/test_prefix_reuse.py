@@ -16,7 +16,8 @@ from splitspec.serve.prefix_cache import common_prefix
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import generate_cli, rendered
 
-HIDDEN_BYTES = 64 * 4  # one token's hidden state on the wire: hidden size 64, float32
+TOKEN_BYTES = 64 * 4 + 4 + 4  # one token up the wire: hidden state (64 float32), int32 position and parent
+STEP_HEADER_BYTES = 400  # frame header and JSON of one step, at most
 
 
 def chat_turn(stack: Stack, messages: list[ChatCompletionMessageParam]) -> tuple[str, int, int]:
@@ -33,7 +34,8 @@ def chat_turn(stack: Stack, messages: list[ChatCompletionMessageParam]) -> tuple
 def test_second_turn_sends_only_its_new_tokens(
     make_stack: Callable[..., Stack], chat_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    reuse, fresh = make_stack(), make_stack(prefix_reuse=False)
+    # no speculation: the decode steps (and their bytes) are then the same in both, only the prefill differs
+    reuse, fresh = make_stack(speculate="off"), make_stack(speculate="off", prefix_reuse=False)
     tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
     turn1: list[ChatCompletionMessageParam] = [{"role": "user", "content": "to be or not to be that is the question"}]
     answers = [chat_turn(s, turn1) for s in (reuse, fresh)]
@@ -49,9 +51,10 @@ def test_second_turn_sends_only_its_new_tokens(
     prompt2 = tokenizer.encode(rendered(chat_model, turn2), add_special_tokens=False)
     assert cached_fresh == 0
     assert cached >= len(prompt1)  # at least the whole first prompt stayed in the caches
-    # the wire carried (at most) the new tokens: the saving is the reused tokens' hidden states
-    assert up_fresh - up_reuse >= cached * HIDDEN_BYTES
-    assert up_reuse < (len(prompt2) - cached + 12) * (HIDDEN_BYTES + 64) + 4096
+    # the link carried only the new tokens: the saving is exactly the reused tokens (headers aside)
+    assert abs((up_fresh - up_reuse) - cached * TOKEN_BYTES) <= 100
+    steps = 12  # one prefill, then one decode step per further token
+    assert up_reuse <= (len(prompt2) - cached + steps - 1) * TOKEN_BYTES + steps * STEP_HEADER_BYTES
     # output identical to a fresh session, and to `splitspec generate` on the rendered prompt
     expected = generate_cli(capsys, chat_model, f"ws://127.0.0.1:{fresh.trunk_port}", rendered(chat_model, turn2), 12)
     assert text2 == text2_fresh == expected["visible_text"]
