@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from splitspec.chat_template import end_of_turn_ids
 from splitspec.cli import main
 
 
@@ -20,9 +21,17 @@ def rendered(model: Path, messages: Sequence[Mapping[str, Any]]) -> str:
 
 
 def generate_cli(
-    capsys: pytest.CaptureFixture[str], model: Path, cloud_url: str, prompt: str, max_new_tokens: int
+    capsys: pytest.CaptureFixture[str],
+    model: Path,
+    cloud_url: str,
+    prompt: str,
+    max_new_tokens: int,
+    end_of_turn: bool = False,
 ) -> dict[str, Any]:
-    """``splitspec generate --json`` (greedy) on ``prompt``, plus the text OpenAI would show."""
+    """``splitspec generate --json`` (greedy) on ``prompt``, plus what OpenAI would show of it.
+
+    ``end_of_turn``: a chat reply, which also ends at the template's end-of-turn token.
+    """
     capsys.readouterr()
     code = main([
         "generate", "--model", str(model), "--cloud", cloud_url, "--prompt", prompt, "--allow-stock-edge-weights",
@@ -31,5 +40,10 @@ def generate_cli(
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    out["visible_text"] = tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+    ids = list(out["token_ids"])
+    stops = end_of_turn_ids(tokenizer) if end_of_turn else frozenset()
+    cut = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
+    out["reply_ids"] = ids[:cut]
+    out["finish_reason"] = "stop" if cut < len(ids) or (ids and ids[-1] in stops) else "length"
+    out["visible_text"] = tokenizer.decode(ids[:cut], skip_special_tokens=True)
     return dict(out)

@@ -121,7 +121,7 @@ def test_wrong_api_key(make_stack: Callable[..., Stack]) -> None:
         model=MODEL_NAME, messages=[{"role": "user", "content": "to be"}], max_tokens=3, temperature=0
     )
     assert reply.usage is not None
-    assert reply.usage.completion_tokens == 3
+    assert 1 <= reply.usage.completion_tokens <= 3
 
 
 async def test_busy_pool_gets_429_with_retry_after(make_stack: Callable[..., Stack]) -> None:

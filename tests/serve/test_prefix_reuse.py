@@ -11,8 +11,8 @@ import torch
 from openai.types.chat import ChatCompletionMessageParam
 from transformers import AutoTokenizer
 
+from splitspec.chat_template import common_prefix
 from splitspec.edge import EdgeConfig, SplitClient
-from splitspec.serve.prefix_cache import common_prefix
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import generate_cli, rendered
 
@@ -56,7 +56,8 @@ def test_second_turn_sends_only_its_new_tokens(
     steps = 12  # one prefill, then one decode step per further token
     assert up_reuse <= (len(prompt2) - cached + steps - 1) * TOKEN_BYTES + steps * STEP_HEADER_BYTES
     # output identical to a fresh session, and to `splitspec generate` on the rendered prompt
-    expected = generate_cli(capsys, chat_model, f"ws://127.0.0.1:{fresh.trunk_port}", rendered(chat_model, turn2), 12)
+    cloud = f"ws://127.0.0.1:{fresh.trunk_port}"
+    expected = generate_cli(capsys, chat_model, cloud, rendered(chat_model, turn2), 12, end_of_turn=True)
     assert text2 == text2_fresh == expected["visible_text"]
 
     # an edited conversation: the cloud cache is cut back to the longest common prefix
@@ -72,29 +73,24 @@ def test_second_turn_sends_only_its_new_tokens(
     assert text3 == text3_fresh
 
 
-async def test_rewind_then_extend_equals_a_fresh_prefill(stack: Stack, chat_model: Path) -> None:
-    """SplitClient.rewind: the cut (edge now, cloud on the next step) leaves exactly the kept prefix."""
+async def test_truncate_then_extend_equals_a_fresh_prefill(stack: Stack, chat_model: Path) -> None:
+    """SplitClient.truncate (what the pool does to a kept session): the cut, merged with a pending
+    keep of a speculative step, leaves exactly the kept prefix on both sides."""
     url = f"ws://127.0.0.1:{stack.trunk_port}"
     cfg = EdgeConfig(model_dir=chat_model, cloud_url=url, allow_stock_edge_weights=True)
     tokenizer = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
     prompt = tokenizer.encode("to be or not to be to be or not to be to be or not")
     async with SplitClient(cfg) as edited, SplitClient(cfg) as fresh:
-        await edited.generate(prompt, 24, speculate="ngram")  # speculative steps: keep_last commands
+        await edited.generate(prompt, 24, speculate="ngram")
         await edited.forward([5, 6, 7])  # a step whose accepted path (first two) is pending for the cloud
         edited.keep([0, 1])
         history = edited.history
-        assert edited.rewind(len(history)) == len(history)  # nothing to cut
-        assert edited.rewind(len(history) - 1) == len(history) - 2  # a cut cannot reach into that step
-        history = edited.history
-        for cut in (len(history), len(history) - 3, 5, 0):
-            kept = edited.rewind(cut)
-            assert kept <= cut
-            assert edited.history == history[:kept]
+        for cut in (len(history), len(history) - 1, len(history) - 6, 5, 0):
+            edited.truncate(cut)
+            assert edited.history == history[:cut]
             suffix = [7, 8, 9]
             logits = await edited.forward(suffix)
             fresh.reset()
-            expected = await fresh.forward([*history[:kept], *suffix])
+            expected = await fresh.forward([*history[:cut], *suffix])
             torch.testing.assert_close(logits, expected[-3:], atol=1e-4, rtol=1e-4)
             history = edited.history
-    with pytest.raises(ValueError, match="cannot rewind"):
-        edited.rewind(len(history) + 1)

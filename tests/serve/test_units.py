@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-from transformers import AutoTokenizer
+import httpx
 
-from splitspec.exceptions import ConfigError
-from splitspec.serve.prefix_cache import PrefixCache, common_prefix
-from splitspec.serve.templates import render_chat
+from splitspec.edge import EdgeConfig
+from splitspec.serve.app import create_app
+from splitspec.serve.config import ServeConfig
+from splitspec.serve.prefix_cache import PrefixCache
+from splitspec.serve.state import ServeState
 from splitspec.serve.text import StopTextStream
 from tests.serve.conftest import CHAT_TEMPLATE
 
@@ -52,17 +53,12 @@ def test_incomplete_utf8_is_held_until_complete() -> None:
 
 
 class FakeClient:
-    def __init__(self, history: list[int], nbytes: int = 10, pending_keep: int = 0) -> None:
+    def __init__(self, history: list[int], nbytes: int = 10) -> None:
         self.history: tuple[int, ...] = tuple(history)
         self.edge_cache_bytes = nbytes
-        self.pending_keep = pending_keep  # tokens at the end that a pending keep_last protects
 
-    def rewind(self, length: int) -> int:
-        if length == len(self.history):
-            return length
-        length = min(length, len(self.history) - self.pending_keep)
+    def truncate(self, length: int) -> None:
         self.history = self.history[:length]
-        return length
 
 
 def test_prefix_cache_takes_the_longest_match_and_leaves_a_token_to_run() -> None:
@@ -101,24 +97,26 @@ def test_prefix_cache_bounds_and_recycling() -> None:
     assert taken.client is big
     assert taken.reused == 0
     assert big.history == ()
-    keeper = FakeClient([1, 2, 3, 4], pending_keep=2)
-    cache.put(keeper)
-    taken = cache.take([1, 2, 3, 9], reuse=True)
-    assert taken is not None
-    assert taken.reused == 2
     cache.put(FakeClient([1, 2]))
     taken = cache.take([1, 2, 3], reuse=False)  # reuse off: always a full re-prefill
     assert taken is not None
     assert taken.reused == 0
-    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert common_prefix([], [1]) == 0
+    assert len(cache.drain()) == 1
+    assert len(cache) == 0
 
 
-def test_render_chat(make_checkpoint: Callable[..., Path], chat_model: Path) -> None:
-    messages = [{"role": "user", "content": "to be"}]
-    with_template = AutoTokenizer.from_pretrained(chat_model, local_files_only=True)
-    assert render_chat(with_template, messages) == "<|user|> to be <|end|> <|assistant|> "
-    plain = AutoTokenizer.from_pretrained(make_checkpoint("llama"), local_files_only=True)
-    with pytest.raises(ConfigError, match="no chat template"):
-        render_chat(plain, messages)
-    assert render_chat(plain, messages, CHAT_TEMPLATE) == "<|user|> to be <|end|> <|assistant|> "
+async def test_chat_needs_a_template(make_checkpoint: Callable[..., Path]) -> None:
+    """A checkpoint without a chat template: chat is a 400 naming the fix; --chat-template supplies one."""
+    plain = make_checkpoint("llama")
+    edge = EdgeConfig(model_dir=plain, cloud_url="ws://127.0.0.1:9", allow_stock_edge_weights=True)
+    state = ServeState(ServeConfig(edge=edge, served_model_name="m"))
+    assert not state.templated
+    app = create_app(state)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        body = {"model": "m", "messages": [{"role": "user", "content": "to be"}], "max_tokens": 2}
+        response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "no_chat_template"
+    assert "--chat-template" in response.json()["error"]["message"]
+    templated = ServeState(ServeConfig(edge=edge, served_model_name="m", chat_template=CHAT_TEMPLATE))
+    assert templated.templated

@@ -20,14 +20,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from splitspec.chat_template import render
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.exceptions import ConfigError
 from splitspec.serve import schemas
 from splitspec.serve.engine import Generation
 from splitspec.serve.errors import ApiError, invalid
 from splitspec.serve.schemas import ChatCompletionRequest, CompletionRequest
 from splitspec.serve.state import ServeState
-from splitspec.serve.templates import render_chat
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +102,17 @@ def create_app(state: ServeState) -> FastAPI:
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         check_model(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        if not state.templated:
+            raise invalid(
+                "this model's tokenizer has no chat template: use /v1/completions, or start the server "
+                "with --chat-template FILE",
+                param="messages",
+                code="no_chat_template",
+            )
         try:
-            text = render_chat(state.tokenizer, messages, state.config.chat_template)
-        except ConfigError as exc:
-            raise invalid(str(exc), param="messages", code="no_chat_template") from None
+            prompt_ids = render(state.tokenizer, messages)
         except Exception as exc:  # the template's own Jinja raise_exception (e.g. roles out of order)
             raise invalid(f"the chat template refused these messages: {exc}", param="messages") from None
-        prompt_ids = list(state.tokenizer.encode(text, add_special_tokens=False))
         return await respond(request, body, prompt_ids, "messages", chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -133,7 +136,8 @@ def create_app(state: ServeState) -> FastAPI:
             log.debug("request for end user %r", body.user)
         max_tokens = token_budget(len(prompt_ids), body.token_limit(), state.max_positions, param)
         params = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-        gen = Generation(state, prompt_ids, max_tokens, params, body.stop_strings(), request.is_disconnected)
+        stop_ids = state.chat_stop_ids if chat else state.eos_token_ids
+        gen = Generation(state, prompt_ids, max_tokens, params, body.stop_strings(), stop_ids, request.is_disconnected)
         await gen.start()
         rid = schemas.new_id("chatcmpl" if chat else "cmpl")
         now = schemas.now()

@@ -41,6 +41,7 @@ class Generation:
         max_tokens: int,
         params: SamplingParams,
         stops: Sequence[str],
+        stop_token_ids: frozenset[int],
         disconnected: Callable[[], Awaitable[bool]],
     ) -> None:
         self.state = state
@@ -48,6 +49,7 @@ class Generation:
         self.max_tokens = max_tokens
         self.params = params
         self.text = StopTextStream(state.decode, stops)
+        self.stop_token_ids = stop_token_ids  # end the reply (finish_reason "stop"), not shown
         self.disconnected = disconnected  # polled between tokens: the HTTP client went away
         self.outcome = Outcome(prompt_tokens=len(self.prompt_ids))
         self._t0 = time.perf_counter()
@@ -69,6 +71,7 @@ class Generation:
             self.prompt_ids[lease.reused :],
             self.max_tokens,
             self.params,
+            stop_token_ids=self.stop_token_ids,
             generator=self.params.generator()[0],
             speculate=self.state.config.speculate,
             fresh=lease.reused == 0,
@@ -95,7 +98,7 @@ class Generation:
                 delta = self.text.push(token)
                 if delta:
                     yield delta
-                if token in self.state.eos_token_ids or self.text.stopped:
+                if token in self.stop_token_ids or self.text.stopped:
                     self.outcome.finish_reason = "stop"
                     break
                 if self.outcome.completion_tokens >= self.max_tokens:

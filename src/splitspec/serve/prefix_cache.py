@@ -1,7 +1,7 @@
 """Idle sessions kept for reuse, in an LRU keyed by the token sequence their caches hold.
 
 A chat client resends the whole conversation every turn. The session whose cached tokens share
-the longest common prefix with the new prompt is taken and rewound to that prefix (the edge
+the longest common prefix with the new prompt is taken and truncated to that prefix (the edge
 caches now, the cloud's on the next step), so only the new suffix crosses the WAN; an edited
 conversation keeps what still matches. Bounded by count and by edge KV memory; what falls out
 is returned to the caller, which closes its cloud session.
@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from splitspec.chat_template import plan_turn
+
 
 class Reusable(Protocol):
     """What the cache needs of a session (:class:`~splitspec.edge.SplitClient` has it)."""
@@ -24,26 +26,16 @@ class Reusable(Protocol):
     @property
     def edge_cache_bytes(self) -> int: ...
 
-    def rewind(self, length: int) -> int: ...
+    def truncate(self, length: int) -> None: ...
 
 
 C = TypeVar("C", bound=Reusable)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @dataclass(frozen=True)
 class Taken(Generic[C]):
     client: C
-    reused: int  # prompt tokens already in the client's caches (after the rewind)
+    reused: int  # prompt tokens already in the client's caches (after the truncation)
 
 
 class PrefixCache(Generic[C]):
@@ -62,7 +54,7 @@ class PrefixCache(Generic[C]):
         return sum(c.edge_cache_bytes for c in self._idle.values())
 
     def take(self, prompt: Sequence[int], reuse: bool = True) -> Taken[C] | None:
-        """The idle session to run ``prompt`` on, rewound to what it can reuse; None: open a new one.
+        """The idle session to run ``prompt`` on, truncated to what it can reuse; None: open a new one.
 
         With ``reuse`` the longest match wins (ties: the most recent). Without a match, the least
         recently used session is recycled from scratch when the cache is full (its connection is
@@ -73,7 +65,7 @@ class PrefixCache(Generic[C]):
         best_key, best = None, 0
         if reuse:
             for key, client in reversed(self._idle.items()):
-                n = min(common_prefix(client.history, prompt), len(prompt) - 1)
+                n = plan_turn(client.history, prompt).keep
                 if n > best:
                     best_key, best = key, n
         if best_key is None:
@@ -81,7 +73,8 @@ class PrefixCache(Generic[C]):
                 return None
             best_key = next(iter(self._idle))
         client = self._idle.pop(best_key)
-        return Taken(client, client.rewind(best))
+        client.truncate(best)
+        return Taken(client, best)
 
     def put(self, client: C) -> list[C]:
         """Keep ``client`` as the most recent entry; return the entries evicted to stay in bounds."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from splitspec.chat_template import end_of_turn_ids, has_chat_template
 from splitspec.decoding.controller import SpeculationController
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import make_drafters
@@ -26,6 +27,9 @@ class ServeState:
         self.config = config
         edge = config.edge
         self.tokenizer: Any = AutoTokenizer.from_pretrained(edge.model_dir, local_files_only=True)
+        if config.chat_template is not None:  # --chat-template: for a checkpoint that ships none
+            self.tokenizer.chat_template = config.chat_template
+        self.templated = has_chat_template(self.tokenizer)
         model_config = Checkpoint(edge.model_dir).config
         self.max_positions = int(model_config.max_position_embeddings)  # prompt + completion, tokens
         self.vocab_size = int(model_config.vocab_size)
@@ -37,6 +41,8 @@ class ServeState:
         drafters = list(make_drafters(config.speculate, SamplingParams(), self.draft_model))
         self.controller = SpeculationController(drafters) if drafters else None
         self.eos_token_ids = first.eos_token_ids
+        # a chat reply also ends at the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)
+        self.chat_stop_ids = self.eos_token_ids | (end_of_turn_ids(self.tokenizer) if self.templated else frozenset())
         self.metrics = ServeMetrics()
         self.pool = SessionPool(
             self.new_client,
