@@ -18,6 +18,7 @@ Every error raised on purpose by splitspec derives from :class:`SplitspecError`:
     │   ├── AuthenticationFailed    missing or wrong shared secret
     │   ├── UnknownSession          session id unknown, expired, or owned by another connection
     │   ├── TooManySessions         the server's max-sessions limit is reached
+    │   │   └── SessionQuotaExceeded    this connection holds its maximum of sessions
     │   └── ServerError             the server failed while computing (its bug, not ours)
     └── TransportError              the connection could not be made or was lost
 
@@ -99,6 +100,10 @@ class TooManySessions(ProtocolError):
     code = "too_many_sessions"
 
 
+class SessionQuotaExceeded(TooManySessions):
+    code = "session_quota_exceeded"
+
+
 class ServerError(ProtocolError):
     code = "server_error"
 
@@ -119,6 +124,7 @@ _BY_CODE: dict[str, type[ProtocolError]] = {
         AuthenticationFailed,
         UnknownSession,
         TooManySessions,
+        SessionQuotaExceeded,
         ServerError,
     )
 }

@@ -17,6 +17,7 @@ class CloudConfig:
     tls_key_file: Path | None = None  # PEM private key of tls_cert_file
     session_ttl_s: float = 300.0  # idle seconds before a session's cache is dropped
     max_sessions: int = 64  # concurrent sessions across all connections
+    max_sessions_per_connection: int = 8  # sessions one connection may hold at once
     handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
     max_unauthenticated: int = 64  # connections in their handshake at once, all addresses
     max_connections_per_address: int = 32  # open connections from one IP address

@@ -72,7 +72,7 @@ class TrunkServer:
             hidden_size=model_config.hidden_size,
         )
         self.max_positions = int(model_config.max_position_embeddings)
-        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s)
+        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s, config.max_sessions_per_connection)
         # each connection handles its messages in order, so one session never runs two steps at
         # once; different sessions compute in parallel (torch releases the GIL in its kernels)
         self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")

@@ -7,7 +7,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from splitspec.exceptions import TooManySessions, UnknownSession
+from splitspec.exceptions import SessionQuotaExceeded, TooManySessions, UnknownSession
 from splitspec.models.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -23,10 +23,11 @@ class Session:
 
 
 class SessionStore:
-    """All live sessions of a server, with a max-sessions limit and idle expiry."""
+    """All live sessions of a server, with a max-sessions limit, a per-owner quota and idle expiry."""
 
-    def __init__(self, max_sessions: int, ttl_s: float) -> None:
+    def __init__(self, max_sessions: int, ttl_s: float, max_per_owner: int | None = None) -> None:
         self.max_sessions = max_sessions
+        self.max_per_owner = max_sessions if max_per_owner is None else max_per_owner
         self.ttl_s = ttl_s
         self._sessions: dict[str, Session] = {}
 
@@ -40,6 +41,8 @@ class SessionStore:
     def open(self, owner: int) -> Session:
         if len(self._sessions) >= self.max_sessions:
             raise TooManySessions(f"the server already holds its maximum of {self.max_sessions} sessions")
+        if sum(s.owner == owner for s in self._sessions.values()) >= self.max_per_owner:
+            raise SessionQuotaExceeded(f"this connection already holds its maximum of {self.max_per_owner} sessions")
         session = Session(session_id=secrets.token_hex(8), owner=owner)
         self._sessions[session.session_id] = session
         log.info("session %s opened (%d live)", session.session_id, len(self._sessions))
