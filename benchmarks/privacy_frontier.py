@@ -363,7 +363,9 @@ def plot(points: list[dict[str, Any]], side: str, path: Path) -> None:
         ax.axhline(200 * mrows[0]["floor"], color="gray", linestyle=":", label="2x floor (input target)")
         ax.axvline(100 * COST_BUDGET, color="red", alpha=0.4, linestyle="-.", label="10 % ppl budget")
         ax.set_title(f"{model} (split {mrows[0]['depth']},{mrows[0]['depth']}), {side} side")
-        ax.set_xlabel("held-out perplexity cost (%)")
+        ax.set_xscale("symlog", linthresh=10)  # costs run from a few % to thousands of %
+        ax.set_xlim(left=-1)
+        ax.set_xlabel("held-out perplexity cost (%, linear to 10, log beyond)")
         ax.set_ylabel("top-1 tokens recovered (%)")
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
