@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import random
-import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.client import StepStats
 from splitspec.exceptions import ConfigError, UnexpectedMessage
+from splitspec.measure import median
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.netem.projection import (
     StepTimeFit,
@@ -212,7 +212,7 @@ async def measure_pings(
             samples.extend((ex_open.roundtrip_ms, ex_close.roundtrip_ms))
     finally:
         await channel.close()
-    log.debug("pings to %s: median %.2f ms over %d", url, statistics.median(samples), len(samples))
+    log.debug("pings to %s: median %.2f ms over %d", url, median(samples), len(samples))
     return samples
 
 
@@ -247,10 +247,6 @@ async def measure_steps(
     return timed
 
 
-def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else 0.0
-
-
 def build_report(config: ProbeConfig, pings: Sequence[float], steps: Sequence[StepStats]) -> ProbeReport:
     """Fit RTT + f(k) and derive the break-even and projection tables (pure; no I/O)."""
     fit = fit_step_time(list(pings), [s.query_tokens for s in steps], [step_total_ms(s) for s in steps])
@@ -258,20 +254,20 @@ def build_report(config: ProbeConfig, pings: Sequence[float], steps: Sequence[St
     breakdown = []
     for k in fit.query_tokens:
         group = [s for s in steps if s.query_tokens == k]
-        network = _median([s.network_ms for s in group])
+        network = median([s.network_ms for s in group])
         breakdown.append(
             StepBreakdown(
                 query_tokens=k,
                 n=len(group),
-                step_ms=_median([step_total_ms(s) for s in group]),
+                step_ms=median([step_total_ms(s) for s in group]),
                 overhead_ms=fit.overhead_ms(k, interpolate=True),
                 network_ms=network,
-                edge_ms=_median([s.edge_ms for s in group]),
-                cloud_ms=_median([s.cloud_ms for s in group]),
-                serialize_ms=_median([s.serialize_ms for s in group]),
+                edge_ms=median([s.edge_ms for s in group]),
+                cloud_ms=median([s.cloud_ms for s in group]),
+                serialize_ms=median([s.serialize_ms for s in group]),
                 transfer_ms=network - rtt,
-                bytes_up=_median([float(s.bytes_up) for s in group]),
-                bytes_down=_median([float(s.bytes_down) for s in group]),
+                bytes_up=median([float(s.bytes_up) for s in group]),
+                bytes_down=median([float(s.bytes_down) for s in group]),
             )
         )
     ks = fit.query_tokens

@@ -7,7 +7,7 @@ of one benchmark. Example (``benchmarks/scenarios/default.toml``)::
     # model = "path/to/checkpoint"     # default: the demo base model shipped in splitspec/assets
     edge_layers = [2, 2]
     rtt_ms = [0, 5, 20, 80, 150]       # emulated round-trip times, ms
-    modes = ["sequential"]             # keys of splitspec.bench.harness.MODES
+    modes = ["sequential"]             # keys of splitspec.bench.modes.MODES
     repeats = 3
     max_new_tokens = 48
     torch_threads = 1                  # torch intra-op threads during the run
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import splitspec
+from splitspec.bench.modes import MODES
 from splitspec.exceptions import ConfigError
 
 __all__ = [
@@ -87,7 +88,7 @@ class Scenario:
     draft_model_dir: Path | None = None  # drafter for speculative modes; None = no draft model
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
     rtt_ms: tuple[float, ...] = (0.0, 5.0, 20.0, 80.0, 150.0)  # emulated round-trip times, ms
-    modes: tuple[str, ...] = ("sequential",)  # split decoding modes (keys of harness.MODES)
+    modes: tuple[str, ...] = ("sequential",)  # split decoding modes (keys of bench.modes.MODES)
     repeats: int = 3  # passes over every (RTT, mode, prompt), count
     max_new_tokens: int = 48  # tokens generated per run, tokens
     dtype: str = "float32"  # compute and wire dtype
@@ -243,7 +244,6 @@ def scenario_from_dict(
     """Validate a parsed scenario table; relative paths resolve against ``base_dir``.
 
     ``model_dir``, when given, replaces the scenario's model (a command-line override)."""
-    from splitspec.bench.harness import MODES  # the registry lives with the runners
 
     top = _Reader(data, where, _TOP_KEYS)
     name = top.string("name")

@@ -32,7 +32,6 @@ from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk, resolve_dtype
 from splitspec.protocol.messages import (
-    CacheCommand,
     CloseSession,
     Hello,
     Message,
@@ -156,7 +155,7 @@ class TrunkServer:
             raise BadTensor(f"hidden size {hidden.shape[2]}, the model's is {self.identity.hidden_size}")
         if hidden.shape[1] > self.config.max_query_tokens:
             raise BadTensor(f"{hidden.shape[1]} query tokens exceed the limit of {self.config.max_query_tokens}")
-        length = _length_after(step.cache, cache_length, last_step)
+        length = cache_length if step.cache is None else step.cache.length_after(cache_length, last_step)
         expected = length + depths(step.parents)
         if not torch.equal(step.positions.to(torch.long), expected):
             raise PositionOutOfRange(
@@ -188,21 +187,6 @@ class TrunkServer:
             session.busy = False
             session.last_used = time.monotonic()
         return StepResult(session_id=step.session_id, seq=step.seq, hidden=out, cloud_ms=cloud_ms)
-
-
-def _length_after(command: CacheCommand | None, length: int, last_step: int) -> int:
-    """Committed cache length once ``command`` is applied; raises if the command is impossible."""
-    if command is None:
-        return length
-    if command.truncate_to is not None:
-        if command.truncate_to > length:
-            raise PositionOutOfRange(f"cannot truncate a cache of {length} entries to {command.truncate_to}")
-        length, last_step = command.truncate_to, 0
-    if command.keep_last is not None:
-        if any(i >= last_step for i in command.keep_last):
-            raise PositionOutOfRange(f"keep_last {command.keep_last} outside the last step of {last_step} tokens")
-        length = length - last_step + len(command.keep_last)
-    return length
 
 
 class _TrunkPeer(MessagePeer[Message]):

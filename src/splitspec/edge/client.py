@@ -36,6 +36,7 @@ from splitspec.exceptions import (
     UnexpectedMessage,
     UnknownSession,
 )
+from splitspec.measure import median
 from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
@@ -94,9 +95,8 @@ class GenerationResult:
         """Medians of the per-step figures over decode steps, and totals."""
         decode = self.decode_steps
 
-        def median(key: str) -> float:
-            values = sorted(getattr(s, key) for s in decode)
-            return float(values[len(values) // 2]) if values else 0.0
+        def step_median(key: str) -> float:
+            return median((float(getattr(s, key)) for s in decode), empty=0.0)
 
         decode_tokens = len(self.token_ids) - 1  # the first token comes from the prefill
         return {
@@ -107,8 +107,8 @@ class GenerationResult:
             "tokens_per_s": len(self.token_ids) / self.wall_s if self.wall_s > 0 else 0.0,
             "steps": len(self.steps),
             "recoveries": self.recoveries,
-            "median_step_ms": {k: median(k) for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")},
-            "median_bytes": {k: median(k) for k in ("bytes_up", "bytes_down")},
+            "median_step_ms": {k: step_median(k) for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")},
+            "median_bytes": {k: step_median(k) for k in ("bytes_up", "bytes_down")},
             "total_bytes": {
                 "up": sum(s.bytes_up for s in self.steps),
                 "down": sum(s.bytes_down for s in self.steps),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from splitspec.protocol.messages import kept_length, truncated_length
+
 
 class KVCache:
     """Keys and values for a set of layers of one sequence. Shapes are (1, kv_heads, T, head_dim)."""
@@ -60,17 +62,14 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         """Drop every entry at index >= ``length``."""
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot truncate a cache of {self._length} entries to {length}")
-        self._length = length
+        self._length = truncated_length(self._length, length)
         self.last_step = 0
 
     @torch.inference_mode()  # the buffers were created under inference mode
     def keep_last(self, indices: tuple[int, ...]) -> None:
         """Keep only ``indices`` (strictly increasing, within the last step) of the last step's entries."""
         start = self._length - self.last_step
-        if any(not 0 <= i < self.last_step for i in indices):
-            raise ValueError(f"keep indices {indices} outside the last step of {self.last_step} tokens")
+        kept = kept_length(self._length, self.last_step, indices)
         if list(indices) != list(range(len(indices))):  # a prefix of the step is already in place
             src = torch.tensor([start + i for i in indices], dtype=torch.long)
             dst = slice(start, start + len(indices))
@@ -78,5 +77,5 @@ class KVCache:
                 buf[:, :, dst] = buf.index_select(2, src)
                 vals = self._values[layer_idx]
                 vals[:, :, dst] = vals.index_select(2, src)
-        self._length = start + len(indices)
+        self._length = kept
         self.last_step = 0

@@ -20,6 +20,7 @@ which speculative tokens of the previous step were accepted, without an extra ro
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -132,17 +133,50 @@ class SessionOpened:
         return cls(request_id=int_field(h, "request_id"), session_id=str_field(h, "session_id", max_len=MAX_ID_LEN))
 
 
+def truncated_length(length: int, truncate_to: int) -> int:
+    """Entries left when a cache of ``length`` entries is truncated to ``truncate_to``; ValueError if impossible."""
+    if not 0 <= truncate_to <= length:
+        raise ValueError(f"cannot truncate a cache of {length} entries to {truncate_to}")
+    return truncate_to
+
+
+def kept_length(length: int, last_step: int, keep: Sequence[int]) -> int:
+    """Entries left when only ``keep`` (indices within the last step of ``last_step`` tokens) of that step stay.
+
+    ValueError if an index lies outside the last step. With :func:`truncated_length`, the one home
+    of the cache-command arithmetic: the KV cache (``models.kv_cache``) and the trunk's check of a
+    step (:meth:`CacheCommand.length_after`) both use it.
+    """
+    if any(not 0 <= i < last_step for i in keep):
+        raise ValueError(f"keep indices {tuple(keep)} outside the last step of {last_step} tokens")
+    return length - last_step + len(keep)
+
+
 @dataclass(frozen=True)
 class CacheCommand:
     """Cache edit applied before a step runs.
 
     ``truncate_to``: drop every cache entry at index >= this (tokens). ``keep_last``: indices,
     within the previous step's query tokens, of the entries to keep (in order); the previous
-    step's other entries are dropped. ``truncate_to`` applies first.
+    step's other entries are dropped. ``truncate_to`` applies first (and leaves no last step).
     """
 
     truncate_to: int | None = None
     keep_last: tuple[int, ...] | None = None
+
+    def length_after(self, length: int, last_step: int) -> int:
+        """Committed entries once this command edits a cache of ``length`` whose last step added ``last_step``.
+
+        Raises :class:`PositionOutOfRange` if the command cannot apply to that cache.
+        """
+        try:
+            if self.truncate_to is not None:
+                length, last_step = truncated_length(length, self.truncate_to), 0
+            if self.keep_last is not None:
+                length = kept_length(length, last_step, self.keep_last)
+        except ValueError as exc:
+            raise PositionOutOfRange(str(exc)) from None
+        return length
 
     def to_header(self) -> dict[str, Any]:
         return {
