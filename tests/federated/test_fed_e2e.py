@@ -149,8 +149,14 @@ async def test_worker_with_other_tokenizer_is_refused(models: dict[str, LoadedMo
 
 
 async def test_worker_refuses_bad_input_with_typed_errors(models: dict[str, LoadedModel]) -> None:
-    from splitspec.exceptions import BadTensor, PositionOutOfRange, UnexpectedMessage, error_from_code
-    from splitspec.protocol.fed import FedHello, FedScore, FedWelcome, decode_fed, encode_fed
+    from splitspec.exceptions import (
+        BadTensor,
+        MalformedFrame,
+        PositionOutOfRange,
+        UnexpectedMessage,
+        error_from_code,
+    )
+    from splitspec.protocol.fed import FedHello, FedScore, FedScores, FedWelcome, decode_fed, encode_fed
     from splitspec.protocol.messages import Error
     from splitspec.transport.client import Channel
 
@@ -176,7 +182,7 @@ async def test_worker_refuses_bad_input_with_typed_errors(models: dict[str, Load
         assert isinstance(await ask(ch, score(tokens=torch.tensor([1, 999], dtype=torch.int32))), BadTensor)
         assert isinstance(await ask(ch, score(keep=5)), PositionOutOfRange)
         assert isinstance(await ask(ch, score(k=10_000)), BadTensor)
-        assert isinstance(await ask(ch, b"garbage"), Exception)
+        assert isinstance(await ask(ch, b"garbage"), MalformedFrame)
         reply = await ask(ch, score())  # the connection is still usable
-        assert not isinstance(reply, Exception)
+        assert isinstance(reply, FedScores)
         await ch.close()

@@ -82,7 +82,8 @@ def test_round_budget_takes_the_globally_largest_probabilities() -> None:
     assert round_budget_k(p, 0.2, 4).tolist() == [2, 1]
     # <= 0.06: 1.88 needed: 1.4 + 0.3 + 0.2 = 1.9 -> row 0 takes 3, row 1 still 1
     assert round_budget_k(p, 0.06, 4).tolist() == [3, 1]
-    assert round_budget_k(p, 0.0, 4).tolist() == [3, 4] or round_budget_k(p, 0.0, 4).tolist() == [4, 4]
+    exact = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.5, 0.25, 0.125, 0.125]], dtype=torch.float64)
+    assert round_budget_k(exact, 0.0, 4).tolist() == [3, 4]  # ε = 0 keeps every non-zero token, no zero one
     assert round_budget_k(p, 0.9, 4).tolist() == [1, 1]  # the top token is always kept
     assert round_budget_k(p, 0.0, 2).tolist() == [2, 2]  # capped at max_k
     topk = select_topk(p, TopKPolicy(target_epsilon=0.2, scope="round"))
