@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from splitspec.netem.emulator import NetemConfig, WanEmulator
+from splitspec.netem.emulator import WanEmulator
+from splitspec.netem.schedule import NetemConfig
 
 logger = logging.getLogger("netem_accuracy")
 

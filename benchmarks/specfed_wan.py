@@ -69,10 +69,11 @@ import torch
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.federated.config import CoordinatorConfig
 from splitspec.federated.coordinator import Coordinator
-from splitspec.federated.records import FedResult
 from splitspec.federated.lm import LoadedModel, load_model
+from splitspec.federated.records import FedResult
 from splitspec.federated.worker import FedWorker, WorkerConfig
-from splitspec.netem.emulator import NetemConfig, WanEmulator
+from splitspec.netem.emulator import WanEmulator
+from splitspec.netem.schedule import NetemConfig
 
 log = logging.getLogger("specfed_wan")
 

@@ -15,7 +15,8 @@ from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge.client import StepStats
 from splitspec.exceptions import ConfigError
-from splitspec.netem.emulator import NetemConfig, WanEmulator
+from splitspec.netem.emulator import WanEmulator
+from splitspec.netem.schedule import NetemConfig
 
 KS = (1, 2, 4, 8, 16)
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from splitspec.netem.emulator import NetemConfig, ThreadedWanEmulator, WanEmulator
+from splitspec.netem.emulator import ThreadedWanEmulator, WanEmulator
+from splitspec.netem.schedule import NetemConfig
 
 if TYPE_CHECKING:
     from tests.netem.conftest import Pinger

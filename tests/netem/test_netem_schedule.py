@@ -8,7 +8,7 @@ import random
 import pytest
 
 from splitspec.exceptions import ConfigError
-from splitspec.netem.emulator import JitterDistribution, LinkSchedule, NetemConfig
+from splitspec.netem.schedule import JitterDistribution, LinkSchedule, NetemConfig
 
 
 def test_delay_only() -> None:

@@ -63,7 +63,8 @@ from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
 from splitspec.measure import median
-from splitspec.netem.emulator import NetemConfig, WanEmulator
+from splitspec.netem.emulator import WanEmulator
+from splitspec.netem.schedule import NetemConfig
 
 __all__ = ["LocalBaselines", "run_benchmark"]
 

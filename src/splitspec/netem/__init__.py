@@ -1,3 +1,4 @@
-"""WAN emulation and link modelling: a delaying, jittering, rate-limiting TCP proxy
-(:mod:`splitspec.netem.emulator`) and the throughput projection model that separates round-trip
-time from fixed per-step overhead (:mod:`splitspec.netem.projection`)."""
+"""WAN emulation and link modelling: the pure link model (:mod:`splitspec.netem.schedule`), the
+delaying, jittering, rate-limiting TCP proxy that applies it (:mod:`splitspec.netem.emulator`) and
+the throughput projection that separates round-trip time from fixed per-step overhead
+(:mod:`splitspec.netem.projection`)."""

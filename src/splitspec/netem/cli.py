@@ -17,7 +17,8 @@ import asyncio
 import logging
 
 from splitspec.exceptions import ConfigError
-from splitspec.netem.emulator import NetemConfig, WanEmulator
+from splitspec.netem.emulator import WanEmulator
+from splitspec.netem.schedule import NetemConfig
 
 __all__ = ["build_config", "parse_hostport", "register", "run"]
 
