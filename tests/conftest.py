@@ -99,19 +99,44 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     return build
 
 
-def local_model(directory: Path) -> PreTrainedModel:
-    """The whole checkpoint in one process, as transformers loads it."""
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="device for the device-parametrised tests (cpu, cuda, cuda:N, mps); scripts/gpu_check.sh passes cuda",
+    )
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> str:
+    """The device the device-aware tests run on; they are skipped when this machine lacks it."""
+    from splitspec.devices import resolve_device
+    from splitspec.exceptions import DeviceUnavailable
+
+    name = str(request.config.getoption("--device"))
+    try:
+        resolve_device(name)
+    except DeviceUnavailable as exc:
+        pytest.skip(f"--device {name}: {exc}")
+    return name
+
+
+def local_model(directory: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+    """The whole checkpoint in one process, as transformers loads it, on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    return model
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() oddly
 
 
-def local_greedy(directory: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    model = local_model(directory)
+def local_greedy(
+    directory: Path, prompt: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[int]:
+    """transformers' own greedy ``generate`` of the whole checkpoint on ``device``."""
+    model = local_model(directory, dtype, device)
     with torch.no_grad():
         generate: Callable[..., torch.Tensor] = model.generate  # type: ignore[assignment]  # transformers types it as a Tensor
-        ids = torch.tensor([prompt])  # an explicit mask: a BOS equal to pad_token_id must not be masked out
+        ids = torch.tensor([prompt], device=device)  # an explicit mask: a BOS equal to pad_token_id must not be masked out
         out = generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitspec.arguments import add_connection_limit_args, add_token_file, edge_layers, read_token_file
+from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError, SplitspecError
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="compute and wire dtype (default: the checkpoint's own, config.json's dtype); both sides must agree",
     )
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_token_file(p)
     p.add_argument("--threads", type=int, help="CPU threads for this side's compute (default: torch's choice)")
 
@@ -92,6 +94,8 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         max_connections_per_address=args.max_connections_per_address,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         dtype=args.dtype,
+        device=args.device,
+        devices=tuple(args.devices.split(",")) if args.devices else (),
         torch_threads=args.threads,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
@@ -113,6 +117,11 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve wss:// (TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
+    p.add_argument(
+        "--devices",
+        metavar="DEV,DEV,...",
+        help="split the trunk's layers over several devices in contiguous runs, e.g. cuda:0,cuda:1 (replaces --device)",
+    )
     p.set_defaults(run=_run_cloud_serve)
 
 
@@ -187,6 +196,7 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         cloud_url=args.cloud,
         edge_layers=args.edge_layers,
         dtype=args.dtype,
+        device=args.device,
         auth_token=read_token_file(args.token_file),
         draft_model_dir=args.draft_model,
         allow_stock_edge_weights=args.allow_stock_edge_weights,
@@ -260,6 +270,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         mode=args.mode,
         temperature=args.temperature,
         edge_layers=args.edge_layers,
+        device=args.device,
     )
     return run_demo(config)
 
@@ -277,6 +288,7 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--draft-model", type=Path, help="drafter (default: the embedded draft model)")
     p.add_argument("--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for the edge (default 1: small models)")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP + "; the trunk server child uses it too")
     p.set_defaults(run=_run_demo)
 
 

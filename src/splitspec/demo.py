@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.devices import resolve_device
 from splitspec.edge import EdgeConfig, GenerationResult, SplitClient
 from splitspec.exceptions import ConfigError, TransportError
 
@@ -58,6 +59,7 @@ class DemoConfig:
     mode: str  # --speculate mode
     temperature: float = 0.0  # 0 = greedy
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers on the edge
+    device: str = "auto"  # compute device of the edge and of the trunk server child
     startup_timeout_s: float = 120.0  # waiting for the children to listen, seconds
 
 
@@ -136,6 +138,7 @@ async def _generate(config: DemoConfig, url: str, console: Console) -> list[tupl
         cloud_url=url,
         edge_layers=config.edge_layers,
         draft_model_dir=config.draft_model_dir,
+        device=config.device,
         # the demo model is public by construction: say so instead of refusing
         allow_stock_edge_weights=True,
     )
@@ -190,6 +193,7 @@ async def _generate(config: DemoConfig, url: str, console: Console) -> list[tupl
 
 def run_demo(config: DemoConfig, console: Console | None = None) -> int:
     console = console or Console()
+    resolve_device(config.device)  # an unavailable device fails here, in one line, before any child starts
     cloud_port, link_port = _free_port(), _free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -210,6 +214,8 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> int:
                     f"{config.edge_layers[0]},{config.edge_layers[1]}",
                     "--threads",
                     "1",
+                    "--device",
+                    config.device,
                 ]
             )
         )

@@ -4,7 +4,8 @@ Every error raised on purpose by splitspec derives from :class:`SplitspecError`:
 
     SplitspecError
     ├── ConfigError                 bad local configuration (split plan, checkpoint dir, CLI values)
-    │   └── CheckpointError         a checkpoint directory is missing files or tensors
+    │   ├── CheckpointError         a checkpoint directory is missing files or tensors
+    │   └── DeviceUnavailable       the requested device (cuda, cuda:N, mps) is not on this machine
     ├── ProtocolError               a peer sent something we refuse; carries a wire ``code``
     │   ├── MalformedFrame          not a frame: too short, bad header JSON, trailing bytes
     │   ├── BadMagic                wrong magic bytes
@@ -40,6 +41,10 @@ class ConfigError(SplitspecError):
 
 class CheckpointError(ConfigError):
     """A checkpoint directory lacks a file or a tensor that the requested role needs."""
+
+
+class DeviceUnavailable(ConfigError):
+    """A device was requested (``--device cuda``, ``cuda:N``, ``mps``) that this machine does not have."""
 
 
 class TransportError(SplitspecError):

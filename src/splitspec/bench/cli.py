@@ -25,6 +25,7 @@ from pathlib import Path
 
 from splitspec.arguments import add_token_file, edge_layers, read_token_file
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
+from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
 
 __all__ = ["register", "run_bench", "run_probe"]
@@ -77,6 +78,7 @@ def run_probe(args: argparse.Namespace) -> int:
         model_dir=args.model,
         edge_layers=args.edge_layers,
         dtype=args.dtype,
+        device=args.device,
         auth_token=read_token_file(args.token_file),
         query_tokens=args.query_tokens,
         repeats=args.repeats,
@@ -115,6 +117,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL", help="edge layers (default 2,2)"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_token_file(p)
     p.add_argument("--dollars-per-hour", type=float, help="cloud rental price, USD/hour (adds $/M tokens)")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per k (default 10)")
@@ -159,7 +162,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from splitspec.bench.harness import run_benchmark
     from splitspec.bench.scenario import load_scenario
 
-    scenario = load_scenario(resolve_scenario(args.scenario), model_dir=args.model)
+    scenario = load_scenario(resolve_scenario(args.scenario), model_dir=args.model, device=args.device)
     if args.quick:
         scenario = scenario.quick()
     out = args.out if args.out is not None else RESULTS_DIR / scenario.name
@@ -180,6 +183,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 prompt per set, <= 16 tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-runs", action="store_true", help="skip the per-run JSON files")
+    p.add_argument("--device", help=DEVICE_HELP.replace("default auto", "default: the scenario's, else auto"))
     p.set_defaults(run=run_bench)
 
 

@@ -60,6 +60,7 @@ from splitspec.bench.scenario import Scenario, check_paths
 from splitspec.bench.summary import summarize
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
+from splitspec.devices import resolve_device
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
 from splitspec.measure import median
@@ -70,6 +71,8 @@ __all__ = ["LocalBaselines", "run_benchmark"]
 
 log = logging.getLogger(__name__)
 
+_CPU = torch.device("cpu")
+
 _COMPONENTS = ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")
 
 
@@ -79,10 +82,14 @@ _COMPONENTS = ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")
 class LocalBaselines:
     """The whole model in this process, generating with transformers (greedy)."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, prompt_lookup_num_tokens: int) -> None:
+    def __init__(
+        self, model_dir: Path, dtype: torch.dtype, prompt_lookup_num_tokens: int, device: torch.device = _CPU
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()
+        self.device = device
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+        self.model = model.to(device).eval()
         config = self.model.config
         eos = getattr(config, "eos_token_id", None)
         self.pad_token_id = int(eos if isinstance(eos, int) else (eos[0] if eos else 0))
@@ -91,7 +98,7 @@ class LocalBaselines:
 
     def generate(self, mode: str, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], float]:
         """Generate with ``mode`` (a BASELINES name) -> (new token ids, wall seconds)."""
-        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         if mode == "local_loop":
             return self._loop(input_ids, max_new_tokens)
         extra: dict[str, Any] = {}
@@ -122,7 +129,8 @@ class LocalBaselines:
             token = int(out.logits[0, -1].argmax())
             tokens = [token]
             while len(tokens) < max_new_tokens and token not in stops:
-                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+                ids = torch.tensor([[token]], device=self.device)  # (1, 1)
+                out = self.model(input_ids=ids, past_key_values=out.past_key_values, use_cache=True)
                 token = int(out.logits[0, -1].argmax())
                 tokens.append(token)
         return tokens, time.perf_counter() - t0
@@ -160,13 +168,14 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
     }
     baselines = [m for m in BASELINES if enabled[m]]
     dtype = getattr(torch, sc.dtype)
-    local = LocalBaselines(sc.model_dir, dtype, sc.baselines.prompt_lookup_num_tokens) if baselines else None
+    device = resolve_device(sc.device)
+    local = LocalBaselines(sc.model_dir, dtype, sc.baselines.prompt_lookup_num_tokens, device) if baselines else None
     reference: dict[str, list[int]] = {}
     if local is not None:
         for mode in baselines:  # warm-up, not recorded
             local.generate(mode, prompts[0].token_ids, min(8, sc.max_new_tokens))
 
-    cloud = CloudConfig(model_dir=sc.model_dir, edge_layers=sc.edge_layers, port=0, dtype=sc.dtype)
+    cloud = CloudConfig(model_dir=sc.model_dir, edge_layers=sc.edge_layers, port=0, dtype=sc.dtype, device=sc.device)
     edge_model = None
     async with TrunkServer(cloud) as server:
         for repeat in range(sc.repeats):
@@ -195,6 +204,7 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
                         cloud_url=url,
                         edge_layers=sc.edge_layers,
                         dtype=sc.dtype,
+                        device=sc.device,
                         draft_model_dir=sc.draft_model_dir,
                     )
                     async with SplitClient(edge_cfg, edge=edge_model) as client:

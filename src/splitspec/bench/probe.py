@@ -74,6 +74,7 @@ class ProbeConfig:
     model_dir: Path  # checkpoint directory; only the edge tensors are loaded
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
     dtype: str = "float32"  # compute and wire dtype; must equal the server's
+    device: str = "auto"  # the edge's compute device: auto, cpu, cuda, cuda:N or mps
     auth_token: str | None = None  # shared secret, if the server requires one
     query_tokens: tuple[int, ...] = DEFAULT_QUERY_TOKENS  # step sizes k to time, tokens
     repeats: int = 10  # timed steps per k, count
@@ -309,6 +310,7 @@ async def probe(config: ProbeConfig, *, client: SplitClient | None = None) -> Pr
             cloud_url=config.cloud_url,
             edge_layers=config.edge_layers,
             dtype=config.dtype,
+            device=config.device,
             auth_token=config.auth_token,
             request_timeout_s=config.request_timeout_s,
         )

@@ -92,6 +92,7 @@ class Scenario:
     repeats: int = 3  # passes over every (RTT, mode, prompt), count
     max_new_tokens: int = 48  # tokens generated per run, tokens
     dtype: str = "float32"  # compute and wire dtype
+    device: str = "auto"  # compute device of the trunk, the edge and the local baselines (splitspec.devices)
     pings: int = 10  # control round trips per emulated link for its measured RTT, count
     jitter_ms: float = 0.0  # emulated jitter per direction, ms
     bandwidth_mbit: float | None = None  # emulated link rate per direction, Mbit/s; None = unlimited
@@ -122,6 +123,7 @@ class Scenario:
             "repeats": self.repeats,
             "max_new_tokens": self.max_new_tokens,
             "dtype": self.dtype,
+            "device": self.device,
             "pings": self.pings,
             "jitter_ms": self.jitter_ms,
             "bandwidth_mbit": self.bandwidth_mbit,
@@ -160,6 +162,7 @@ _TOP_KEYS = {
     "repeats",
     "max_new_tokens",
     "dtype",
+    "device",
     "pings",
     "jitter_ms",
     "bandwidth_mbit",
@@ -239,11 +242,16 @@ class _Reader:
 
 
 def scenario_from_dict(
-    data: dict[str, Any], *, base_dir: Path, where: str = "scenario", model_dir: Path | None = None
+    data: dict[str, Any],
+    *,
+    base_dir: Path,
+    where: str = "scenario",
+    model_dir: Path | None = None,
+    device: str | None = None,
 ) -> Scenario:
     """Validate a parsed scenario table; relative paths resolve against ``base_dir``.
 
-    ``model_dir``, when given, replaces the scenario's model (a command-line override)."""
+    ``model_dir`` and ``device``, when given, replace the scenario's (command-line overrides)."""
 
     top = _Reader(data, where, _TOP_KEYS)
     name = top.string("name")
@@ -300,6 +308,7 @@ def scenario_from_dict(
         repeats=top.integer("repeats", 3, 1),
         max_new_tokens=top.integer("max_new_tokens", 48, 1),
         dtype=dtype,
+        device=device if device is not None else top.string("device", "auto"),
         pings=top.integer("pings", 10, 1),
         jitter_ms=top.number("jitter_ms", 0.0),
         bandwidth_mbit=bandwidth,
@@ -334,8 +343,8 @@ def _draft_dir(top: _Reader, base_dir: Path, default_model: bool) -> Path | None
     return DEFAULT_DRAFT_DIR if default_model and (DEFAULT_DRAFT_DIR / "config.json").is_file() else None
 
 
-def load_scenario(path: Path, *, model_dir: Path | None = None) -> Scenario:
-    """Read and validate a scenario TOML file (``model_dir`` overrides its model)."""
+def load_scenario(path: Path, *, model_dir: Path | None = None, device: str | None = None) -> Scenario:
+    """Read and validate a scenario TOML file (``model_dir`` overrides its model, ``device`` its device)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -344,4 +353,6 @@ def load_scenario(path: Path, *, model_dir: Path | None = None) -> Scenario:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"scenario file {path} is not valid TOML: {exc}") from None
-    return scenario_from_dict(data, base_dir=path.resolve().parent, where=f"scenario {path}", model_dir=model_dir)
+    return scenario_from_dict(
+        data, base_dir=path.resolve().parent, where=f"scenario {path}", model_dir=model_dir, device=device
+    )

@@ -25,6 +25,8 @@ class CloudConfig:
     max_query_tokens: int = 2048  # largest number of query tokens in one step
     dtype: str | None = None  # compute and wire dtype (float32, bfloat16, float16); None = the checkpoint's
     attn_implementation: str | None = None  # transformers attention kernel (sdpa, eager); None = the family's
+    device: str = "auto"  # compute device: auto, cpu, cuda, cuda:N or mps (see splitspec.devices)
+    devices: tuple[str, ...] = ()  # several devices: the trunk's layers split into contiguous runs; overrides device
     compute_workers: int = 4  # sessions computing at once (threads); others' steps queue
     torch_threads: int | None = None  # intra-op CPU threads for the trunk; None = torch's default
     sweep_interval_s: float | None = None  # TTL sweep period, seconds; None = ttl / 4 capped at 5

@@ -20,6 +20,7 @@ import torch
 from splitspec import __version__
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.sessions import SessionStore
+from splitspec.devices import HostStaging, parse_devices, resolve_device
 from splitspec.exceptions import (
     BadTensor,
     ConfigError,
@@ -62,7 +63,10 @@ class TrunkServer:
         model_config = self.checkpoint.config
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
         self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype)
-        self.trunk = load_trunk(self.checkpoint, self.plan, self.dtype, config.attn_implementation)
+        devices = parse_devices(",".join(config.devices)) if config.devices else (resolve_device(config.device),)
+        self.trunk = load_trunk(self.checkpoint, self.plan, self.dtype, config.attn_implementation, devices)
+        self._into_trunk = HostStaging(self.trunk.input_device)
+        self._out_of_trunk = HostStaging(self.trunk.output_device)
         self.identity = TrunkIdentity(
             fingerprint=fingerprint(model_config),
             layer_start=self.plan.trunk_layers.start,
@@ -105,12 +109,13 @@ class TrunkServer:
         await self._frames.start()
         self._sweeper = asyncio.create_task(self._sweep_forever())
         log.info(
-            "trunk server on %s: layers %d..%d of %s, dtype %s, fingerprint %s",
+            "trunk server on %s: layers %d..%d of %s, dtype %s, on %s, fingerprint %s",
             self.url,
             self.identity.layer_start,
             self.identity.layer_end - 1,
             self.config.model_dir,
             self.identity.dtype,
+            ", ".join(str(d) for d in dict.fromkeys(self.trunk.devices)),
             self.identity.fingerprint,
         )
         warn_if_open(self.config.auth_token, self.url, "trunk server")
@@ -141,10 +146,16 @@ class TrunkServer:
         return _TrunkPeer(self, next(self._connection_ids), remote)
 
     def _compute(self, step: Step, cache: KVCache) -> tuple[torch.Tensor, float]:
-        """Run the trunk (on a worker thread); return the output and its compute time in ms."""
+        """Run the trunk (on a worker thread); return the output on the host and the time in ms.
+
+        The time includes the copies to and from the device: on an accelerator the copy back is
+        where the host waits for the trunk's kernels, so compute alone is not separable from it.
+        """
         t0 = time.perf_counter()
-        out = self.trunk(step.hidden, step.positions, step.parents, cache)
-        return out, (time.perf_counter() - t0) * 1e3
+        hidden = self._into_trunk.to_device(step.hidden)  # (1, q, H)
+        out = self.trunk(hidden, step.positions, step.parents, cache)
+        host = self._out_of_trunk.to_host(out)  # (1, q, H)
+        return host, (time.perf_counter() - t0) * 1e3
 
     def validate_step(self, step: Step, cache_length: int, last_step: int) -> int:
         """Check a step against the session; return the committed length after its cache command."""

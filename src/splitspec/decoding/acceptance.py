@@ -131,7 +131,7 @@ def sample_verify_tree(
                 q = draft_probs[child]
             q_x, p_x = float(q[x]), float(p[x])
             # accept x ~ q with probability min(1, p(x) / q(x))
-            if q_x > 0 and torch.rand((), generator=generator).item() < min(1.0, p_x / q_x):
+            if q_x > 0 and torch.rand((), generator=generator, device=generator.device).item() < min(1.0, p_x / q_x):
                 accepted = child
                 break
             p = residual(p, q)  # rejected: the target law conditioned on not taking x

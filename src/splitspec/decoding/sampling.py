@@ -31,9 +31,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self) -> tuple[torch.Generator, int]:
+    def generator(self, device: torch.device | None = None) -> tuple[torch.Generator, int]:
+        """A seeded generator on ``device`` (default CPU), where the logits it samples from live, and its seed."""
         seed = self.seed if self.seed is not None else secrets.randbits(63)
-        return torch.Generator().manual_seed(seed), seed
+        return torch.Generator(device=device or "cpu").manual_seed(seed), seed
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:

@@ -21,6 +21,7 @@ from splitspec.decoding.acceptance import greedy_verify_tree, sample_verify_tree
 from splitspec.decoding.controller import SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter, DraftModel, MixedDrafter, NgramPool, PromptLookup
 from splitspec.decoding.sampling import SamplingParams, choose_token, probabilities
+from splitspec.devices import device_generator
 from splitspec.exceptions import ConfigError
 from splitspec.models.stack import FullModel
 
@@ -149,9 +150,13 @@ def make_drafters(
     if mode in ("prompt-lookup", "auto"):
         drafters["prompt-lookup"] = PromptLookup()
     if mode in ("draft", "auto") and draft_model is not None:
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else None
+        seed = (
+            int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+            if generator is not None
+            else None
+        )
         drafters["draft"] = DraftModel(
-            draft_model, params, None if seed is None else torch.Generator().manual_seed(seed)
+            draft_model, params, None if seed is None else device_generator(draft_model.device, seed)
         )
     if mode in ("mix", "auto"):
         # deterministic sources only: the draft model proposes its greedy tree here

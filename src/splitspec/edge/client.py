@@ -25,6 +25,7 @@ from splitspec.decoding.controller import SpeculationController
 from splitspec.decoding.generate import decode_sequential
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
+from splitspec.devices import HostStaging, resolve_device
 from splitspec.edge.config import EdgeConfig
 from splitspec.edge.provenance import check_edge_weights, send_noise
 from splitspec.exceptions import (
@@ -67,9 +68,11 @@ class StepStats:
     kind: str  # "prefill", "decode" or "replay"
     query_tokens: int  # tokens in the step
     network_ms: float  # round trip minus the cloud's compute, milliseconds
-    edge_ms: float  # head + tail compute on the edge, milliseconds
+    edge_ms: float  # head + tail compute on the edge (kernels queued; see serialize_ms), milliseconds
     cloud_ms: float  # trunk compute reported by the cloud, milliseconds
-    serialize_ms: float  # encoding the request + decoding the reply on the edge, milliseconds
+    # copying the hidden state to the host and back + encoding the request + decoding the reply, on
+    # the edge, milliseconds; on an accelerator the copy to the host also waits for the head's kernels
+    serialize_ms: float
     bytes_up: int  # request frame, bytes
     bytes_down: int  # reply frame, bytes
 
@@ -147,7 +150,13 @@ class SplitClient:
         )
         self.send_noise = send_noise(config.model_dir)  # the defence the edge layers were trained with
         self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype)
-        self.model = edge if edge is not None else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation)
+        self.device = edge.device if edge is not None else resolve_device(config.device)
+        self.model = (
+            edge
+            if edge is not None
+            else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation, self.device)
+        )
+        self._staging = HostStaging(self.device)
         self.hello = Hello(
             fingerprint=fingerprint(ckpt.config),
             layer_start=self.plan.trunk_layers.start,
@@ -168,7 +177,7 @@ class SplitClient:
                     f"({ckpt.config.vocab_size}): they must share one tokenizer"
                 )
             draft_dtype = None if config.dtype is None else self.dtype  # the draft's own unless --dtype
-            self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation)
+            self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation, self.device)
         self._channel: Channel | None = None
         self._welcome: Welcome | None = None
         self._session_id: str | None = None
@@ -357,21 +366,25 @@ class SplitClient:
         ids = torch.tensor(tokens, dtype=torch.long)
         try:
             t0 = time.perf_counter()
-            hidden = self.model.run_head(ids, positions, parent_t, self._head_cache)  # (1, q, H)
+            hidden = self.model.run_head(ids, positions, parent_t, self._head_cache)  # (1, q, H) on the device
             digests: list[bytes] = []
             if self.send_noise.scale > 0:
                 base_digest = self._digests[-1] if self._digests else b""
                 digests = prefix_digests(self.send_noise.key, tokens, parents, base_digest)
-                eps = noise_for_tokens(digests, hidden.shape[-1])[None]  # (1, q, H)
+                eps = noise_for_tokens(digests, hidden.shape[-1])[None].to(hidden.device)  # (1, q, H)
                 hidden = add_send_noise(hidden, self.send_noise.scale, eps)
             t1 = time.perf_counter()
+            host_hidden = self._staging.to_host(hidden)  # the step's one wait for the device
+            t2 = time.perf_counter()
             self._seq += 1
-            step = Step(self._session_id, self._seq, hidden, positions, parent_t, self._command)
+            step = Step(self._session_id, self._seq, host_hidden, positions, parent_t, self._command)
             raw_reply, exchange = await self._channel.request(step, self.config.request_timeout_s)
             reply = _checked_reply(raw_reply, step)
-            t2 = time.perf_counter()
-            logits = self.model.run_tail(reply.hidden, positions, parent_t, self._tail_cache)  # (q, V)
             t3 = time.perf_counter()
+            trunk_out = self._staging.to_device(reply.hidden)  # (1, q, H)
+            t4 = time.perf_counter()
+            logits = self.model.run_tail(trunk_out, positions, parent_t, self._tail_cache)  # (q, V) on the device
+            t5 = time.perf_counter()
         except BaseException:
             for cache in (self._head_cache, self._tail_cache):  # leave no half-run step behind
                 if len(cache) > base:
@@ -385,9 +398,9 @@ class SplitClient:
                 kind=kind,
                 query_tokens=len(tokens),
                 network_ms=max(0.0, exchange.roundtrip_ms - reply.cloud_ms),
-                edge_ms=((t1 - t0) + (t3 - t2)) * 1e3,
+                edge_ms=((t1 - t0) + (t5 - t4)) * 1e3,
                 cloud_ms=reply.cloud_ms,
-                serialize_ms=exchange.encode_ms + exchange.decode_ms,
+                serialize_ms=exchange.encode_ms + exchange.decode_ms + ((t2 - t1) + (t4 - t3)) * 1e3,
                 bytes_up=exchange.bytes_up,
                 bytes_down=exchange.bytes_down,
             )
@@ -448,7 +461,7 @@ class SplitClient:
         """
         params = params or SamplingParams()
         if generator is None:
-            generator, _ = params.generator()
+            generator, _ = params.generator(self.device)
         max_new_tokens = self._tokens_that_fit(len(prompt_ids) + (0 if fresh else len(self._tokens)), max_new_tokens)
         stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
         drafters = make_drafters(speculate, params, self.draft_model, generator)
@@ -494,7 +507,7 @@ class SplitClient:
     ) -> GenerationResult:
         """Generate and return the tokens with per-step figures."""
         params = params or SamplingParams()
-        generator, seed = params.generator()
+        generator, seed = params.generator(self.device)
         first_step, recoveries = len(self.steps), self.recoveries
         trace: list[SpecStep] = []
         t0 = time.perf_counter()

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from splitspec.arguments import add_connection_limit_args, add_token_file, read_token_file
+from splitspec.devices import DEVICE_HELP, resolve_device
 from splitspec.exceptions import ConfigError
 from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET
 
@@ -49,6 +50,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         max_sessions=args.max_sessions,
         handshake_timeout_s=args.handshake_timeout,
         max_connections_per_address=args.max_connections_per_address,
+        device=args.device,
     )
     asyncio.run(serve_forever(config))
     return 0
@@ -78,9 +80,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         audit=args.audit,
         auth_token=read_token_file(args.token_file),
         round_timeout_s=args.round_timeout,
+        device=args.device,
     )
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    draft = load_model(config.draft_dir)
+    draft = load_model(config.draft_dir, device=resolve_device(config.device))
     prompt_ids = list(draft.tokenizer.encode(args.prompt))
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens")
@@ -130,6 +133,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--max-message-mb", type=int, default=64, help="largest message, MiB (default 64)")
     w.add_argument("--max-sessions", type=int, default=16, help="concurrent coordinator sessions (default 16)")
     add_connection_limit_args(w)
+    w.add_argument("--device", default="auto", help=DEVICE_HELP)
     w.set_defaults(run=_run_worker)
 
     g = fed_sub.add_parser("generate", help="draft locally, verify against the workers' aggregate")
@@ -171,4 +175,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_token_file(g)
     g.add_argument("--json", action="store_true", help="print tokens, text and per-round figures as JSON")
     g.add_argument("--audit", action="store_true", help="workers also send full laws: check the bounds each round")
+    g.add_argument("--device", default="auto", help=DEVICE_HELP + " (for the draft model; sampling stays on the host)")
     g.set_defaults(run=_run_generate)

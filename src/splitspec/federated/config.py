@@ -38,6 +38,7 @@ class CoordinatorConfig:
     connect_timeout_s: float = 10.0  # connecting and handshaking, seconds
     rejoin_interval_s: float = 0.5  # first wait before reconnecting a dropped worker, seconds (doubles, <= 10)
     max_message_bytes: int = 64 * 1024 * 1024  # largest frame sent or accepted, bytes
+    device: str = "auto"  # draft model's device: auto, cpu, cuda, cuda:N or mps (sampling stays on the host)
 
     def __post_init__(self) -> None:
         if not self.worker_urls:

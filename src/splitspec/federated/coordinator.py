@@ -37,6 +37,7 @@ import torch
 from splitspec.decoding.acceptance import Verdict, greedy_verify, speculative_verify
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
+from splitspec.devices import HostStaging, resolve_device
 from splitspec.exceptions import BadTensor, ConfigError, ProtocolError, SplitspecError, TransportError
 from splitspec.federated.codec import decode_topk
 from splitspec.federated.config import CoordinatorConfig
@@ -111,7 +112,11 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig, draft: LoadedModel | None = None) -> None:
         self.config = config
-        self.draft = draft if draft is not None else load_model(config.draft_dir)
+        device = resolve_device(config.device) if draft is None else draft.model.device
+        self.draft = draft if draft is not None else load_model(config.draft_dir, device=device)
+        # the target is aggregated on the host from the workers' replies, so drafts are drawn
+        # there too: each drafted position's logits cross once
+        self._staging = HostStaging(device)
         self.links = [WorkerLink(u, w, config) for u, w in zip(config.worker_urls, config.weight_list(), strict=True)]
         self.hello = FedHello(
             vocab_size=self.draft.vocab_size,
@@ -177,7 +182,7 @@ class Coordinator:
         audit_rows: list[torch.Tensor] = []
         t_eff = params.temperature if params.temperature > 0 else 1.0
         for _ in range(gamma):
-            logits = self._draft_lm.logits_for(sequence + tokens, 1)[0]
+            logits = self._staging.to_host(self._draft_lm.logits_for(sequence + tokens, 1)[0])  # (V,)
             if params.greedy:
                 token = int(logits.argmax())
                 q = torch.zeros_like(logits)

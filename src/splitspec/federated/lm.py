@@ -44,15 +44,18 @@ class LoadedModel:
         return eos if isinstance(eos, int) else None
 
 
-def load_model(directory: str | Path, dtype: torch.dtype | None = None) -> LoadedModel:
-    """Load a whole checkpoint (at its published dtype unless ``dtype``) and its tokenizer; never downloads."""
+def load_model(
+    directory: str | Path, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> LoadedModel:
+    """Load a whole checkpoint (at its published dtype unless ``dtype``) onto ``device`` (default CPU)
+    and its tokenizer; never downloads."""
     path = Path(directory)
     ckpt = Checkpoint(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot load the tokenizer ({exc}); federated roles need one") from None
-    model = load_full(ckpt, dtype)
+    model = load_full(ckpt, dtype, device=device or torch.device("cpu"))
     config = ckpt.config
     return LoadedModel(
         model=model,

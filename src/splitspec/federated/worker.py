@@ -24,6 +24,7 @@ from types import TracebackType
 from splitspec import __version__
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import probabilities
+from splitspec.devices import HostStaging, resolve_device
 from splitspec.exceptions import (
     BadTensor,
     PositionOutOfRange,
@@ -67,6 +68,7 @@ class WorkerConfig:
     max_connections_per_address: int = 32  # open connections from one IP address
     idle_timeout_s: float = 300.0  # a session's connection silent this long is closed, seconds
     delay_s: float = 0.0  # artificial extra compute time per round, seconds (tests, demos)
+    device: str = "auto"  # compute device: auto, cpu, cuda, cuda:N or mps
 
 
 class FedWorker:
@@ -74,7 +76,9 @@ class FedWorker:
 
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded if loaded is not None else load_model(config.model_dir)
+        device = resolve_device(config.device) if loaded is None else loaded.model.device
+        self.loaded = loaded if loaded is not None else load_model(config.model_dir, device=device)
+        self._staging = HostStaging(device)
         self.identity = WorkerIdentity(
             vocab_size=self.loaded.vocab_size, tokenizer_fingerprint=self.loaded.tokenizer_fingerprint
         )
@@ -133,7 +137,8 @@ class FedWorker:
         lm.truncate(request.keep)
         logits = lm.append(request.tokens.tolist(), request.num_scored)
         temperature = request.temperature if request.temperature > 0 else 1.0
-        probs = probabilities(logits, temperature)
+        # the laws cross to the host once per round: top-K selection and the codec run there
+        probs = self._staging.to_host(probabilities(logits, temperature))  # (num_scored, V)
         policy = TopKPolicy(
             k=request.k,
             target_epsilon=request.target_epsilon,

@@ -112,8 +112,12 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._files
 
-    def read(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Read exactly ``names`` (cast to ``dtype``, or as stored), opening each shard once."""
+    def read(
+        self, names: list[str], dtype: torch.dtype | None = None, device: torch.device | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Read exactly ``names`` (cast to ``dtype``, or as stored) straight onto ``device`` (default CPU).
+
+        Each shard is opened once."""
         missing = [n for n in names if n not in self._files]
         if missing:
             raise CheckpointError(f"{self.directory} lacks tensors: {', '.join(missing[:5])}")
@@ -123,7 +127,7 @@ class Checkpoint:
         out: dict[str, torch.Tensor] = {}
         for path, file_names in by_file.items():
             try:
-                with safe_open(str(path), framework="pt") as f:
+                with safe_open(str(path), framework="pt", device=str(device or "cpu")) as f:
                     for name in file_names:
                         tensor = f.get_tensor(name)
                         out[name] = tensor if dtype is None else tensor.to(dtype)

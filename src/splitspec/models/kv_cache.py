@@ -32,6 +32,11 @@ class KVCache:
         buffers = [*self._keys.values(), *self._values.values()]
         return sum(b.numel() * b.element_size() for b in buffers)
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where the first layer's buffers live (None while empty); layers may sit on several devices."""
+        return next((buf.device for buf in self._keys.values()), None)
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append a step's keys/values (1, kv, q, d) for ``layer_idx``; return all (1, kv, T+q, d)."""
         q = key.shape[2]
@@ -71,9 +76,10 @@ class KVCache:
         start = self._length - self.last_step
         kept = kept_length(self._length, self.last_step, indices)
         if list(indices) != list(range(len(indices))):  # a prefix of the step is already in place
-            src = torch.tensor([start + i for i in indices], dtype=torch.long)
+            src = torch.tensor([start + i for i in indices], dtype=torch.long, device=self.device)
             dst = slice(start, start + len(indices))
             for layer_idx, buf in self._keys.items():
+                src = src.to(buf.device, non_blocking=True)  # a no-op unless layers span devices
                 buf[:, :, dst] = buf.index_select(2, src)
                 vals = self._values[layer_idx]
                 vals[:, :, dst] = vals.index_select(2, src)

@@ -52,17 +52,22 @@ def step_mask(
     past_length: int,
     dtype: torch.dtype,
     sliding_window: int | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Additive mask (1, 1, q, past_length + q): 0 where attention is allowed, dtype-min elsewhere.
+    """Additive mask (1, 1, q, past_length + q) on ``device``: 0 where attention is allowed, dtype-min elsewhere.
 
     The committed prefix holds positions 0 .. past_length-1 in order. With ``sliding_window`` w,
-    a query at position p also stops seeing keys at positions <= p - w.
+    a query at position p also stops seeing keys at positions <= p - w. ``parents`` and
+    ``positions`` are host tensors (they came off the wire); the tree part is built on the host
+    (q x q) and copied once, the rest is built on ``device``.
     """
     q = parents.shape[0]
-    allowed = torch.cat([torch.ones(q, past_length, dtype=torch.bool), ancestor_matrix(parents)], dim=1)
+    tree = ancestor_matrix(parents).to(device, non_blocking=True)  # (q, q)
+    allowed = torch.cat([torch.ones(q, past_length, dtype=torch.bool, device=device), tree], dim=1)
     if sliding_window is not None:
-        key_positions = torch.cat([torch.arange(past_length), positions.to(torch.long)])  # (past+q,)
-        allowed &= key_positions[None, :] > positions.to(torch.long)[:, None] - sliding_window
-    mask = torch.zeros(q, past_length + q, dtype=dtype)
+        query_positions = positions.to(device, torch.long, non_blocking=True)  # (q,)
+        key_positions = torch.cat([torch.arange(past_length, device=device), query_positions])  # (past+q,)
+        allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
+    mask = torch.zeros(q, past_length + q, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]

@@ -8,6 +8,10 @@
 * :class:`FullModel` is a whole model on one machine (drafting, federated workers, baselines,
   privacy audits): the one way this package runs a whole model.
 
+Each piece lives on a device (``device=`` of the loaders; a trunk may spread its layers over
+several): its tensors are read straight onto it, and a step's rotary table, position ids and
+masks are built there. Token ids, positions and parents come in as host tensors.
+
 Every piece is a module of :func:`splitspec.models.family.skeleton` (the family's ``*ForCausalLM``
 on the meta device); each role reads only its own tensors from the checkpoint, through
 transformers' own loader (so its renames and fused-expert conversions apply).
@@ -15,6 +19,7 @@ transformers' own loader (so its renames and fused-expert conversions apply).
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -26,6 +31,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import convert_and_load_state_dict_in_model
 from transformers.modeling_utils import LoadStateDictConfig
 
+from splitspec.devices import spread_layers
 from splitspec.exceptions import CheckpointError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.family import Skeleton, published_dtype, skeleton
@@ -36,16 +42,33 @@ from splitspec.models.split import SplitPlan
 log = logging.getLogger(__name__)
 
 PositionEmbeddings = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (1, q, head_dim)
+_CPU = torch.device("cpu")
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a loaded module's parameters live."""
+    return next(module.parameters()).device
 
 
 class LayerStack(nn.Module):
-    """Decoder layers ``layer_indices`` of a model, run over one step with an explicit tree mask."""
+    """Decoder layers ``layer_indices`` of a model, run over one step with an explicit tree mask.
+
+    The layers may sit on several devices (contiguous runs: a trunk bigger than one accelerator);
+    the hidden state moves at each device boundary, and each device gets its own rotary module,
+    position ids and masks for the step.
+    """
 
     def __init__(self, skel: Skeleton, layer_indices: range) -> None:
         super().__init__()
         self.layer_indices = layer_indices
         self.layers = nn.ModuleList([skel.layers[i] for i in layer_indices])
+        self.devices = [module_device(layer) for layer in self.layers]  # one per layer
         self.rotary = skel.rotary
+        rotary_device = next((b.device for b in skel.rotary.buffers()), _CPU)
+        self._rotary_on = {  # the skeleton's rotary where it was loaded, a copy on every other device
+            d: skel.rotary if d == rotary_device else copy.deepcopy(skel.rotary).to(d)
+            for d in (rotary_device, *self.devices)
+        }
         self.rotary_per_layer_type = skel.rotary_per_layer_type
         self.layer_types = [skel.layer_type(i) for i in layer_indices]
         self.windows = [skel.layer_window(i) for i in layer_indices]
@@ -56,12 +79,38 @@ class LayerStack(nn.Module):
         start = self.layer_indices.start
         return LayerStack(self._skeleton, range(start, start + count)).eval()
 
+    @property
+    def input_device(self) -> torch.device:
+        """Where a step's input hidden state goes."""
+        return self.devices[0] if self.devices else _CPU
+
+    @property
+    def output_device(self) -> torch.device:
+        """Where a step's output hidden state comes out."""
+        return self.devices[-1] if self.devices else _CPU
+
     def position_embeddings(self, hidden: torch.Tensor, pos: torch.Tensor) -> dict[str, PositionEmbeddings]:
-        """(cos, sin) per layer type for positions ``pos`` (1, q)."""
+        """(cos, sin) per layer type for positions ``pos`` (1, q), on ``hidden``'s device."""
+        rotary = self._rotary_on[hidden.device]
         if self.rotary_per_layer_type:
-            return {t: self.rotary(hidden, pos, t) for t in set(self.layer_types)}
-        shared = self.rotary(hidden, pos)
+            return {t: rotary(hidden, pos, t) for t in set(self.layer_types)}
+        shared = rotary(hidden, pos)
         return {t: shared for t in set(self.layer_types)}
+
+    def _step_inputs(
+        self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, past: int
+    ) -> tuple[torch.Tensor, dict[str, PositionEmbeddings], dict[int | None, torch.Tensor | None]]:
+        """Position ids (1, q), (cos, sin) per layer type and the mask per window, on ``hidden``'s device."""
+        device = hidden.device
+        pos = positions.to(device, torch.long, non_blocking=True)[None]  # (1, q)
+        masks = {
+            # one query token with the whole prefix in view needs no mask at all
+            w: None
+            if hidden.shape[1] == 1 and (w is None or past < w)
+            else step_mask(parents, positions, past, hidden.dtype, w, device)
+            for w in set(self.windows)
+        }
+        return pos, self.position_embeddings(hidden, pos), masks
 
     def run(
         self,
@@ -76,18 +125,14 @@ class LayerStack(nn.Module):
         Gradients flow when the caller enables them (privacy audits train through this); the
         cache, when given, receives q entries per layer but is not committed here.
         """
-        pos = positions.to(torch.long)[None]  # (1, q)
-        rope = self.position_embeddings(hidden, pos)
         past = 0 if cache is None else len(cache)
-        masks = {
-            # one query token with the whole prefix in view needs no mask at all
-            w: None
-            if hidden.shape[1] == 1 and (w is None or past < w)
-            else step_mask(parents, positions, past, hidden.dtype, w)
-            for w in set(self.windows)
-        }
+        inputs: dict[torch.device, tuple[torch.Tensor, dict[str, PositionEmbeddings], dict[Any, Any]]] = {}
         outs: list[torch.Tensor] = []
         for j in range(len(self.layers)) if layers is None else layers:
+            hidden = hidden.to(self.devices[j], non_blocking=True)  # moves only at a device boundary
+            if hidden.device not in inputs:
+                inputs[hidden.device] = self._step_inputs(hidden, positions, parents, past)
+            pos, rope, masks = inputs[hidden.device]
             hidden = self.layers[j](
                 hidden,
                 attention_mask=masks[self.windows[j]],
@@ -130,6 +175,11 @@ class ModelEnds(nn.Module):
         return self.lm_head.weight.dtype
 
     @property
+    def device(self) -> torch.device:
+        """Where this piece computes, and where its logits are returned."""
+        return self.lm_head.weight.device
+
+    @property
     def hidden_size(self) -> int:
         return int(self.config.hidden_size)
 
@@ -139,7 +189,7 @@ class ModelEnds(nn.Module):
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token ids (B, q) -> the stream before layer 0 (B, q, H)."""
-        hidden: torch.Tensor = self.embed_tokens(token_ids.to(torch.long))
+        hidden: torch.Tensor = self.embed_tokens(token_ids.to(self.device, torch.long, non_blocking=True))
         if self._skeleton.embedding_multiplier is not None:
             hidden = hidden * self._skeleton.embedding_multiplier
         return hidden
@@ -199,7 +249,7 @@ def resolve_dtype(ckpt: Checkpoint, name: str | None) -> tuple[torch.dtype, str]
     return dtype, str(dtype).removeprefix("torch.")
 
 
-def _materialize_buffers(skel: Skeleton, modules: Sequence[nn.Module]) -> None:
+def _materialize_buffers(skel: Skeleton, modules: Sequence[nn.Module], device: torch.device) -> None:
     """Non-persistent buffers (rotary frequencies, embedding scales) from the family's own initializer."""
     for root in modules:
         for module in root.modules():
@@ -207,17 +257,19 @@ def _materialize_buffers(skel: Skeleton, modules: Sequence[nn.Module]) -> None:
             if not meta:
                 continue
             for name in meta:
-                module._buffers[name] = torch.empty_like(getattr(module, name), device="cpu")
+                module._buffers[name] = torch.empty_like(getattr(module, name), device=device)
             with torch.no_grad():
                 skel.lm._init_weights(module)  # loaded parameters carry _is_hf_initialized: untouched
 
 
-def _load_modules(ckpt: Checkpoint, skel: Skeleton, modules: Sequence[nn.Module], dtype: torch.dtype) -> None:
-    """Read exactly the tensors of ``modules`` and load them through transformers' own converters."""
+def _load_modules(
+    ckpt: Checkpoint, skel: Skeleton, modules: Sequence[nn.Module], dtype: torch.dtype, device: torch.device
+) -> None:
+    """Read exactly the tensors of ``modules`` onto ``device`` and load them through transformers' own converters."""
     qualified = {id(m): name for name, m in skel.lm.named_modules()}
     prefixes = tuple(f"{qualified[id(m)]}." for m in modules)
     names = [n for n in ckpt.tensor_names if n.startswith(prefixes)]
-    state = ckpt.read(names)
+    state = ckpt.read(names, device=device)
     lm = skel.lm
     conversions: list[Any] = get_model_conversion_mapping(lm)  # transformers' renames and expert fusions
     load_config = LoadStateDictConfig(dtype=dtype, dtype_plan=lm._get_dtype_plan(dtype), weight_mapping=conversions)
@@ -234,7 +286,9 @@ def _load_modules(ckpt: Checkpoint, skel: Skeleton, modules: Sequence[nn.Module]
         raise CheckpointError(f"{ckpt.directory} does not match its config: {'; '.join(problems[:5])}")
     for module in modules:
         module.requires_grad_(False)
-    _materialize_buffers(skel, modules)
+    _materialize_buffers(skel, modules, device)
+    for module in modules:
+        module.to(device)  # a no-op when the converters kept the tensors where they were read
 
 
 def _ends_modules(ckpt: Checkpoint, skel: Skeleton) -> list[nn.Module]:
@@ -253,39 +307,60 @@ def _tie(skel: Skeleton) -> None:
 
 
 def load_trunk(
-    ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype | None = None, attn_implementation: str | None = None
+    ckpt: Checkpoint,
+    plan: SplitPlan,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str | None = None,
+    devices: Sequence[torch.device] = (_CPU,),
 ) -> LayerStack:
-    """The cloud's piece: only the trunk layers' tensors are read."""
+    """The cloud's piece: only the trunk layers' tensors are read, each straight onto its device.
+
+    Several ``devices`` split the trunk's layer range into contiguous runs, one per device.
+    """
     dtype = published_dtype(ckpt.config) if dtype is None else dtype
     skel = skeleton(ckpt.config, dtype, attn_implementation)
-    _load_modules(ckpt, skel, [*(skel.layers[i] for i in plan.trunk_layers), skel.rotary], dtype)
+    placed = spread_layers(plan.trunk_layers, devices)
+    for device in dict.fromkeys(placed):
+        layers = [skel.layers[i] for i, d in zip(plan.trunk_layers, placed, strict=True) if d == device]
+        extra = [skel.rotary] if device == placed[0] else []
+        _load_modules(ckpt, skel, [*layers, *extra], dtype, device)
     log.info(
-        "trunk layers %d..%d loaded (%d tensors read, %s)",
+        "trunk layers %d..%d loaded (%d tensors read, %s) on %s",
         plan.trunk_layers.start,
         plan.trunk_layers.stop - 1,
         len(ckpt.read_names),
         dtype,
+        ", ".join(f"{d}: {placed.count(d)} layers" for d in dict.fromkeys(placed)),
     )
     return LayerStack(skel, plan.trunk_layers).eval()
 
 
 def load_edge(
-    ckpt: Checkpoint, plan: SplitPlan, dtype: torch.dtype | None = None, attn_implementation: str | None = None
+    ckpt: Checkpoint,
+    plan: SplitPlan,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str | None = None,
+    device: torch.device = _CPU,
 ) -> EdgeModel:
-    """The edge's piece: embedding, head and tail layers, final norm, LM head. No trunk tensor is read."""
+    """The edge's piece on ``device``: embedding, head and tail layers, final norm, LM head. No trunk tensor is read."""
     dtype = published_dtype(ckpt.config) if dtype is None else dtype
     skel = skeleton(ckpt.config, dtype, attn_implementation)
     layers = [skel.layers[i] for i in (*plan.head_layers, *plan.tail_layers)]
-    _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *layers], dtype)
+    _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *layers], dtype, device)
     _tie(skel)
     return EdgeModel(skel, plan).eval()
 
 
-def load_full(ckpt: Checkpoint, dtype: torch.dtype | None = None, attn_implementation: str | None = None) -> FullModel:
-    """Every piece of a checkpoint, for running it whole on one machine."""
+def load_full(
+    ckpt: Checkpoint,
+    dtype: torch.dtype | None = None,
+    attn_implementation: str | None = None,
+    device: torch.device = _CPU,
+) -> FullModel:
+    """Every piece of a checkpoint on ``device``, for running it whole on one machine."""
     dtype = published_dtype(ckpt.config) if dtype is None else dtype
     skel = skeleton(ckpt.config, dtype, attn_implementation)
-    _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *skel.layers], dtype)
+    _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *skel.layers], dtype, device)
     _tie(skel)
     return FullModel(skel).eval()
 

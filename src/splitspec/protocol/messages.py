@@ -256,7 +256,7 @@ class StepResult:
     session_id: str
     seq: int
     hidden: torch.Tensor  # (1, q, H)
-    cloud_ms: float  # trunk compute time on the cloud, milliseconds
+    cloud_ms: float  # trunk compute on the cloud, with its copies to and from the device, milliseconds
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return {"session_id": self.session_id, "seq": self.seq, "cloud_ms": self.cloud_ms}, {"hidden": self.hidden}

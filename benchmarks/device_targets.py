@@ -1,0 +1,431 @@
+"""Benchmark: the device targets of issue 14, side by side in one run on one device.
+
+Three figures, each a median over interleaved repeats (>= 3), with the ratio the issue targets:
+
+  1. split vs whole: greedy tok/s of the split model (edge + trunk server in this process, over
+     loopback, zero added RTT) against transformers ``generate`` of the whole model on the same
+     device (target >= 0.9 on a model with hidden size >= 2048);
+  2. framework overhead per step for a (1, 1, width) hidden state in the compute dtype: the host
+     copies both ways on both sides, frame encode/decode and the loopback WebSocket round trip to
+     an echo server, with no model compute (target <= 1 ms at width 4096 in bfloat16);
+  3. trunk step vs bare transformers: one decode step of the trunk's layers (``LayerStack`` with
+     our KV cache) against transformers' own model of the same layers and weights with its
+     ``DynamicCache``, at batch 1 after a prefill (target <= 1.2x). The host-side launch time of
+     our step (returning before the device finishes) is reported too: it is the per-step Python
+     overhead that a fast accelerator exposes.
+
+Shapes: ``--shape llama-3.2-1b`` (hidden 2048, 16 layers, GQA 32/8, vocab 128256, random weights)
+for the GPU; ``--shape tiny`` (hidden 256, 8 layers) runs anywhere in seconds.
+
+    python benchmarks/device_targets.py --device cuda --dtype bfloat16 --shape llama-3.2-1b
+    python benchmarks/device_targets.py --device cpu --dtype float32 --shape tiny --repeats 3
+
+Writes device_targets.json, device_targets.md and device_targets.png into --out
+(default benchmarks/results/device_targets/<device type>-<shape>-<dtype>).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LlamaModel
+
+from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.server import TrunkServer
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.devices import HostStaging, resolve_device
+from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import dtype_from_name, load_trunk
+from splitspec.protocol.messages import Step, StepResult, decode_message, encode_message
+from splitspec.transport.client import Channel
+from splitspec.transport.server import FrameServer
+
+log = logging.getLogger("bench.device_targets")
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # Llama 3.2 1B dimensions (config.json of meta-llama/Llama-3.2-1B), random weights
+    "llama-3.2-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    ),
+}
+EDGE_LAYERS = (2, 2)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (timing only; the library never needs this)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def build_checkpoint(directory: Path, shape: str, dtype: torch.dtype, device: torch.device) -> None:
+    """A random checkpoint of ``shape``, initialised on ``device`` (fast for 1B parameters) and saved."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**SHAPES[shape], eos_token_id=None, bos_token_id=0, pad_token_id=None)
+    with device:
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.save_pretrained(directory)
+    del model
+
+
+def whole_model(directory: Path, dtype: torch.dtype, device: torch.device) -> Any:
+    model: Any = LlamaForCausalLM.from_pretrained(directory, dtype=dtype)
+    return model.to(device).eval()
+
+
+def hf_generate(model: Any, prompt: list[int], n: int, device: torch.device) -> tuple[float, list[int]]:
+    ids = torch.tensor([prompt], device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    tokens = out[0, len(prompt) :].tolist()  # waits for the device
+    return n / (time.perf_counter() - t0), tokens
+
+
+async def split_generate(client: SplitClient, prompt: list[int], n: int) -> tuple[float, list[int], dict[str, Any]]:
+    result = await client.generate(prompt, n, SamplingParams(), stop_token_ids=())
+    return len(result.token_ids) / result.wall_s, result.token_ids, result.summary()
+
+
+async def split_vs_whole(
+    directory: Path, dtype_name: str, device: torch.device, prompt: list[int], n: int, repeats: int
+) -> dict[str, Any]:
+    dtype = dtype_from_name(dtype_name)
+    whole = whole_model(directory, dtype, device)
+    cloud = CloudConfig(model_dir=directory, port=0, dtype=dtype_name, device=str(device), edge_layers=EDGE_LAYERS)
+    whole_tps, split_tps, ratios, summaries, identical = [], [], [], [], []
+    async with TrunkServer(cloud) as server:
+        edge = EdgeConfig(
+            allow_stock_edge_weights=True,
+            model_dir=directory,
+            cloud_url=server.url,
+            dtype=dtype_name,
+            device=str(device),
+            edge_layers=EDGE_LAYERS,
+        )
+        async with SplitClient(edge) as client:
+            hf_generate(whole, prompt, 4, device)  # warm-up, both sides
+            await split_generate(client, prompt, 4)
+            for r in range(repeats):
+                wt, wtoks = hf_generate(whole, prompt, n, device)
+                st, stoks, summary = await split_generate(client, prompt, n)
+                whole_tps.append(wt)
+                split_tps.append(st)
+                ratios.append(st / wt)
+                summaries.append(summary)
+                identical.append(stoks == wtoks)
+                log.info("repeat %d: whole %.1f tok/s, split %.1f tok/s, identical %s", r, wt, st, stoks == wtoks)
+    del whole
+
+    def med(key: str) -> float:
+        return statistics.median(s["median_step_ms"][key] for s in summaries)
+
+    return {
+        "whole_tok_s": whole_tps,
+        "split_tok_s": split_tps,
+        "ratio": ratios,
+        "ratio_median": statistics.median(ratios),
+        "whole_tok_s_median": statistics.median(whole_tps),
+        "split_tok_s_median": statistics.median(split_tps),
+        "greedy_tokens_identical": identical,
+        "split_step_ms_median": {k: med(k) for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")},
+    }
+
+
+class _EchoPeer:
+    """The server's side of a step without a model: decode, copy to the device and back, encode."""
+
+    def __init__(self, staging: HostStaging) -> None:
+        self.staging = staging
+
+    async def handle(self, data: bytes) -> tuple[bytes, bool]:
+        step = decode_message(data)
+        if not isinstance(step, Step):
+            raise TypeError("expected a step")
+        on_device = self.staging.to_device(step.hidden)
+        back = self.staging.to_host(on_device)
+        return encode_message(StepResult(session_id=step.session_id, seq=step.seq, hidden=back, cloud_ms=0.0)), False
+
+    async def closed(self) -> None:
+        return None
+
+
+async def framework_overhead(width: int, dtype: torch.dtype, device: torch.device, trips: int) -> dict[str, Any]:
+    """Per step, no compute: edge copy to host, encode, WebSocket loopback, server copies, decode, copy back."""
+    staging = HostStaging(device)
+    hidden = torch.randn(1, 1, width, device=device).to(dtype)  # (1, 1, H)
+    positions, parents = torch.tensor([100], dtype=torch.int32), torch.tensor([-1], dtype=torch.int32)
+    server = FrameServer(lambda remote: _EchoPeer(staging), "127.0.0.1", 0, 1 << 22)
+    await server.start()
+    channel = await Channel.connect(f"ws://127.0.0.1:{server.port}", max_message_bytes=1 << 22, timeout_s=5)
+    copies, codec, trips_ms = [], [], []
+    try:
+        for i in range(trips + 20):  # the first 20 warm up
+            sync(device)
+            t0 = time.perf_counter()
+            host = staging.to_host(hidden)
+            t1 = time.perf_counter()
+            step = Step("s", i + 1, host, positions, parents)
+            reply, exchange = await channel.request(step, 5)
+            assert isinstance(reply, StepResult)
+            t2 = time.perf_counter()
+            back = staging.to_device(reply.hidden)
+            sync(device)
+            t3 = time.perf_counter()
+            if i >= 20:
+                copies.append(((t1 - t0) + (t3 - t2)) * 1e3)
+                codec.append(exchange.encode_ms + exchange.decode_ms)
+                trips_ms.append((t3 - t0) * 1e3)
+        assert torch.equal(back, hidden)
+    finally:
+        await channel.close()
+        await server.stop()
+    return {
+        "width": width,
+        "dtype": str(dtype).removeprefix("torch."),
+        "frame_bytes": len(encode_message(Step("s", 1, hidden.cpu(), positions, parents))),
+        "edge_copies_ms_median": statistics.median(copies),
+        "edge_codec_ms_median": statistics.median(codec),
+        "step_overhead_ms_median": statistics.median(trips_ms),
+        "step_overhead_ms_p90": sorted(trips_ms)[int(0.9 * len(trips_ms))],
+        "trips": trips,
+    }
+
+
+def _time_steps(step: Callable[[], Any], device: torch.device, n: int) -> tuple[list[float], list[float]]:
+    """(launch ms, synced ms) of ``n`` calls of ``step``."""
+    launch, total = [], []
+    for _ in range(n):
+        sync(device)
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        sync(device)
+        t2 = time.perf_counter()
+        launch.append((t1 - t0) * 1e3)
+        total.append((t2 - t0) * 1e3)
+    return launch, total
+
+
+def trunk_vs_transformers(
+    directory: Path, dtype: torch.dtype, device: torch.device, context: int, steps: int, repeats: int
+) -> dict[str, Any]:
+    """One decode step of the trunk layers: our LayerStack + KVCache vs transformers' model of those layers."""
+    ckpt = Checkpoint(directory)
+    plan = SplitPlan(ckpt.config.num_hidden_layers, *EDGE_LAYERS)
+    trunk = load_trunk(ckpt, plan, dtype, devices=(device,))
+    n_layers = len(plan.trunk_layers)
+    # transformers' own model of the same layers: a LlamaModel of n_layers with the trunk's weights
+    hf_config = LlamaConfig(**{**ckpt.config.to_dict(), "num_hidden_layers": n_layers})
+    hf_config._attn_implementation = "sdpa"
+    with device:
+        hf = LlamaModel(hf_config).to(dtype).eval()
+    state = {f"layers.{j}.{k}": v for j, layer in enumerate(trunk.layers) for k, v in layer.state_dict().items()}
+    hf.load_state_dict(state, strict=False)  # embed_tokens and the final norm are unused/identity-like extras
+    hidden_size = int(ckpt.config.hidden_size)
+    gen = torch.Generator().manual_seed(0)
+    prefix = (torch.randn(1, context, hidden_size, generator=gen) * 0.5).to(device, dtype)  # (1, C, H)
+    token = (torch.randn(1, 1, hidden_size, generator=gen) * 0.5).to(device, dtype)  # (1, 1, H)
+
+    ours_cache = KVCache()
+    chain = torch.arange(-1, context - 1, dtype=torch.int32)
+    trunk(prefix, torch.arange(context, dtype=torch.int32), chain, ours_cache)
+    pos = torch.tensor([context], dtype=torch.int32)
+    parent = torch.tensor([-1], dtype=torch.int32)
+
+    def ours() -> Any:
+        out = trunk(token, pos, parent, ours_cache)
+        ours_cache.truncate(context)  # every timed step sees the same context
+        return out
+
+    hf_cache = DynamicCache(config=hf_config)
+    with torch.inference_mode():
+        hf(inputs_embeds=prefix, past_key_values=hf_cache, use_cache=True)
+    hf_pos = torch.tensor([[context]], device=device)
+
+    def bare() -> Any:
+        with torch.inference_mode():
+            out = hf(inputs_embeds=token, position_ids=hf_pos, past_key_values=hf_cache, use_cache=True)
+        hf_cache.crop(-1)  # transformers 5: crop(-n) drops the last n tokens
+        return out
+
+    ours_ms, bare_ms, launch_ms, ratios = [], [], [], []
+    for fn in (ours, bare):  # warm-up
+        _time_steps(fn, device, 5)
+    for _ in range(repeats):
+        launch_a, a = _time_steps(ours, device, steps)
+        _, b = _time_steps(bare, device, steps)
+        ours_ms.append(statistics.median(a))
+        bare_ms.append(statistics.median(b))
+        launch_ms.append(statistics.median(launch_a))
+        ratios.append(ours_ms[-1] / bare_ms[-1])
+    return {
+        "trunk_layers": n_layers,
+        "context_tokens": context,
+        "ours_step_ms": ours_ms,
+        "transformers_step_ms": bare_ms,
+        "ours_launch_ms": launch_ms,
+        "ratio": ratios,
+        "ratio_median": statistics.median(ratios),
+        "ours_step_ms_median": statistics.median(ours_ms),
+        "transformers_step_ms_median": statistics.median(bare_ms),
+        "ours_launch_ms_median": statistics.median(launch_ms),
+    }
+
+
+def write_report(results: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "device_targets.json").write_text(json.dumps(results, indent=2))
+    sv, fo, tr = results["split_vs_whole"], results["framework_overhead"], results["trunk_vs_transformers"]
+    md = [
+        f"# Device targets: {results['device_name']}, {results['shape']} ({results['dtype']})",
+        "",
+        f"Commit `{results['commit']}`, torch {results['torch']}; {results['repeats']} interleaved repeats, medians.",
+        "",
+        "| figure | value | target |",
+        "|---|---|---|",
+        f"| whole model, HF generate, tok/s | {sv['whole_tok_s_median']:.1f} | |",
+        f"| split at zero added RTT, tok/s | {sv['split_tok_s_median']:.1f} | |",
+        f"| split / whole ratio | {sv['ratio_median']:.3f} | >= 0.9 (hidden >= 2048) |",
+        f"| greedy tokens identical in every repeat | {all(sv['greedy_tokens_identical'])} | True |",
+        *[f"| split step {k}, median | {v:.3f} ms | |" for k, v in sv["split_step_ms_median"].items()],
+        f"| framework overhead per step, {fo['width']}-wide {fo['dtype']} | {fo['step_overhead_ms_median']:.3f} ms"
+        f" (p90 {fo['step_overhead_ms_p90']:.3f}) | <= 1 ms |",
+        f"| of which the edge's host copies | {fo['edge_copies_ms_median']:.3f} ms | |",
+        f"| of which the edge's encode + decode | {fo['edge_codec_ms_median']:.3f} ms | |",
+        f"| trunk decode step ({tr['trunk_layers']} layers, context {tr['context_tokens']}), ours"
+        f" | {tr['ours_step_ms_median']:.3f} ms | |",
+        f"| same layers, bare transformers | {tr['transformers_step_ms_median']:.3f} ms | |",
+        f"| ours / transformers | {tr['ratio_median']:.3f} | <= 1.2 |",
+        f"| ours, host launch time (returns before the device finishes) | {tr['ours_launch_ms_median']:.3f} ms | |",
+        "",
+        f"Reproduce: `python benchmarks/device_targets.py {results['argv']}`",
+    ]
+    (out / "device_targets.md").write_text("\n".join(md) + "\n")
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].bar(["whole (HF)", "split"], [sv["whole_tok_s_median"], sv["split_tok_s_median"]], color=["C0", "C1"])
+    axes[0].set_ylabel("tok/s (median)")
+    axes[0].set_title(f"zero RTT, ratio {sv['ratio_median']:.2f}")
+    axes[1].bar(
+        ["host copies", "encode+decode", "whole step"],
+        [fo["edge_copies_ms_median"], fo["edge_codec_ms_median"], fo["step_overhead_ms_median"]],
+        color=["C2", "C3", "C4"],
+    )
+    axes[1].axhline(1.0, color="k", ls="--", lw=1, label="1 ms target")
+    axes[1].set_ylabel("ms per step (median)")
+    axes[1].set_title(f"framework overhead, {fo['width']}-wide {fo['dtype']}")
+    axes[1].legend()
+    axes[2].bar(
+        ["ours (launch)", "ours", "transformers"],
+        [tr["ours_launch_ms_median"], tr["ours_step_ms_median"], tr["transformers_step_ms_median"]],
+        color=["C5", "C1", "C0"],
+    )
+    axes[2].set_ylabel("ms per decode step (median)")
+    axes[2].set_title(f"trunk step, ratio {tr['ratio_median']:.2f}")
+    fig.suptitle(f"{results['device_name']} · {results['shape']} · {results['dtype']}")
+    fig.tight_layout()
+    fig.savefig(out / "device_targets.png", dpi=110)
+    plt.close(fig)
+    print("\n".join(md))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (>= 3)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per generation")
+    parser.add_argument("--trips", type=int, default=300, help="timed steps of the overhead figure")
+    parser.add_argument("--width", type=int, default=4096, help="hidden width of the overhead figure")
+    parser.add_argument("--context", type=int, default=512, help="prefix before the timed trunk steps")
+    parser.add_argument("--steps", type=int, default=50, help="timed trunk steps per repeat")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, help="output folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("splitspec").setLevel(logging.WARNING)
+    if args.repeats < 3:
+        raise SystemExit("--repeats must be at least 3 (medians of interleaved repeats)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = dtype_from_name(args.dtype)
+    out = args.out or Path("benchmarks/results/device_targets") / f"{device.type}-{args.shape}-{args.dtype}"
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        log.info("building a random %s checkpoint (%s) on %s", args.shape, args.dtype, device)
+        build_checkpoint(directory, args.shape, dtype, device)
+        vocab = int(SHAPES[args.shape]["vocab_size"])
+        prompt = torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+        split = asyncio.run(split_vs_whole(directory, args.dtype, device, prompt, args.new_tokens, args.repeats))
+        overhead = asyncio.run(framework_overhead(args.width, dtype, device, args.trips))
+        trunk = trunk_vs_transformers(directory, dtype, device, args.context, args.steps, args.repeats)
+    results = {
+        "commit": git_commit(),
+        "argv": " ".join(sys.argv[1:] if argv is None else argv),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "model": SHAPES[args.shape],
+        "dtype": args.dtype,
+        "edge_layers": list(EDGE_LAYERS),
+        "repeats": args.repeats,
+        "new_tokens": args.new_tokens,
+        "split_vs_whole": split,
+        "framework_overhead": overhead,
+        "trunk_vs_transformers": trunk,
+    }
+    write_report(results, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

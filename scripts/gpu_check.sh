@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The prepared GPU check of issue 14: one command, under 5 minutes on one H200.
+#
+#   scripts/gpu_check.sh prepare   # HERE, with network: fetch the wheels the GPU image lacks into .wheelhouse/
+#   scripts/gpu_check.sh           # THERE, on the GPU machine (the device tool: carry [".wheelhouse"])
+#
+# On the GPU machine it
+#   1. checks that python3's torch sees CUDA; installs torch==2.13.0 (PyPI's default CUDA build)
+#      only when torch is missing, and fails in one line when torch is there without CUDA;
+#   2. installs from .wheelhouse/ (offline) the packages the image lacks or holds too old
+#      (websockets, pytest-asyncio, transformers in the range pyproject.toml pins), then runs
+#      splitspec from src/ (no build step);
+#   3. runs the device tests with --device cuda: greedy split == HF generate on the GPU in float32
+#      and bfloat16, sequential and speculative, Llama and Qwen2; a trunk split over GPU + CPU;
+#      seeded sampling on the GPU; CUDA-vs-CPU float32 token identity (tests/e2e/test_devices_e2e.py,
+#      tests/test_devices.py);
+#   4. runs the benchmarks on the GPU: benchmarks/device_targets.py (split vs whole at zero RTT on a
+#      random Llama-3.2-1B-shaped checkpoint in bfloat16, framework overhead for a 4096-wide bf16
+#      hidden state, trunk step vs bare transformers), and the speculative scenario quick run;
+#   5. writes everything under $OUT when set (the device tool's folder), else benchmarks/results/gpu/:
+#      gpu_check.log, targets/device_targets.{json,md,png}, speculative/summary.{json,md} and its
+#      two plots (8 files: what the device tool brings back).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WHEELS=$ROOT/.wheelhouse
+PY=${PYTHON:-python3}
+
+if [[ "${1:-}" == "prepare" ]]; then
+    # wheels for the GPU image's Python (3.12, x86-64); pure-Python ones fit any
+    mkdir -p "$WHEELS"
+    "$PY" -m pip download --no-deps -d "$WHEELS" --only-binary=:all: \
+        --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+        --implementation cp \
+        "websockets>=14,<18" "pytest-asyncio>=0.24" "transformers==5.23.0"
+    ls -l "$WHEELS"
+    exit 0
+fi
+
+RESULTS=${OUT:-$ROOT/benchmarks/results/gpu}
+mkdir -p "$RESULTS"
+LOG=$RESULTS/gpu_check.log
+exec > >(tee "$LOG") 2>&1
+export PYTHONUNBUFFERED=1
+echo "== gpu_check $(date -u +%FT%TZ) commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+
+# 1. torch with CUDA
+if ! "$PY" -c 'import torch' 2>/dev/null; then
+    echo "torch is missing: installing torch==2.13.0 (PyPI's default CUDA build)"
+    "$PY" -m pip install -q "torch==2.13.0"
+fi
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_check: torch $("$PY" -c 'import torch; print(torch.__version__)') does not see a CUDA device" >&2
+    exit 2
+fi
+"$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))'
+
+# 2. the packages the image lacks, offline from the wheelhouse when there is one
+need=()
+"$PY" -c 'import websockets' 2>/dev/null || need+=("websockets>=14,<18")
+"$PY" -c 'import pytest_asyncio' 2>/dev/null || need+=("pytest-asyncio>=0.24")
+"$PY" - <<'EOF' || need+=("transformers==5.23.0")
+import sys
+from importlib.metadata import version
+major, minor = (int(x) for x in version("transformers").split(".")[:2])
+sys.exit(0 if (major, minor) >= (5, 20) and (major, minor) < (5, 24) else 1)
+EOF
+if ((${#need[@]})); then
+    echo "installing: ${need[*]}"
+    if [[ -d "$WHEELS" ]]; then
+        "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" "${need[@]}"
+    else
+        "$PY" -m pip install -q "${need[@]}"
+    fi
+fi
+export PYTHONPATH=$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+"$PY" -c 'import splitspec, transformers, websockets; print("splitspec from", splitspec.__file__, "transformers", transformers.__version__)'
+
+# 3. token identity on the GPU (each test is skipped with its reason when CUDA is absent)
+status=0
+"$PY" -m pytest -q -p no:cacheprovider --device cuda -o timeout=240 \
+    tests/test_devices.py tests/e2e/test_devices_e2e.py || status=$?
+echo "== device tests exit status $status"
+
+# 4. benchmarks on the GPU
+"$PY" benchmarks/device_targets.py --device cuda --dtype bfloat16 --shape llama-3.2-1b \
+    --repeats 3 --new-tokens 64 --out "$RESULTS/targets" || status=$?
+"$PY" -m splitspec.cli --log-level WARNING bench speculative --quick --device cuda --no-progress --no-runs \
+    --out "$RESULTS/speculative" || status=$?
+echo "== gpu_check done, exit status $status; results in $RESULTS"
+exit $status
