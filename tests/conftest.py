@@ -126,7 +126,9 @@ def local_model(directory: Path, dtype: torch.dtype = torch.float32, device: str
     from transformers import AutoModelForCausalLM
 
     model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-    return model.to(device).eval()  # type: ignore[arg-type]  # transformers types .to() oddly
+    model.to(torch.device(device))  # type: ignore[arg-type]  # transformers types .to() oddly; moves in place
+    model.eval()
+    return model
 
 
 def local_greedy(

@@ -81,11 +81,15 @@ def test_host_staging_round_trip_copies(dtype: torch.dtype) -> None:
     x = torch.randn(1, 3, 8).to(dtype)
     host = staging.to_host(x)
     back = staging.to_device(host)
-    assert host.device == CPU and back.device == CPU
-    assert host.dtype == dtype and back.dtype == dtype
-    assert torch.equal(host, x) and torch.equal(back, x)
+    assert host.device == CPU
+    assert back.device == CPU
+    assert host.dtype == dtype
+    assert back.dtype == dtype
+    assert torch.equal(host, x)
+    assert torch.equal(back, x)
     # copies, never views: wire buffers are reused and the model must not see them change
-    assert host.data_ptr() != x.data_ptr() and back.data_ptr() != host.data_ptr()
+    assert host.data_ptr() != x.data_ptr()
+    assert back.data_ptr() != host.data_ptr()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -94,7 +98,9 @@ def test_host_staging_on_cuda_pins_and_moves() -> None:
     assert staging.pinned
     x = torch.randn(1, 3, 8, device="cuda")
     host = staging.to_host(x)
-    assert host.device == CPU and host.is_pinned() and torch.equal(host, x.cpu())
+    assert host.device == CPU
+    assert host.is_pinned()
+    assert torch.equal(host, x.cpu())
     assert torch.equal(staging.to_device(host), x)
 
 
@@ -117,5 +123,6 @@ def test_cli_cuda_without_cuda_fails_in_one_line(make_checkpoint: Callable[..., 
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
-    assert "DeviceUnavailable" in lines[0] and "CUDA is not available" in lines[0]
+    assert "DeviceUnavailable" in lines[0]
+    assert "CUDA is not available" in lines[0]
     assert "Traceback" not in proc.stderr

@@ -94,7 +94,8 @@ async def test_sampling_draws_on_the_device(make_checkpoint: Callable[..., Path]
     # draft lengths follow measured step times, so speculative runs differ in randomness used:
     # the check here is that every draw happens where its tensors are
     spec = await split_generate(model, device, speculate="draft", draft=draft, params=SamplingParams(1.0, 0.9, 3))
-    assert len(spec) == 24 and all(0 <= t < 96 for t in spec)
+    assert len(spec) == 24
+    assert all(0 <= t < 96 for t in spec)
 
 
 async def test_accelerator_float32_tokens_equal_cpu_tokens(make_checkpoint: Callable[..., Path], device: str) -> None:
