@@ -138,7 +138,9 @@ def local_greedy(
     model = local_model(directory, dtype, device)
     with torch.no_grad():
         generate: Callable[..., torch.Tensor] = model.generate  # type: ignore[assignment]  # transformers types it as a Tensor
-        ids = torch.tensor([prompt], device=device)  # an explicit mask: a BOS equal to pad_token_id must not be masked out
+        ids = torch.tensor(
+            [prompt], device=device
+        )  # an explicit mask: a BOS equal to pad_token_id must not be masked out
         out = generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
