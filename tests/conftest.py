@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,21 @@ def device(request: pytest.FixtureRequest) -> str:
     except DeviceUnavailable as exc:
         pytest.skip(f"--device {name}: {exc}")
     return name
+
+
+def law_fit_pvalue(counts: Counter[int], law: torch.Tensor, n: int) -> float:
+    """Chi-square p-value of ``n`` sampled tokens against ``law`` (V,), rare cells pooled (expected >= 5)."""
+    from scipy.stats import chisquare
+
+    support = (law > 0).nonzero().flatten().tolist()
+    big = [t for t in support if law[t] * n >= 5]
+    observed = [counts[t] for t in big] + [n - sum(counts[t] for t in big)]
+    exp = [float(law[t]) * n for t in big]
+    exp.append(max(0.0, n - sum(exp)))
+    if exp[-1] < 1e-6:  # no rare cells to pool
+        observed, exp = observed[:-1], exp[:-1]
+    exp = [e * n / sum(exp) for e in exp]  # float32 rounding: make the totals agree exactly
+    return float(chisquare(observed, exp).pvalue)
 
 
 def local_model(directory: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:

@@ -85,7 +85,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def family_config(name: str, layers: int = LAYERS) -> transformers.PretrainedConfig:
+def family_config(name: str, layers: int = LAYERS, vocab: int = VOCAB) -> transformers.PretrainedConfig:
     model_type, extra = FAMILIES[name]
     if extra.get("layer_types") == "alternate":
         extra = {
@@ -93,12 +93,15 @@ def family_config(name: str, layers: int = LAYERS) -> transformers.PretrainedCon
             "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)
             + ["sliding_attention"] * (layers % 2),
         }
-    return transformers.CONFIG_MAPPING[model_type](**{**_COMMON, "num_hidden_layers": layers, **extra})
+    fields = {**_COMMON, "num_hidden_layers": layers, "vocab_size": vocab, **extra}
+    return transformers.CONFIG_MAPPING[model_type](**fields)
 
 
-def save_family_checkpoint(directory: Path, name: str, layers: int, seed: int, dtype: torch.dtype) -> Path:
+def save_family_checkpoint(
+    directory: Path, name: str, layers: int, seed: int, dtype: torch.dtype, vocab: int = VOCAB
+) -> Path:
     """A random checkpoint of family ``name`` saved with save_pretrained in ``dtype`` (its published dtype)."""
-    config = family_config(name, layers)
+    config = family_config(name, layers, vocab)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
     model.save_pretrained(directory)

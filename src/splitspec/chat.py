@@ -16,12 +16,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TextIO
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from splitspec.chat_template import Message, end_of_turn_ids, has_chat_template, plan_turn, render
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
+from splitspec.models.checkpoint import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Conversation:
 
 async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdout) -> int:
     """Run turns read from ``lines``; returns the number of turns answered."""
-    tokenizer = AutoTokenizer.from_pretrained(config.edge.model_dir, local_files_only=True)
+    tokenizer = load_tokenizer(config.edge.model_dir)
     conversation = Conversation(tokenizer, config)
     generator, _ = config.params.generator()
     turns = 0

@@ -16,7 +16,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from splitspec.arguments import add_connection_limit_args, add_token_file, edge_layers, read_token_file
 from splitspec.devices import DEVICE_HELP
@@ -24,7 +24,7 @@ from splitspec.exceptions import ConfigError, SplitspecError
 
 if TYPE_CHECKING:
     from splitspec.decoding.sampling import SamplingParams
-    from splitspec.edge import EdgeConfig
+    from splitspec.edge import EdgeConfig, SplitClient
 
 log = logging.getLogger("splitspec")
 
@@ -129,37 +129,56 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
     from splitspec.edge import SplitClient
+    from splitspec.models.checkpoint import load_tokenizer
 
     config = _edge_config(args)
     params = _sampling(args)
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    tokenizer = load_tokenizer(args.model)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens")
 
+    client = SplitClient(config)
+    client.check_length(len(prompt_ids), args.max_new_tokens)  # before connecting
+
     async def run() -> int:
-        async with SplitClient(config) as client:
+        async with client:
             if args.json:
-                result = await client.generate(prompt_ids, args.max_new_tokens, params, speculate=args.speculate)
-                out = result.to_json()
-                out["text"] = tokenizer.decode(result.token_ids)
-                print(json.dumps(out, indent=2))
-                return 0
+                return await _generate_json(client, tokenizer, prompt_ids, args, params)
             generated: list[int] = []
             shown = ""
-            async for token in client.stream(prompt_ids, args.max_new_tokens, params, speculate=args.speculate):
-                generated.append(token)
-                text = str(tokenizer.decode(generated))
-                sys.stdout.write(text[len(shown) :])
-                sys.stdout.flush()
-                shown = text
-            sys.stdout.write("\n")
+            try:
+                async for token in client.stream(prompt_ids, args.max_new_tokens, params, speculate=args.speculate):
+                    generated.append(token)
+                    text = str(tokenizer.decode(generated))
+                    sys.stdout.write(text[len(shown) :])
+                    sys.stdout.flush()
+                    shown = text
+            finally:  # what was produced stays on screen, even when the link fails midway
+                sys.stdout.write("\n")
             return 0
 
     return asyncio.run(run())
+
+
+async def _generate_json(
+    client: SplitClient, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, params: SamplingParams
+) -> int:
+    """--json: the result, or on a failure midway the tokens produced so far with an ``error`` field."""
+    try:
+        result = await client.generate(prompt_ids, args.max_new_tokens, params, speculate=args.speculate)
+    except SplitspecError as exc:
+        produced = client.history[len(prompt_ids) :]
+        out: dict[str, Any] = {"prompt_ids": prompt_ids, "token_ids": list(produced)}
+        out["text"] = tokenizer.decode(list(produced))
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        print(json.dumps(out, indent=2))
+        return 2
+    out = result.to_json()
+    out["text"] = tokenizer.decode(result.token_ids)
+    print(json.dumps(out, indent=2))
+    return 0
 
 
 def _add_edge_link_args(p: argparse.ArgumentParser) -> None:
@@ -392,6 +411,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLevelName(args.log_level)))
+    if args.log_level != "DEBUG":  # transformers' per-load progress bars are noise around our log lines
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     run: Runner = args.run
     try:
         return run(args)

@@ -13,16 +13,20 @@ way its publisher meant (``from_pretrained`` at the published dtype, or float32)
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TemperatureLogitsWarper, TopPLogitsWarper
 
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
+from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
+from tests.conftest import law_fit_pvalue
 from tests.families import FAMILIES, LAYERS, save_family_checkpoint
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 61, 30, 12, 7]  # longer than every sliding window (6)
@@ -77,7 +81,7 @@ async def test_family_split_greedy_equals_hf_generate(
         allow_stock_edge_weights=True,
     )
     async with TrunkServer(CloudConfig(model_dir=target, edge_layers=(1, 1), port=0, dtype=dtype)) as server:
-        async with SplitClient(EdgeConfig(**{**edge.__dict__, "cloud_url": server.url})) as client:
+        async with SplitClient(dataclasses.replace(edge, cloud_url=server.url)) as client:
             assert client.dtype == hf.dtype
             off = await client.generate(PROMPT, NEW_TOKENS, speculate="off")
             drafted = await client.generate(PROMPT, NEW_TOKENS, speculate="draft")
@@ -94,3 +98,24 @@ async def test_family_split_greedy_equals_hf_generate(
     assert sum(s.draft_tokens for s in drafted.spec_steps) > 0, "the draft model never drafted"
     paths = [[tree[0]], [other], [tree[0], tree[2]], [tree[0], other], [tree[0], tree[2], tree[4]]]
     assert logits.argmax(-1).tolist() == [hf_next(hf, PROMPT + path) for path in paths]
+
+
+async def test_gemma2_split_sampling_keeps_the_soft_capped_law(tmp_path: Path) -> None:
+    """Chi-square: split samples follow HF's Gemma 2 law (final soft-capping, temperature, top-p)."""
+    model = save_family_checkpoint(tmp_path, "gemma2", LAYERS, seed=5, dtype=torch.float32, vocab=16)
+    prompt, temperature, top_p, n = [3, 1, 4, 1, 5, 9, 2, 6], 0.8, 0.9, 600
+    hf = AutoModelForCausalLM.from_pretrained(model).eval()
+    assert hf.config.final_logit_softcapping is not None
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[:, -1]  # soft-capped by Gemma2ForCausalLM
+    law = TopPLogitsWarper(top_p)(None, TemperatureLogitsWarper(temperature)(None, logits)).softmax(-1)[0]
+    assert 3 <= int((law > 0).sum()) < 16, "the law must be one that top-p actually trims"
+    counts: Counter[int] = Counter()
+    edge = EdgeConfig(model_dir=model, cloud_url="", edge_layers=(1, 1), allow_stock_edge_weights=True)
+    async with TrunkServer(CloudConfig(model_dir=model, edge_layers=(1, 1), port=0)) as server:
+        async with SplitClient(dataclasses.replace(edge, cloud_url=server.url)) as client:
+            for seed in range(n):
+                params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
+                counts[(await client.generate(prompt, 1, params, stop_token_ids=())).token_ids[0]] += 1
+    assert all(law[t] > 0 for t in counts), "sampled a token outside the law's support"
+    assert law_fit_pvalue(counts, law, n) > 1e-3

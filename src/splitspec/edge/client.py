@@ -38,7 +38,7 @@ from splitspec.exceptions import (
     UnknownSession,
 )
 from splitspec.measure import median
-from splitspec.models.checkpoint import Checkpoint, fingerprint
+from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop_ids
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
 from splitspec.models.split import SplitPlan
@@ -166,7 +166,7 @@ class SplitClient:
             auth_token=config.auth_token,
             client="splitspec-edge",
         )
-        self.eos_token_ids = _eos_ids(ckpt.config.eos_token_id)
+        self.eos_token_ids = generation_stop_ids(config.model_dir, ckpt.config)
         self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
         self.draft_model: FullModel | None = draft_model
         if draft_model is None and config.draft_model_dir is not None:
@@ -275,6 +275,18 @@ class SplitClient:
         self._command = CacheCommand(truncate_to=0) if self._tokens or self._command is not None else None
         self._tokens = []
         self._digests = []
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int, context_tokens: int = 0) -> None:
+        """Refuse a generation longer than the model's maximum positions (the CLI's check before connecting;
+        :meth:`stream` itself stops at the limit with a warning)."""
+        total = context_tokens + prompt_tokens + max_new_tokens
+        if total > self.max_positions:
+            raise ConfigError(
+                f"prompt ({prompt_tokens} tokens) + max new tokens ({max_new_tokens})"
+                + (f" + context ({context_tokens})" if context_tokens else "")
+                + f" = {total} exceeds the model's {self.max_positions} positions: shorten the prompt or "
+                "lower --max-new-tokens"
+            )
 
     @property
     def history(self) -> tuple[int, ...]:
@@ -536,9 +548,3 @@ def _checked_reply(reply: object, step: Step) -> StepResult:
     if reply.hidden.shape != step.hidden.shape or reply.hidden.dtype != step.hidden.dtype:
         raise BadTensor(f"reply hidden {tuple(reply.hidden.shape)} {reply.hidden.dtype} does not match the step")
     return reply
-
-
-def _eos_ids(eos: int | list[int] | None) -> frozenset[int]:
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)

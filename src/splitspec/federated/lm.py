@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from splitspec.exceptions import CheckpointError
-from splitspec.models.checkpoint import Checkpoint, fingerprint
+from splitspec.models.checkpoint import Checkpoint, fingerprint, load_tokenizer
 from splitspec.models.stack import FullModel, load_full
 
 
@@ -51,10 +50,7 @@ def load_model(
     and its tokenizer; never downloads."""
     path = Path(directory)
     ckpt = Checkpoint(path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot load the tokenizer ({exc}); federated roles need one") from None
+    tokenizer = load_tokenizer(path)
     model = load_full(ckpt, dtype, device=device or torch.device("cpu"))
     config = ckpt.config
     return LoadedModel(

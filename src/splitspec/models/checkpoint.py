@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import CONFIG_MAPPING, AutoConfig, PretrainedConfig
+from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 from transformers import __version__ as transformers_version
 
 from splitspec.exceptions import CheckpointError
@@ -75,6 +75,38 @@ def read_config(directory: Path) -> PretrainedConfig:
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise CheckpointError(f"{path} is not a valid {model_type} config: {str(exc).splitlines()[0]}") from None
     return config
+
+
+def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer from local files only, or a :class:`CheckpointError` saying why not."""
+    path = Path(directory)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} is not a checkpoint directory: config.json is missing")
+    read_config(path)  # a broken or remote-code config is named as such, not as a tokenizer problem
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False
+        )
+    except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({reason})") from None
+    return tokenizer
+
+
+def generation_stop_ids(directory: str | Path, config: PretrainedConfig) -> frozenset[int]:
+    """Stop token ids: config.json's eos_token_id and generation_config.json's (instruct models keep theirs there)."""
+    ids: set[int] = set()
+    sources: list[object] = [getattr(config, "eos_token_id", None)]
+    generation = Path(directory) / "generation_config.json"
+    if generation.is_file():
+        try:
+            sources.append(json.loads(generation.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{generation} is not valid JSON ({exc})") from None
+    for value in sources:
+        values = value if isinstance(value, list) else [value]
+        ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return frozenset(ids)
 
 
 class Checkpoint:

@@ -26,7 +26,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
 
-from splitspec.exceptions import ConfigError
+from splitspec.exceptions import ConfigError, TransportError
 from splitspec.protocol.frames import MAX_HEADER_BYTES, PREFIX_SIZE
 from splitspec.transport.client import websocket_max_size
 
@@ -92,16 +92,19 @@ class FrameServer:
         return sum(self._per_address.values())
 
     async def start(self) -> None:
-        self._server = await serve(
-            self._serve_connection,
-            self._host,
-            self._port,
-            max_size=self.limits.handshake_max_bytes,  # raised per connection after its handshake
-            compression=None,
-            ping_interval=20,
-            ping_timeout=60,
-            ssl=self._ssl,
-        )
+        try:
+            self._server = await serve(
+                self._serve_connection,
+                self._host,
+                self._port,
+                max_size=self.limits.handshake_max_bytes,  # raised per connection after its handshake
+                compression=None,
+                ping_interval=20,
+                ping_timeout=60,
+                ssl=self._ssl,
+            )
+        except OSError as exc:  # address in use, no permission, unknown interface
+            raise TransportError(f"cannot listen on {self._host}:{self._port}: {exc.strerror or exc}") from None
 
     @property
     def port(self) -> int:
