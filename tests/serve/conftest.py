@@ -18,7 +18,8 @@ from transformers import PreTrainedTokenizerFast
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig
-from splitspec.netem.emulator import NetemConfig, WanEmulator
+from splitspec.netem.emulator import WanEmulator
+from splitspec.netem.schedule import NetemConfig
 from splitspec.serve.config import ServeConfig
 from splitspec.serve.server import RunningServer
 from tests.conftest import TOKENIZER_TEXT, VOCAB
