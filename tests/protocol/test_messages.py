@@ -200,3 +200,29 @@ def test_protocol_package_is_sans_io() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize(
+    ("command", "length", "last_step", "expected"),
+    [
+        (CacheCommand(), 10, 4, 10),
+        (CacheCommand(truncate_to=7), 10, 4, 7),
+        (CacheCommand(keep_last=(0, 2)), 10, 4, 8),  # 6 committed before the step, 2 of its 4 kept
+        (CacheCommand(truncate_to=7, keep_last=()), 10, 4, 7),  # after a truncate there is no last step
+    ],
+)
+def test_cache_command_length_after(command: CacheCommand, length: int, last_step: int, expected: int) -> None:
+    assert command.length_after(length, last_step) == expected
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (CacheCommand(truncate_to=11), "cannot truncate a cache of 10 entries to 11"),
+        (CacheCommand(keep_last=(4,)), "outside the last step of 4 tokens"),
+        (CacheCommand(truncate_to=7, keep_last=(0,)), "outside the last step of 0 tokens"),
+    ],
+)
+def test_impossible_cache_commands_are_refused(command: CacheCommand, message: str) -> None:
+    with pytest.raises(PositionOutOfRange, match=message):
+        command.length_after(10, 4)
