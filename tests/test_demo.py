@@ -72,7 +72,10 @@ def test_ctrl_c_stops_every_child() -> None:
         text=True,
     )
     assert proc.stdout is not None
+    # log lines (e.g. the device choice) may come first on the merged stream
     first = proc.stdout.readline()
+    while first and "trunk server on :" not in first:
+        first = proc.stdout.readline()
     ports = ports_of(first)
     deadline = time.monotonic() + 120
     while not listening(ports[1]) and time.monotonic() < deadline:
