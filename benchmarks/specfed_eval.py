@@ -42,6 +42,7 @@ import torch
 from splitspec.federated.codec import decode_topk, encode_topk
 from splitspec.federated.lm import load_model
 from splitspec.federated.topk import TopKPolicy, bound_report, select_topk, true_residual_mass
+from splitspec.paths import display_path
 from splitspec.protocol.fed import SCORES_HEADER_SIZE
 
 log = logging.getLogger("specfed_eval")
@@ -114,12 +115,6 @@ def adaptive_comparison(law: torch.Tensor, k: int) -> dict[str, dict[str, float]
             acc["epsilon"] += float(back.transmitted_epsilon().double().sum())
             acc["positions"] += rows.shape[0]
     return out
-
-
-def _shown(path: Path) -> str:
-    """A path as the report shows it: relative to the repository when inside it."""
-    resolved = Path(path).resolve()
-    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(path)
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
@@ -238,8 +233,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "torch_threads": torch.get_num_threads(),
-        "workers": [_shown(d) for d in args.worker],
-        "drafter": _shown(args.drafter),
+        "workers": [display_path(d, REPO) for d in args.worker],
+        "drafter": display_path(args.drafter, REPO),
         "weights": weights,
         "vocab_size": vocab,
         "windows": [n for n, _ in windows],

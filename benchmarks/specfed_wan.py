@@ -74,6 +74,7 @@ from splitspec.federated.records import FedResult
 from splitspec.federated.worker import FedWorker, WorkerConfig
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
+from splitspec.paths import display_path
 
 log = logging.getLogger("specfed_wan")
 
@@ -378,10 +379,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "torch_threads": torch.get_num_threads(),
-        "workers": [str(Path(d).relative_to(REPO)) if Path(d).is_relative_to(REPO) else str(d) for d in args.worker],
-        "drafter": str(Path(args.draft).relative_to(REPO))
-        if Path(args.draft).is_relative_to(REPO)
-        else str(args.draft),
+        "workers": [display_path(d, REPO) for d in args.worker],
+        "drafter": display_path(args.draft, REPO),
         "weights": "equal",
         "vocab_size": vocab,
         "dense_f16_bytes_per_position": 2 * vocab,

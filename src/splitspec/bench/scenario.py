@@ -40,6 +40,7 @@ from typing import Any
 import splitspec
 from splitspec.bench.modes import MODES
 from splitspec.exceptions import ConfigError
+from splitspec.paths import display_path
 
 __all__ = [
     "DEFAULT_CORPUS_DIR",
@@ -116,7 +117,7 @@ class Scenario:
         return {
             "name": self.name,
             "description": self.description,
-            "model_dir": _display(self.model_dir),
+            "model_dir": display_path(self.model_dir),
             "edge_layers": list(self.edge_layers),
             "rtt_ms": list(self.rtt_ms),
             "modes": list(self.modes),
@@ -132,7 +133,7 @@ class Scenario:
                 "sets": list(self.prompts.sets),
                 "per_set": self.prompts.per_set,
                 "prompt_tokens": self.prompts.prompt_tokens,
-                "corpus_dir": _display(self.prompts.corpus_dir),
+                "corpus_dir": display_path(self.prompts.corpus_dir),
             },
             "baselines": {
                 "hf_generate": self.baselines.hf_generate,
@@ -141,14 +142,6 @@ class Scenario:
                 "local_loop": self.baselines.local_loop,
             },
         }
-
-
-def _display(path: Path) -> str:
-    """``path`` relative to the working directory when it lies below it (portable reports)."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
 
 
 _TOP_KEYS = {

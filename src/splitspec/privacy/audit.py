@@ -34,6 +34,7 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import FullModel, load_full
+from splitspec.paths import display_path
 from splitspec.privacy import attackers as atk
 from splitspec.privacy.activations import collect_layers, stock_tail_top5
 from splitspec.privacy.corpus import DEFAULT_CORPUS, CorpusWindows, corpus_windows
@@ -160,7 +161,7 @@ class _AuditRun:
             return None
         if d in given:
             edge_dir = Path(given[d])
-            return edge_dir, {"checkpoint": str(edge_dir), "built_here": False}
+            return edge_dir, {"checkpoint": display_path(edge_dir), "built_here": False}
         if config.diverge_steps <= 0:
             return None
         res = diverge(
@@ -212,7 +213,7 @@ class _AuditRun:
         """What the report says besides the measured series: model, split, edges, inverter losses."""
         split, train, test = self.corpus.split, self.corpus.train, self.corpus.test
         return {
-            "model_dir": str(self.config.model_dir),
+            "model_dir": display_path(self.config.model_dir),
             "num_layers": self.n_layers,
             "vocab_size": self.data.vocab_size,
             "depths": list(self.depths),
@@ -308,7 +309,7 @@ def _jsonable(obj: object) -> object:
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     if isinstance(obj, Path):
-        return str(obj)
+        return display_path(obj)
     return obj
 
 

@@ -41,6 +41,7 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import FullModel, load_full
+from splitspec.paths import display_path
 from splitspec.privacy.activations import residual_stream, split_forward
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
 from splitspec.privacy.defences import DEFAULT_DEFENCE, Adversary, DefenceConfig
@@ -270,7 +271,7 @@ def diverge(config: DivergeConfig) -> DivergeResult:
         "weight_report": {k: v for k, v in report.to_dict().items() if k != "tensors"},
         "history": history,
         "seconds": time.monotonic() - t0,
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "config": {k: display_path(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
     }
     (config.out_dir / "edge.json").write_text(json.dumps(summary, indent=2) + "\n")
     # the divergence record the edge checks before it agrees to run these weights
