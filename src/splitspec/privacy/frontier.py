@@ -38,6 +38,7 @@ import torch
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_full
+from splitspec.paths import display_path
 from splitspec.privacy import attackers as atk
 from splitspec.privacy.activations import cloud_view, collect_layers, stock_tail_top5
 from splitspec.privacy.adaptive import Traffic, align, self_train
@@ -149,7 +150,7 @@ def _point(
             best[tier] = entry
         sides[side] = {"attackers": attackers, "best": best}
     return {
-        "model": str(config.model_dir),
+        "model": display_path(config.model_dir),
         "model_name": config.model_dir.name,
         "depth": config.depth,
         "seed": config.seed,
