@@ -306,6 +306,22 @@ def _tie(skel: Skeleton) -> None:
         skel.lm_head.weight = skel.embed.weight
 
 
+def _load_ends_and_layers(
+    ckpt: Checkpoint,
+    layer_ids: Sequence[int] | None,
+    dtype: torch.dtype | None,
+    attn_implementation: str | None,
+    device: torch.device,
+) -> Skeleton:
+    """A skeleton with the embedding, final norm, LM head and the given decoder layers (all when None) on ``device``."""
+    dtype = published_dtype(ckpt.config) if dtype is None else dtype
+    skel = skeleton(ckpt.config, dtype, attn_implementation)
+    layers = list(skel.layers) if layer_ids is None else [skel.layers[i] for i in layer_ids]
+    _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *layers], dtype, device)
+    _tie(skel)
+    return skel
+
+
 def load_trunk(
     ckpt: Checkpoint,
     plan: SplitPlan,
@@ -343,11 +359,7 @@ def load_edge(
     device: torch.device = _CPU,
 ) -> EdgeModel:
     """The edge's piece on ``device``: embedding, head and tail layers, final norm, LM head. No trunk tensor is read."""
-    dtype = published_dtype(ckpt.config) if dtype is None else dtype
-    skel = skeleton(ckpt.config, dtype, attn_implementation)
-    layers = [skel.layers[i] for i in (*plan.head_layers, *plan.tail_layers)]
-    _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *layers], dtype, device)
-    _tie(skel)
+    skel = _load_ends_and_layers(ckpt, (*plan.head_layers, *plan.tail_layers), dtype, attn_implementation, device)
     return EdgeModel(skel, plan).eval()
 
 
@@ -358,10 +370,7 @@ def load_full(
     device: torch.device = _CPU,
 ) -> FullModel:
     """Every piece of a checkpoint on ``device``, for running it whole on one machine."""
-    dtype = published_dtype(ckpt.config) if dtype is None else dtype
-    skel = skeleton(ckpt.config, dtype, attn_implementation)
-    _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *skel.layers], dtype, device)
-    _tie(skel)
+    skel = _load_ends_and_layers(ckpt, None, dtype, attn_implementation, device)
     return FullModel(skel).eval()
 
 
