@@ -48,6 +48,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         auth_token=read_token_file(args.token_file),
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         max_sessions=args.max_sessions,
+        max_sessions_per_address=args.max_sessions_per_address,
         handshake_timeout_s=args.handshake_timeout,
         max_connections_per_address=args.max_connections_per_address,
         device=args.device,
@@ -132,6 +133,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_token_file(w)
     w.add_argument("--max-message-mb", type=int, default=64, help="largest message, MiB (default 64)")
     w.add_argument("--max-sessions", type=int, default=16, help="concurrent coordinator sessions (default 16)")
+    w.add_argument(
+        "--max-sessions-per-address",
+        type=int,
+        default=4,
+        help="sessions one IP address may hold at once, so one client cannot take them all (default 4)",
+    )
     add_connection_limit_args(w)
     w.add_argument("--device", default="auto", help=DEVICE_HELP)
     w.set_defaults(run=_run_worker)

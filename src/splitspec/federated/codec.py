@@ -43,7 +43,13 @@ import torch
 
 from splitspec.exceptions import BadTensor, ConfigError
 from splitspec.federated.topk import TopK
-from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET, MAX_QUANT_BUDGET, VALUE_CODECS, ValueCodec
+from splitspec.protocol.fed import (
+    DEFAULT_QUANT_BUDGET,
+    MAX_QUANT_BUDGET,
+    SCORES_HEADER_SIZE,
+    VALUE_CODECS,
+    ValueCodec,
+)
 
 ETA_FLOOR = 2.0**-16  # quantization error always allowed, probability (covers τ = 0)
 EPS_SCALE = 65535  # ε travels as ⌈ε · EPS_SCALE⌉ in 16 bits
@@ -181,6 +187,27 @@ class _BitReader:
 
 def _id_width(vocab_size: int) -> int:
     return max(1, (vocab_size - 1).bit_length())
+
+
+def max_stream_bytes(positions: int, k: int, vocab_size: int) -> int:
+    """The longest top-K stream :func:`encode_topk` can produce for ``positions`` of at most ``k`` ids.
+
+    Per position: the count, ε, the orders and the step (W + 16 + 5 + 8 + 5 bits), then per kept
+    token its id code and its value code. The encoder picks each field's order to minimise its
+    bits, so a field costs at most its order-0 codes: an id gap < |V| at most 2·bitlen(|V|) − 1
+    bits, a quantized value at most 2·52 − 1 bits (the encoder refuses longer), a raw float 32.
+    """
+    id_bits = 2 * vocab_size.bit_length() - 1
+    value_bits = max(2 * MAX_CODE_BITS - 1, 32)
+    per_position = _id_width(vocab_size) + 16 + 2 * ORDER_BITS + STEP_BITS + k * (id_bits + value_bits)
+    return (2 + positions * per_position + 7) // 8
+
+
+def max_reply_bytes(positions: int, k: int, vocab_size: int, *, audit: bool) -> int:
+    """The largest ``fed_scores`` frame a worker can legitimately send for a request scoring
+    ``positions`` with at most ``k`` tokens each (audit mode adds the float32 laws)."""
+    full = 4 * positions * vocab_size if audit else 0
+    return SCORES_HEADER_SIZE + max_stream_bytes(positions, k, vocab_size) + full
 
 
 def quantization_step(tail: float, k: int, top: float, rho: float) -> tuple[int, float]:

@@ -68,5 +68,9 @@ class CoordinatorConfig:
         if self.round_timeout_s <= 0 or self.connect_timeout_s <= 0:
             raise ConfigError("timeouts must be positive")
 
+    def k_cap(self, vocab_size: int) -> int:
+        """The most tokens a worker may send per scored position: K, or the adaptive cap."""
+        return self.top_k if self.top_k is not None else min(self.max_k, vocab_size)
+
     def weight_list(self) -> list[float]:
         return list(self.weights) if self.weights is not None else [1.0] * len(self.worker_urls)

@@ -205,7 +205,10 @@ class Coordinator:
         )
         if reply.vocab_size != self.draft.vocab_size:
             raise BadTensor(f"reply over a vocabulary of {reply.vocab_size}, expected {self.draft.vocab_size}")
-        topk = decode_topk(reply.stream, reply.positions, reply.vocab_size)
+        # decoding costs CPU in proportion to the reply: off the event loop, which keeps serving
+        # the other workers' links; a count above the request's K is refused before allocation
+        cap = self.config.k_cap(reply.vocab_size)
+        topk = await asyncio.to_thread(decode_topk, reply.stream, reply.positions, reply.vocab_size, cap)
         return _Answer(link, reply, topk, up, down, (time.perf_counter() - t0) * 1e3)
 
     async def _score_all(

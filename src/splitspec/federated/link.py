@@ -14,8 +14,10 @@ import time
 import torch
 
 from splitspec.exceptions import BadTensor, HandshakeMismatch, TransportError, UnexpectedMessage
+from splitspec.federated.codec import max_reply_bytes
 from splitspec.federated.config import CoordinatorConfig
 from splitspec.protocol.fed import FedHello, FedScore, FedScores, FedWelcome, decode_fed, encode_fed
+from splitspec.protocol.frames import MAX_HEADER_BYTES, PREFIX_SIZE
 from splitspec.transport.client import Channel
 
 log = logging.getLogger(__name__)
@@ -81,15 +83,24 @@ class WorkerLink:
         # chunked prefill: no single message appends more than the worker's max_query_tokens
         while len(context) - keep > welcome.max_query_tokens:
             chunk = context[keep : keep + welcome.max_query_tokens]
-            reply, u, d = await self._exchange(channel, keep, chunk, 1, 1.0, k=1)
+            reply, u, d = await self._exchange(channel, welcome.vocab_size, keep, chunk, 1, 1.0, k=1)
             up, down, keep = up + u, down + d, keep + len(chunk)
             self.tokens = context[:keep]
-        reply, u, d = await self._exchange(channel, keep, context[keep:], num_scored, temperature, k=cfg.top_k)
+        reply, u, d = await self._exchange(
+            channel, welcome.vocab_size, keep, context[keep:], num_scored, temperature, k=cfg.top_k
+        )
         self.tokens = list(context)
         return reply, up + u, down + d
 
     async def _exchange(
-        self, channel: Channel, keep: int, tokens: list[int], num_scored: int, temperature: float, k: int | None
+        self,
+        channel: Channel,
+        vocab: int,
+        keep: int,
+        tokens: list[int],
+        num_scored: int,
+        temperature: float,
+        k: int | None,
     ) -> tuple[FedScores, int, int]:
         cfg = self.config
         self.seq += 1
@@ -107,7 +118,12 @@ class WorkerLink:
             quant_budget=cfg.quant_budget,
             audit=cfg.audit,
         )
-        reply, exchange = await channel.exchange(request, cfg.round_timeout_s, encode_fed, decode_fed)
+        cap = k if k is not None else cfg.k_cap(vocab)
+        # a reply is bounded by what this request can produce (an Error, header only, always fits)
+        limit = max(max_reply_bytes(num_scored, cap, vocab, audit=cfg.audit), PREFIX_SIZE + MAX_HEADER_BYTES)
+        reply, exchange = await channel.exchange(
+            request, cfg.round_timeout_s, encode_fed, decode_fed, reply_limit=limit
+        )
         if not isinstance(reply, FedScores):
             raise UnexpectedMessage(f"expected fed_scores, got {reply.TYPE!r}")
         if reply.seq != self.seq or reply.positions != num_scored:

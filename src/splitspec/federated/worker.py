@@ -27,11 +27,13 @@ from splitspec.decoding.sampling import probabilities
 from splitspec.devices import HostStaging, resolve_device
 from splitspec.exceptions import (
     BadTensor,
+    ConfigError,
     PositionOutOfRange,
+    SessionQuotaExceeded,
     TooManySessions,
     UnexpectedMessage,
 )
-from splitspec.federated.codec import encode_topk
+from splitspec.federated.codec import encode_topk, max_reply_bytes
 from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.topk import TopKPolicy, select_topk
 from splitspec.protocol.fed import (
@@ -63,12 +65,17 @@ class WorkerConfig:
     max_message_bytes: int = 64 * 1024 * 1024  # largest frame accepted or sent, bytes
     max_query_tokens: int = 4096  # most tokens one FedScore may append, tokens
     max_sessions: int = 16  # concurrent connections (each holds a KV cache)
+    max_sessions_per_address: int = 4  # sessions one IP address may hold at once
     handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
     max_unauthenticated: int = 64  # connections in their handshake at once, all addresses
     max_connections_per_address: int = 32  # open connections from one IP address
     idle_timeout_s: float = 300.0  # a session's connection silent this long is closed, seconds
     delay_s: float = 0.0  # artificial extra compute time per round, seconds (tests, demos)
     device: str = "auto"  # compute device: auto, cpu, cuda, cuda:N or mps
+
+    def __post_init__(self) -> None:
+        if self.max_sessions < 1 or self.max_sessions_per_address < 1:
+            raise ConfigError("--max-sessions and --max-sessions-per-address must be at least 1")
 
 
 class FedWorker:
@@ -91,7 +98,7 @@ class FedWorker:
         )
         self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes, limits=limits)
         self._connections = 0
-        self.active: set[int] = set()  # connection ids past their handshake (each holds a cache)
+        self.active: dict[int, str] = {}  # connection id -> remote IP, past its handshake (each holds a cache)
         self.rounds_served = 0  # FedScore requests answered, all sessions
 
     @property
@@ -168,6 +175,7 @@ class _WorkerPeer(MessagePeer[FedMessage]):
     def __init__(self, worker: FedWorker, conn_id: int, remote: str) -> None:
         super().__init__(HandshakeGate(FedHello.TYPE, worker.config.auth_token), conn_id, remote)
         self.worker = worker
+        self.address = remote.rsplit(":", 1)[0]  # the IP address of "host:port"
         self.lm: LocalSequence | None = None
 
     def decode(self, data: bytes) -> FedMessage:
@@ -184,8 +192,11 @@ class _WorkerPeer(MessagePeer[FedMessage]):
             check_fed_hello(message, worker.identity, config.auth_token)
             if len(worker.active) >= config.max_sessions:
                 raise TooManySessions(f"the worker already serves {len(worker.active)} sessions")
+            held = sum(1 for address in worker.active.values() if address == self.address)
+            if held >= config.max_sessions_per_address:
+                raise SessionQuotaExceeded(f"your address already holds its maximum of {held} sessions")
             self.gate.open()
-            worker.active.add(self.conn_id)
+            worker.active[self.conn_id] = self.address
             self.lm = LocalSequence(worker.loaded.model)
             log.info("fed connection %d (%s): handshake ok, client %s", self.conn_id, self.remote, message.client)
             return FedWelcome(
@@ -221,15 +232,13 @@ class _WorkerPeer(MessagePeer[FedMessage]):
         if request.k is not None and request.k > vocab:
             raise BadTensor(f"K = {request.k} exceeds the vocabulary of {vocab}")
         cap = request.k if request.k is not None else min(request.max_k, vocab)
-        # the reply must fit the frame cap: per token an id code <= 8 bytes and a value <= 13 bytes
-        # (exp-Golomb codes <= 2·52 bits); audit adds 4·V per position
-        reply_bytes = request.num_scored * (21 * cap + (4 * vocab if request.audit else 0)) + 4096
+        reply_bytes = max_reply_bytes(request.num_scored, cap, vocab, audit=request.audit)
         if reply_bytes > worker.config.max_message_bytes:
             raise BadTensor(f"the reply could reach {reply_bytes} bytes, above the cap")
 
     async def closed(self) -> None:
         self.lm = None
-        self.worker.active.discard(self.conn_id)
+        self.worker.active.pop(self.conn_id, None)
 
 
 async def serve_forever(config: WorkerConfig) -> None:

@@ -100,15 +100,28 @@ class Channel:
         timeout_s: float,
         encode: Callable[[Request], bytes],
         decode: Callable[..., Reply],
+        *,
+        reply_limit: int | None = None,
     ) -> tuple[Reply, Exchange]:
-        """:meth:`request` for any message family: ``encode`` the request, ``decode(raw, max_bytes=)`` the reply."""
+        """:meth:`request` for any message family: ``encode`` the request, ``decode(raw, max_bytes=)`` the reply.
+
+        ``reply_limit``: the largest reply this request can legitimately get, bytes. The WebSocket
+        layer refuses a bigger frame from its length field, before buffering it, and the
+        connection is closed (raised as ``MessageTooLarge``).
+        """
         t0 = time.perf_counter()
         data = encode(message)
         t1 = time.perf_counter()
-        await self.send_raw(data)
-        raw = await self.recv_raw(timeout_s)
+        protocol = self._ws.protocol
+        cap = websocket_max_size(self.max_message_bytes) if reply_limit is None else reply_limit
+        before, protocol.max_message_size = protocol.max_message_size, cap
+        try:
+            await self.send_raw(data)
+            raw = await self.recv_raw(timeout_s)
+        finally:
+            protocol.max_message_size = before
         t2 = time.perf_counter()
-        reply = decode(raw, max_bytes=websocket_max_size(self.max_message_bytes))
+        reply = decode(raw, max_bytes=cap)
         t3 = time.perf_counter()
         if isinstance(reply, Error):
             raise error_from_code(reply.code, reply.message)
