@@ -31,7 +31,6 @@ import asyncio
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import dtype_from_name, load_trunk
 from splitspec.protocol.messages import Step, StepResult, decode_message, encode_message
+from splitspec.run_info import run_environment
 from splitspec.transport.client import Channel
 from splitspec.transport.server import FrameServer
 
@@ -93,14 +93,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def build_checkpoint(directory: Path, shape: str, dtype: torch.dtype, device: torch.device) -> None:
@@ -408,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         overhead = asyncio.run(framework_overhead(args.width, dtype, device, args.trips))
         trunk = trunk_vs_transformers(directory, dtype, device, args.context, args.steps, args.repeats)
     results = {
-        "commit": git_commit(),
+        **run_environment(),
         "argv": " ".join(sys.argv[1:] if argv is None else argv),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,

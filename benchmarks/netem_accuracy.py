@@ -18,11 +18,9 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ import numpy as np
 
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
+from splitspec.run_info import run_environment
 
 logger = logging.getLogger("netem_accuracy")
 
@@ -152,10 +151,7 @@ async def measure(
         sink.close()
     return {
         "benchmark": "netem_accuracy",
-        "timestamp_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        **run_environment(),
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "pings_per_setting": n_pings,
         "direct_ms": _summary(direct),

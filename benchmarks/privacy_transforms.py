@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.stack import load_full
 from splitspec.privacy.activations import collect_layers
 from splitspec.privacy.corpus import DEFAULT_CORPUS, corpus_windows
+from splitspec.run_info import run_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "src" / "splitspec" / "assets" / "models"
@@ -97,7 +97,7 @@ def main() -> int:
     acts = collect_layers(full, tokens, depths)
     result = {
         "model": str(model_dir),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        **run_environment(),
         "secret_transform": {
             "input_side_layer": first,
             "input_side_relative_error": recovered_transform_error(stacked, 0),

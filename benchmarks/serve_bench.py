@@ -26,7 +26,6 @@ import asyncio
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from typing import Any
 import httpx
 
 from splitspec.demo import _free_port, _spawn, _stop, _wait_for_port, embedded_model
+from splitspec.run_info import run_environment
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}QUESTION.\n{{ m['content'] }}\n"
@@ -54,11 +54,6 @@ CONCURRENT_PROMPTS = [
     "KING HENRY.\nNow, lords,", "def main():\n    ", "HAMLET.\nTo be, or not", "class Node:\n    def __init__(self",
     "ROMEO.\nBut soft, what light", "import os\nimport sys\n\n", "MACBETH.\nTomorrow, and", "for i in range(10):\n",
 ]  # fmt: skip
-
-
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-    return out.stdout.strip() or "unknown"
 
 
 def metric(text: str, name: str) -> float:
@@ -269,7 +264,7 @@ def main() -> None:
     if args.bandwidth_mbit > 0:
         links.append((f"{args.rtt_ms:g} ms RTT, {args.bandwidth_mbit:g} Mbit/s", args.bandwidth_mbit))
     results: dict[str, Any] = {
-        "commit": git_commit(), "repeats": args.repeats, "max_tokens": args.max_tokens, "levels": levels,
+        **run_environment(), "repeats": args.repeats, "max_tokens": args.max_tokens, "levels": levels,
         "machine": f"{platform.machine()} {platform.system()}, Python {platform.python_version()}", "links": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:

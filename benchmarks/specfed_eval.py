@@ -33,7 +33,6 @@ import os
 import platform
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from splitspec.federated.lm import load_model
 from splitspec.federated.topk import TopKPolicy, bound_report, select_topk, true_residual_mass
 from splitspec.paths import display_path
 from splitspec.protocol.fed import SCORES_HEADER_SIZE
+from splitspec.run_info import run_environment
 
 log = logging.getLogger("specfed_eval")
 
@@ -230,9 +230,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
     return {
-        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
+        **run_environment(),
         "host": platform.node(),
-        "torch_threads": torch.get_num_threads(),
         "workers": [display_path(d, REPO) for d in args.worker],
         "drafter": display_path(args.drafter, REPO),
         "weights": weights,

@@ -60,7 +60,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +74,7 @@ from splitspec.federated.worker import FedWorker, WorkerConfig
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
 from splitspec.paths import display_path
+from splitspec.run_info import run_environment
 
 log = logging.getLogger("specfed_wan")
 
@@ -376,9 +376,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
     return {
-        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
+        **run_environment(),
         "host": platform.node(),
-        "torch_threads": torch.get_num_threads(),
         "workers": [display_path(d, REPO) for d in args.worker],
         "drafter": display_path(args.draft, REPO),
         "weights": "equal",

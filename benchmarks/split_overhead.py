@@ -32,6 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.protocol.messages import Step, StepResult, decode_message, encode_message
+from splitspec.run_info import run_environment
 from splitspec.transport.client import Channel
 from splitspec.transport.server import FrameServer
 
@@ -176,6 +177,7 @@ def main() -> int:
     overhead = asyncio.run(framework_overhead(4096, args.trips))
     med = lambda key: statistics.median(s["median_step_ms"][key] for s in summaries)  # noqa: E731
     results = {
+        **run_environment(),
         "model": "random Llama, hidden 512, 8 layers, vocab 8192, float32, edge 2+2",
         "prompt_tokens": len(prompt),
         "new_tokens": args.new_tokens,

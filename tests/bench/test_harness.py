@@ -6,7 +6,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import splitspec
+from splitspec.bench.harness import RUNS_FILE
 from splitspec.cli import main as bench_main
+from splitspec.run_info import read_jsonl_gz
 
 EXPECTED_SPLIT_KEYS = {
     "mode",
@@ -58,9 +61,12 @@ def test_quick_bench_writes_report(tmp_path: Path, make_checkpoint: Callable[...
     assert fit["n_points"] == 2
     assert len(summary["split_by_set"]) == 6
 
-    runs = sorted((out / "runs").glob("*.json"))
+    runs = {r["run_id"]: r for r in read_jsonl_gz(out / RUNS_FILE)}
     assert len(runs) == 3 * 3 + 3 * 2  # baselines + split runs
-    run = json.loads((out / "runs" / "r0_sequential_rtt20_prose0.json").read_text())
+    assert not (out / "runs").exists()  # one file per benchmark, not one per run
+    assert {r["commit"] for r in runs.values()} == {summary["environment"]["commit"]}
+    assert {r["splitspec"] for r in runs.values()} == {splitspec.__version__}
+    run = runs["r0_sequential_rtt20_prose0"]
     assert run["new_tokens"] == 16
     assert len(run["token_ids"]) == 16
     assert [s["kind"] for s in run["steps"]] == ["prefill"] + ["decode"] * 15

@@ -182,7 +182,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--model", type=Path, help="checkpoint directory, instead of the scenario's model")
     p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 prompt per set, <= 16 tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--no-runs", action="store_true", help="skip the per-run JSON files")
+    p.add_argument("--no-runs", action="store_true", help="skip the per-run records file (runs.jsonl.gz)")
     p.add_argument("--device", help=DEVICE_HELP.replace("default auto", "default: the scenario's, else auto"))
     p.set_defaults(run=run_bench)
 

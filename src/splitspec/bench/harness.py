@@ -10,7 +10,8 @@ process, on loopback:
    repeats, descending on odd ones, so drift hits every RTT alike) puts a fresh
    :class:`WanEmulator` in front of the server, measures the link's real RTT with control round
    trips, connects a :class:`SplitClient` through it and runs every mode on every prompt;
-4. writes, under the output folder: ``runs/<run_id>.json`` (one per run, every step's stats),
+4. writes, under the output folder: ``runs.jsonl.gz`` (one JSON line per run, every step's
+   stats, stamped with the commit and splitspec version),
    ``summary.json``, ``summary.md`` (markdown tables), ``tok_s_vs_rtt.png`` (medians with the
    fitted ``1000·a / (RTT + f)`` curve and the local baselines) and ``step_breakdown.png``
    (stacked per-step medians: network, edge, cloud, serialization).
@@ -38,13 +39,10 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
-import platform
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
@@ -66,8 +64,12 @@ from splitspec.exceptions import ConfigError
 from splitspec.measure import median
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
+from splitspec.run_info import run_environment, write_jsonl_gz
 
-__all__ = ["LocalBaselines", "run_benchmark"]
+__all__ = ["RUNS_FILE", "LocalBaselines", "run_benchmark"]
+
+#: The per-run records of one benchmark, one JSON object per line, gzip-compressed.
+RUNS_FILE = "runs.jsonl.gz"
 
 log = logging.getLogger(__name__)
 
@@ -142,20 +144,6 @@ class LocalBaselines:
 def _rtt_order(rtts: Sequence[float], repeat: int) -> list[float]:
     ordered = sorted(rtts)
     return ordered if repeat % 2 == 0 else ordered[::-1]
-
-
-def _environment() -> dict[str, Any]:
-    import transformers
-
-    return {
-        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-    }
 
 
 async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecord], bar: tqdm[Any]) -> None:
@@ -254,7 +242,7 @@ def run_benchmark(
     threads_before = torch.get_num_threads()
     torch.set_num_threads(scenario.torch_threads)
     try:
-        environment = _environment()
+        environment = run_environment()
         records: list[RunRecord] = []
         t0 = time.perf_counter()
         log.info("benchmark %s: %d runs, writing to %s", scenario.name, total, out_dir)
@@ -270,10 +258,8 @@ def run_benchmark(
     summary = summarize(scenario, prompts, records, environment, tokenizer=tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
     if write_runs:
-        runs_dir = out_dir / "runs"
-        runs_dir.mkdir(exist_ok=True)
-        for rec in records:
-            (runs_dir / f"{rec.run_id}.json").write_text(json.dumps(asdict(rec), separators=(",", ":")) + "\n")
+        stamp = {"commit": environment["commit"], "splitspec": environment["splitspec"]}
+        write_jsonl_gz(out_dir / RUNS_FILE, (asdict(rec) for rec in records), **stamp)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "summary.md").write_text(write_markdown(summary))
     write_plots(summary, out_dir)

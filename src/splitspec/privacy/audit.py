@@ -43,6 +43,7 @@ from splitspec.privacy.outcomes import AuditData, SeriesKey, ranks_of
 from splitspec.privacy.report import write_report
 from splitspec.privacy.stats import cluster_bootstrap_diff, mcnemar_exact, wilson_interval
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
+from splitspec.run_info import run_environment
 
 log = logging.getLogger(__name__)
 
@@ -230,6 +231,7 @@ class _AuditRun:
             "edges": {str(k): v for k, v in self.edges.items()},
             "inverters": {f"{t}|h{k}|{kind}": inv.final_loss for (t, k, kind), inv in self.inverters.items()},
             "config": _jsonable(asdict(self.config)),
+            "environment": run_environment(),
         }
 
 

@@ -47,6 +47,7 @@ from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
 from splitspec.privacy.defences import DEFAULT_DEFENCE, Adversary, DefenceConfig
 from splitspec.privacy.record import DivergenceRecord
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
+from splitspec.run_info import run_environment
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +273,7 @@ def diverge(config: DivergeConfig) -> DivergeResult:
         "history": history,
         "seconds": time.monotonic() - t0,
         "config": {k: display_path(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "environment": run_environment(),
     }
     (config.out_dir / "edge.json").write_text(json.dumps(summary, indent=2) + "\n")
     # the divergence record the edge checks before it agrees to run these weights

@@ -1,0 +1,85 @@
+"""Where a measurement came from, and one compact file for a benchmark's runs.
+
+Every benchmark result records :func:`run_environment`: the git commit it ran at (with a flag if
+the working tree had uncommitted changes), the splitspec version and the versions of the
+libraries that set the figures, the machine, and the start time. Per-run records go into one
+gzip-compressed JSON-lines file per benchmark (:func:`write_jsonl_gz`) instead of one file per
+run, so a re-run rewrites one file, not hundreds, and each line carries the commit and version.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Iterable, Iterator, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from splitspec import __version__
+
+__all__ = ["git_commit", "read_jsonl_gz", "run_environment", "write_jsonl_gz"]
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str, cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit(cwd: Path | None = None) -> str:
+    """The commit checked out at ``cwd`` (default: this package's repository), ``+dirty`` if the
+    tracked files differ from it, or ``"unknown"`` outside a git checkout (an installed wheel)."""
+    where = cwd or _REPO
+    commit = _git("rev-parse", "HEAD", cwd=where)
+    if not commit:
+        return "unknown"
+    dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=where)
+    return f"{commit}+dirty" if dirty else commit
+
+
+def run_environment() -> dict[str, Any]:
+    """Provenance of a measurement: commit, versions, machine and start time (UTC)."""
+    import torch
+    import transformers
+
+    return {
+        "commit": git_commit(),
+        "splitspec": __version__,
+        "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def write_jsonl_gz(path: Path, records: Iterable[Mapping[str, Any]], **stamp: Any) -> int:
+    """Write ``records`` to ``path`` as gzip-compressed JSON lines, each updated with ``stamp``
+    (e.g. ``commit=..., splitspec=...``); returns the number of lines. The gzip header carries no
+    timestamp, so the same records give the same bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = 0
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz:
+        for record in records:
+            line = json.dumps({**record, **stamp}, separators=(",", ":"), sort_keys=True)
+            gz.write(line.encode() + b"\n")
+            n += 1
+    return n
+
+
+def read_jsonl_gz(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of a file written by :func:`write_jsonl_gz`, in order."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)

@@ -1,0 +1,42 @@
+"""Provenance of measurements and the compressed JSON-lines results file."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import splitspec
+from splitspec.run_info import git_commit, read_jsonl_gz, run_environment, write_jsonl_gz
+
+
+def test_jsonl_gz_round_trip_is_stamped_and_reproducible(tmp_path: Path) -> None:
+    records: list[dict[str, Any]] = [{"run_id": "a", "tok_s": 1.5}, {"run_id": "b", "steps": [{"kind": "decode"}]}]
+    first, second = tmp_path / "one" / "runs.jsonl.gz", tmp_path / "two.jsonl.gz"
+    assert write_jsonl_gz(first, records, commit="abc", splitspec="9.9") == 2
+    write_jsonl_gz(second, records, commit="abc", splitspec="9.9")
+    assert first.read_bytes()[:2] == b"\x1f\x8b"  # gzip
+    assert first.read_bytes() == second.read_bytes()  # no timestamp or name in the header
+    assert list(read_jsonl_gz(first)) == [{**r, "commit": "abc", "splitspec": "9.9"} for r in records]
+
+
+def test_git_commit_of_a_checkout_and_outside_one(tmp_path: Path) -> None:
+    assert git_commit(tmp_path) == "unknown"
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "f").write_text("1")
+    subprocess.run([*git, "add", "f"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert git_commit(repo) == head
+    (repo / "f").write_text("2")
+    assert git_commit(repo) == f"{head}+dirty"
+
+
+def test_run_environment_names_commit_and_versions() -> None:
+    env = run_environment()
+    assert env["splitspec"] == splitspec.__version__
+    assert env["commit"] == git_commit()
+    assert {"torch", "transformers", "python", "started_utc"} <= set(env)
