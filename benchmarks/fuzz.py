@@ -10,7 +10,10 @@ For each input it records:
 * a **crash**: an exception outside splitspec's documented tree (``SplitspecError``); for a
   handler, any exception escaping ``handle``, a ``server_error`` reply (a bug of ours), or a reply
   the peer's own decoder refuses;
-* a **hang**: one input taking more than 1 s;
+* a **hang**: one input taking more than 1 s; an input still running after 30 s is interrupted
+  (SIGALRM) and counted as a hang too, so a true infinite loop cannot stall the run. Before the
+  run, a self-check feeds a target that sleeps past the threshold and one that spins forever and
+  stops unless both are counted as hangs;
 * **memory**: on every ``--mem-every``-th input and on a set of large inputs, the peak of traced
   allocations (Python objects and numpy buffers, via tracemalloc) while decoding, per input byte.
 
@@ -30,6 +33,7 @@ import asyncio
 import json
 import logging
 import random
+import signal
 import struct
 import subprocess
 import time
@@ -63,6 +67,7 @@ from splitspec.protocol.messages import (
 )
 
 HANG_S = 1.0  # an input slower than this is a hang, seconds
+ABORT_S = 30.0  # an input still running after this long is interrupted (and counted as a hang), seconds
 ASSETS = Path(splitspec.__file__).parent / "assets" / "models"
 HOSTILE_JSON = [
     "18446744073709551616",
@@ -239,20 +244,47 @@ class TargetStats:
     max_peak_small_bytes: int = 0  # largest peak for inputs under 4 KiB, bytes
     largest_input_bytes: int = 0
     crash_examples: list[str] = field(default_factory=list)
+    hang_examples: list[str] = field(default_factory=list)
 
 
 SyncTarget = Callable[[bytes], object]
 
 
-def run_sync(stats: TargetStats, fn: SyncTarget, data: bytes, measure: bool) -> None:
+class InputHang(BaseException):
+    """Raised by the watchdog in an input that ran past ABORT_S (not an Exception: nothing catches it)."""
+
+
+def _abort_input(signum: int, frame: object) -> None:
+    raise InputHang
+
+
+class Watchdog:
+    """Interrupts the input in progress after ``abort_s`` (SIGALRM, main thread)."""
+
+    def __init__(self, abort_s: float = ABORT_S) -> None:
+        self.abort_s = abort_s
+        signal.signal(signal.SIGALRM, _abort_input)
+
+    def __enter__(self) -> Watchdog:
+        signal.setitimer(signal.ITIMER_REAL, self.abort_s)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def run_sync(stats: TargetStats, fn: SyncTarget, data: bytes, measure: bool, abort_s: float = ABORT_S) -> None:
     if measure:
         tracemalloc.start()
     t0 = time.perf_counter()
     try:
-        fn(data)
+        with Watchdog(abort_s):
+            fn(data)
         stats.accepted += 1
     except SplitspecError:
         stats.refused += 1
+    except InputHang:
+        pass  # counted as a hang by its time
     except Exception as exc:
         record_crash(stats, data, exc)
     elapsed = time.perf_counter() - t0
@@ -260,7 +292,7 @@ def run_sync(stats: TargetStats, fn: SyncTarget, data: bytes, measure: bool) -> 
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         record_memory(stats, data, peak)
-    record_time(stats, elapsed)
+    record_time(stats, data, elapsed)
 
 
 def record_crash(stats: TargetStats, data: bytes, exc: BaseException | str) -> None:
@@ -269,12 +301,28 @@ def record_crash(stats: TargetStats, data: bytes, exc: BaseException | str) -> N
         stats.crash_examples.append(f"{exc!r:.300} on {data[:80]!r}")
 
 
-def record_time(stats: TargetStats, elapsed: float) -> None:
+def record_time(stats: TargetStats, data: bytes, elapsed: float) -> None:
     stats.inputs += 1
     stats.wall_s += elapsed
     stats.slowest_s = max(stats.slowest_s, elapsed)
     if elapsed > HANG_S:
         stats.hangs += 1
+        if len(stats.hang_examples) < 5:
+            stats.hang_examples.append(f"{elapsed:.2f} s on {data[:80]!r}")
+
+
+def check_hang_detection() -> None:
+    """The hang detector must fire: a target sleeping past HANG_S and one spinning forever both count."""
+    stats = TargetStats("self-check")
+    run_sync(stats, lambda _: time.sleep(HANG_S * 1.2), b"sleep", measure=False)
+
+    def spin(_: bytes) -> None:
+        while True:
+            pass
+
+    run_sync(stats, spin, b"spin", measure=False, abort_s=HANG_S * 1.5)
+    if stats.hangs != 2 or stats.crashes or len(stats.hang_examples) != 2:
+        raise SystemExit(f"hang detection self-check failed: {stats}")
 
 
 def record_memory(stats: TargetStats, data: bytes, peak: int) -> None:
@@ -364,13 +412,19 @@ class Handlers:
             decode = decode_fed
         t0 = time.perf_counter()
         try:
-            reply, fatal = await asyncio.wait_for(peer.handle(data), 30)
+            with Watchdog():  # interrupts the handler even if it blocks the event loop
+                reply, fatal = await asyncio.wait_for(peer.handle(data), ABORT_S)
+        except (InputHang, TimeoutError):
+            record_time(stats, data, max(time.perf_counter() - t0, ABORT_S))
+            return
         except Exception as exc:
             record_crash(stats, data, exc)
-            record_time(stats, time.perf_counter() - t0)
+            record_time(stats, data, time.perf_counter() - t0)
             return
-        elapsed = time.perf_counter() - t0
-        record_time(stats, elapsed)
+        finally:
+            if not handshaken:
+                await peer.closed()  # a throwaway connection releases what its handshake took
+        record_time(stats, data, time.perf_counter() - t0)
         try:
             answer = decode(reply)
         except SplitspecError as exc:
@@ -383,11 +437,10 @@ class Handlers:
                 stats.refused += 1
         else:
             stats.accepted += 1
-        if fatal or (isinstance(answer, Error) and answer.fatal):
+        if handshaken and (fatal or (isinstance(answer, Error) and answer.fatal)):
             await peer.closed()
-            if handshaken:
-                self.trunk_peer = None if kind == "trunk" else self.trunk_peer
-                self.worker_peer = None if kind == "worker" else self.worker_peer
+            self.trunk_peer = None if kind == "trunk" else self.trunk_peer
+            self.worker_peer = None if kind == "worker" else self.worker_peer
 
 
 # -- driver ----------------------------------------------------------------------------------------
@@ -427,6 +480,8 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.CRITICAL)  # the handlers log every refusal; keep the run quiet
     torch.set_num_threads(1)
+    check_hang_detection()
+    commit = git_commit()  # at the start: the code under test was imported from this tree
     rng = random.Random(args.seed)
     vocab = 8192
     split = split_seeds()
@@ -483,24 +538,32 @@ def main() -> int:
             print(f"{done} inputs, {time.perf_counter() - t_start:.0f} s, crashes {crashes}", flush=True)
     wall = time.perf_counter() - t_start
     loop.close()
-    write_results(args, stats, done, wall)
+    write_results(args, stats, done, wall, commit)
     return 0 if all(s.crashes == 0 and s.hangs == 0 for s in stats.values()) else 1
 
 
-def write_results(args: argparse.Namespace, stats: dict[str, TargetStats], done: int, wall: float) -> None:
+def git_commit() -> str:
+    """HEAD's hash, with ``-dirty`` if tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src"], capture_output=True).returncode
+    return head + ("-dirty" if dirty else "")
+
+
+def write_results(args: argparse.Namespace, stats: dict[str, TargetStats], done: int, wall: float, commit: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     args.out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
         "commit": commit,
         "inputs_requested": args.inputs,
         "inputs_run": done,
         "wall_s": wall,
         "hang_threshold_s": HANG_S,
+        "hang_abort_s": ABORT_S,
+        "hang_self_check": "passed (a 1.2 s sleep and an endless loop were both counted as hangs)",
         "seed": args.seed,
         "targets": {name: s.__dict__ for name, s in stats.items()},
     }
@@ -520,9 +583,15 @@ def write_results(args: argparse.Namespace, stats: dict[str, TargetStats], done:
             f"{s.slowest_s * 1e3:.1f} | {mean_us:.0f} | {s.max_peak_per_byte:.2f} | "
             f"{s.max_peak_small_bytes / 1024:.1f} | {s.largest_input_bytes / 1024:.0f} |"
         )
+    lines.append(
+        f"\nHang detection self-check passed before the run: a target sleeping {HANG_S * 1.2:.1f} s and one "
+        f"looping forever (interrupted after {HANG_S * 1.5:.1f} s) were both counted as hangs."
+    )
     for s in stats.values():
         for example in s.crash_examples:
             lines.append(f"\n- crash in {s.name}: `{example}`")
+        for example in s.hang_examples:
+            lines.append(f"\n- hang in {s.name}: `{example}`")
     (args.out / "fuzz.md").write_text("\n".join(lines) + "\n")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     names = list(stats)

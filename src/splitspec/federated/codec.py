@@ -37,6 +37,8 @@ values.
 from __future__ import annotations
 
 import math
+from array import array
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +61,7 @@ STEP_BITS = 8  # width of the quantization step exponent
 MASS_SLACK = 1e-4  # |Σ p̃ − 1| may exceed the reported ε by this much (float32 laws), no more
 _CODEC_IDS = {"quantized": 0, "float16": 1, "float32": 2}
 _RAW_FLOATS = {1: (np.float16, np.uint16), 2: (np.float32, np.uint32)}  # codec id -> (float, same-width uint)
+_WIRE_FLOATS: dict[int, np.dtype[Any]] = {1: np.dtype(">f2"), 2: np.dtype(">f4")}  # codec id -> raw value on the wire
 
 
 def _bit_length(u: np.ndarray) -> np.ndarray:
@@ -123,7 +126,6 @@ class _BitReader:
 
     def __init__(self, data: bytes) -> None:
         self.data = bytes(data)
-        self._padded = self.data + bytes(16)  # lets a code read a fixed 16-byte window
         self.size = 8 * len(self.data)
         self.pos = 0
 
@@ -140,15 +142,19 @@ class _BitReader:
         self.pos += width
         return value
 
-    def raw(self, count: int, width: int, what: str) -> np.ndarray:
-        """``count`` fields of ``width`` bits (a multiple of 8), realigned in one shift."""
-        nbits = count * width
+    def raw(self, count: int, dtype: np.dtype[Any], what: str) -> np.ndarray:
+        """``count`` big-endian values of ``dtype`` (whole bytes wide), realigned to a byte boundary."""
+        nbits = 8 * count * dtype.itemsize
         if self.pos + nbits > self.size:
             raise BadTensor(f"top-K stream ends inside {what}")
-        aligned = self._bits(self.pos, nbits).to_bytes(nbits // 8, "big")
+        first, skip = self.pos >> 3, self.pos & 7
+        window = np.frombuffer(self.data, dtype=np.uint8, count=nbits // 8 + (skip > 0), offset=first)
         self.pos += nbits
-        out: np.ndarray = np.frombuffer(aligned, dtype=f">u{width // 8}").astype(np.int64)
-        return out
+        if not skip:
+            return window.view(dtype)
+        high = window[:-1] << np.uint8(skip)  # (bytes,) this byte's low bits, moved up
+        high |= window[1:] >> np.uint8(8 - skip)  # the next byte's high bits below them
+        return high.view(dtype)
 
     def exp_golomb(self, count: int, order: int, what: str) -> np.ndarray:
         # every code takes at least order + 1 bits: refuse a count the stream cannot hold before
@@ -158,12 +164,14 @@ class _BitReader:
         if order == 0 and self._bits(self.pos, count) == (1 << count) - 1:
             self.pos += count  # K one-bits at order 0 are K zeros: every id of a dense law, at once
             return np.zeros(count, dtype=np.int64)
-        values = []
-        data, pos, size, top = self._padded, self.pos, self.size, MAX_CODE_BITS - order - 1
+        values = array("q")  # 8 bytes a value, read back without a copy
+        data, pos, size, top = self.data, self.pos, self.size, MAX_CODE_BITS - order - 1
         for _ in range(count):  # code boundaries depend on the previous code: a short scalar walk
-            # the 16 bytes from pos's byte hold pos's offset and a whole code (<= 2·52 bits)
+            # the 16 bytes from pos's byte hold pos's offset and a whole code (<= 2·52 bits);
+            # near the end of the stream they are zero-padded on the right
             first, skip = pos >> 3, pos & 7
-            window = int.from_bytes(data[first : first + 16], "big") & ((1 << (128 - skip)) - 1)
+            chunk = data[first : first + 16]
+            window = (int.from_bytes(chunk, "big") << 8 * (16 - len(chunk))) & ((1 << (128 - skip)) - 1)
             zeros = 128 - skip - window.bit_length()
             if zeros > size - pos:  # the padding past the end is not the stream's
                 zeros = size - pos
@@ -175,7 +183,7 @@ class _BitReader:
             values.append((window >> (8 * first + 128 - end)) - (1 << order))
             pos = end
         self.pos = pos
-        return np.array(values, dtype=np.int64)
+        return np.frombuffer(values, dtype=np.int64)
 
     def finish(self) -> None:
         rest = self.size - self.pos
@@ -292,21 +300,22 @@ def decode_topk(data: bytes, positions: int, vocab_size: int, max_k: int | None 
                 else f"position {j}: K = {k} exceeds the {limit} the request allowed"
             )
         epsilon = reader.fixed(16, "an epsilon") / EPS_SCALE
-        gaps = reader.exp_golomb(k, reader.fixed(ORDER_BITS, "an order"), "the ids")
-        ids = np.cumsum(gaps + 1) - 1
+        ids = reader.exp_golomb(k, reader.fixed(ORDER_BITS, "an order"), "the ids")  # gaps, turned into ids in place
+        ids += 1
+        np.cumsum(ids, out=ids)
+        ids -= 1
         if int(ids[-1]) >= vocab_size:
             raise BadTensor(f"position {j}: a top-K id is outside the vocabulary of {vocab_size}")
         upper = 1.0  # largest value allowed: rounding to the step may overshoot 1 by s/2
         if codec == 0:
             step = 2.0 ** (-reader.fixed(STEP_BITS, "a step") / 4.0)
             upper += step / 2
-            q = reader.exp_golomb(k, reader.fixed(ORDER_BITS, "an order"), "the values") + 1
-            values = q.astype(np.float64) * step
+            values = reader.exp_golomb(k, reader.fixed(ORDER_BITS, "an order"), "the values").astype(np.float64)
+            values += 1.0
+            values *= step
         else:
-            float_type, uint_type = _RAW_FLOATS[codec]
-            raw = reader.raw(k, 8 * np.dtype(float_type).itemsize, "the values")
             with np.errstate(invalid="ignore"):  # NaN bit patterns are refused just below
-                values = raw.astype(uint_type).view(float_type).astype(np.float64)
+                values = reader.raw(k, _WIRE_FLOATS[codec], "the values").astype(np.float64)
         if not np.isfinite(values).all() or (values < 0).any() or (values > upper).any():
             raise BadTensor(f"position {j}: top-K probabilities must be finite and in [0, 1]")
         # ‖p − p̃‖₁ <= ε and Σp = 1 imply |Σp̃ − 1| <= ε: a reply breaking it misreports ε
@@ -316,13 +325,13 @@ def decode_topk(data: bytes, positions: int, vocab_size: int, max_k: int | None 
             )
         counts.append(k)
         epsilons.append(epsilon)
-        id_parts.append(ids)
-        value_parts.append(values)
+        id_parts.append(ids.astype(np.int32))  # ids < |V| <= 2**28; widened once, at the end
+        value_parts.append(values.astype(np.float32))  # what TopK keeps
     reader.finish()
     return TopK(
         vocab_size=vocab_size,
         counts=torch.tensor(counts, dtype=torch.long),
-        ids=torch.from_numpy(np.concatenate(id_parts) if id_parts else np.zeros(0, np.int64)),
+        ids=torch.from_numpy(np.concatenate(id_parts, dtype=np.int64) if id_parts else np.zeros(0, np.int64)),
         probs=torch.from_numpy(np.concatenate(value_parts) if value_parts else np.zeros(0)).float(),
         epsilon=torch.tensor(epsilons, dtype=torch.float32),
     )

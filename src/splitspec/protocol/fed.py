@@ -272,7 +272,7 @@ class FedScores:
         end = SCORES_HEADER_SIZE + nbytes
         full = None
         if full_bytes:
-            full = torch.frombuffer(bytearray(data[end:]), dtype=torch.float32).reshape(positions, vocab)
+            full = torch.frombuffer(bytearray(memoryview(data)[end:]), dtype=torch.float32).reshape(positions, vocab)
         return cls(
             seq=seq,
             positions=positions,

@@ -6,13 +6,19 @@ Layout (all integers big-endian)::
     0       4     magic b"SPLT"
     4       2     protocol version (uint16)
     6       4     header length H (uint32)
-    10      H     header: UTF-8 JSON object; its "tensors" list describes the payloads
+    10      H     header: ASCII JSON object (other characters as JSON escapes, as ``json.dumps``
+                  writes them); its "tensors" list describes the payloads
     10+H    ...   tensor payloads, concatenated in header order, little-endian, C-contiguous
 
 Each tensor descriptor is ``{"name": str, "dtype": str, "shape": [int, ...], "nbytes": int}``.
 The decoder checks, before it touches any payload byte: magic, version, header size, JSON shape,
 dtype against :data:`DTYPES`, ``prod(shape) * itemsize == nbytes``, and that the payloads fill
 the frame exactly (no missing and no trailing bytes).
+
+Memory: a parsed JSON value costs a Python object (a 3-byte ``{},`` becomes a 64-byte dict), so
+before parsing, a header may hold at most :data:`MAX_HEADER_VALUES` commas and opening brackets
+(counted anywhere, strings included; a real header has fewer than 30). That bounds its objects,
+and its nesting, whatever the bytes; an ASCII header also decodes to a string of its own size.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ PROTOCOL_VERSION = 1
 _PREFIX = struct.Struct(">4sHI")  # magic, version, header length
 PREFIX_SIZE = _PREFIX.size  # 10 bytes
 MAX_HEADER_BYTES = 64 * 1024  # a header is metadata only; tensors carry the bulk
+MAX_HEADER_VALUES = 128  # commas and opening brackets a header may hold, i.e. a bound on its JSON values
 MAX_TENSOR_DIMS = 4
 
 # Wire dtype name -> torch dtype. Nothing outside this whitelist is ever decoded.
@@ -126,12 +133,17 @@ def _parse_header(data: bytes) -> tuple[dict[str, Any], int]:
         raise UnsupportedVersion(f"protocol version {version}, this peer speaks {PROTOCOL_VERSION}")
     if header_len > MAX_HEADER_BYTES or PREFIX_SIZE + header_len > len(data):
         raise MalformedFrame(f"header length {header_len} does not fit the frame")
+    try:  # decoded straight from the frame: no copy of the header's bytes
+        text = str(memoryview(data)[PREFIX_SIZE : PREFIX_SIZE + header_len], "ascii")
+    except UnicodeDecodeError:
+        raise MalformedFrame("header is not ASCII (other characters travel as \\u escapes)") from None
+    values = text.count(",") + text.count("[") + text.count("{")
+    if values > MAX_HEADER_VALUES:
+        raise MalformedFrame(f"header holds {values} commas and brackets, more than the {MAX_HEADER_VALUES} allowed")
     try:
-        header = json.loads(bytes(data[PREFIX_SIZE : PREFIX_SIZE + header_len]), parse_constant=_refuse_constant)
-    except RecursionError:
-        raise MalformedFrame("header JSON is nested too deeply") from None
-    except ValueError as exc:  # not UTF-8, not JSON, or an integer of more than 4,300 digits
-        raise MalformedFrame(f"header is not UTF-8 JSON: {str(exc)[:200]}") from None
+        header = json.loads(text, parse_constant=_refuse_constant)
+    except ValueError as exc:  # not JSON, or an integer of more than 4,300 digits
+        raise MalformedFrame(f"header is not JSON: {str(exc)[:200]}") from None
     if not isinstance(header, dict):
         raise MalformedFrame("header is not a JSON object")
     return header, PREFIX_SIZE + header_len
