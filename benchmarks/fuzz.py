@@ -35,7 +35,6 @@ import logging
 import random
 import signal
 import struct
-import subprocess
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
@@ -65,6 +64,7 @@ from splitspec.protocol.messages import (
     decode_message,
     encode_message,
 )
+from splitspec.run_info import run_environment
 
 HANG_S = 1.0  # an input slower than this is a hang, seconds
 ABORT_S = 30.0  # an input still running after this long is interrupted (and counted as a hang), seconds
@@ -481,7 +481,7 @@ def main() -> int:
     logging.basicConfig(level=logging.CRITICAL)  # the handlers log every refusal; keep the run quiet
     torch.set_num_threads(1)
     check_hang_detection()
-    commit = git_commit()  # at the start: the code under test was imported from this tree
+    environment = run_environment()  # at the start: the code under test was imported from this tree
     rng = random.Random(args.seed)
     vocab = 8192
     split = split_seeds()
@@ -538,26 +538,23 @@ def main() -> int:
             print(f"{done} inputs, {time.perf_counter() - t_start:.0f} s, crashes {crashes}", flush=True)
     wall = time.perf_counter() - t_start
     loop.close()
-    write_results(args, stats, done, wall, commit)
+    write_results(args, stats, done, wall, environment)
     return 0 if all(s.crashes == 0 and s.hangs == 0 for s in stats.values()) else 1
 
 
-def git_commit() -> str:
-    """HEAD's hash, with ``-dirty`` if tracked files differ from it."""
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "src"], capture_output=True).returncode
-    return head + ("-dirty" if dirty else "")
-
-
-def write_results(args: argparse.Namespace, stats: dict[str, TargetStats], done: int, wall: float, commit: str) -> None:
+def write_results(
+    args: argparse.Namespace, stats: dict[str, TargetStats], done: int, wall: float, environment: dict[str, Any]
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     args.out.mkdir(parents=True, exist_ok=True)
+    commit = environment["commit"]
     result = {
         "commit": commit,
+        "environment": environment,
         "inputs_requested": args.inputs,
         "inputs_run": done,
         "wall_s": wall,
