@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,17 +43,25 @@ def residual_stream(model: FullModel, tokens: torch.Tensor) -> list[torch.Tensor
     return [h0, *run_layers(model.layers, h0)]
 
 
+class SplitStates(NamedTuple):
+    """Hidden states (B, q, H) of windows through a split deployment."""
+
+    head: torch.Tensor  # h_head, the edge's head output before the send noise
+    sent: torch.Tensor  # h_head plus the send noise: what the cloud receives
+    returned: torch.Tensor  # the trunk's output on ``sent``: what the cloud returns
+    final: torch.Tensor  # the tail's output (before the final norm)
+
+
 def split_forward(
     model: FullModel,
     plan: SplitPlan,
     inputs: torch.Tensor,
     noise_scale: float = 0.0,
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sent, returned, final) hidden states of windows ``inputs`` (B, q) through a split deployment.
+) -> SplitStates:
+    """The hidden states of windows ``inputs`` (B, q) through a split deployment with send noise.
 
-    ``sent`` is h_head plus the send noise (what the cloud receives), ``returned`` the trunk's output
-    on it, ``final`` the tail's output. Gradients flow when enabled by the caller.
+    Gradients flow when enabled by the caller.
     """
     h = model.embed(inputs)
     h_head = run_layers(model.layers, h, plan.head_layers)[-1]  # (B, q, H)
@@ -62,7 +71,7 @@ def split_forward(
     sent = add_send_noise(h_head, noise_scale, noise)
     returned = run_layers(model.layers, sent, plan.trunk_layers)[-1]
     final = run_layers(model.layers, returned, plan.tail_layers)[-1]
-    return sent, returned, final
+    return SplitStates(h_head, sent, returned, final)
 
 
 @torch.no_grad()
@@ -77,9 +86,9 @@ def cloud_view(
     sent: list[np.ndarray] = []
     returned: list[np.ndarray] = []
     for s in range(0, tokens.shape[0], batch):
-        a, b, _ = split_forward(model, plan, torch.from_numpy(tokens[s : s + batch]).long(), noise_scale, gen)
-        sent.append(a.float().numpy())
-        returned.append(b.float().numpy())
+        states = split_forward(model, plan, torch.from_numpy(tokens[s : s + batch]).long(), noise_scale, gen)
+        sent.append(states.sent.float().numpy())
+        returned.append(states.returned.float().numpy())
     return {"input": np.concatenate(sent), "output": np.concatenate(returned)}
 
 

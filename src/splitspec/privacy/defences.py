@@ -11,6 +11,12 @@
   the edge. The edge pays λ · relu(CE_prior - CE_probe) per side: it is pushed until the probe
   does no better than the token-frequency prior (CE_prior), and gets no reward for making the
   probe confidently *wrong* (that would still leak).
+* **Scale cap** (``max_scale`` = c, on for every divergence): left alone, the adversary (and, more
+  slowly, the distance hinge of the plain divergence) games its probes by inflating the states'
+  scale, which starves the trunk's own contribution to the residual stream and ruins perplexity
+  (x80 RMS in 30 steps on a tiny model). The edge pays ``SCALE_CAP_WEIGHT`` per unit of
+  relu(|log(rms(h) / rms(h_stock))| - log c), per token and side, where h_stock is the published
+  model's state on the same tokens (before the send noise on the input side).
 
 Both knobs act in :func:`splitspec.privacy.diverge.diverge`; σ is also written to the divergence
 record so the serving edge adds the same noise (:func:`noise_for_tokens`). The per-token noise is
@@ -29,6 +35,9 @@ import numpy as np
 import torch
 from torch import nn
 
+DEFAULT_MAX_SCALE = 1.5  # the scale cap every divergence trains under unless told otherwise
+SCALE_CAP_WEIGHT = 100.0  # nats per unit of log-scale beyond the cap: a wall the adversary cannot buy its way through
+
 
 @dataclass(frozen=True)
 class DefenceConfig:
@@ -40,23 +49,28 @@ class DefenceConfig:
     adversary_lr: float = 2e-3  # probe Adam learning rate
     adversary_width: int = 256  # probe hidden width
     adversary_classes: int = 512  # probe outputs: the most frequent training tokens, plus one "other" class
+    max_scale: float = DEFAULT_MAX_SCALE  # c: cap on each state's RMS relative to the published model's (inf = off)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.noise_scale) and self.noise_scale >= 0):
             raise ValueError(f"noise_scale must be a finite number >= 0, got {self.noise_scale}")
         if not (math.isfinite(self.adversary_weight) and self.adversary_weight >= 0):
             raise ValueError(f"adversary_weight must be a finite number >= 0, got {self.adversary_weight}")
+        if not self.max_scale > 1:  # also refuses NaN
+            raise ValueError(f"max_scale must be > 1 (inf = no cap), got {self.max_scale}")
         if self.adversary_steps < 1 or self.adversary_width < 1 or self.adversary_lr <= 0 or self.adversary_classes < 2:
             raise ValueError("adversary_steps, adversary_width, adversary_lr must be positive, adversary_classes >= 2")
 
     @property
     def label(self) -> str:
-        """Short name of the setting, e.g. ``noise=0.5`` or ``adv=1+noise=0.25`` or ``none``."""
+        """Short name of the setting, e.g. ``noise=0.5``, ``adv=1+noise=0.25``, ``adv=1+cap=inf`` or ``none``."""
         parts = []
         if self.adversary_weight > 0:
             parts.append(f"adv={self.adversary_weight:g}")
         if self.noise_scale > 0:
             parts.append(f"noise={self.noise_scale:g}")
+        if self.max_scale != DEFAULT_MAX_SCALE:
+            parts.append(f"cap={self.max_scale:g}")
         return "+".join(parts) or "none"
 
 
@@ -66,27 +80,37 @@ DEFAULT_DEFENCE = DefenceConfig()
 
 
 def parse_defence(text: str) -> DefenceConfig:
-    """``"none"``, ``"noise=0.5"``, ``"adv=1"`` or ``"adv=1+noise=0.25"`` -> a :class:`DefenceConfig`."""
+    """``"none"``, ``"noise=0.5"``, ``"adv=1"``, ``"adv=1+noise=0.25"``, ``"adv=1+cap=inf"`` -> DefenceConfig."""
     if text.strip() == "none":
         return DefenceConfig()
-    knobs = {"noise": "noise_scale", "adv": "adversary_weight"}
+    knobs = {"noise": "noise_scale", "adv": "adversary_weight", "cap": "max_scale"}
     values: dict[str, float] = {}
     for part in text.split("+"):
         name, sep, value = part.strip().partition("=")
         if not sep or name not in knobs or knobs[name] in values:
-            raise ValueError(f"defence must look like none, noise=S, adv=W or adv=W+noise=S; got {text!r}")
+            raise ValueError(f"defence must look like none, noise=S, adv=W, adv=W+noise=S (+cap=C); got {text!r}")
         try:
             values[knobs[name]] = float(value)
         except ValueError:
             raise ValueError(f"defence knob {name} needs a number, got {value!r}") from None
     return DefenceConfig(
-        noise_scale=values.get("noise_scale", 0.0), adversary_weight=values.get("adversary_weight", 0.0)
+        noise_scale=values.get("noise_scale", 0.0),
+        adversary_weight=values.get("adversary_weight", 0.0),
+        max_scale=values.get("max_scale", DEFAULT_MAX_SCALE),
     )
 
 
 def token_rms(hidden: torch.Tensor) -> torch.Tensor:
     """Per-token root-mean-square activation (..., H) -> (..., 1)."""
     return hidden.float().pow(2).mean(-1, keepdim=True).sqrt().to(hidden.dtype)
+
+
+def scale_excess(hidden: torch.Tensor, reference: torch.Tensor, max_scale: float) -> torch.Tensor:
+    """Mean over tokens of relu(|log(rms(h) / rms(h_ref))| - log c) for states (..., H): 0 within the cap."""
+    if math.isinf(max_scale):
+        return torch.zeros(())
+    log_ratio = torch.log(token_rms(hidden).clamp_min(1e-6)) - torch.log(token_rms(reference).clamp_min(1e-6))
+    return torch.relu(log_ratio.abs() - math.log(max_scale)).mean()
 
 
 def add_send_noise(hidden: torch.Tensor, scale: float, noise: torch.Tensor | None = None) -> torch.Tensor:

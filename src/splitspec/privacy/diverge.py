@@ -7,14 +7,16 @@ published trunk on local text with
     loss = CE(next token)                                       # keep LM quality
          + weight * relu(margin - rel(h_head', h_head))          # move what the cloud receives ...
          + weight * relu(margin - rel(h_trunk', h_trunk))        # ... and what it returns
+         + 100 * scale_excess(h_head', h_head) + 100 * scale_excess(h_trunk', h_trunk)  # ... not by scale
 
 where rel(a, b) = mean_tokens ||a - b|| / ||b|| measures the distance from the stock activations
 on the same tokens. The defences of :mod:`splitspec.privacy.defences` hook in here: send noise is
 added to h_head before the trunk (so the tail learns to tolerate it), and an adversary in the loop
-adds its hinge to the loss. The adapters start from a random (non-zero) perturbation. The merged weights
-are written as a full checkpoint directory (a copy of the published one with the edge layers
-replaced, same config), so every loader works on it, plus ``edge.json`` with the edge fingerprint
-and held-out perplexity before and after.
+adds its hinge to the loss; the scale cap (``scale_excess``, beyond ``max_scale`` x the stock RMS)
+keeps both from inflating the states instead of changing them. The adapters start from a random
+(non-zero) perturbation. The merged weights are written as a full checkpoint directory (a copy of
+the published one with the edge layers replaced, same config), so every loader works on it, plus
+``edge.json`` with the edge fingerprint and held-out perplexity before and after.
 
 The paper this project audits only hypothesised that such a perturbation would not resist an
 adaptive attacker; :mod:`splitspec.privacy.audit` measures it.
@@ -44,7 +46,14 @@ from splitspec.models.stack import FullModel, load_full
 from splitspec.paths import display_path
 from splitspec.privacy.activations import residual_stream, split_forward
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
-from splitspec.privacy.defences import DEFAULT_DEFENCE, Adversary, DefenceConfig
+from splitspec.privacy.defences import (
+    DEFAULT_DEFENCE,
+    SCALE_CAP_WEIGHT,
+    Adversary,
+    DefenceConfig,
+    scale_excess,
+    token_rms,
+)
 from splitspec.privacy.record import DivergenceRecord
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 from splitspec.run_info import run_environment
@@ -128,6 +137,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return rel
 
 
+def _scale(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean per-token RMS ratio of states ``a`` to stock states ``b`` (B, q, H), for the training history."""
+    return float((token_rms(a.detach()) / token_rms(b).clamp_min(1e-6)).mean())
+
+
 @torch.no_grad()
 def perplexity(
     model: FullModel,
@@ -148,7 +162,7 @@ def perplexity(
     for s in range(0, windows.tokens.shape[0], batch):
         tokens = torch.from_numpy(windows.tokens[s : s + batch])
         if noise_scale > 0 and plan is not None:
-            h = split_forward(model, plan, tokens[:, :-1], noise_scale, gen)[2]
+            h = split_forward(model, plan, tokens[:, :-1], noise_scale, gen).final
         else:
             h = residual_stream(model, tokens[:, :-1])[-1]
         logits = model.logits(h)
@@ -229,11 +243,17 @@ def diverge(config: DivergeConfig) -> DivergeResult:
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         with torch.no_grad():
             ref = residual_stream(stock, inputs)
-        h_sent, h_trunk, h_out = split_forward(model, plan, inputs, defence.noise_scale)
-        logits = model.logits(h_out)
+        states = split_forward(model, plan, inputs, defence.noise_scale)
+        h_sent, h_trunk = states.sent, states.returned
+        logits = model.logits(states.final)
         ce = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         d_in, d_out = _rel(h_sent, ref[head_out]), _rel(h_trunk, ref[trunk_out])
         loss = ce + config.divergence_weight * (torch.relu(config.margin - d_in) + torch.relu(config.margin - d_out))
+        # the scale cap: the head's own output (before the noise) and the trunk's reply, against stock
+        loss = loss + SCALE_CAP_WEIGHT * (
+            scale_excess(states.head, ref[head_out], defence.max_scale)
+            + scale_excess(h_trunk, ref[trunk_out], defence.max_scale)
+        )
         probe_ce: dict[str, float] = {}
         if adversary is not None:
             views = {"input": h_sent[:, 1:], "output": h_trunk[:, 1:]}  # BOS is no secret
@@ -246,6 +266,7 @@ def diverge(config: DivergeConfig) -> DivergeResult:
         if step % 10 == 0 or step == config.steps - 1:
             history.append(
                 {"step": step, "ce": ce.item(), "rel_in": d_in.item(), "rel_out": d_out.item()}
+                | {"scale_in": _scale(states.head, ref[head_out]), "scale_out": _scale(h_trunk, ref[trunk_out])}
                 | {f"probe_ce_{side}": v for side, v in probe_ce.items()}
             )
             log.info("diverge step %d: %s", step, {k: round(v, 3) for k, v in history[-1].items() if k != "step"})
