@@ -173,11 +173,12 @@ def test_diverge_cli_writes_loadable_private_edge(make_checkpoint: Callable[...,
     rc = splitspec_main(
         [
             *("diverge", "--model", str(directory), "--out", str(out), "--edge-layers", "1,1", "--steps", "3"),
-            *("--corpus", str(corpus), "--rank", "4"),
+            *("--corpus", str(corpus), "--rank", "4", "--max-scale", "2"),
         ]
     )
     assert rc == 0
     info = json.loads((out / "edge.json").read_text())
+    assert info["defence"]["max_scale"] == 2.0
     plan = SplitPlan(6, 1, 1)
     assert info["fingerprint_sha256"] == edge_fingerprint(out / "checkpoint", plan)
     assert info["fingerprint_sha256"] != info["published_fingerprint_sha256"]
@@ -201,5 +202,8 @@ def test_cli_rejects_bad_input(make_checkpoint: Callable[..., Path], tmp_path: P
     directory = make_checkpoint("llama", layers=6)
     rc = splitspec_main(["audit", "--model", str(directory), "--depths", "5", "--out", str(tmp_path / "a")])
     assert rc == 2  # depth 5 leaves nothing for the other side in a 6-layer model
+    for knob, value in (("--max-scale", "1"), ("--noise-scale", "-1"), ("--adversary-weight", "nan")):
+        args = ["diverge", "--model", str(directory), "--out", str(tmp_path / "d"), knob, value]
+        assert splitspec_main(args) == 2  # a one-line error, before any training
     with pytest.raises(ConfigError, match="unknown attackers"):
         AuditConfig(model_dir=directory, out_dir=tmp_path, depths=(1,), attackers=("oracle",))

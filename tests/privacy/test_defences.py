@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,6 +73,10 @@ def test_parse_defence() -> None:
     assert parse_defence("none") == DefenceConfig()
     assert parse_defence("adv=2+noise=0.5") == DefenceConfig(noise_scale=0.5, adversary_weight=2.0)
     assert parse_defence("noise=1").label == "noise=1"
+    assert parse_defence("adv=1+cap=inf") == DefenceConfig(adversary_weight=1.0, max_scale=math.inf)
+    assert parse_defence("adv=1+cap=inf").label == "adv=1+cap=inf"
+    with pytest.raises(ValueError, match="max_scale"):
+        parse_defence("cap=0.5")
     for bad in ("noise", "noise=x", "adv=1+adv=2", "rot=1"):
         with pytest.raises(ValueError, match="defence"):
             parse_defence(bad)
@@ -98,7 +103,7 @@ def test_adversary_charges_the_edge_not_the_probes() -> None:
 
 @pytest.fixture(scope="module")
 def edges(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """Three edges of one tiny model, same seed and steps: plain divergence, adversarial, noisy."""
+    """Four edges of one tiny model, same seed and steps: plain divergence, adversarial (capped, uncapped), noisy."""
     root = tmp_path_factory.mktemp("defences")
     model = make_checkpoint("llama", layers=4)
     corpus = write_corpus(root / "corpus", docs_per_domain=4, words=200)
@@ -107,6 +112,7 @@ def edges(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPat
     settings = {
         "none": DefenceConfig(),
         "adv": DefenceConfig(adversary_weight=5.0, adversary_classes=32),
+        "adv-uncapped": DefenceConfig(adversary_weight=5.0, adversary_classes=32, max_scale=math.inf),
         "noise": DefenceConfig(noise_scale=2.0),
     }
     out: dict[str, object] = {
@@ -119,11 +125,9 @@ def edges(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPat
     return out
 
 
-def fresh_probe_accuracy(result: DivergeResult, windows: CorpusWindows, side: str, noise: float) -> float:
-    """A new probe trained on the edge's (noisy) cloud view of train windows, scored on test windows."""
-    full = load_full(Checkpoint(result.checkpoint_dir), torch.float32)
-    train = torch.from_numpy(cloud_view(full, PLAN, windows.train.tokens, noise, seed=1)[side][:, 1:])
-    test = torch.from_numpy(cloud_view(full, PLAN, windows.test.tokens, noise, seed=2)[side][:, 1:])
+def probe_accuracy(train_view: np.ndarray, windows: CorpusWindows, test_view: np.ndarray) -> float:
+    """A new probe trained on ``train_view`` (n, q, H) of the train windows, top-1 on ``test_view`` of the test ones."""
+    train, test = torch.from_numpy(train_view[:, 1:]), torch.from_numpy(test_view[:, 1:])
     torch.manual_seed(0)
     probe = TokenProbe(HIDDEN, 64, 96)
     opt = torch.optim.Adam(probe.parameters(), lr=1e-2)
@@ -137,18 +141,75 @@ def fresh_probe_accuracy(result: DivergeResult, windows: CorpusWindows, side: st
     return float((pred == torch.from_numpy(windows.test.tokens[:, 1:]).reshape(-1)).float().mean())
 
 
+def edge_view(result: DivergeResult, tokens: np.ndarray, side: str, noise: float, seed: int) -> np.ndarray:
+    """What the cloud sees on ``side`` from the diverged edge (with its send noise)."""
+    return cloud_view(load_full(Checkpoint(result.checkpoint_dir), torch.float32), PLAN, tokens, noise, seed)[side]
+
+
+def stock_view(published: Path, tokens: np.ndarray, side: str) -> np.ndarray:
+    """The published model's state on ``side`` (what a non-adaptive attacker trains on)."""
+    k = {"input": PLAN.head, "output": PLAN.num_layers - PLAN.tail}[side]
+    return collect_layers(load_full(Checkpoint(published), torch.float32), tokens, [k])[k]
+
+
 @pytest.mark.parametrize("side", ["input", "output"])
-def test_defences_hide_tokens_from_a_fresh_probe(edges: dict[str, object], side: str) -> None:
-    """Against the plain divergence (a fresh probe reads every token), each defence costs the probe."""
+def test_noise_hides_tokens_from_a_fresh_probe(edges: dict[str, object], side: str) -> None:
+    """Against the plain divergence (a probe retrained on the deployment reads every token), noise costs it."""
     windows = edges["windows"]
     assert isinstance(windows, CorpusWindows)
-    acc = {
-        name: fresh_probe_accuracy(edges[name], windows, side, noise)  # type: ignore[arg-type]
-        for name, noise in (("none", 0.0), ("adv", 0.0), ("noise", 2.0))
-    }
+    acc = {}
+    for name, noise in (("none", 0.0), ("noise", 2.0)):
+        result = edges[name]
+        assert isinstance(result, DivergeResult)
+        train = edge_view(result, windows.train.tokens, side, noise, seed=1)
+        acc[name] = probe_accuracy(train, windows, edge_view(result, windows.test.tokens, side, noise, seed=2))
     assert acc["none"] > 0.9
-    assert acc["adv"] < 0.5 * acc["none"], acc
     assert acc["noise"] < 0.75 * acc["none"], acc
+
+
+@pytest.mark.parametrize("side", ["input", "output"])
+def test_adversary_hides_tokens_from_a_stock_trained_probe(
+    edges: dict[str, object], make_checkpoint: Callable[..., Path], side: str
+) -> None:
+    """A probe trained on the published model's states (T1) reads the plain divergence, not the adversarial one.
+
+    (Under the scale cap a probe *retrained* on the deployment's own states still reads it on this tiny model.)
+    """
+    windows = edges["windows"]
+    assert isinstance(windows, CorpusWindows)
+    train = stock_view(make_checkpoint("llama", layers=4), windows.train.tokens, side)
+    acc = {}
+    for name in ("none", "adv"):
+        result = edges[name]
+        assert isinstance(result, DivergeResult)
+        acc[name] = probe_accuracy(train, windows, edge_view(result, windows.test.tokens, side, 0.0, seed=2))
+    assert acc["none"] > 0.9
+    assert acc["adv"] < 0.8 * acc["none"], acc
+
+
+def scale_ratio(result: DivergeResult, windows: CorpusWindows, published: Path) -> dict[str, float]:
+    """Mean per-token RMS of the edge's cloud view over the published model's, per side (no noise)."""
+    out = {}
+    for side in ("input", "output"):
+        view = edge_view(result, windows.test.tokens, side, 0.0, seed=0)[:, 1:]
+        ref = stock_view(published, windows.test.tokens, side)[:, 1:]
+        out[side] = float((np.sqrt((view**2).mean(-1)) / np.sqrt((ref**2).mean(-1))).mean())
+    return out
+
+
+def test_scale_cap_stops_the_adversary_inflating_the_states(
+    edges: dict[str, object], make_checkpoint: Callable[..., Path]
+) -> None:
+    """Uncapped, the adversary games its probes by blowing up the states' RMS; the cap holds it near c."""
+    windows = edges["windows"]
+    assert isinstance(windows, CorpusWindows)
+    published = make_checkpoint("llama", layers=4)
+    capped = scale_ratio(edges["adv"], windows, published)  # type: ignore[arg-type]
+    uncapped = scale_ratio(edges["adv-uncapped"], windows, published)  # type: ignore[arg-type]
+    cap = DefenceConfig().max_scale
+    for side in ("input", "output"):
+        assert uncapped[side] > 3 * cap, uncapped
+        assert 1 / (1.2 * cap) < capped[side] < 1.2 * cap, capped
 
 
 def test_noise_reaches_the_record_and_the_cloud_view(edges: dict[str, object]) -> None:

@@ -4,7 +4,7 @@
         [--max-test-tokens N] [--seed S] [--attackers freq,mlp,...] [--epochs E] [--seq-epochs E]
         [--diverge-steps N] [--edge D=DIR ...]
     splitspec diverge --model DIR --out DIR --edge-layers 2,2 [--rank R] [--steps N] [--seed S]
-        [--noise-scale S] [--adversary-weight W]
+        [--noise-scale S] [--adversary-weight W] [--max-scale C]
 
 The main CLI wires these in with :func:`register`; each subparser sets ``run`` to a function
 ``(args) -> int``. ``python -m splitspec.privacy.cli audit ...`` runs it stand-alone.
@@ -92,6 +92,12 @@ def _run_diverge(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     head, tail = parse_edge_layers(args.edge_layers)
+    try:
+        defence = DefenceConfig(
+            noise_scale=args.noise_scale, adversary_weight=args.adversary_weight, max_scale=args.max_scale
+        )
+    except ValueError as exc:  # the knobs' own range checks, as a one-line CLI error
+        raise ConfigError(f"diverge: {exc}") from None
     result = diverge(
         DivergeConfig(
             model_dir=args.model,
@@ -102,7 +108,7 @@ def _run_diverge(args: argparse.Namespace) -> int:
             steps=_positive("--steps", args.steps),
             corpus_dir=args.corpus or DEFAULT_CORPUS,
             seed=args.seed,
-            defence=DefenceConfig(noise_scale=args.noise_scale, adversary_weight=args.adversary_weight),
+            defence=defence,
         )
     )
     print(
@@ -178,6 +184,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=DEFAULT_DEFENCE.adversary_weight,
         help="adversarial divergence: weight of the in-the-loop token probes' hinge "
         f"(default {DEFAULT_DEFENCE.adversary_weight:g}; 0 = off)",
+    )
+    div.add_argument(
+        "--max-scale",
+        type=float,
+        default=DEFAULT_DEFENCE.max_scale,
+        help="scale cap: the edge is charged for sending or receiving states whose RMS strays beyond this factor of "
+        f"the published model's on the same tokens (default {DEFAULT_DEFENCE.max_scale:g}; inf = off)",
     )
     div.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     div.set_defaults(run=_run_diverge)
