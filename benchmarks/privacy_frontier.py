@@ -4,10 +4,11 @@
         [--settings none,adv=1,noise=0.5,...] [--steps N] [--max-tokens N] [--seq-epochs E]
         [--out benchmarks/results/privacy_frontier] [--report-only]
 
-Every measured point is appended to ``points-<model>-s<seed>.jsonl`` as soon as it exists (an interrupted run keeps
-what it finished; a rerun skips points already there). ``--report-only`` (and the end of a run)
-renders ``report.md`` (threat model, frontier tables, targets check, recommended setting) and one
-plot per side, ``frontier_input.png`` and ``frontier_output.png``. See
+Every measured point is appended to ``points-<model>-s<seed>-<tag>.jsonl`` as soon as it exists (an interrupted run
+keeps what it finished; a rerun skips points already there; parallel processes use different tags). ``--report-only``
+(and every new point) gathers all points into ``runs.jsonl.gz`` (one line per model, seed and setting, stamped with
+the run's commit; the points files can then be deleted) and renders ``report.md`` (threat model, frontier tables,
+targets check, recommended setting) and one plot per side, ``frontier_input.png`` and ``frontier_output.png``. See
 :mod:`splitspec.privacy.frontier` for what each point measures.
 """
 
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from splitspec.privacy.attackers import TrainConfig
 from splitspec.privacy.defences import parse_defence
 from splitspec.privacy.frontier import TIERS, FrontierConfig, run_frontier
 from splitspec.privacy.stats import wilson_interval
+from splitspec.run_info import read_jsonl_gz, run_environment, write_jsonl_gz
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "src" / "splitspec" / "assets" / "models"
@@ -36,20 +37,18 @@ COST_BUDGET = 0.10  # the issue's perplexity-cost budget
 log = logging.getLogger("privacy_frontier")
 
 
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False)
-    return out.stdout.strip() or "unknown"
+RUNS = "runs.jsonl.gz"  # every point of the run, gathered
 
 
 def load_points(out: Path) -> list[dict[str, Any]]:
-    """Every point of every ``points-*.jsonl`` under ``out`` (one file per model and seed)."""
-    points: dict[tuple[str, int, str], dict[str, Any]] = {}
+    """Every point in ``out``: those gathered in ``runs.jsonl.gz``, then any ``points-*.jsonl`` not there yet."""
+    records: list[dict[str, Any]] = list(read_jsonl_gz(out / RUNS)) if (out / RUNS).is_file() else []
     for path in sorted(out.glob("points-*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                p = json.loads(line)
-                points.setdefault((p["model_name"], p["seed"], p["setting"]), p)  # parallel runs may repeat one
-    return list(points.values())
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    points: dict[tuple[str, int, str], dict[str, Any]] = {}
+    for p in records:
+        points.setdefault((p["model_name"], p["seed"], p["setting"]), p)  # parallel runs may repeat one
+    return sorted(points.values(), key=lambda p: (p["model_name"], p["seed"], p["setting"]))
 
 
 # ------------------------------------------------------------------ aggregation over seeds
@@ -303,8 +302,8 @@ def render(points: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path | N
         "increasing along the curve, starting from the plain divergence), with the stock point and the "
         "frequency floor.",
         "",
-        "Raw points (one JSON object per model, seed and setting, with every attacker's top-1/top-5): "
-        "`points-<model>-s<seed>.jsonl`.",
+        "Raw points (one JSON line per model, seed and setting, with every attacker's top-1/top-5 and the "
+        f"commit): `{RUNS}`.",
         "",
     ]
     return "\n".join(lines)
@@ -386,6 +385,7 @@ def write_report(out: Path, meta: dict[str, Any]) -> None:
     if not points:
         log.warning("no points yet in %s", out)
         return
+    write_jsonl_gz(out / RUNS, points, commit=meta.get("commit", "unknown"))
     (out / "report.md").write_text(render(points, meta, out))
     (out / "frontier.json").write_text(json.dumps({"meta": meta, "rows": aggregate(points)}, indent=1) + "\n")
     for side in ("input", "output"):
@@ -416,7 +416,7 @@ def main() -> int:
     if args.report_only:
         write_report(args.out, json.loads(meta_path.read_text()) if meta_path.is_file() else {})
         return 0
-    meta = {"commit": git_commit(), "command": "python benchmarks/privacy_frontier.py " + " ".join(sys.argv[1:])}
+    meta = {**run_environment(), "command": "python benchmarks/privacy_frontier.py " + " ".join(sys.argv[1:])}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     settings = tuple(parse_defence(s) for s in args.settings.split(","))
     done = {(p["model_name"], p["seed"], p["setting"]) for p in load_points(args.out)}
