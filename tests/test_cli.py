@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from splitspec.models import trunk_fingerprint as tf
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.split import SplitPlan
 from tests.conftest import local_greedy
 
 CLI = [sys.executable, "-m", "splitspec.cli"]
@@ -98,7 +101,7 @@ def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subpro
 
 
 def test_generate_errors_are_clear(cloud: tuple[Path, int, Path, subprocess.Popen[str]], tmp_path: Path) -> None:
-    model, port, _, _ = cloud
+    model, port, token_file, _ = cloud
     wrong = tmp_path / "wrong"
     wrong.write_text("nope")
     base = edge_cmd("generate", model, port, "--prompt", "to be", "--allow-stock-edge-weights")
@@ -118,6 +121,12 @@ def test_generate_errors_are_clear(cloud: tuple[Path, int, Path, subprocess.Pope
     out = run(*edge_cmd("generate", model, 1, "--prompt", "to be", "--allow-stock-edge-weights"))
     assert out.returncode == 2
     assert "TransportError" in out.stderr
+    pin = str(tf.trunk_fingerprint(Checkpoint(model), SplitPlan(6, 2, 2)))
+    other = pin[:-4] + "0000"  # a trunk other than the one served
+    out = run(*base, "--token-file", str(token_file), "--trunk-fingerprint", other)
+    assert out.returncode == 2
+    assert "TrunkMismatch: the cloud serves another trunk than the pinned --trunk-fingerprint" in out.stderr
+    assert "Traceback" not in out.stderr
     out = run(*base[:-1])  # stock weights, not allowed
     assert out.returncode == 2
     assert "refusing to run stock public edge weights" in out.stderr

@@ -192,6 +192,12 @@ def _add_edge_link_args(p: argparse.ArgumentParser) -> None:
         help="run the published edge weights anyway (the cloud can invert its hidden states; warned every session)",
     )
     p.add_argument("--published-model", type=Path, help="published checkpoint to compare the edge weights with")
+    p.add_argument(
+        "--trunk-fingerprint",
+        metavar="START-END:DTYPE:DIGEST",
+        help="the trunk the cloud must serve, as its server logs it at start (default: hash the trunk layers of "
+        "--model; needed when that copy lacks them)",
+    )
     add_speculation_args(p)
 
 
@@ -220,6 +226,7 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         draft_model_dir=args.draft_model,
         allow_stock_edge_weights=args.allow_stock_edge_weights,
         published_model_dir=args.published_model,
+        trunk_fingerprint=args.trunk_fingerprint,
         tls_ca_file=args.tls_ca,
     )
 

@@ -16,6 +16,7 @@ Every error raised on purpose by splitspec derives from :class:`SplitspecError`:
     │   ├── MessageTooLarge         frame above the negotiated cap
     │   ├── UnexpectedMessage       a message type not allowed in the current state
     │   ├── HandshakeMismatch       model fingerprint, layer range or dtype differ
+    │   │   └── TrunkMismatch       the cloud's trunk content fingerprint is not the expected one
     │   ├── AuthenticationFailed    missing or wrong shared secret
     │   ├── UnknownSession          session id unknown, expired, or owned by another connection
     │   ├── TooManySessions         the server's max-sessions limit is reached
@@ -93,6 +94,12 @@ class HandshakeMismatch(ProtocolError):
     code = "handshake_mismatch"
 
 
+class TrunkMismatch(HandshakeMismatch):
+    """The trunk the cloud serves (its content fingerprint) is not the one the edge expects."""
+
+    code = "trunk_mismatch"
+
+
 class AuthenticationFailed(ProtocolError):
     code = "authentication_failed"
 
@@ -126,6 +133,7 @@ _BY_CODE: dict[str, type[ProtocolError]] = {
         MessageTooLarge,
         UnexpectedMessage,
         HandshakeMismatch,
+        TrunkMismatch,
         AuthenticationFailed,
         UnknownSession,
         TooManySessions,

@@ -33,6 +33,7 @@ from splitspec.protocol.messages import (
     encode_message,
 )
 from splitspec.protocol.state import ServerConnection, TrunkIdentity
+from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 
 HELLO = Hello(fingerprint="abc", layer_start=2, layer_end=4, dtype="float32", hidden_size=8, auth_token="t")
 
@@ -53,7 +54,13 @@ def step(q: int = 3, **kw: object) -> Step:
     "message",
     [
         HELLO,
-        Welcome(server="x", max_message_bytes=10, max_query_tokens=4, session_ttl_s=1.5),
+        Welcome(
+            server="x",
+            max_message_bytes=10,
+            max_query_tokens=4,
+            session_ttl_s=1.5,
+            trunk=TrunkFingerprint(2, 6, "bfloat16", "0123456789abcdef" * 2),
+        ),
         OpenSession(request_id=3),
         SessionOpened(request_id=3, session_id="abc"),
         CloseSession(session_id="abc"),

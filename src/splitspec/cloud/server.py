@@ -32,6 +32,7 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk, resolve_dtype
+from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.protocol.messages import (
     CloseSession,
     Hello,
@@ -65,6 +66,7 @@ class TrunkServer:
         self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype)
         devices = parse_devices(",".join(config.devices)) if config.devices else (resolve_device(config.device),)
         self.trunk = load_trunk(self.checkpoint, self.plan, self.dtype, config.attn_implementation, devices)
+        self.trunk_fingerprint = trunk_fingerprint(self.checkpoint, self.plan)  # sent in every Welcome
         self._into_trunk = HostStaging(self.trunk.input_device)
         self._out_of_trunk = HostStaging(self.trunk.output_device)
         self.identity = TrunkIdentity(
@@ -109,7 +111,7 @@ class TrunkServer:
         await self._frames.start()
         self._sweeper = asyncio.create_task(self._sweep_forever())
         log.info(
-            "trunk server on %s: layers %d..%d of %s, dtype %s, on %s, fingerprint %s",
+            "trunk server on %s: layers %d..%d of %s, dtype %s, on %s, fingerprint %s, trunk fingerprint %s",
             self.url,
             self.identity.layer_start,
             self.identity.layer_end - 1,
@@ -117,6 +119,7 @@ class TrunkServer:
             self.identity.dtype,
             ", ".join(str(d) for d in dict.fromkeys(self.trunk.devices)),
             self.identity.fingerprint,
+            self.trunk_fingerprint,
         )
         warn_if_open(self.config.auth_token, self.url, "trunk server")
 
@@ -224,6 +227,7 @@ class _TrunkPeer(MessagePeer[Message]):
                 max_message_bytes=server.config.max_message_bytes,
                 max_query_tokens=server.config.max_query_tokens,
                 session_ttl_s=server.config.session_ttl_s,
+                trunk=server.trunk_fingerprint,
             )
         if isinstance(message, OpenSession):
             session = server.sessions.open(self.conn_id)

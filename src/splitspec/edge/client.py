@@ -30,6 +30,7 @@ from splitspec.edge.config import EdgeConfig
 from splitspec.edge.provenance import check_edge_weights, send_noise
 from splitspec.exceptions import (
     BadTensor,
+    CheckpointError,
     ConfigError,
     ProtocolError,
     ServerError,
@@ -43,6 +44,7 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
+from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
 from splitspec.protocol.messages import (
     CacheCommand,
@@ -54,6 +56,7 @@ from splitspec.protocol.messages import (
     StepResult,
     Welcome,
 )
+from splitspec.protocol.trunk_fingerprint import TrunkFingerprint, check_trunk
 from splitspec.transport.client import Channel
 
 log = logging.getLogger(__name__)
@@ -166,6 +169,7 @@ class SplitClient:
             auth_token=config.auth_token,
             client="splitspec-edge",
         )
+        self.expected_trunk, self.trunk_source = expected_trunk(config, ckpt, self.plan)
         self.eos_token_ids = generation_stop_ids(config.model_dir, ckpt.config)
         self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
         self.draft_model: FullModel | None = draft_model
@@ -216,6 +220,7 @@ class SplitClient:
             welcome, _ = await self._channel.request(self.hello, cfg.request_timeout_s)
             if not isinstance(welcome, Welcome):
                 raise UnexpectedMessage(f"expected a Welcome, got {welcome.TYPE!r}")
+            check_trunk(self.expected_trunk, welcome.trunk, self.trunk_source)
             self._welcome = welcome
             opened, _ = await self._channel.request(OpenSession(request_id=0), cfg.request_timeout_s)
             if not isinstance(opened, SessionOpened):
@@ -537,6 +542,29 @@ class SplitClient:
             speculate=speculate,
             spec_steps=trace,
         )
+
+
+def expected_trunk(config: EdgeConfig, ckpt: Checkpoint, plan: SplitPlan) -> tuple[TrunkFingerprint, str]:
+    """The trunk fingerprint the cloud must send, and where it comes from: the pin, else the edge's own copy."""
+    if config.trunk_fingerprint is not None:
+        try:
+            pinned = TrunkFingerprint.parse(config.trunk_fingerprint)
+        except ValueError as exc:
+            raise ConfigError(f"--trunk-fingerprint: {exc}") from None
+        if (pinned.layer_start, pinned.layer_end) != (plan.trunk_layers.start, plan.trunk_layers.stop):
+            raise ConfigError(
+                f"--trunk-fingerprint is for {pinned.layers}, but --edge-layers {plan.head},{plan.tail} "
+                f"leave layers {plan.trunk_layers.start}..{plan.trunk_layers.stop - 1} to the trunk"
+            )
+        return pinned, "the pinned --trunk-fingerprint"
+    try:
+        own = trunk_fingerprint(ckpt, plan)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"{exc}: the edge checks the cloud's trunk against its own copy; without one, pin the trunk with "
+            "--trunk-fingerprint (the trunk server logs it at start)"
+        ) from None
+    return own, f"the edge's copy of the checkpoint ({ckpt.directory})"
 
 
 def _checked_reply(reply: object, step: Step) -> StepResult:

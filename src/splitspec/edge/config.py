@@ -24,3 +24,4 @@ class EdgeConfig:
     draft_model_dir: Path | None = None  # small local model sharing the tokenizer, for drafting
     allow_stock_edge_weights: bool = False  # run the published edge weights anyway (warned every session)
     published_model_dir: Path | None = None  # published checkpoint to compare the edge weights with
+    trunk_fingerprint: str | None = None  # pinned trunk content fingerprint; None = hash model_dir's own trunk

@@ -144,6 +144,17 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._files
 
+    def file_of(self, name: str) -> Path:
+        """The safetensors file holding tensor ``name``."""
+        if name not in self._files:
+            raise CheckpointError(f"{self.directory} lacks tensor {name}")
+        return self._files[name]
+
+    @property
+    def tensor_files(self) -> list[Path]:
+        """Every safetensors file of the checkpoint, sorted (the index file not included)."""
+        return sorted(set(self._files.values()))
+
     def read(
         self, names: list[str], dtype: torch.dtype | None = None, device: torch.device | None = None
     ) -> dict[str, torch.Tensor]:

@@ -262,12 +262,28 @@ def _materialize_buffers(skel: Skeleton, modules: Sequence[nn.Module], device: t
                 skel.lm._init_weights(module)  # loaded parameters carry _is_hf_initialized: untouched
 
 
+def _module_prefixes(skel: Skeleton, modules: Sequence[nn.Module]) -> tuple[str, ...]:
+    """The tensor-name prefix of each module, e.g. "model.layers.3." (the checkpoint's names start with them)."""
+    qualified = {id(m): name for name, m in skel.lm.named_modules()}
+    return tuple(f"{qualified[id(m)]}." for m in modules)
+
+
+def trunk_tensor_names(ckpt: Checkpoint, plan: SplitPlan) -> list[str]:
+    """The checkpoint's tensors under the trunk layers, sorted: what :func:`load_trunk` reads for its layers."""
+    skel = skeleton(ckpt.config, published_dtype(ckpt.config))
+    prefixes = _module_prefixes(skel, [skel.layers[i] for i in plan.trunk_layers])
+    names = ckpt.tensor_names
+    absent = [p.rstrip(".") for p in prefixes if not any(n.startswith(p) for n in names)]
+    if absent:
+        raise CheckpointError(f"{ckpt.directory} has no tensors for trunk layer(s) {', '.join(absent[:3])}")
+    return [n for n in names if n.startswith(prefixes)]
+
+
 def _load_modules(
     ckpt: Checkpoint, skel: Skeleton, modules: Sequence[nn.Module], dtype: torch.dtype, device: torch.device
 ) -> None:
     """Read exactly the tensors of ``modules`` onto ``device`` and load them through transformers' own converters."""
-    qualified = {id(m): name for name, m in skel.lm.named_modules()}
-    prefixes = tuple(f"{qualified[id(m)]}." for m in modules)
+    prefixes = _module_prefixes(skel, modules)
     names = [n for n in ckpt.tensor_names if n.startswith(prefixes)]
     state = ckpt.read(names, device=device)
     lm = skel.lm

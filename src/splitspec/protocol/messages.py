@@ -3,7 +3,9 @@
 Conversation (edge -> cloud on the left)::
 
     Hello            ->   <- Welcome                 once per connection; pins version, model
-                                                     fingerprint, trunk layer range, dtype, auth
+                                                     fingerprint, trunk layer range, dtype, auth;
+                                                     the Welcome carries the trunk's content
+                                                     fingerprint, which the edge checks
     OpenSession      ->   <- SessionOpened           a session owns one KV cache on the cloud
     Step             ->   <- StepResult              hidden states in, hidden states out
     CloseSession     ->   <- SessionClosed
@@ -29,6 +31,8 @@ import torch
 from splitspec.exceptions import BadTensor, MalformedFrame, PositionOutOfRange
 from splitspec.protocol.fields import int_field, number_field, str_field, tensor_field
 from splitspec.protocol.frames import Frame, decode_frame, encode_frame
+from splitspec.protocol.trunk_fingerprint import MAX_TEXT_LEN as MAX_TRUNK_TEXT_LEN
+from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 
 MAX_ID_LEN = 128
 MAX_ERROR_CHARS = 4096  # longest error message a peer accepts, characters
@@ -81,6 +85,7 @@ class Welcome:
     max_message_bytes: int  # largest frame the server accepts, in bytes
     max_query_tokens: int  # largest q of one Step, in tokens
     session_ttl_s: float  # idle seconds after which a session is dropped
+    trunk: TrunkFingerprint  # what the trunk's weights are; the edge checks it against its own copy
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return {
@@ -88,6 +93,7 @@ class Welcome:
             "max_message_bytes": self.max_message_bytes,
             "max_query_tokens": self.max_query_tokens,
             "session_ttl_s": self.session_ttl_s,
+            "trunk_fingerprint": str(self.trunk),
         }, {}
 
     @classmethod
@@ -98,7 +104,16 @@ class Welcome:
             max_message_bytes=int_field(h, "max_message_bytes", minimum=1),
             max_query_tokens=int_field(h, "max_query_tokens", minimum=1),
             session_ttl_s=number_field(h, "session_ttl_s"),
+            trunk=_trunk_field(h),
         )
+
+
+def _trunk_field(header: dict[str, Any]) -> TrunkFingerprint:
+    text = str_field(header, "trunk_fingerprint", max_len=MAX_TRUNK_TEXT_LEN)
+    try:
+        return TrunkFingerprint.parse(text)
+    except ValueError as exc:
+        raise MalformedFrame(f"field 'trunk_fingerprint': {exc}") from None
 
 
 @dataclass(frozen=True)
