@@ -32,13 +32,16 @@ def worker_url(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Te
     proc = subprocess.Popen(
         [*cmd, "--port", str(port), "--token-file", str(token)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + 120
+    while True:
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 break
         if proc.poll() is not None:
             pytest.fail(f"worker exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("the worker did not listen within 120 s")
         time.sleep(0.2)
     yield f"ws://127.0.0.1:{port}|{token}"
     proc.terminate()
@@ -58,9 +61,18 @@ def test_generate_json_against_a_worker_process(
     out = json.loads(capsys.readouterr().out)
     ids = out["token_ids"]
     assert out["seed"] == 4
-    assert len(ids) == 9 or (len(ids) < 9 and ids[-1] == 1)
+    eos = 1  # "</s>" in the tiny tokenizer
+    assert len(ids) < 9, "this seed samples EOS before the length limit"
+    assert ids[-1] == eos
+    assert eos not in ids[:-1]  # generation stops at the first EOS
     assert out["summary"]["audit"]["violations"] == 0
     assert all(w["k"] == [5] * (r["drafted"] + 1) for r in out["rounds"] for w in r["workers"])
+    # A limit of 5 with this seed: the run ends at the limit, before any EOS.
+    short = [a if a != "9" else "5" for a in args]
+    assert main(short) == 0
+    cut = json.loads(capsys.readouterr().out)["token_ids"]
+    assert len(cut) == 5
+    assert eos not in cut
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -282,7 +283,7 @@ def _start(config: AuditConfig) -> _AuditRun:
     return _AuditRun(config, n_layers, depths, corpus, data, stock, sides, stock_train, stock_test)
 
 
-def run_audit(config: AuditConfig) -> dict[str, object]:
+def run_audit(config: AuditConfig) -> dict[str, Any]:
     """Collect activations, run every attacker in every condition, write the report files."""
     t0 = time.monotonic()
     torch.manual_seed(config.seed)
@@ -327,7 +328,7 @@ def holm(p_values: list[float]) -> list[float]:
     return [float(a) for a in adjusted]
 
 
-def analyse(data: AuditData, config: AuditConfig) -> dict[str, object]:
+def analyse(data: AuditData, config: AuditConfig) -> dict[str, Any]:
     """Rates with Wilson intervals, and paired tests (depths, conditions, baseline)."""
     clusters = np.repeat(data.test.doc_index[:, None], data.targets.shape[1], axis=1).ravel()
     n = int(data.targets.size)
@@ -343,6 +344,7 @@ def analyse(data: AuditData, config: AuditConfig) -> dict[str, object]:
     uniform = {"top1": atk.uniform_rate(vocab, 1), "top5": atk.uniform_rate(vocab, atk.TOPK)}
 
     tests: list[dict[str, object]] = []
+    p_values: list[float] = []  # exact McNemar p of each test, in order, for Holm's correction
 
     def compare(a: SeriesKey, b: SeriesKey, family: str) -> None:
         if a not in data.ranks or b not in data.ranks:
@@ -369,6 +371,7 @@ def analyse(data: AuditData, config: AuditConfig) -> dict[str, object]:
                     "p_exact_mcnemar": m.p_value,
                 }
             )
+            p_values.append(m.p_value)
 
     keys = list(data.ranks)
     depths = sorted({k.depth for k in keys if k.depth > 0})
@@ -390,7 +393,7 @@ def analyse(data: AuditData, config: AuditConfig) -> dict[str, object]:
     for key in keys:
         if key.depth > 0:
             compare(key, base, "attacker vs frequency prior")
-    adjusted = holm([float(t["p_exact_mcnemar"]) for t in tests])  # type: ignore[arg-type]
+    adjusted = holm(p_values)
     for t, p in zip(tests, adjusted, strict=True):
         t["p_holm"] = p
         t["significant"] = p < ALPHA

@@ -76,7 +76,7 @@ def _run_audit(args: argparse.Namespace) -> int:
     summary = {
         "out": str(args.out),
         "n_test_tokens": results["n_test_tokens"],
-        "seconds": round(float(results["seconds"]), 1),  # type: ignore[arg-type]
+        "seconds": round(float(results["seconds"]), 1),
     }
     print(json.dumps(summary))
     return 0
