@@ -90,6 +90,10 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         auth_token=read_token_file(args.token_file),
         session_ttl_s=args.session_ttl,
         max_sessions=args.max_sessions,
+        max_sessions_per_connection=args.max_sessions_per_connection,
+        max_sessions_per_address=args.max_sessions_per_address,
+        kv_budget_mb=args.kv_budget_mb,
+        evict_idle_s=args.evict_idle,
         handshake_timeout_s=args.handshake_timeout,
         max_connections_per_address=args.max_connections_per_address,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
@@ -113,6 +117,27 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks one)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session is dropped")
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (default 64)")
+    p.add_argument(
+        "--max-sessions-per-connection", type=int, default=4, help="sessions one connection may hold (default 4)"
+    )
+    p.add_argument(
+        "--max-sessions-per-address",
+        type=int,
+        default=32,
+        help="sessions all connections from one IP address may hold (default 32)",
+    )
+    p.add_argument(
+        "--kv-budget-mb",
+        type=float,
+        help="KV cache memory of all sessions, MiB; when full, idle sessions are evicted (least recently used "
+        "first) and steps get a 'capacity' refusal (default: 40%% of the memory available at start-up)",
+    )
+    p.add_argument(
+        "--evict-idle",
+        type=float,
+        default=1.0,
+        help="seconds a session must have been idle before a full KV budget may evict it (default 1)",
+    )
     add_connection_limit_args(p)
     p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve wss:// (TLS)")

@@ -20,7 +20,8 @@ Every error raised on purpose by splitspec derives from :class:`SplitspecError`:
     │   ├── AuthenticationFailed    missing or wrong shared secret
     │   ├── UnknownSession          session id unknown, expired, or owned by another connection
     │   ├── TooManySessions         the server's max-sessions limit is reached
-    │   │   └── SessionQuotaExceeded    this connection holds its maximum of sessions
+    │   │   └── SessionQuotaExceeded    this connection (or its address) holds its maximum of sessions
+    │   ├── CapacityExceeded        the trunk's KV memory budget is full; may carry a retry-after hint
     │   └── ServerError             the server failed while computing (its bug, not ours)
     └── TransportError              the connection could not be made or was lost
 
@@ -116,6 +117,17 @@ class SessionQuotaExceeded(TooManySessions):
     code = "session_quota_exceeded"
 
 
+class CapacityExceeded(ProtocolError):
+    """The trunk's KV budget has no room for a step. ``retry_after_s``: when to try again (seconds),
+    or None when the step can never fit (the session alone would exceed the whole budget)."""
+
+    code = "capacity"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class ServerError(ProtocolError):
     code = "server_error"
 
@@ -138,12 +150,18 @@ _BY_CODE: dict[str, type[ProtocolError]] = {
         UnknownSession,
         TooManySessions,
         SessionQuotaExceeded,
+        CapacityExceeded,
         ServerError,
     )
 }
 
 
-def error_from_code(code: str, message: str) -> ProtocolError:
-    """Rebuild the typed error a peer reported; unknown codes become a plain ProtocolError."""
+def error_from_code(code: str, message: str, retry_after_s: float | None = None) -> ProtocolError:
+    """Rebuild the typed error a peer reported; unknown codes become a plain ProtocolError.
+
+    ``retry_after_s`` (the Error's hint) is kept by the errors that carry one (:class:`CapacityExceeded`).
+    """
     cls = _BY_CODE.get(code, ProtocolError)
+    if cls is CapacityExceeded:
+        return CapacityExceeded(message, retry_after_s)
     return cls(message)

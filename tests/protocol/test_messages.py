@@ -66,6 +66,7 @@ def step(q: int = 3, **kw: object) -> Step:
         CloseSession(session_id="abc"),
         SessionClosed(session_id="abc"),
         Error(code="bad_tensor", message="m", session_id="s", seq=2, fatal=True),
+        Error(code="capacity", message="m", retry_after_s=1.5),
     ],
 )
 def test_round_trip_plain_messages(message: object) -> None:

@@ -9,9 +9,11 @@ import pytest
 from splitspec.exceptions import (
     AuthenticationFailed,
     BadTensor,
+    CapacityExceeded,
     HandshakeMismatch,
     ProtocolError,
     UnexpectedMessage,
+    error_from_code,
 )
 from splitspec.protocol.messages import Error, decode_message, encode_message
 from splitspec.protocol.replies import internal_error, is_fatal, refusal
@@ -55,3 +57,14 @@ def test_internal_error_is_fatal_only_before_the_handshake_and_round_trips() -> 
     decoded = decode_message(encode_message(error))
     assert isinstance(decoded, Error)
     assert decoded == error
+
+
+def test_a_capacity_refusal_carries_its_retry_hint_across_the_wire() -> None:
+    error = refusal(CapacityExceeded("full", retry_after_s=0.25), _Request(seq=1, session_id="s"), ready=True)
+    back = decode_message(encode_message(error))
+    assert isinstance(back, Error)
+    assert (back.code, back.retry_after_s, back.fatal) == ("capacity", 0.25, False)
+    rebuilt = error_from_code(back.code, back.message, back.retry_after_s)
+    assert isinstance(rebuilt, CapacityExceeded)
+    assert rebuilt.retry_after_s == 0.25
+    assert refusal(BadTensor("x"), None, ready=True).retry_after_s is None

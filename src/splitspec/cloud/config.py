@@ -17,7 +17,10 @@ class CloudConfig:
     tls_key_file: Path | None = None  # PEM private key of tls_cert_file
     session_ttl_s: float = 300.0  # idle seconds before a session's cache is dropped
     max_sessions: int = 64  # concurrent sessions across all connections
-    max_sessions_per_connection: int = 8  # sessions one connection may hold at once
+    max_sessions_per_connection: int = 4  # sessions one connection may hold at once
+    max_sessions_per_address: int = 32  # sessions all connections from one IP address may hold at once
+    kv_budget_mb: float | None = None  # KV memory of all sessions, MiB; None = 40 % of what is available at start
+    evict_idle_s: float = 1.0  # a session idle this long may be evicted (LRU) when the KV budget is full
     handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
     max_unauthenticated: int = 64  # connections in their handshake at once, all addresses
     max_connections_per_address: int = 32  # open connections from one IP address

@@ -18,8 +18,9 @@ from types import TracebackType
 import torch
 
 from splitspec import __version__
+from splitspec.cloud.budget import default_budget_bytes, kv_bytes_per_token
 from splitspec.cloud.config import CloudConfig
-from splitspec.cloud.sessions import SessionStore
+from splitspec.cloud.sessions import KVBudget, SessionStore
 from splitspec.devices import HostStaging, parse_devices, resolve_device
 from splitspec.exceptions import (
     BadTensor,
@@ -60,6 +61,10 @@ class TrunkServer:
         self.config = config
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
+        if config.kv_budget_mb is not None and config.kv_budget_mb <= 0:
+            raise ConfigError(f"the KV budget must be positive, got {config.kv_budget_mb} MiB")
+        if min(config.max_sessions, config.max_sessions_per_connection, config.max_sessions_per_address) < 1:
+            raise ConfigError("session limits must be at least 1")
         self.checkpoint = Checkpoint(config.model_dir)
         model_config = self.checkpoint.config
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
@@ -77,7 +82,20 @@ class TrunkServer:
             hidden_size=model_config.hidden_size,
         )
         self.max_positions = int(model_config.max_position_embeddings)
-        self.sessions = SessionStore(config.max_sessions, config.session_ttl_s, config.max_sessions_per_connection)
+        self.budget = KVBudget(
+            budget_bytes=default_budget_bytes(devices)
+            if config.kv_budget_mb is None
+            else int(config.kv_budget_mb * 2**20),
+            bytes_per_token=kv_bytes_per_token(model_config, len(self.plan.trunk_layers), self.dtype),
+            evict_idle_s=config.evict_idle_s,
+        )
+        self.sessions = SessionStore(
+            config.max_sessions,
+            config.session_ttl_s,
+            max_per_owner=config.max_sessions_per_connection,
+            max_per_address=config.max_sessions_per_address,
+            budget=self.budget,
+        )
         # each connection handles its messages in order, so one session never runs two steps at
         # once; different sessions compute in parallel (torch releases the GIL in its kernels)
         self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")
@@ -177,12 +195,20 @@ class TrunkServer:
             )
         if int(expected.max()) >= self.max_positions:
             raise PositionOutOfRange(f"position {int(expected.max())} exceeds the model's {self.max_positions}")
+        if length + hidden.shape[1] > self.max_positions:
+            raise PositionOutOfRange(
+                f"{hidden.shape[1]} query tokens would grow the cache of {length} entries beyond the model's "
+                f"{self.max_positions} positions"
+            )
         return length
 
     async def run_step(self, step: Step, owner: int) -> StepResult:
         session = self.sessions.get(step.session_id, owner)
         cache = session.cache
-        self.validate_step(step, len(cache), cache.last_step)
+        length = self.validate_step(step, len(cache), cache.last_step)
+        self.sessions.reserve(
+            session, length + step.hidden.shape[1]
+        )  # may evict others, or refuse: nothing changed yet
         if step.cache is not None:
             if step.cache.truncate_to is not None:
                 cache.truncate(step.cache.truncate_to)
@@ -200,6 +226,9 @@ class TrunkServer:
         finally:
             session.busy = False
             session.last_used = time.monotonic()
+        session.steps += 1
+        session.tokens += step.hidden.shape[1]
+        session.compute_ms += cloud_ms
         return StepResult(session_id=step.session_id, seq=step.seq, hidden=out, cloud_ms=cloud_ms)
 
 
@@ -210,6 +239,7 @@ class _TrunkPeer(MessagePeer[Message]):
         self.state = ServerConnection(server.identity, server.config.auth_token)
         super().__init__(self.state, conn_id, remote)
         self.server = server
+        self.address = remote.rsplit(":", 1)[0]  # the IP address, without the port
 
     def decode(self, data: bytes) -> Message:
         return decode_message(data, max_bytes=self.server.config.max_message_bytes)
@@ -230,7 +260,7 @@ class _TrunkPeer(MessagePeer[Message]):
                 trunk=server.trunk_fingerprint,
             )
         if isinstance(message, OpenSession):
-            session = server.sessions.open(self.conn_id)
+            session = server.sessions.open(self.conn_id, self.address)
             return SessionOpened(request_id=message.request_id, session_id=session.session_id)
         if isinstance(message, Step):
             return await server.run_step(message, self.conn_id)

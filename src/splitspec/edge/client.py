@@ -6,7 +6,9 @@ tail layers on what comes back and returns logits. It keeps the token ids behind
 entry, so when the cloud loses the session (TTL expiry, restart, a failed step) it reconnects,
 opens a new session and replays that history; the caller sees the same logits as if nothing had
 happened. A forward is all or nothing on the edge: if any of its chunks fails, the edge forgets
-the chunks that went through before recovering, so the retry never sends a token twice.
+the chunks that went through before recovering, so the retry never sends a token twice. A step
+the trunk refuses for ``capacity`` (its KV budget is full) is sent again after the refusal's
+retry-after hint, backing off.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from splitspec.edge.config import EdgeConfig
 from splitspec.edge.provenance import check_edge_weights, send_noise
 from splitspec.exceptions import (
     BadTensor,
+    CapacityExceeded,
     CheckpointError,
     ConfigError,
     ProtocolError,
@@ -50,6 +53,7 @@ from splitspec.protocol.messages import (
     CacheCommand,
     CloseSession,
     Hello,
+    Message,
     OpenSession,
     SessionOpened,
     Step,
@@ -57,11 +61,12 @@ from splitspec.protocol.messages import (
     Welcome,
 )
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint, check_trunk
-from splitspec.transport.client import Channel
+from splitspec.transport.client import Channel, Exchange
 
 log = logging.getLogger(__name__)
 
 _HEADER_RESERVE = 2048  # bytes kept free in every step frame for the prefix and JSON header
+MAX_CAPACITY_BACKOFF_S = 5.0  # longest wait between two tries of a step the trunk refused for capacity, seconds
 
 
 @dataclass(frozen=True)
@@ -194,6 +199,7 @@ class SplitClient:
         self._lost = False  # the cloud session is gone or unknown: recover before the next step
         self.steps: list[StepStats] = []
         self.recoveries = 0
+        self.capacity_waits = 0  # steps sent again after a capacity refusal
         self._controller = controller  # kept across chat turns
 
     # -- connection ----------------------------------------------------------------------------
@@ -395,7 +401,7 @@ class SplitClient:
             t2 = time.perf_counter()
             self._seq += 1
             step = Step(self._session_id, self._seq, host_hidden, positions, parent_t, self._command)
-            raw_reply, exchange = await self._channel.request(step, self.config.request_timeout_s)
+            raw_reply, exchange = await self._send_step(self._channel, step)
             reply = _checked_reply(raw_reply, step)
             t3 = time.perf_counter()
             trunk_out = self._staging.to_device(reply.hidden)  # (1, q, H)
@@ -423,6 +429,29 @@ class SplitClient:
             )
         )
         return logits
+
+    async def _send_step(self, channel: Channel, step: Step) -> tuple[Message, Exchange]:
+        """Send ``step`` and return its reply, waiting out the trunk's capacity refusals.
+
+        A refusal with a retry-after hint is retried after the hint, the wait doubling on each new
+        refusal (at most :data:`MAX_CAPACITY_BACKOFF_S`), for at most ``capacity_wait_s`` in all; a
+        refusal without a hint (the step can never fit) is raised at once. The trunk refuses before
+        applying the step's cache command, so sending it again is safe.
+        """
+        deadline = time.monotonic() + self.config.capacity_wait_s
+        delay = 0.0
+        while True:
+            try:
+                return await channel.request(step, self.config.request_timeout_s)
+            except CapacityExceeded as exc:
+                if exc.retry_after_s is None:
+                    raise
+                delay = min(max(exc.retry_after_s, 2 * delay), MAX_CAPACITY_BACKOFF_S)
+                if time.monotonic() + delay > deadline:
+                    raise
+                self.capacity_waits += 1
+                log.info("the trunk is at capacity (%s); retrying in %.2f s", exc, delay)
+                await asyncio.sleep(delay)
 
     async def _recover(self) -> None:
         """Reconnect if needed, open a fresh session and replay every committed token.

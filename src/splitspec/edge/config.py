@@ -20,6 +20,7 @@ class EdgeConfig:
     request_timeout_s: float = 120.0  # waiting for one reply, seconds
     reconnect_timeout_s: float = 30.0  # how long recovery keeps retrying the cloud, seconds
     max_recoveries: int = 3  # recoveries allowed for one step before giving up
+    capacity_wait_s: float = 60.0  # how long a step waits out the trunk's "capacity" refusals, seconds
     attn_implementation: str | None = None  # transformers attention kernel (sdpa, eager); None = the family's
     draft_model_dir: Path | None = None  # small local model sharing the tokenizer, for drafting
     allow_stock_edge_weights: bool = False  # run the published edge weights anyway (warned every session)

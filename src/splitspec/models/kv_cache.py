@@ -33,6 +33,18 @@ class KVCache:
         return sum(b.numel() * b.element_size() for b in buffers)
 
     @property
+    def capacity(self) -> int:
+        """Entries the buffers hold room for (0 while empty), tokens."""
+        return next((buf.shape[2] for buf in self._keys.values()), 0)
+
+    def capacity_after(self, entries: int) -> int:
+        """The capacity once the cache holds ``entries`` entries: the one home of the growth policy
+        (double, at least 64), so a trunk can account a step's memory before running it."""
+        if entries <= self.capacity:
+            return self.capacity
+        return max(entries, 2 * self.capacity, 64)
+
+    @property
     def device(self) -> torch.device | None:
         """Where the first layer's buffers live (None while empty); layers may sit on several devices."""
         return next((buf.device for buf in self._keys.values()), None)
@@ -43,7 +55,7 @@ class KVCache:
         end = self._length + q
         buf_k = self._keys.get(layer_idx)
         if buf_k is None or buf_k.shape[2] < end:
-            capacity = max(end, 2 * (0 if buf_k is None else buf_k.shape[2]), 64)
+            capacity = self.capacity_after(end)  # the first layer grows; the others follow its capacity
             new_k = key.new_empty((*key.shape[:2], capacity, key.shape[3]))
             new_v = value.new_empty((*value.shape[:2], capacity, value.shape[3]))
             if buf_k is not None:

@@ -36,6 +36,7 @@ from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 
 MAX_ID_LEN = 128
 MAX_ERROR_CHARS = 4096  # longest error message a peer accepts, characters
+MAX_RETRY_AFTER_S = 3600.0  # longest retry-after hint a peer accepts, seconds
 
 
 @dataclass(frozen=True)
@@ -330,6 +331,7 @@ class Error:
     session_id: str | None = None
     seq: int | None = None
     fatal: bool = field(default=False)  # the sender closes the connection after this
+    retry_after_s: float | None = None  # when the request may succeed if sent again, seconds (capacity)
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return {
@@ -338,6 +340,7 @@ class Error:
             "session_id": self.session_id,
             "seq": self.seq,
             "fatal": self.fatal,
+            "retry_after_s": self.retry_after_s,
         }, {}
 
     @classmethod
@@ -349,6 +352,7 @@ class Error:
             session_id=str_field(h, "session_id", optional=True, max_len=MAX_ID_LEN),
             seq=int_field(h, "seq", optional=True),
             fatal=bool(h.get("fatal", False)),
+            retry_after_s=number_field(h, "retry_after_s", optional=True, upper=MAX_RETRY_AFTER_S),
         )
 
 

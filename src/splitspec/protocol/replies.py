@@ -18,7 +18,7 @@ encoding stay with the caller (each server has its own message family and log wo
 
 from __future__ import annotations
 
-from splitspec.exceptions import AuthenticationFailed, HandshakeMismatch, ProtocolError, ServerError
+from splitspec.exceptions import AuthenticationFailed, CapacityExceeded, HandshakeMismatch, ProtocolError, ServerError
 from splitspec.protocol.messages import MAX_ERROR_CHARS, Error
 
 __all__ = ["MAX_ECHO_CHARS", "internal_error", "is_fatal", "refusal", "truncated"]
@@ -53,7 +53,12 @@ def refusal(exc: ProtocolError, request: object | None, *, ready: bool) -> Error
     """The Error reply refusing ``request`` (None when it could not be decoded) because of ``exc``."""
     session_id, seq = _echo(request)
     return Error(
-        code=exc.code, message=truncated(str(exc)), session_id=session_id, seq=seq, fatal=is_fatal(exc, ready=ready)
+        code=exc.code,
+        message=truncated(str(exc)),
+        session_id=session_id,
+        seq=seq,
+        fatal=is_fatal(exc, ready=ready),
+        retry_after_s=exc.retry_after_s if isinstance(exc, CapacityExceeded) else None,
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from splitspec.exceptions import (
     AuthenticationFailed,
+    CapacityExceeded,
     ConfigError,
     HandshakeMismatch,
     ProtocolError,
@@ -71,7 +72,7 @@ def api_error_for(exc: SplitspecError) -> ApiError:
     """The HTTP error a splitspec exception stands for."""
     if isinstance(exc, TransportError | UnknownSession):
         return ApiError(503, f"the trunk server is unreachable: {exc}", "service_unavailable", code="trunk_unreachable")
-    if isinstance(exc, TooManySessions):
+    if isinstance(exc, TooManySessions | CapacityExceeded):
         return ApiError(503, f"the trunk server is full: {exc}", "service_unavailable", code="trunk_full")
     if isinstance(exc, AuthenticationFailed | HandshakeMismatch):
         return ApiError(502, f"the trunk server refused this edge: {exc}", "server_error", code="trunk_refused")

@@ -124,7 +124,7 @@ class Channel:
         reply = decode(raw, max_bytes=cap)
         t3 = time.perf_counter()
         if isinstance(reply, Error):
-            raise error_from_code(reply.code, reply.message)
+            raise error_from_code(reply.code, reply.message, reply.retry_after_s)
         return reply, Exchange(
             roundtrip_ms=(t2 - t1) * 1e3,
             encode_ms=(t1 - t0) * 1e3,
