@@ -150,7 +150,10 @@ class SessionStore:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             log.info(
-                "session closed %s",
+                "session %s closed (%s, %d live) %s",
+                session_id,
+                reason,
+                len(self._sessions),
                 json.dumps(
                     {
                         "session": session_id,
