@@ -20,6 +20,7 @@ import torch
 from splitspec import __version__
 from splitspec.cloud.budget import default_budget_bytes, kv_bytes_per_token
 from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.metrics import TrunkMetrics, step_kind
 from splitspec.cloud.sessions import KVBudget, SessionStore
 from splitspec.devices import HostStaging, parse_devices, resolve_device
 from splitspec.exceptions import (
@@ -36,6 +37,7 @@ from splitspec.models.stack import load_trunk, resolve_dtype
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.protocol.messages import (
     CloseSession,
+    Error,
     Hello,
     Message,
     OpenSession,
@@ -96,6 +98,7 @@ class TrunkServer:
             max_per_address=config.max_sessions_per_address,
             budget=self.budget,
         )
+        self.metrics = TrunkMetrics(self.sessions)
         # each connection handles its messages in order, so one session never runs two steps at
         # once; different sessions compute in parallel (torch releases the GIL in its kernels)
         self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")
@@ -113,7 +116,10 @@ class TrunkServer:
             max_per_address=config.max_connections_per_address,
             idle_timeout_s=config.session_ttl_s,  # a connection idle that long has lost its sessions anyway
         )
-        self._frames = FrameServer(self._new_peer, config.host, config.port, config.max_message_bytes, tls, limits)
+        routes = {"/metrics": self.metrics.render, "/health": self.metrics.health}
+        self._frames = FrameServer(
+            self._new_peer, config.host, config.port, config.max_message_bytes, tls, limits, http_routes=routes
+        )
         self._sweeper: asyncio.Task[None] | None = None
         self._connection_ids = itertools.count()
 
@@ -166,8 +172,9 @@ class TrunkServer:
     def _new_peer(self, remote: str) -> _TrunkPeer:
         return _TrunkPeer(self, next(self._connection_ids), remote)
 
-    def _compute(self, step: Step, cache: KVCache) -> tuple[torch.Tensor, float]:
-        """Run the trunk (on a worker thread); return the output on the host and the time in ms.
+    def _compute(self, step: Step, cache: KVCache) -> tuple[torch.Tensor, float, float]:
+        """Run the trunk (on a worker thread); return the output on the host, the time in ms and
+        when it started (``time.perf_counter``).
 
         The time includes the copies to and from the device: on an accelerator the copy back is
         where the host waits for the trunk's kernels, so compute alone is not separable from it.
@@ -176,7 +183,7 @@ class TrunkServer:
         hidden = self._into_trunk.to_device(step.hidden)  # (1, q, H)
         out = self.trunk(hidden, step.positions, step.parents, cache)
         host = self._out_of_trunk.to_host(out)  # (1, q, H)
-        return host, (time.perf_counter() - t0) * 1e3
+        return host, (time.perf_counter() - t0) * 1e3, t0
 
     def validate_step(self, step: Step, cache_length: int, last_step: int) -> int:
         """Check a step against the session; return the committed length after its cache command."""
@@ -217,7 +224,8 @@ class TrunkServer:
         session.busy = True
         try:
             loop = asyncio.get_running_loop()
-            out, cloud_ms = await loop.run_in_executor(self._executor, self._compute, step, cache)
+            queued = time.perf_counter()
+            out, cloud_ms, started = await loop.run_in_executor(self._executor, self._compute, step, cache)
         except Exception:
             # the cache command is applied and the compute may have half-run: the cache no longer
             # matches anything the edge knows, so the session goes (the edge replays its history)
@@ -226,9 +234,15 @@ class TrunkServer:
         finally:
             session.busy = False
             session.last_used = time.monotonic()
+        q = step.hidden.shape[1]
         session.steps += 1
-        session.tokens += step.hidden.shape[1]
+        session.tokens += q
         session.compute_ms += cloud_ms
+        kind = step_kind(step.parents)
+        self.metrics.steps.labels(kind).inc()
+        self.metrics.step_tokens.labels(kind).inc(q)
+        self.metrics.queue_ms.observe((started - queued) * 1e3)
+        self.metrics.observe_batch(1, q, cloud_ms)
         return StepResult(session_id=step.session_id, seq=step.seq, hidden=out, cloud_ms=cloud_ms)
 
 
@@ -269,6 +283,15 @@ class _TrunkPeer(MessagePeer[Message]):
             server.sessions.close(message.session_id, "closed by the edge")
             return SessionClosed(session_id=message.session_id)
         raise UnexpectedMessage(f"a server does not accept {message.TYPE!r} messages")
+
+    def served(self, request: Message | None, reply: Message | Error, bytes_in: int, bytes_out: int) -> None:
+        metrics = self.server.metrics
+        metrics.wire_bytes.labels("in", "undecodable" if request is None else request.TYPE).inc(bytes_in)
+        metrics.wire_bytes.labels("out", reply.TYPE).inc(bytes_out)
+        if isinstance(reply, Error):
+            metrics.errors.labels(reply.code).inc()
+        if isinstance(request, Step):
+            self.server.sessions.account_bytes(request.session_id, bytes_in, bytes_out)
 
     async def closed(self) -> None:
         self.server.sessions.close_owned_by(self.conn_id)

@@ -104,6 +104,13 @@ class SessionStore:
         session.last_used = time.monotonic()
         return session
 
+    def account_bytes(self, session_id: str, bytes_in: int, bytes_out: int) -> None:
+        """Add one step's frame sizes to the session's totals (if it is still live)."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.bytes_in += bytes_in
+            session.bytes_out += bytes_out
+
     def reserve(self, session: Session, entries: int, now: float | None = None) -> None:
         """Make room for ``session``'s cache to hold ``entries`` entries, evicting idle sessions LRU first.
 

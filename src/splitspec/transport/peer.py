@@ -55,13 +55,20 @@ class MessagePeer(ABC, Generic[M]):
     async def closed(self) -> None:
         """The connection is gone: release what it held."""
 
+    def served(self, request: M | None, reply: M | Error, bytes_in: int, bytes_out: int) -> None:
+        """Called after each reply is encoded (``request`` None: it could not be decoded); for accounting."""
+
     async def handle(self, data: bytes) -> tuple[bytes, bool]:
         """The reply frame to ``data`` and whether to close the connection after sending it."""
         message: M | None = None
+        reply: M | Error
         try:
             self.gate.admit(data)  # before the handshake, nothing but a hello is decoded
             message = self.decode(data)
-            return self.encode(await self.dispatch(message)), False
+            reply = await self.dispatch(message)
+            encoded = self.encode(reply)
+            self.served(message, reply, len(data), len(encoded))
+            return encoded, False
         except ProtocolError as exc:
             error = refusal(exc, message, ready=self.gate.ready)
             if self.log_budget.take():
@@ -69,10 +76,14 @@ class MessagePeer(ABC, Generic[M]):
                     "%s %d (%s): refused %s: %s (%d more refusals not logged)",
                     *(self.label, self.conn_id, self.remote, exc.code, error.message, self.log_budget.skipped()),
                 )
-            return self.encode(error), error.fatal
+            encoded = self.encode(error)
+            self.served(message, error, len(data), len(encoded))
+            return encoded, error.fatal
         except Exception as exc:  # a bug of ours: report it, keep serving (closing before the handshake)
             if self.log_budget.take():
                 skipped = self.log_budget.skipped()
                 self._log.exception("%s %d: request failed (%d more not logged)", self.label, self.conn_id, skipped)
             error = internal_error(exc, message, ready=self.gate.ready)
-            return self.encode(error), error.fatal
+            encoded = self.encode(error)
+            self.served(message, error, len(data), len(encoded))
+            return encoded, error.fatal

@@ -6,6 +6,9 @@ WebSocket layer refuses any frame above a Hello's size (so nothing bigger is eve
 connection must finish its handshake within a deadline, and only so many connections may be in
 their handshake at once and open from one address. After the handshake the frame cap is raised to
 the server's message cap, and a connection silent for longer than the idle timeout is closed.
+
+A server may also answer plain HTTP GETs on chosen paths of its own port (``http_routes``: the
+trunk's ``/metrics`` and ``/health``); every other request goes on to the WebSocket handshake.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import signal
 import ssl
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +28,7 @@ from typing import Protocol
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.frames import CloseCode
+from websockets.http11 import Request, Response
 
 from splitspec.exceptions import ConfigError, TransportError
 from splitspec.protocol.frames import MAX_HEADER_BYTES, PREFIX_SIZE
@@ -64,6 +68,9 @@ class ConnectionLimits:
             raise ConfigError("the idle timeout must be positive (or None)")
 
 
+HttpRoute = Callable[[], tuple[int, str, str]]  # answers a GET: (status, content type, body)
+
+
 class FrameServer:
     """A WebSocket server whose connections each get a :class:`Peer` from ``peer_factory``."""
 
@@ -75,8 +82,10 @@ class FrameServer:
         max_message_bytes: int,
         ssl_context: ssl.SSLContext | None = None,
         limits: ConnectionLimits | None = None,
+        http_routes: Mapping[str, HttpRoute] | None = None,
     ) -> None:
         self._factory = peer_factory
+        self._routes = dict(http_routes or {})
         self._ssl = ssl_context
         self._host = host
         self._port = port
@@ -102,6 +111,7 @@ class FrameServer:
                 ping_interval=20,
                 ping_timeout=60,
                 ssl=self._ssl,
+                process_request=self._answer_http if self._routes else None,
             )
         except OSError as exc:  # address in use, no permission, unknown interface
             raise TransportError(f"cannot listen on {self._host}:{self._port}: {exc.strerror or exc}") from None
@@ -118,6 +128,17 @@ class FrameServer:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+
+    def _answer_http(self, ws: ServerConnection, request: Request) -> Response | None:
+        """A plain HTTP answer for a request to one of the routes; None lets the WebSocket handshake go on."""
+        route = self._routes.get(request.path.split("?", 1)[0])
+        if route is None:
+            return None
+        status, content_type, body = route()
+        response = ws.respond(status, body)
+        del response.headers["Content-Type"]
+        response.headers["Content-Type"] = content_type
+        return response
 
     async def _serve_connection(self, ws: ServerConnection) -> None:
         address = str(ws.remote_address[0]) if ws.remote_address else "?"
