@@ -100,7 +100,7 @@ async def test_a_server_error_after_the_cache_command_is_recovered(make_checkpoi
         compute = server._compute
         injected: list[str] = []
 
-        def failing(step: Step, cache: KVCache) -> tuple[torch.Tensor, float]:
+        def failing(step: Step, cache: KVCache) -> tuple[torch.Tensor, float, float]:
             if not injected and step.cache is not None and step.cache.keep_last is not None:
                 injected.append(step.session_id)
                 raise RuntimeError("injected trunk failure")
