@@ -19,12 +19,13 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.exceptions import SessionQuotaExceeded, error_from_code
+from splitspec.exceptions import MessageTooLarge, SessionQuotaExceeded, error_from_code
 from splitspec.federated import codec as codec_module
 from splitspec.federated import coordinator as coordinator_module
 from splitspec.federated.codec import encode_topk, max_reply_bytes, max_stream_bytes
 from splitspec.federated.config import CoordinatorConfig
 from splitspec.federated.coordinator import Coordinator
+from splitspec.federated.link import WorkerLink
 from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.topk import TopKPolicy, select_topk
 from splitspec.federated.worker import FedWorker, WorkerConfig
@@ -72,8 +73,8 @@ class FakeWorkers:
         self.servers: list[Server] = []
         self.closes: list[int] = []  # close codes of connections that ended in an error
 
-    async def start(self, reply: HostileReply) -> str:
-        """Serve on a free loopback port; the URL."""
+    async def start(self, reply: HostileReply, unsolicited: bytes | None = None) -> str:
+        """Serve on a free loopback port (sending ``unsolicited`` right after the handshake); the URL."""
         loaded = self.loaded
         welcome = FedWelcome(
             worker="fake",
@@ -89,6 +90,9 @@ class FakeWorkers:
             try:
                 assert isinstance(decode_fed(await ws.recv(decode=False)), FedHello)
                 await ws.send(encode_fed(welcome))
+                if unsolicited is not None:
+                    await asyncio.sleep(0.2)  # once the handshake is over, between rounds
+                    await ws.send(unsolicited)
                 async for data in ws:
                     request = decode_fed(data if isinstance(data, bytes) else data.encode())
                     assert isinstance(request, FedScore)
@@ -158,6 +162,26 @@ async def test_a_reply_with_more_tokens_than_k_is_refused(models: dict[str, Load
 
     reasons = await generate_beside(models, await fakes.start(one_too_many))
     assert all(r.startswith("BadTensor") and f"the {K} the request allowed" in r for r in reasons), reasons
+
+
+async def test_an_unsolicited_frame_between_rounds_is_refused_unread(
+    models: dict[str, LoadedModel], fakes: FakeWorkers
+) -> None:
+    """A worker speaks only when asked: while the link is idle, a frame above a header's size is
+    refused from its length by the WebSocket layer (not buffered, then refused by the decoder)."""
+
+    def never(request: FedScore, vocab: int) -> bytes:
+        raise AssertionError("the link must be closed before it asks")
+
+    url = await fakes.start(never, unsolicited=bytes(1 << 20))
+    cfg = CoordinatorConfig(draft_dir=Path("."), worker_urls=(url,), top_k=K)
+    link = WorkerLink(url, 1.0, cfg)
+    loaded = models["draft"]
+    await link.connect(FedHello(loaded.vocab_size, loaded.tokenizer_fingerprint))
+    await asyncio.sleep(0.5)  # the unsolicited frame arrives while the link is idle
+    with pytest.raises(MessageTooLarge, match="exceeded our size limit"):
+        await link.score(PROMPT, 2, 1.0)
+    await link.drop("test over")
 
 
 @pytest.fixture

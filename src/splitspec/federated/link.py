@@ -21,6 +21,7 @@ from splitspec.protocol.frames import MAX_HEADER_BYTES, PREFIX_SIZE
 from splitspec.transport.client import Channel
 
 log = logging.getLogger(__name__)
+_HEADER_ONLY = PREFIX_SIZE + MAX_HEADER_BYTES  # the largest frame without tensors (a welcome, an error), bytes
 
 
 class WorkerLink:
@@ -44,11 +45,17 @@ class WorkerLink:
     async def connect(self, hello: FedHello) -> FedWelcome:
         """Connect and handshake; a refused handshake raises its typed error."""
         cfg = self.config
+        # a worker speaks only when asked, and its welcome is a header: nothing bigger is buffered
         channel = await Channel.connect(
-            self.url, max_message_bytes=cfg.max_message_bytes, timeout_s=cfg.connect_timeout_s
+            self.url,
+            max_message_bytes=cfg.max_message_bytes,
+            timeout_s=cfg.connect_timeout_s,
+            idle_frame_limit=_HEADER_ONLY,
         )
         try:
-            reply, _ = await channel.exchange(hello, cfg.connect_timeout_s, encode_fed, decode_fed)
+            reply, _ = await channel.exchange(
+                hello, cfg.connect_timeout_s, encode_fed, decode_fed, reply_limit=_HEADER_ONLY
+            )
             if not isinstance(reply, FedWelcome):
                 raise UnexpectedMessage(f"expected fed_welcome, got {reply.TYPE!r}")
             if reply.vocab_size != hello.vocab_size or reply.tokenizer_fingerprint != hello.tokenizer_fingerprint:
@@ -120,7 +127,7 @@ class WorkerLink:
         )
         cap = k if k is not None else cfg.k_cap(vocab)
         # a reply is bounded by what this request can produce (an Error, header only, always fits)
-        limit = max(max_reply_bytes(num_scored, cap, vocab, audit=cfg.audit), PREFIX_SIZE + MAX_HEADER_BYTES)
+        limit = max(max_reply_bytes(num_scored, cap, vocab, audit=cfg.audit), _HEADER_ONLY)
         reply, exchange = await channel.exchange(
             request, cfg.round_timeout_s, encode_fed, decode_fed, reply_limit=limit
         )

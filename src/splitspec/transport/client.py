@@ -50,9 +50,20 @@ class Channel:
 
     @classmethod
     async def connect(
-        cls, url: str, *, max_message_bytes: int, timeout_s: float, ca_file: Path | None = None
+        cls,
+        url: str,
+        *,
+        max_message_bytes: int,
+        timeout_s: float,
+        ca_file: Path | None = None,
+        idle_frame_limit: int | None = None,
     ) -> Channel:
-        """Open a connection; ``wss://`` URLs use TLS, verified against ``ca_file`` or the system store."""
+        """Open a connection; ``wss://`` URLs use TLS, verified against ``ca_file`` or the system store.
+
+        ``idle_frame_limit``: outside an exchange, refuse any frame above this many bytes from its
+        length (for a peer that speaks only when asked: nothing bigger is ever buffered); by
+        default the protocol cap applies at all times.
+        """
         context: ssl.SSLContext | None = None
         if url.startswith("wss://"):
             try:
@@ -65,7 +76,7 @@ class Channel:
             ws = await connect(
                 url,
                 ssl=context,
-                max_size=websocket_max_size(max_message_bytes),
+                max_size=websocket_max_size(max_message_bytes) if idle_frame_limit is None else idle_frame_limit,
                 compression=None,  # tensors do not compress; deflate only costs time
                 open_timeout=timeout_s,
                 ping_interval=20,
