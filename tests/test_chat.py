@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from splitspec.chat import ChatConfig, chat
@@ -101,3 +102,54 @@ async def test_plain_mode_and_system_without_template(make_checkpoint: Callable[
     ]
     with pytest.raises(ConfigError, match="chat template"):
         await run_chat(model, ["x\n"], system_prompt="be brief")
+
+
+# turns closed by a special token that is not EOS (as Qwen's <|im_end|> or Llama 3's <|eot_id|>)
+EOT_TEMPLATE = TEMPLATE.replace("{{ eos_token }}", "{{ unk_token }}")
+
+
+@pytest.fixture(scope="module")
+def eot_model(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An instruct checkpoint whose end-of-turn token (<unk>) differs from EOS, and which greedily emits it.
+
+    Its LM head row for <unk> is 1.05 x the row of a token the model picks greedily in the first
+    reply, so <unk> wins there (and maybe earlier); EOS is declared in config and generation_config.
+    """
+    directory = tmp_path_factory.mktemp("eot")
+    shutil.copytree(make_checkpoint("llama", logit_scale=4.0), directory, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = EOT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    context = render(tokenizer, [{"role": "user", "content": "to be or not"}])
+    picked = local_greedy(directory, context, 3)[2]
+    tensors = load_file(directory / "model.safetensors")
+    tensors["lm_head.weight"][tokenizer.unk_token_id] = tensors["lm_head.weight"][picked] * 1.05
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json"):
+        data = json.loads((directory / name).read_text())
+        (directory / name).write_text(json.dumps({**data, "eos_token_id": tokenizer.eos_token_id}))
+    return directory
+
+
+async def test_a_turn_ends_at_an_end_of_turn_token_that_is_not_eos(eot_model: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(eot_model)
+    eot = tokenizer.unk_token_id
+    assert end_of_turn_ids(tokenizer) == {eot} != {tokenizer.eos_token_id}
+    (turn,) = await run_chat(eot_model, ["to be or not\n"])
+    reference = local_greedy(eot_model, turn["input_ids"], 5)  # HF greedy, which knows only EOS
+    assert eot in reference
+    assert turn["token_ids"] == reference[: reference.index(eot) + 1]  # the split reply stops right at it
+    assert "<unk>" not in turn["text"]
+
+
+async def test_a_turn_that_cannot_fit_is_refused_and_the_chat_goes_on(make_checkpoint: Callable[..., Path]) -> None:
+    model = make_checkpoint("llama", max_positions=32)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    first, refused, second = await run_chat(model, ["to be\n", "to be or not to be " * 4 + "\n", "or not\n"])
+    assert "exceeds the model's 32 positions" in refused["error"]
+    assert second["turn"] == 2
+    assert second["input_ids"] == [  # the refused line never entered the context
+        *first["input_ids"],
+        *first["token_ids"],
+        *tokenizer.encode("or not\n", add_special_tokens=False),
+    ]

@@ -59,6 +59,11 @@ class Conversation:
             return render(self.tokenizer, self.messages)
         return [*cached, *self.tokenizer.encode(line + "\n", add_special_tokens=not cached)]
 
+    def retract(self) -> None:
+        """Forget the line just passed to :meth:`rendered` (its turn did not run)."""
+        if self.templated:
+            self.messages.pop()
+
     def reply(self, generated: list[int]) -> str:
         text = str(self.tokenizer.decode([t for t in generated if t not in self.stop_ids], skip_special_tokens=True))
         if self.templated:
@@ -90,6 +95,15 @@ async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdou
                 continue
             context = conversation.rendered(line, (*client.history, *carry))
             plan = plan_turn(client.history, context)
+            try:
+                client.check_length(len(plan.send), config.max_new_tokens, plan.keep)
+            except ConfigError as exc:  # this turn cannot fit: say so and keep the conversation as it was
+                conversation.retract()
+                out.write(
+                    json.dumps({"error": str(exc)}) + "\n" if config.json_lines else f"({exc}; /reset starts over)\n> "
+                )
+                out.flush()
+                continue
             client.truncate(plan.keep)
             first_step = len(client.steps)
             generated: list[int] = []

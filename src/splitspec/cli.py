@@ -190,13 +190,15 @@ def _run_generate(args: argparse.Namespace) -> int:
 async def _generate_json(
     client: SplitClient, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, params: SamplingParams
 ) -> int:
-    """--json: the result, or on a failure midway the tokens produced so far with an ``error`` field."""
+    """--json: the result, or on a failure midway every token produced so far with an ``error`` field."""
+    produced: list[int] = []
     try:
-        result = await client.generate(prompt_ids, args.max_new_tokens, params, speculate=args.speculate)
+        result = await client.generate(
+            prompt_ids, args.max_new_tokens, params, speculate=args.speculate, produced=produced
+        )
     except SplitspecError as exc:
-        produced = client.history[len(prompt_ids) :]
-        out: dict[str, Any] = {"prompt_ids": prompt_ids, "token_ids": list(produced)}
-        out["text"] = tokenizer.decode(list(produced))
+        out: dict[str, Any] = {"prompt_ids": prompt_ids, "token_ids": produced}
+        out["text"] = tokenizer.decode(produced)
         out["error"] = f"{type(exc).__name__}: {exc}"
         print(json.dumps(out, indent=2))
         return 2
@@ -230,8 +232,18 @@ def _add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
     """The link arguments plus one generation's length and sampling."""
     _add_edge_link_args(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help=f"{tokens_help} (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        help="0 = greedy; > 0 samples (default: the checkpoint's generation_config.json: its temperature "
+        "when it sets do_sample, else greedy, which is logged)",
+    )
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass (default: generation_config.json's, else 1.0)")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        help="sample from the k likeliest tokens, 0 = all (default: generation_config.json's, else 50)",
+    )
     p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
 
 
@@ -257,9 +269,10 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
-    from splitspec.decoding.sampling import SamplingParams
+    """The flags given, else the checkpoint's generation_config.json: the same rule as SplitClient.sampling."""
+    from splitspec.decoding.published import published_sampling, sampling_settings
 
-    return SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    return sampling_settings(published_sampling(args.model), args.temperature, args.top_p, args.top_k, args.seed)
 
 
 def _register_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,22 +1,33 @@
-"""Our temperature/top-p transform equals transformers' warpers; parameters are validated."""
+"""Our temperature/top-k/top-p transform equals transformers' warpers; parameters are validated."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from splitspec.decoding.sampling import SamplingParams, choose_token, probabilities
 from splitspec.exceptions import ConfigError
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (1.5, 0.5), (0.3, 0.05)])
-def test_probabilities_match_transformers(temperature: float, top_p: float) -> None:
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"),
+    [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.5, 0.5, 0), (0.3, 0.05, 0), (1.0, 1.0, 5), (0.7, 0.95, 12), (1.2, 0.3, 40)],
+)
+def test_probabilities_match_transformers(temperature: float, top_p: float, top_k: int) -> None:
+    """The order of transformers' generate: temperature, then top-k, then top-p."""
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
     scores = TemperatureLogitsWarper(temperature)(None, logits)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
-    torch.testing.assert_close(probabilities(logits, temperature, top_p), scores.softmax(-1))
+    expected = scores.softmax(-1)
+    torch.testing.assert_close(probabilities(logits, temperature, top_p, top_k), expected)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    torch.testing.assert_close(params.probabilities(logits), expected)
+    if top_k:
+        assert int((expected[0] > 0).sum()) <= top_k
 
 
 def test_greedy_and_seeded_choice() -> None:
@@ -27,7 +38,10 @@ def test_greedy_and_seeded_choice() -> None:
     assert draws[0] == draws[1]
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(-0.1, 1.0), (1.0, 0.0), (1.0, 1.5), (float("nan"), 1.0)])
-def test_bad_parameters(temperature: float, top_p: float) -> None:
+@pytest.mark.parametrize(
+    ("temperature", "top_p", "top_k"),
+    [(-0.1, 1.0, 0), (1.0, 0.0, 0), (1.0, 1.5, 0), (float("nan"), 1.0, 0), (1.0, 1.0, -1)],
+)
+def test_bad_parameters(temperature: float, top_p: float, top_k: int) -> None:
     with pytest.raises(ConfigError):
-        SamplingParams(temperature=temperature, top_p=top_p)
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)

@@ -17,7 +17,7 @@ import torch
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
-from splitspec.exceptions import TransportError
+from splitspec.exceptions import ConfigError, TransportError
 from splitspec.models.kv_cache import KVCache
 from splitspec.protocol.messages import Message, Step
 from splitspec.transport.client import Channel, Exchange
@@ -124,13 +124,17 @@ async def test_a_server_error_after_the_cache_command_is_recovered(make_checkpoi
     torch.testing.assert_close(after[-1], expected[-1])
 
 
-async def test_generation_stops_at_the_models_last_position(make_checkpoint: Callable[..., Path]) -> None:
-    """The edge used to fail with PositionOutOfRange at the limit, losing every token it made."""
+async def test_a_generation_past_the_models_last_position_is_refused_up_front(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """The edge used to fail with PositionOutOfRange at the limit, losing every token it made; now a
+    request fits whole (prompt + max new tokens <= positions) or is refused before a step is sent."""
     model = make_checkpoint("llama", max_positions=24)
+    fits = 24 - len(PROMPT)
     async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
         async with SplitClient(_edge(model, server)) as client:
-            result = await client.generate(PROMPT, 40)
-            with pytest.raises(Exception, match="exceed the model's 24 positions"):
-                await client.generate(PROMPT * 3, 4)
-    assert len(result.token_ids) == 24 - len(PROMPT) + 1
-    assert result.token_ids == local_greedy(model, PROMPT, 24 - len(PROMPT) + 1)
+            with pytest.raises(ConfigError, match="exceeds the model's 24 positions"):
+                await client.generate(PROMPT, fits + 1)
+            assert client.steps == []  # refused before anything crossed the link
+            result = await client.generate(PROMPT, fits)
+    assert result.token_ids == local_greedy(model, PROMPT, fits)

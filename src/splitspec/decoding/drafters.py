@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from splitspec.decoding.local import LocalSequence
-from splitspec.decoding.sampling import SamplingParams, probabilities
+from splitspec.decoding.sampling import SamplingParams
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
 
@@ -199,7 +199,7 @@ class DraftModel:
             tokens: list[int] = []
             qs: list[torch.Tensor] = []
             for i in range(budget):
-                q = probabilities(logits, self.params.temperature, self.params.top_p)
+                q = self.params.probabilities(logits)
                 tokens.append(int(torch.multinomial(q, 1, generator=self.generator)))
                 qs.append(q)
                 if i + 1 < budget:

@@ -1,8 +1,8 @@
-"""Turning logits into tokens: greedy, temperature and nucleus (top-p) sampling.
+"""Turning logits into tokens: greedy, temperature, top-k and nucleus (top-p) sampling.
 
-The probability transform matches transformers' ``TemperatureLogitsWarper`` followed by
-``TopPLogitsWarper`` (a test checks it), so sampled split output has exactly the distribution of
-sampled local output.
+The probability transform matches transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``
+and ``TopPLogitsWarper`` in that order (a test checks it), so sampled split output has exactly the
+distribution of sampled local output.
 """
 
 from __future__ import annotations
@@ -20,16 +20,23 @@ class SamplingParams:
     temperature: float = 0.0  # softmax temperature; 0 means greedy (argmax)
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1 keeps every token
     seed: int | None = None  # generator seed; None draws one (recorded in results)
+    top_k: int = 0  # keep only the k most likely tokens; 0 keeps every token
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V) logits -> (..., V) float32 probabilities under these settings (not for greedy)."""
+        return probabilities(logits, self.temperature, self.top_p, self.top_k)
 
     def generator(self, device: torch.device | None = None) -> tuple[torch.Generator, int]:
         """A seeded generator on ``device`` (default CPU), where the logits it samples from live, and its seed."""
@@ -37,9 +44,12 @@ class SamplingParams:
         return torch.Generator(device=device or "cpu").manual_seed(seed), seed
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities after temperature and top-p."""
+def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k (0: off) and top-p."""
     scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # (..., 1)
+        scores = scores.masked_fill(scores < kth, -float("inf"))
     if top_p < 1.0:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
@@ -54,5 +64,4 @@ def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """Pick the next token from (V,) logits: argmax when greedy, else a draw from the warped distribution."""
     if params.greedy:
         return int(logits.argmax())
-    probs = probabilities(logits, params.temperature, params.top_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(params.probabilities(logits), 1, generator=generator))

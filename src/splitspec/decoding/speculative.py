@@ -20,7 +20,7 @@ import torch
 from splitspec.decoding.acceptance import greedy_verify_tree, sample_verify_tree
 from splitspec.decoding.controller import SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter, DraftModel, MixedDrafter, NgramPool, PromptLookup
-from splitspec.decoding.sampling import SamplingParams, choose_token, probabilities
+from splitspec.decoding.sampling import SamplingParams, choose_token
 from splitspec.devices import device_generator
 from splitspec.exceptions import ConfigError
 from splitspec.models.stack import FullModel
@@ -105,7 +105,7 @@ async def speculative_decode(
         if params.greedy:
             verdict = greedy_verify_tree(draft.tokens, draft.parents, logits)
         else:
-            target = probabilities(logits, params.temperature, params.top_p)
+            target = params.probabilities(logits)
             verdict = sample_verify_tree(draft.tokens, draft.parents, draft.probs, target, generator)
         if len(verdict.path) < len(draft):
             verifier.keep([0, *[i + 1 for i in verdict.path]])  # t and the accepted path

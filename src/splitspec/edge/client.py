@@ -25,6 +25,7 @@ import torch
 
 from splitspec.decoding.controller import SpeculationController
 from splitspec.decoding.generate import decode_sequential
+from splitspec.decoding.published import published_sampling, sampling_settings
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
 from splitspec.devices import HostStaging, resolve_device
@@ -176,6 +177,8 @@ class SplitClient:
         )
         self.expected_trunk, self.trunk_source = expected_trunk(config, ckpt, self.plan)
         self.eos_token_ids = generation_stop_ids(config.model_dir, ckpt.config)
+        self.published_sampling = published_sampling(config.model_dir)  # generation_config.json's
+        self._default_sampling: SamplingParams | None = None
         self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
         self.draft_model: FullModel | None = draft_model
         if draft_model is None and config.draft_model_dir is not None:
@@ -287,9 +290,33 @@ class SplitClient:
         self._tokens = []
         self._digests = []
 
+    def sampling(
+        self,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+    ) -> SamplingParams:
+        """Sampling as the checkpoint publishes it (generation_config.json), with the values given here overriding it.
+
+        What :meth:`generate` and :meth:`stream` use when given no ``params``, and what the CLI's
+        ``--temperature/--top-p/--top-k/--seed`` build; see :mod:`splitspec.decoding.published`.
+        """
+        return sampling_settings(self.published_sampling, temperature, top_p, top_k, seed)
+
+    @property
+    def default_sampling(self) -> SamplingParams:
+        """:meth:`sampling` with no overrides (worked out once)."""
+        if self._default_sampling is None:
+            self._default_sampling = self.sampling()
+        return self._default_sampling
+
     def check_length(self, prompt_tokens: int, max_new_tokens: int, context_tokens: int = 0) -> None:
-        """Refuse a generation longer than the model's maximum positions (the CLI's check before connecting;
-        :meth:`stream` itself stops at the limit with a warning)."""
+        """Refuse a generation that could pass the model's maximum positions: context + prompt + max new tokens.
+
+        The one length policy: the CLI calls it before connecting, :meth:`stream` before sending
+        anything, so a request either fits whole or fails at once, never midway.
+        """
         total = context_tokens + prompt_tokens + max_new_tokens
         if total > self.max_positions:
             raise ConfigError(
@@ -505,10 +532,10 @@ class SplitClient:
         starting over (multi-turn chat); the last token generated before is not in the caches yet,
         so a continuation should start with it.
         """
-        params = params or SamplingParams()
+        params = params if params is not None else self.default_sampling
         if generator is None:
             generator, _ = params.generator(self.device)
-        max_new_tokens = self._tokens_that_fit(len(prompt_ids) + (0 if fresh else len(self._tokens)), max_new_tokens)
+        self.check_length(len(prompt_ids), max_new_tokens, 0 if fresh else len(self._tokens))
         stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
         drafters = make_drafters(speculate, params, self.draft_model, generator)
         if not drafters:
@@ -528,21 +555,6 @@ class SplitClient:
         ):
             yield token
 
-    def _tokens_that_fit(self, context: int, wanted: int) -> int:
-        """How many of ``wanted`` new tokens fit after ``context`` tokens in the model's positions.
-
-        The last token generated is never forwarded, so n tokens need context + n − 1 positions.
-        Generation stops at the limit (with a warning) instead of failing there and losing them.
-        """
-        room = self.max_positions - context + 1
-        if room < 1:
-            raise ConfigError(f"{context} tokens of context exceed the model's {self.max_positions} positions")
-        if wanted > room:
-            log.warning(
-                "generating %d tokens instead of %d: the model has %d positions", room, wanted, self.max_positions
-            )
-        return min(wanted, room)
-
     async def generate(
         self,
         prompt_ids: Sequence[int],
@@ -550,20 +562,25 @@ class SplitClient:
         params: SamplingParams | None = None,
         stop_token_ids: Collection[int] | None = None,
         speculate: str = "off",
+        produced: list[int] | None = None,
     ) -> GenerationResult:
-        """Generate and return the tokens with per-step figures."""
-        params = params or SamplingParams()
+        """Generate and return the tokens with per-step figures.
+
+        ``params`` None: :attr:`default_sampling` (the checkpoint's published settings). Each new
+        token is also appended to ``produced`` when given, so a caller still has every token
+        produced (the last one included) when the generation fails midway.
+        """
+        params = params if params is not None else self.default_sampling
         generator, seed = params.generator(self.device)
         first_step, recoveries = len(self.steps), self.recoveries
         trace: list[SpecStep] = []
         t0 = time.perf_counter()
-        tokens = [
-            t
-            async for t in self.stream(prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace)
-        ]
+        tokens = produced if produced is not None else []
+        async for token in self.stream(prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace):
+            tokens.append(token)
         return GenerationResult(
             prompt_ids=list(prompt_ids),
-            token_ids=tokens,
+            token_ids=list(tokens),
             seed=seed,
             wall_s=time.perf_counter() - t0,
             steps=self.steps[first_step:],

@@ -188,7 +188,7 @@ class Coordinator:
                 q = torch.zeros_like(logits)
                 q[token] = 1.0
             else:
-                q = probabilities(logits, params.temperature, params.top_p)
+                q = params.probabilities(logits)
                 token = int(torch.multinomial(q, 1, generator=generator))
             tokens.append(token)
             q_rows.append(q)

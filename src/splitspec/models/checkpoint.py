@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -93,16 +94,28 @@ def load_tokenizer(directory: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+GENERATION_FILE = "generation_config.json"
+
+
+def read_generation_config(directory: str | Path) -> dict[str, Any]:
+    """generation_config.json as a dict ({} when the checkpoint has none), or a CheckpointError if it is broken."""
+    path = Path(directory) / GENERATION_FILE
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    return raw
+
+
 def generation_stop_ids(directory: str | Path, config: PretrainedConfig) -> frozenset[int]:
     """Stop token ids: config.json's eos_token_id and generation_config.json's (instruct models keep theirs there)."""
     ids: set[int] = set()
-    sources: list[object] = [getattr(config, "eos_token_id", None)]
-    generation = Path(directory) / "generation_config.json"
-    if generation.is_file():
-        try:
-            sources.append(json.loads(generation.read_text()).get("eos_token_id"))
-        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{generation} is not valid JSON ({exc})") from None
+    published = read_generation_config(directory).get("eos_token_id")
+    sources: list[object] = [getattr(config, "eos_token_id", None), published]
     for value in sources:
         values = value if isinstance(value, list) else [value]
         ids.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))

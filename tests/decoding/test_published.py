@@ -1,0 +1,73 @@
+"""Sampling as the checkpoint publishes it (generation_config.json), overridden by what the user gives."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from transformers import GenerationConfig
+
+from splitspec.cli import _sampling, build_parser
+from splitspec.decoding import published as pub
+from splitspec.decoding.published import published_sampling, sampling_settings
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.exceptions import CheckpointError
+
+
+def checkpoint_with(tmp_path: Path, **generation: object) -> Path:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, **generation}))
+    return tmp_path
+
+
+def test_published_sampling_applies_unless_overridden(tmp_path: Path) -> None:
+    model = checkpoint_with(tmp_path, do_sample=True, temperature=0.6, top_p=0.9, top_k=20)
+    published = published_sampling(model)
+    assert sampling_settings(published) == SamplingParams(temperature=0.6, top_p=0.9, top_k=20)
+    assert sampling_settings(published, temperature=1.2, top_k=0, seed=5) == SamplingParams(1.2, 0.9, 5, 0)
+    assert sampling_settings(published, temperature=0).greedy  # an explicit 0 is greedy
+
+
+def test_unset_values_take_transformers_defaults(tmp_path: Path) -> None:
+    hf = GenerationConfig._get_default_generation_params()
+    assert (
+        hf["temperature"],
+        hf["top_k"],
+        hf["top_p"],
+    ) == (pub.HF_DEFAULT_TEMPERATURE, pub.HF_DEFAULT_TOP_K, pub.HF_DEFAULT_TOP_P)
+    params = sampling_settings(published_sampling(checkpoint_with(tmp_path, do_sample=True)))
+    assert params == SamplingParams(temperature=1.0, top_p=1.0, top_k=50)
+
+
+def test_greedy_when_the_publisher_does_not_sample_and_it_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = checkpoint_with(tmp_path, do_sample=False, temperature=0.6, top_p=0.9)
+    with caplog.at_level(logging.INFO, logger="splitspec.decoding.published"):
+        params = sampling_settings(published_sampling(model))
+    assert params.greedy
+    assert "decoding greedily" in caplog.text
+    assert "does not set do_sample" in caplog.text
+    assert "temperature 0.6" in caplog.text
+    assert "--temperature" in caplog.text
+    # asking for sampling keeps the publisher's other settings
+    assert sampling_settings(published_sampling(model), temperature=0.8) == SamplingParams(0.8, 0.9, None, 50)
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert sampling_settings(published_sampling(empty)).greedy  # no generation_config.json at all
+
+
+@pytest.mark.parametrize("bad", [{"temperature": "hot"}, {"top_k": 2.5}, {"top_p": True}])
+def test_a_broken_generation_config_is_named(tmp_path: Path, bad: dict[str, object]) -> None:
+    with pytest.raises(CheckpointError, match=r"generation_config\.json"):
+        published_sampling(checkpoint_with(tmp_path, do_sample=True, **bad))
+
+
+def test_the_cli_resolves_like_the_python_api(tmp_path: Path) -> None:
+    model = checkpoint_with(tmp_path, do_sample=True, temperature=0.7, top_k=8)
+    base = ["generate", "--model", str(model), "--cloud", "ws://x", "--prompt", "p"]
+    assert _sampling(build_parser().parse_args(base)) == SamplingParams(temperature=0.7, top_p=1.0, top_k=8)
+    args = build_parser().parse_args([*base, "--top-k", "3", "--top-p", "0.5", "--seed", "9"])
+    assert _sampling(args) == sampling_settings(published_sampling(model), None, 0.5, 3, 9)
+    assert _sampling(build_parser().parse_args([*base, "--temperature", "0"])).greedy
