@@ -12,7 +12,7 @@ from pathlib import Path
 from splitspec.exceptions import ConfigError
 from splitspec.models.split import parse_edge_layers
 
-__all__ = ["add_connection_limit_args", "add_token_file", "edge_layers", "read_token_file"]
+__all__ = ["add_connection_limit_args", "add_tls_ca", "add_token_file", "edge_layers", "read_token_file"]
 
 
 def read_token_file(path: Path | None) -> str | None:
@@ -31,6 +31,11 @@ def read_token_file(path: Path | None) -> str | None:
 def add_token_file(parser: argparse.ArgumentParser) -> None:
     """``--token-file F``: where the shared secret is (read with :func:`read_token_file`)."""
     parser.add_argument("--token-file", type=Path, help="file holding the shared secret")
+
+
+def add_tls_ca(parser: argparse.ArgumentParser) -> None:
+    """``--tls-ca F``: the CA bundle a command that connects verifies a wss:// server with."""
+    parser.add_argument("--tls-ca", type=Path, help="PEM CA bundle to verify a wss:// server (default: system store)")
 
 
 def add_connection_limit_args(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""The ``splitspec`` command: one entry point, one subcommand per job.
+"""The splitspec command: one entry point, one subcommand per job.
 
     splitspec cloud serve --model DIR [--edge-layers 2,2] [--port 8765] ...
     splitspec generate --model DIR --cloud ws://HOST:PORT --prompt TEXT [--max-new-tokens N] ...
@@ -16,9 +16,9 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from splitspec.arguments import add_connection_limit_args, add_token_file, edge_layers, read_token_file
+from splitspec.arguments import add_connection_limit_args, add_tls_ca, add_token_file, edge_layers, read_token_file
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError, SplitspecError
 
@@ -212,7 +212,7 @@ def _add_edge_link_args(p: argparse.ArgumentParser) -> None:
     """Arguments of every edge-side command that talks to a trunk server."""
     _add_split_args(p)
     p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765 or wss://HOST:PORT")
-    p.add_argument("--tls-ca", type=Path, help="PEM CA bundle to verify a wss:// server (default: system store)")
+    add_tls_ca(p)
     p.add_argument(
         "--allow-stock-edge-weights",
         action="store_true",
@@ -442,10 +442,43 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
 ]
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ArgumentParser whose every command and subcommand takes the logging options.
+
+    ``--log-level``, ``-v`` and ``-q`` are accepted before or after any subcommand's name
+    (``splitspec -q generate ...`` and ``splitspec generate ... -q`` alike). Subparsers are made
+    with the parent's class, so each level gets them; their default is "not given", so a value
+    given at one level is not reset by another.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        levels = self.add_argument_group("logging").add_mutually_exclusive_group()
+        levels.add_argument(
+            "--log-level", choices=LOG_LEVELS, default=argparse.SUPPRESS, help="what to log (default INFO)"
+        )
+        levels.add_argument(
+            "-v", "--verbose", dest="log_level", action="store_const", const="DEBUG", default=argparse.SUPPRESS,
+            help="log everything (--log-level DEBUG)",
+        )  # fmt: skip
+        levels.add_argument(
+            "-q", "--quiet", dest="log_level", action="store_const", const="WARNING", default=argparse.SUPPRESS,
+            help="log only warnings and errors (--log-level WARNING)",
+        )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitspec", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from splitspec import __version__
+
+    parser = CommandParser(prog="splitspec", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"splitspec {__version__}")
+    # the registrars take any ArgumentParser's subparsers; these make CommandParsers
+    sub = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]", parser.add_subparsers(dest="command", required=True)
+    )
     for register in REGISTRARS:
         register(sub)
     return parser
@@ -454,6 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.log_level = getattr(args, "log_level", "INFO")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLevelName(args.log_level)))
     if args.log_level != "DEBUG":  # transformers' per-load progress bars are noise around our log lines

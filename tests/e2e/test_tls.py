@@ -59,12 +59,14 @@ async def test_generation_over_tls_is_identical(make_checkpoint: Callable[..., P
         async with SplitClient(edge) as client:
             result = await client.generate(PROMPT, 12)
         other_ca, _ = self_signed(tmp_path, "other")
-        with pytest.raises(TransportError):  # a certificate we were not told to trust
+        with pytest.raises(
+            TransportError, match="certificate verify failed"
+        ):  # a certificate we were not told to trust
             async with SplitClient(
                 EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, tls_ca_file=other_ca)
             ):
                 pass
-        with pytest.raises(TransportError):  # plaintext against a TLS server
+        with pytest.raises(TransportError, match="use wss:// instead of ws://"):  # plaintext against a TLS server
             async with SplitClient(
                 EdgeConfig(
                     allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url.replace("wss://", "ws://")
@@ -72,6 +74,16 @@ async def test_generation_over_tls_is_identical(make_checkpoint: Callable[..., P
             ):
                 pass
     assert result.token_ids == local_greedy(model, PROMPT, 12)
+
+
+async def test_wss_against_a_plain_server_says_why(make_checkpoint: Callable[..., Path]) -> None:
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        edge = EdgeConfig(
+            model_dir=model, cloud_url=server.url.replace("ws://", "wss://"), allow_stock_edge_weights=True
+        )
+        with pytest.raises(TransportError, match=r"TLS handshake failed .*use ws:// instead of wss://"):
+            await SplitClient(edge).connect()
 
 
 def test_tls_configuration_errors(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import json
 import logging
 from pathlib import Path
 
-from splitspec.arguments import add_token_file, edge_layers, read_token_file
+from splitspec.arguments import add_tls_ca, add_token_file, edge_layers, read_token_file
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
@@ -87,11 +87,12 @@ def run_probe(args: argparse.Namespace) -> int:
         context_tokens=args.context_tokens,
         projection_rtt_ms=args.project_rtt,
         dollars_per_hour=args.dollars_per_hour,
+        tls_ca_file=args.tls_ca,
     )
-    if args.torch_threads is not None:
+    if args.threads is not None:
         import torch
 
-        torch.set_num_threads(args.torch_threads)
+        torch.set_num_threads(args.threads)
     report = asyncio.run(probe(config))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
@@ -119,6 +120,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_token_file(p)
+    add_tls_ca(p)
     p.add_argument("--dollars-per-hour", type=float, help="cloud rental price, USD/hour (adds $/M tokens)")
     p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per k (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per k first (default 2)")
@@ -138,7 +140,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="MS,...",
         help="RTTs to project to, ms (default 5,20,40,80,150)",
     )
-    p.add_argument("--torch-threads", type=_positive_int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, help="CPU threads for the edge's compute (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(run=run_probe)
 

@@ -76,6 +76,7 @@ class ProbeConfig:
     dtype: str = "float32"  # compute and wire dtype; must equal the server's
     device: str = "auto"  # the edge's compute device: auto, cpu, cuda, cuda:N or mps
     auth_token: str | None = None  # shared secret, if the server requires one
+    tls_ca_file: Path | None = None  # PEM CA bundle to verify a wss:// server; None = system store
     query_tokens: tuple[int, ...] = DEFAULT_QUERY_TOKENS  # step sizes k to time, tokens
     repeats: int = 10  # timed steps per k, count
     warmup: int = 2  # untimed steps per k before timing, count
@@ -188,7 +189,13 @@ def step_total_ms(step: StepStats) -> float:
 
 
 async def measure_pings(
-    url: str, hello: Hello, n: int, *, max_message_bytes: int = 1 << 20, timeout_s: float = 30.0
+    url: str,
+    hello: Hello,
+    n: int,
+    *,
+    max_message_bytes: int = 1 << 20,
+    timeout_s: float = 30.0,
+    ca_file: Path | None = None,
 ) -> list[float]:
     """Round trips, in ms, of ``n`` OpenSession/CloseSession pairs (``2n`` samples).
 
@@ -197,7 +204,7 @@ async def measure_pings(
     """
     if n < 1:
         raise ValueError("n must be >= 1")
-    channel = await Channel.connect(url, max_message_bytes=max_message_bytes, timeout_s=timeout_s)
+    channel = await Channel.connect(url, max_message_bytes=max_message_bytes, timeout_s=timeout_s, ca_file=ca_file)
     samples: list[float] = []
     try:
         welcome, _ = await channel.request(hello, timeout_s)
@@ -312,12 +319,15 @@ async def probe(config: ProbeConfig, *, client: SplitClient | None = None) -> Pr
             dtype=config.dtype,
             device=config.device,
             auth_token=config.auth_token,
+            tls_ca_file=config.tls_ca_file,
             request_timeout_s=config.request_timeout_s,
         )
         async with SplitClient(edge) as own:
             return await probe(config, client=own)
     log.info("probing %s: %d pings, k in %s x %d", config.cloud_url, config.pings, config.query_tokens, config.repeats)
-    pings = await measure_pings(config.cloud_url, client.hello, config.pings, timeout_s=config.request_timeout_s)
+    pings = await measure_pings(
+        config.cloud_url, client.hello, config.pings, timeout_s=config.request_timeout_s, ca_file=config.tls_ca_file
+    )
     steps = await measure_steps(
         client,
         config.query_tokens,
@@ -328,7 +338,9 @@ async def probe(config: ProbeConfig, *, client: SplitClient | None = None) -> Pr
         seed=config.seed,
     )
     # A second batch of pings after the steps: the RTT estimate then spans the whole probe.
-    pings += await measure_pings(config.cloud_url, client.hello, config.pings, timeout_s=config.request_timeout_s)
+    pings += await measure_pings(
+        config.cloud_url, client.hello, config.pings, timeout_s=config.request_timeout_s, ca_file=config.tls_ca_file
+    )
     return build_report(config, pings, steps)
 
 

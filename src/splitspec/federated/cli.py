@@ -20,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from splitspec.arguments import add_connection_limit_args, add_token_file, read_token_file
+from splitspec.arguments import add_connection_limit_args, add_tls_ca, add_token_file, read_token_file
 from splitspec.devices import DEVICE_HELP, resolve_device
 from splitspec.exceptions import ConfigError
 from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET
@@ -80,6 +80,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         quant_budget=args.quant_budget,
         audit=args.audit,
         auth_token=read_token_file(args.token_file),
+        tls_ca_file=args.tls_ca,
         round_timeout_s=args.round_timeout,
         device=args.device,
     )
@@ -180,6 +181,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     g.add_argument("--round-timeout", type=float, default=30.0, help="seconds before a slow worker is dropped")
     add_token_file(g)
+    add_tls_ca(g)
     g.add_argument("--json", action="store_true", help="print tokens, text and per-round figures as JSON")
     g.add_argument("--audit", action="store_true", help="workers also send full laws: check the bounds each round")
     g.add_argument("--device", default="auto", help=DEVICE_HELP + " (for the draft model; sampling stays on the host)")

@@ -51,6 +51,7 @@ class WorkerLink:
             max_message_bytes=cfg.max_message_bytes,
             timeout_s=cfg.connect_timeout_s,
             idle_frame_limit=_HEADER_ONLY,
+            ca_file=cfg.tls_ca_file,
         )
         try:
             reply, _ = await channel.exchange(

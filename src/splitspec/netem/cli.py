@@ -1,4 +1,4 @@
-"""The ``splitspec netem`` subcommand: run the WAN emulator in front of a server.
+"""The splitspec netem subcommand: run the WAN emulator in front of a server.
 
 Example: put 80 ms of round-trip time, 5 ms of jitter and a 100 Mbit/s link in front of a trunk
 server listening on port 8765, and point the edge at port 9000::

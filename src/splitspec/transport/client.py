@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidURI
 from websockets.frames import CloseCode
 
 from splitspec.exceptions import ConfigError, MessageTooLarge, TransportError, error_from_code
@@ -28,6 +28,18 @@ def websocket_max_size(max_message_bytes: int) -> int:
     while the connection stays up; only frames beyond this hard cap close the connection (1009).
     """
     return 2 * max_message_bytes + (1 << 20)
+
+
+def connect_failure(exc: BaseException, tls: bool) -> str:
+    """Why a connection attempt failed, in words (some of these exceptions carry no message at all)."""
+    reason = str(exc) or type(exc).__name__
+    if isinstance(exc, ssl.SSLCertVerificationError):  # a TLS server we were not told to trust: clear as it is
+        return reason
+    if tls and isinstance(exc, ssl.SSLError | ConnectionResetError | ConnectionAbortedError | EOFError):
+        return f"the TLS handshake failed ({reason}): if the server has no TLS certificate, use ws:// instead of wss://"
+    if not tls and isinstance(exc, InvalidMessage | ConnectionResetError):
+        return f"no WebSocket handshake ({reason}): if the server serves TLS (--tls-cert), use wss:// instead of ws://"
+    return reason
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class Channel:
                 ping_timeout=60,
             )
         except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:  # ssl.SSLError is an OSError
-            raise TransportError(f"cannot connect to {url}: {exc}") from exc
+            raise TransportError(f"cannot connect to {url}: {connect_failure(exc, tls=context is not None)}") from exc
         return cls(ws, max_message_bytes)
 
     async def send_raw(self, data: bytes) -> None:
