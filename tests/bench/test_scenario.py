@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import splitspec
+from splitspec.bench.cli import SCENARIO_DIR, resolve_scenario
 from splitspec.bench.modes import MODES
 from splitspec.bench.prompts import build_prompts, literal_runs
 from splitspec.bench.scenario import DEFAULT_CORPUS_DIR, load_scenario
@@ -66,7 +68,7 @@ def test_missing_file() -> None:
 
 def test_repo_scenarios_parse() -> None:
     """Every shipped scenario loads against the embedded models and names only registered modes."""
-    paths = sorted((REPO / "benchmarks" / "scenarios").glob("*.toml"))
+    paths = sorted(SCENARIO_DIR.glob("*.toml"))
     assert {p.stem for p in paths} >= {"default", "speculative"}
     names = set()
     for path in paths:
@@ -75,6 +77,16 @@ def test_repo_scenarios_parse() -> None:
         assert (sc.model_dir / "config.json").is_file()
         names.add(sc.name)
     assert len(names) == len(paths)  # each writes its own results folder
+
+
+def test_shipped_scenarios_are_found_by_name_outside_the_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # nothing of the repository around
+    assert resolve_scenario("default") == SCENARIO_DIR / "default.toml"
+    assert SCENARIO_DIR.is_relative_to(Path(splitspec.__file__).parent)  # inside the package: installed with it
+    with pytest.raises(ConfigError, match=r"no shipped scenario named 'nope' \(shipped: default, speculative\)"):
+        resolve_scenario("nope")
 
 
 class CharTokenizer:

@@ -9,7 +9,8 @@ overhead, with break-even acceptance, projected tok/s and cost per million token
 Run a benchmark scenario (in-process server, emulated links, local baselines) and write its
 report (JSON, markdown, PNG plots)::
 
-    splitspec bench benchmarks/scenarios/default.toml [--out DIR] [--quick]
+    splitspec bench default [--out DIR] [--quick]      # a scenario shipped with the package
+    splitspec bench my_scenario.toml                   # or any scenario file
 
 The main CLI wires both in with :func:`register`, which sets ``run=<function>`` on each subparser;
 ``splitspec probe ...`` and ``splitspec bench ...`` run them.
@@ -32,7 +33,7 @@ __all__ = ["register", "run_bench", "run_probe"]
 
 log = logging.getLogger(__name__)
 
-SCENARIO_DIR = Path("benchmarks") / "scenarios"  # where bare scenario names are looked up
+SCENARIO_DIR = Path(__file__).parent / "scenarios"  # the shipped scenarios, looked up by bare name
 RESULTS_DIR = Path("benchmarks") / "results"  # default parent of a bench's output folder
 
 
@@ -149,14 +150,15 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def resolve_scenario(text: str) -> Path:
-    """A scenario path, or a bare name looked up as ``benchmarks/scenarios/NAME.toml``."""
+    """A scenario path, or the bare name of a scenario shipped with the package (``bench/scenarios/NAME.toml``)."""
     path = Path(text)
     if path.is_file():
         return path
     named = SCENARIO_DIR / f"{text}.toml"
     if named.is_file():
         return named
-    raise ConfigError(f"no scenario file {path} (nor {named})")
+    shipped = ", ".join(sorted(p.stem for p in SCENARIO_DIR.glob("*.toml")))
+    raise ConfigError(f"no scenario file {path}, and no shipped scenario named {text!r} (shipped: {shipped})")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -179,7 +181,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="run a benchmark scenario over emulated WAN links and write its report",
         description="Run a benchmark scenario (TOML) in-process on loopback and write JSON, markdown and PNGs.",
     )
-    p.add_argument("scenario", help="scenario TOML file, or NAME for benchmarks/scenarios/NAME.toml")
+    p.add_argument("scenario", help="scenario TOML file, or the name of a shipped scenario (default, speculative)")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<scenario name>)")
     p.add_argument("--model", type=Path, help="checkpoint directory, instead of the scenario's model")
     p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 prompt per set, <= 16 tokens")

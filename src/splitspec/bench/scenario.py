@@ -1,7 +1,7 @@
 """Benchmark scenarios: a TOML file read once into frozen dataclasses, with explicit errors.
 
 A scenario names the model, the split, the emulated RTTs, the decoding modes and the prompt sets
-of one benchmark. Example (``benchmarks/scenarios/default.toml``)::
+of one benchmark. Example (``splitspec/bench/scenarios/default.toml``)::
 
     name = "split_sequential"          # also the default output folder name
     # model = "path/to/checkpoint"     # default: the demo base model shipped in splitspec/assets
