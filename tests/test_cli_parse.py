@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 from collections.abc import Iterator
 
@@ -71,3 +72,11 @@ def test_threads_and_tls_ca_are_spelled_the_same_everywhere() -> None:
     assert spelled == {"--threads"}
     for command in CONNECTING:
         assert "--tls-ca" in options[command], command
+
+
+def test_the_python_api_speculates_like_the_cli_by_default() -> None:
+    from splitspec.edge import SplitClient
+
+    args = build_parser().parse_args(["generate", "--model", "m", "--cloud", "ws://h:1", "--prompt", "p"])
+    for method in (SplitClient.generate, SplitClient.stream):
+        assert inspect.signature(method).parameters["speculate"].default == args.speculate == "auto"

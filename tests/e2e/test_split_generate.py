@@ -36,7 +36,7 @@ async def test_greedy_split_equals_local_generate(
         async with SplitClient(
             EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, edge_layers=split)
         ) as client:
-            result = await client.generate(PROMPT, 24)
+            result = await client.generate(PROMPT, 24, speculate="off")
     assert result.token_ids == expected
     assert len(result.steps) == 24  # one prefill step, then one round trip per further token
     assert all(s.query_tokens == 1 for s in result.steps[1:])
@@ -101,7 +101,7 @@ async def _generate_with_interruption(
     client: SplitClient, prompt: list[int], n: int, at: int, interrupt: Callable[[], object]
 ) -> list[int]:
     tokens: list[int] = []
-    async for token in client.stream(prompt, n):
+    async for token in client.stream(prompt, n, speculate="off"):
         tokens.append(token)
         if len(tokens) == at:
             result = interrupt()

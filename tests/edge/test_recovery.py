@@ -69,7 +69,7 @@ async def test_a_failure_between_prefill_chunks_does_not_duplicate_them(
     async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
         async with SplitClient(_edge(model, server, max_message_bytes=SMALL_CAP)) as client:
             assert client.chunk_tokens == 66
-            result = await client.generate(LONG_PROMPT, 8)
+            result = await client.generate(LONG_PROMPT, 8, speculate="off")
             cached = await _only_session_length(server)
     assert result.recoveries == 1
     assert cached == len(LONG_PROMPT) + 8 - 1  # was 376 + 7 with the committed chunks sent twice
@@ -85,7 +85,7 @@ async def test_a_failed_replay_keeps_the_whole_history(
     fail_steps.update({7, 9})  # prefill is steps 1-5, step 6 decodes; 7 fails; 8-12 replay, 9 fails
     async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
         async with SplitClient(_edge(model, server, max_message_bytes=SMALL_CAP)) as client:
-            result = await client.generate(LONG_PROMPT, 6)
+            result = await client.generate(LONG_PROMPT, 6, speculate="off")
             cached = await _only_session_length(server)
     assert result.recoveries == 2
     assert cached == len(LONG_PROMPT) + 6 - 1

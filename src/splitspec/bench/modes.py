@@ -22,7 +22,7 @@ async def _sequential(client: SplitClient, prompt_ids: Sequence[int], max_new_to
     """Plain greedy decoding: one round trip per token."""
     from splitspec.decoding.sampling import SamplingParams
 
-    return await client.generate(prompt_ids, max_new_tokens, SamplingParams(temperature=0.0))
+    return await client.generate(prompt_ids, max_new_tokens, SamplingParams(temperature=0.0), speculate="off")
 
 
 def _speculative(mode: str) -> ModeRunner:

@@ -519,15 +519,16 @@ class SplitClient:
         params: SamplingParams | None = None,
         stop_token_ids: Collection[int] | None = None,
         generator: torch.Generator | None = None,
-        speculate: str = "off",
+        speculate: str = "auto",
         trace: list[SpecStep] | None = None,
         fresh: bool = True,
     ) -> AsyncIterator[int]:
         """Yield new tokens as they are produced.
 
         ``speculate``: ``off`` (one round trip per token) or a drafter (``ngram``,
-        ``prompt-lookup``, ``draft``) or ``auto``; the adaptive controller then drafts only when
-        it pays, so output is the same (greedy: token for token; sampling: in law).
+        ``prompt-lookup``, ``draft``) or ``auto`` (the default, as the CLI's ``--speculate``); the
+        adaptive controller then drafts only when it pays, and output is the same whatever the
+        mode (greedy: token for token; sampling: in law).
         ``fresh=False`` appends ``prompt_ids`` to the sequence already in the caches instead of
         starting over (multi-turn chat); the last token generated before is not in the caches yet,
         so a continuation should start with it.
@@ -561,7 +562,7 @@ class SplitClient:
         max_new_tokens: int,
         params: SamplingParams | None = None,
         stop_token_ids: Collection[int] | None = None,
-        speculate: str = "off",
+        speculate: str = "auto",
         produced: list[int] | None = None,
     ) -> GenerationResult:
         """Generate and return the tokens with per-step figures.
