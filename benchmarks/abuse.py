@@ -47,6 +47,7 @@ from typing import Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
+from websockets.frames import Frame, Opcode
 
 import splitspec
 from splitspec.decoding.sampling import SamplingParams
@@ -194,15 +195,17 @@ async def watch_close(ws: ClientConnection, run: Run, since: float, limit_s: flo
 
 
 async def unauth_max_frame(url: str, n: int, run: Run, args: argparse.Namespace) -> Callable[[], Awaitable[None]]:
-    frame = MAGIC + PROTOCOL_VERSION.to_bytes(2, "big") + bytes(args.max_message_mb * 1024 * 1024 - 6)
+    payload = MAGIC + PROTOCOL_VERSION.to_bytes(2, "big") + bytes(args.max_message_mb * 1024 * 1024 - 6)
+    # masked once and written raw: masking 16 MiB per send would block this process's event loop
+    # (which the legitimate client shares) for about a second per connection
+    wire = Frame(Opcode.BINARY, payload).serialize(mask=True, extensions=[])
 
     async def one() -> None:
         ws = await hostile_connection(url)
         if ws is None:
             run.refused_at_connect += 1
             return
-        with contextlib.suppress(ConnectionClosed):
-            await ws.send(frame)
+        ws.transport.write(wire)
         await watch_close(ws, run, time.perf_counter(), args.handshake_timeout + 20)
 
     tasks = [asyncio.create_task(one()) for _ in range(n)]
