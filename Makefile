@@ -39,15 +39,18 @@ types: install
 	$(BIN)/mypy
 	$(BIN)/mypy tests
 
-# The whole suite (both lanes) with branch coverage, then the floors.
+# The whole suite (both lanes) with branch coverage, then the floors. Tests run on TEST_WORKERS
+# pytest-xdist workers, a test file per worker at a time (module fixtures stay shared); tests pin
+# torch to one thread each, so two workers use a 2-core machine fully.
+TEST_WORKERS ?= 2
 coverage: install
-	$(BIN)/pytest -q --cov --cov-report=term
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --cov --cov-report=term
 	$(BIN)/coverage report --include='src/splitspec/protocol/*' --fail-under=$(PROTOCOL_FLOOR)
 	$(BIN)/coverage report --include='src/splitspec/federated/codec.py' --fail-under=$(CODEC_FLOOR)
 
 # The fast lane only: everything not marked slow.
 test-fast: install
-	$(BIN)/pytest -q -m 'not slow'
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m 'not slow'
 
 clean:
 	rm -rf .coverage .coverage.* htmlcov .mypy_cache .ruff_cache .pytest_cache build dist src/*.egg-info
