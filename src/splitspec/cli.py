@@ -94,6 +94,9 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         max_sessions_per_address=args.max_sessions_per_address,
         kv_budget_mb=args.kv_budget_mb,
         evict_idle_s=args.evict_idle,
+        batching=not args.no_batching,
+        max_batch_steps=args.max_batch_steps,
+        prefill_chunk_tokens=args.prefill_chunk,
         handshake_timeout_s=args.handshake_timeout,
         max_connections_per_address=args.max_connections_per_address,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
@@ -137,6 +140,20 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=1.0,
         help="seconds a session must have been idle before a full KV budget may evict it (default 1)",
+    )
+    p.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="run each session's step alone on a thread pool instead of batching steps across sessions",
+    )
+    p.add_argument(
+        "--max-batch-steps", type=int, default=64, help="most decode/draft steps in one batched forward (default 64)"
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        help="tokens of a big prefill run per batching iteration, so it never stalls decode steps (default 256)",
     )
     add_connection_limit_args(p)
     p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")

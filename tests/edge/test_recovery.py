@@ -94,9 +94,10 @@ async def test_a_failed_replay_keeps_the_whole_history(
 
 async def test_a_server_error_after_the_cache_command_is_recovered(make_checkpoint: Callable[..., Path]) -> None:
     """The trunk fails a step whose keep_last it had already applied: the edge used to resend the
-    command and be refused for good (PositionOutOfRange), wedging the session."""
+    command and be refused for good (PositionOutOfRange), wedging the session. (The failure is
+    injected in the per-session path's compute; a failed batched forward fails its steps alike.)"""
     model = make_checkpoint("llama")
-    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, batching=False)) as server:
         compute = server._compute
         injected: list[str] = []
 

@@ -18,6 +18,7 @@ from types import TracebackType
 import torch
 
 from splitspec import __version__
+from splitspec.cloud.batcher import StepBatcher
 from splitspec.cloud.budget import default_budget_bytes, kv_bytes_per_token
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.metrics import TrunkMetrics, step_kind
@@ -67,6 +68,8 @@ class TrunkServer:
             raise ConfigError(f"the KV budget must be positive, got {config.kv_budget_mb} MiB")
         if min(config.max_sessions, config.max_sessions_per_connection, config.max_sessions_per_address) < 1:
             raise ConfigError("session limits must be at least 1")
+        if config.max_batch_steps < 1 or config.prefill_chunk_tokens < 1:
+            raise ConfigError("--max-batch-steps and --prefill-chunk must be at least 1")
         self.checkpoint = Checkpoint(config.model_dir)
         model_config = self.checkpoint.config
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
@@ -99,6 +102,13 @@ class TrunkServer:
             budget=self.budget,
         )
         self.metrics = TrunkMetrics(self.sessions)
+        self.batcher = (
+            StepBatcher(
+                self.trunk, self.metrics, config.max_batch_steps, prefill_chunk_tokens=config.prefill_chunk_tokens
+            )
+            if config.batching
+            else None
+        )
         # each connection handles its messages in order, so one session never runs two steps at
         # once; different sessions compute in parallel (torch releases the GIL in its kernels)
         self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")
@@ -134,6 +144,8 @@ class TrunkServer:
     async def start(self) -> None:
         await self._frames.start()
         self._sweeper = asyncio.create_task(self._sweep_forever())
+        if self.batcher is not None:
+            self.batcher.start()
         log.info(
             "trunk server on %s: layers %d..%d of %s, dtype %s, on %s, fingerprint %s, trunk fingerprint %s",
             self.url,
@@ -152,6 +164,8 @@ class TrunkServer:
             self._sweeper.cancel()
             self._sweeper = None
         await self._frames.stop()
+        if self.batcher is not None:
+            await self.batcher.stop()
         self._executor.shutdown(wait=True)
 
     async def __aenter__(self) -> TrunkServer:
@@ -185,6 +199,15 @@ class TrunkServer:
         host = self._out_of_trunk.to_host(out)  # (1, q, H)
         return host, (time.perf_counter() - t0) * 1e3, t0
 
+    async def _compute_alone(self, step: Step, cache: KVCache) -> tuple[torch.Tensor, float, float]:
+        """The per-session path (``batching=False``): the step alone on the thread pool -> output,
+        compute ms, queue wait ms."""
+        queued = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        out, cloud_ms, started = await loop.run_in_executor(self._executor, self._compute, step, cache)
+        self.metrics.observe_batch(1, step.hidden.shape[1], cloud_ms)
+        return out, cloud_ms, (started - queued) * 1e3
+
     def validate_step(self, step: Step, cache_length: int, last_step: int) -> int:
         """Check a step against the session; return the committed length after its cache command."""
         hidden = step.hidden
@@ -213,9 +236,8 @@ class TrunkServer:
         session = self.sessions.get(step.session_id, owner)
         cache = session.cache
         length = self.validate_step(step, len(cache), cache.last_step)
-        self.sessions.reserve(
-            session, length + step.hidden.shape[1]
-        )  # may evict others, or refuse: nothing changed yet
+        # may evict idle sessions, or refuse before anything changed (the edge sends the step again)
+        self.sessions.reserve(session, length + step.hidden.shape[1])
         if step.cache is not None:
             if step.cache.truncate_to is not None:
                 cache.truncate(step.cache.truncate_to)
@@ -223,9 +245,10 @@ class TrunkServer:
                 cache.keep_last(step.cache.keep_last)
         session.busy = True
         try:
-            loop = asyncio.get_running_loop()
-            queued = time.perf_counter()
-            out, cloud_ms, started = await loop.run_in_executor(self._executor, self._compute, step, cache)
+            if self.batcher is not None:
+                out, cloud_ms, queue_ms = await self.batcher.submit(step.hidden, step.positions, step.parents, cache)
+            else:
+                out, cloud_ms, queue_ms = await self._compute_alone(step, cache)
         except Exception:
             # the cache command is applied and the compute may have half-run: the cache no longer
             # matches anything the edge knows, so the session goes (the edge replays its history)
@@ -241,8 +264,7 @@ class TrunkServer:
         kind = step_kind(step.parents)
         self.metrics.steps.labels(kind).inc()
         self.metrics.step_tokens.labels(kind).inc(q)
-        self.metrics.queue_ms.observe((started - queued) * 1e3)
-        self.metrics.observe_batch(1, q, cloud_ms)
+        self.metrics.queue_ms.observe(queue_ms)
         return StepResult(session_id=step.session_id, seq=step.seq, hidden=out, cloud_ms=cloud_ms)
 
 

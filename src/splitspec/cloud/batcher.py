@@ -1,0 +1,168 @@
+"""Continuous batching of trunk steps across sessions.
+
+Steps of different sessions that are waiting when the compute worker comes free run together:
+every waiting small step (at most ``small_step_tokens`` query tokens: decode steps and draft
+trees) in one padded batched forward (:func:`~splitspec.models.batched.forward_batch`), then one
+chunk of at most ``prefill_chunk_tokens`` of the oldest big step (a prefill) in its own forward.
+A big prefill is thus spread over iterations and never holds up everyone's decode steps for more
+than one chunk. Each session has at most one step in flight (a connection handles its messages in
+order), so rows of a batch always belong to different sessions. The forwards run on one worker
+thread, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from splitspec.cloud.metrics import TrunkMetrics
+from splitspec.models.batched import BatchRow, forward_batch
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.masks import is_chain
+from splitspec.models.stack import LayerStack
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)  # identity: its fields hold tensors
+class _Pending:
+    """A submitted step and how far it has got."""
+
+    hidden: torch.Tensor  # (1, q, H) on the host
+    positions: torch.Tensor  # (q,)
+    parents: torch.Tensor  # (q,)
+    cache: KVCache
+    future: asyncio.Future[tuple[torch.Tensor, float, float]]
+    queued: float  # time.perf_counter() at submission
+    started: float | None = None  # when its first forward began
+    done: int = 0  # query tokens computed so far
+    compute_ms: float = 0.0  # forwards it took part in, milliseconds
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    error: Exception | None = None  # its forward failed
+
+    @property
+    def tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    def next_row(self, chunk: int) -> BatchRow:
+        """The row for its next ``chunk`` tokens (all of them for a small step)."""
+        end = min(self.tokens, self.done + chunk)
+        if self.done == 0 and end == self.tokens:
+            return BatchRow(self.hidden, self.positions, self.parents, self.cache)
+        # a chain cut into chunks: each chunk's first token hangs off what is now the committed prefix
+        parents = torch.arange(-1, end - self.done - 1, dtype=self.parents.dtype)
+        return BatchRow(self.hidden[:, self.done : end], self.positions[self.done : end], parents, self.cache)
+
+
+class StepBatcher:
+    """Queues steps from all sessions and runs them in batched forwards on one worker thread."""
+
+    def __init__(
+        self,
+        stack: LayerStack,
+        metrics: TrunkMetrics,
+        max_batch_steps: int = 64,
+        small_step_tokens: int = 64,
+        prefill_chunk_tokens: int = 256,
+    ) -> None:
+        self.stack = stack
+        self.metrics = metrics
+        self.max_batch_steps = max_batch_steps
+        self.small_step_tokens = small_step_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._pending: list[_Pending] = []
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trunk-batch")
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run_forever())
+        self._task.add_done_callback(_report_crash)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    async def submit(
+        self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
+    ) -> tuple[torch.Tensor, float, float]:
+        """Queue one session's step -> its output (1, q, H) on the host, compute ms and queue wait ms."""
+        future: asyncio.Future[tuple[torch.Tensor, float, float]] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(hidden, positions, parents, cache, future, time.perf_counter()))
+        self._wake.set()
+        return await future
+
+    def _plan(self) -> tuple[list[_Pending], _Pending | None]:
+        """This iteration's small steps (oldest first) and the big step that gets a chunk."""
+        small = [p for p in self._pending if p.tokens <= self.small_step_tokens][: self.max_batch_steps]
+        big = next((p for p in self._pending if p.tokens > self.small_step_tokens), None)
+        return small, big
+
+    async def _run_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                small, big = self._plan()
+                try:
+                    await loop.run_in_executor(self._executor, self._iterate, small, big)
+                except Exception as exc:  # a bug of ours outside the forwards: fail this iteration's steps
+                    log.exception("batching iteration failed")
+                    for p in [*small, big]:
+                        if p is not None:
+                            p.done, p.error = p.tokens, exc
+                for p in [*small, big]:
+                    if p is not None and p.done == p.tokens:
+                        self._pending.remove(p)
+                        self._deliver(p)
+
+    def _iterate(self, small: list[_Pending], big: _Pending | None) -> None:
+        """One iteration on the worker thread: the small steps' batch, then the big step's chunk."""
+        if small:
+            self._forward(small, None)
+        if big is not None:
+            chunk = self.prefill_chunk_tokens if is_chain(big.parents) else big.tokens  # trees go whole
+            self._forward([big], chunk)
+
+    def _forward(self, group: list[_Pending], chunk: int | None) -> None:
+        rows = [p.next_row(chunk or p.tokens) for p in group]
+        t0 = time.perf_counter()
+        try:
+            outs = forward_batch(self.stack, rows)
+            host = [out.to("cpu") for out in outs]
+        except Exception as exc:  # every step of the failed forward fails; the server drops their sessions
+            for p in group:
+                p.done, p.error = p.tokens, exc
+            return
+        ms = (time.perf_counter() - t0) * 1e3
+        self.metrics.observe_batch(len(rows), sum(r.positions.shape[0] for r in rows), ms)
+        for p, row, out in zip(group, rows, host, strict=True):
+            p.started = t0 if p.started is None else p.started
+            p.done += row.positions.shape[0]
+            p.compute_ms += ms
+            p.outputs.append(out)
+        if chunk is not None and group[0].done == group[0].tokens and len(group[0].outputs) > 1:
+            group[0].cache.last_step = group[0].tokens  # a keep_last on the next step indexes the whole step
+
+    def _deliver(self, p: _Pending) -> None:
+        if p.future.done():  # its connection went away meanwhile
+            return
+        if p.error is not None:
+            p.future.set_exception(p.error)
+            return
+        out = p.outputs[0] if len(p.outputs) == 1 else torch.cat(p.outputs, dim=1)  # (1, q, H)
+        queue_ms = ((p.started or p.queued) - p.queued) * 1e3
+        p.future.set_result((out, p.compute_ms, queue_ms))
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the batching loop stopped", exc_info=task.exception())

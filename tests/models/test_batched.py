@@ -1,0 +1,47 @@
+"""A batched trunk forward over ragged steps of several sessions equals each session's step alone (#15)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.models.batched import BatchRow, forward_batch
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.masks import depths
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import load_trunk
+
+# (committed prefix, parents of the step): decode, a draft tree, a prefill chunk, an empty cache
+STEPS = [(9, [-1]), (4, [-1, 0, 0, 1, 2, -1]), (0, list(range(-1, 19))), (13, [-1, 0, 1])]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: a sliding window of 8
+def test_each_row_equals_its_step_alone(make_checkpoint: Callable[..., Path], family: str) -> None:
+    ckpt = Checkpoint(make_checkpoint(family))
+    trunk = load_trunk(ckpt, SplitPlan(ckpt.config.num_hidden_layers, 2, 2), torch.float32)
+    torch.manual_seed(0)
+    solo_caches, batch_caches, rows, expected = [], [], [], []
+    for past, parents in STEPS:
+        solo, batched = KVCache(), KVCache()
+        if past:
+            prefix = torch.randn(1, past, 64)
+            chain = torch.arange(-1, past - 1, dtype=torch.int32)
+            trunk(prefix, torch.arange(past, dtype=torch.int32), chain, solo)
+            trunk(prefix, torch.arange(past, dtype=torch.int32), chain, batched)
+        parent_t = torch.tensor(parents, dtype=torch.int32)
+        positions = (past + depths(parent_t)).to(torch.int32)
+        hidden = torch.randn(1, len(parents), 64)
+        expected.append(trunk(hidden, positions, parent_t, solo))
+        rows.append(BatchRow(hidden, positions, parent_t, batched))
+        solo_caches.append(solo)
+        batch_caches.append(batched)
+    outs = forward_batch(trunk, rows)
+    for out, want, solo, batched in zip(outs, expected, solo_caches, batch_caches, strict=True):
+        assert out.shape == want.shape
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        assert (len(batched), batched.last_step) == (len(solo), solo.last_step)
+        torch.testing.assert_close(batched._keys[2][:, :, : len(solo)], solo._keys[2][:, :, : len(solo)])
