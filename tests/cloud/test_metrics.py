@@ -41,7 +41,7 @@ async def test_metrics_move_as_a_generation_runs(
         async with httpx.AsyncClient() as http, SplitClient(edge) as client:
             before = await _scrape(http, server)
             session_id = client.session_id
-            stream = client.stream(PROMPT, 8)
+            stream = client.stream(PROMPT, 8, speculate="off")
             [await anext(stream) for _ in range(3)]
             during = await _scrape(http, server)
             [token async for token in stream]
