@@ -167,7 +167,8 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
         f"commit {env.get('commit')}; in-process server and load generator on one machine (shared, noisy CPU).",
         "",
         "| model | scenario | sessions | batched steps/s | per-session steps/s | ratio | batched p50/p99 ms "
-        "| per-session p50/p99 ms | p99 during the big prefill (batched / per-session) ms | KV B/token (batched; theory) |",
+        "| per-session p50/p99 ms | p99 during the big prefill (batched / per-session) ms "
+        "| KV B/token (batched; theory) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
