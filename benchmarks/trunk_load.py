@@ -98,7 +98,8 @@ class Session:
 async def run_load(model: Path, batching: bool, sessions: int, seconds: float, prefill_mix: bool) -> dict[str, Any]:
     config = CloudConfig(
         model_dir=model, port=0, batching=batching, max_sessions=sessions + 2,
-        max_sessions_per_address=sessions + 2, max_query_tokens=2048, kv_budget_mb=4096,
+        max_sessions_per_address=sessions + 2, max_connections_per_address=sessions + 2,
+        max_query_tokens=2048, kv_budget_mb=4096,
     )  # fmt: skip
     async with TrunkServer(config) as server:
         load = [Session(server) for _ in range(sessions)]
