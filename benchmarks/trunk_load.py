@@ -30,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.protocol.messages import Hello, OpenSession, SessionOpened, Step
-from splitspec.run_info import run_environment
+from splitspec.run_info import run_environment, write_jsonl_gz
 from splitspec.transport.client import Channel
 
 DEMO = Path(__file__).resolve().parents[1] / "src/splitspec/assets/models/base"
@@ -227,7 +227,8 @@ async def main_async(args: argparse.Namespace) -> None:
                         logging.info("%s", runs[-1])
     rows = summarise(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "trunk_load.json").write_text(json.dumps({"environment": env, "summary": rows, "runs": runs}, indent=1))
+    (args.out / "trunk_load.json").write_text(json.dumps({"environment": env, "summary": rows}, indent=1))
+    write_jsonl_gz(args.out / "runs.jsonl.gz", runs, commit=env["commit"], splitspec=env["splitspec"])
     (args.out / "trunk_load.md").write_text(markdown(rows, env))
     plot(rows, args.out)
     print(markdown(rows, env))
