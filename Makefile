@@ -44,7 +44,7 @@ types: install
 # torch to one thread each, so two workers use a 2-core machine fully.
 TEST_WORKERS ?= 2
 coverage: install
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --cov --cov-report=term
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 --cov --cov-report=term
 	$(BIN)/coverage report --include='src/splitspec/protocol/*' --fail-under=$(PROTOCOL_FLOOR)
 	$(BIN)/coverage report --include='src/splitspec/federated/codec.py' --fail-under=$(CODEC_FLOOR)
 
