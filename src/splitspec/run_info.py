@@ -23,7 +23,7 @@ from splitspec import __version__
 
 __all__ = ["git_commit", "read_jsonl_gz", "run_environment", "write_jsonl_gz"]
 
-_REPO = Path(__file__).resolve().parents[2]
+_REPO = Path(__file__).resolve().parents[2]  # the checkout, when installed from source (src/ layout)
 
 
 def _git(*args: str, cwd: Path) -> str | None:
@@ -37,6 +37,8 @@ def _git(*args: str, cwd: Path) -> str | None:
 def git_commit(cwd: Path | None = None) -> str:
     """The commit checked out at ``cwd`` (default: this package's repository), ``+dirty`` if the
     tracked files differ from it, or ``"unknown"`` outside a git checkout (an installed wheel)."""
+    if cwd is None and not (_REPO / "src" / "splitspec").is_dir():
+        return "unknown"  # an installed copy: the enclosing directories are not this package's repository
     where = cwd or _REPO
     commit = _git("rev-parse", "HEAD", cwd=where)
     if not commit:
