@@ -10,10 +10,13 @@ For each input it records:
 * a **crash**: an exception outside splitspec's documented tree (``SplitspecError``); for a
   handler, any exception escaping ``handle``, a ``server_error`` reply (a bug of ours), or a reply
   the peer's own decoder refuses;
-* a **hang**: one input taking more than 1 s; an input still running after 30 s is interrupted
-  (SIGALRM) and counted as a hang too, so a true infinite loop cannot stall the run. Before the
-  run, a self-check feeds a target that sleeps past the threshold and one that spins forever and
-  stops unless both are counted as hangs;
+* a **hang**: one input taking more than 1 s of CPU time (``time.process_time``: the process's
+  own compute, whatever the machine's load); an input still running after 30 s of wall-clock time
+  is interrupted (SIGALRM) and counted as a hang too, so a true infinite loop cannot stall the run.
+  Inputs over 1 s of wall-clock time are counted apart as **stalls** (on a loaded machine the
+  scheduler, not the input, can cause those). Before the run, a self-check feeds a target that
+  computes past the threshold, one that spins forever and one that sleeps past it, and stops
+  unless the first two are counted as hangs and all three as stalls;
 * **memory**: on every ``--mem-every``-th input and on a set of large inputs, the peak of traced
   allocations (Python objects and numpy buffers, via tracemalloc) while decoding, per input byte.
 
@@ -64,9 +67,10 @@ from splitspec.protocol.messages import (
     decode_message,
     encode_message,
 )
+from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 from splitspec.run_info import run_environment
 
-HANG_S = 1.0  # an input slower than this is a hang, seconds
+HANG_S = 1.0  # an input using more CPU time than this is a hang (more wall-clock time: a stall), seconds
 ABORT_S = 30.0  # an input still running after this long is interrupted (and counted as a hang), seconds
 ASSETS = Path(splitspec.__file__).parent / "assets" / "models"
 HOSTILE_JSON = [
@@ -105,7 +109,13 @@ def split_seeds() -> list[bytes]:
     )
     messages = [
         Hello(fingerprint="f" * 16, layer_start=2, layer_end=6, dtype="float32", hidden_size=h, auth_token="t"),
-        Welcome(server="s", max_message_bytes=1 << 24, max_query_tokens=2048, session_ttl_s=300.0),
+        Welcome(
+            server="s",
+            max_message_bytes=1 << 24,
+            max_query_tokens=2048,
+            session_ttl_s=300.0,
+            trunk=TrunkFingerprint(2, 6, "float32", "0123456789abcdef" * 2),
+        ),
         OpenSession(request_id=1),
         SessionOpened(request_id=1, session_id="0123456789abcdef"),
         step,
@@ -237,14 +247,18 @@ class TargetStats:
     hangs: int = 0
     refused: int = 0  # inputs refused with a documented error (the expected outcome for most)
     accepted: int = 0
+    stalls: int = 0  # inputs over HANG_S of wall-clock time (scheduling included)
     wall_s: float = 0.0
-    slowest_s: float = 0.0
+    cpu_s: float = 0.0
+    slowest_s: float = 0.0  # wall-clock
+    slowest_cpu_s: float = 0.0
     mem_samples: int = 0
     max_peak_per_byte: float = 0.0  # over sampled inputs of >= 4 KiB
     max_peak_small_bytes: int = 0  # largest peak for inputs under 4 KiB, bytes
     largest_input_bytes: int = 0
     crash_examples: list[str] = field(default_factory=list)
     hang_examples: list[str] = field(default_factory=list)
+    stall_examples: list[str] = field(default_factory=list)
 
 
 SyncTarget = Callable[[bytes], object]
@@ -274,25 +288,34 @@ class Watchdog:
 
 
 def run_sync(stats: TargetStats, fn: SyncTarget, data: bytes, measure: bool, abort_s: float = ABORT_S) -> None:
-    if measure:
+    """Time one input (wall and CPU), then, if ``measure``, run it again under tracemalloc for its memory."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    outcome = _call(stats, fn, data, abort_s)
+    record_time(stats, data, time.perf_counter() - t0, time.process_time() - c0, interrupted=outcome == "hang")
+    if outcome == "crash":
+        return
+    if measure:  # tracing slows Python code several-fold: the timed run above is untraced
         tracemalloc.start()
-    t0 = time.perf_counter()
-    try:
-        with Watchdog(abort_s):
-            fn(data)
-        stats.accepted += 1
-    except SplitspecError:
-        stats.refused += 1
-    except InputHang:
-        pass  # counted as a hang by its time
-    except Exception as exc:
-        record_crash(stats, data, exc)
-    elapsed = time.perf_counter() - t0
-    if measure:
+        _call(TargetStats("memory"), fn, data, abort_s)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         record_memory(stats, data, peak)
-    record_time(stats, data, elapsed)
+
+
+def _call(stats: TargetStats, fn: SyncTarget, data: bytes, abort_s: float) -> str:
+    try:
+        with Watchdog(abort_s):
+            fn(data)
+    except SplitspecError:
+        stats.refused += 1
+        return "refused"
+    except InputHang:
+        return "hang"
+    except Exception as exc:
+        record_crash(stats, data, exc)
+        return "crash"
+    stats.accepted += 1
+    return "accepted"
 
 
 def record_crash(stats: TargetStats, data: bytes, exc: BaseException | str) -> None:
@@ -301,27 +324,40 @@ def record_crash(stats: TargetStats, data: bytes, exc: BaseException | str) -> N
         stats.crash_examples.append(f"{exc!r:.300} on {data[:80]!r}")
 
 
-def record_time(stats: TargetStats, data: bytes, elapsed: float) -> None:
+def record_time(stats: TargetStats, data: bytes, wall: float, cpu: float, interrupted: bool = False) -> None:
     stats.inputs += 1
-    stats.wall_s += elapsed
-    stats.slowest_s = max(stats.slowest_s, elapsed)
-    if elapsed > HANG_S:
+    stats.wall_s += wall
+    stats.cpu_s += cpu
+    stats.slowest_s = max(stats.slowest_s, wall)
+    stats.slowest_cpu_s = max(stats.slowest_cpu_s, cpu)
+    if cpu > HANG_S or interrupted:
         stats.hangs += 1
         if len(stats.hang_examples) < 5:
-            stats.hang_examples.append(f"{elapsed:.2f} s on {data[:80]!r}")
+            stats.hang_examples.append(f"{cpu:.2f} s CPU ({wall:.2f} s wall) on {data[:80]!r}")
+    if wall > HANG_S:
+        stats.stalls += 1
+        if len(stats.stall_examples) < 5:
+            stats.stall_examples.append(f"{wall:.2f} s wall ({cpu:.3f} s CPU) on {data[:80]!r}")
 
 
 def check_hang_detection() -> None:
-    """The hang detector must fire: a target sleeping past HANG_S and one spinning forever both count."""
+    """The hang detector must fire on compute, not on waiting: a target computing past HANG_S and one
+    spinning forever are hangs; one sleeping past HANG_S is only a stall."""
     stats = TargetStats("self-check")
-    run_sync(stats, lambda _: time.sleep(HANG_S * 1.2), b"sleep", measure=False)
+
+    def compute(_: bytes) -> None:
+        start = time.process_time()
+        while time.process_time() - start < HANG_S * 1.2:
+            pass
 
     def spin(_: bytes) -> None:
         while True:
             pass
 
+    run_sync(stats, compute, b"compute", measure=False)
     run_sync(stats, spin, b"spin", measure=False, abort_s=HANG_S * 1.5)
-    if stats.hangs != 2 or stats.crashes or len(stats.hang_examples) != 2:
+    run_sync(stats, lambda _: time.sleep(HANG_S * 1.2), b"sleep", measure=False)
+    if stats.hangs != 2 or stats.stalls != 3 or stats.crashes or len(stats.hang_examples) != 2:
         raise SystemExit(f"hang detection self-check failed: {stats}")
 
 
@@ -410,21 +446,21 @@ class Handlers:
                     await self.worker_peer.handle(self.fed_hello)
                 peer = self.worker_peer
             decode = decode_fed
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()  # CPU time of every thread (to_thread work too)
         try:
             with Watchdog():  # interrupts the handler even if it blocks the event loop
                 reply, fatal = await asyncio.wait_for(peer.handle(data), ABORT_S)
         except (InputHang, TimeoutError):
-            record_time(stats, data, max(time.perf_counter() - t0, ABORT_S))
+            record_time(stats, data, time.perf_counter() - t0, time.process_time() - c0, interrupted=True)
             return
         except Exception as exc:
             record_crash(stats, data, exc)
-            record_time(stats, data, time.perf_counter() - t0)
+            record_time(stats, data, time.perf_counter() - t0, time.process_time() - c0)
             return
         finally:
             if not handshaken:
                 await peer.closed()  # a throwaway connection releases what its handshake took
-        record_time(stats, data, time.perf_counter() - t0)
+        record_time(stats, data, time.perf_counter() - t0, time.process_time() - c0)
         try:
             answer = decode(reply)
         except SplitspecError as exc:
@@ -560,7 +596,9 @@ def write_results(
         "wall_s": wall,
         "hang_threshold_s": HANG_S,
         "hang_abort_s": ABORT_S,
-        "hang_self_check": "passed (a 1.2 s sleep and an endless loop were both counted as hangs)",
+        "hang_criterion": "CPU time (time.process_time) > hang_threshold_s, or interrupted after hang_abort_s wall",
+        "stall_criterion": "wall-clock time > hang_threshold_s (scheduling included)",
+        "hang_self_check": "passed (1.2 s of compute and an endless loop were hangs; a 1.2 s sleep only a stall)",
         "seed": args.seed,
         "targets": {name: s.__dict__ for name, s in stats.items()},
     }
@@ -569,26 +607,30 @@ def write_results(
         f"Fuzz run at commit `{commit[:12]}`: {done:,} inputs in {wall:.0f} s "
         f"(plus the large inputs), seed {args.seed}.",
         "",
-        "| target | inputs | crashes | hangs (> 1 s) | refused | accepted | slowest, ms | mean, µs | "
+        "| target | inputs | crashes | hangs (> 1 s CPU) | stalls (> 1 s wall) | refused | accepted | "
+        "slowest, ms CPU | slowest, ms wall | mean, µs CPU | "
         "peak memory per input byte (inputs >= 4 KiB) | largest peak under 4 KiB, KiB | largest input, KiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in stats.values():
-        mean_us = s.wall_s / s.inputs * 1e6 if s.inputs else 0.0
+        mean_us = s.cpu_s / s.inputs * 1e6 if s.inputs else 0.0
         lines.append(
-            f"| {s.name} | {s.inputs:,} | {s.crashes} | {s.hangs} | {s.refused:,} | {s.accepted:,} | "
-            f"{s.slowest_s * 1e3:.1f} | {mean_us:.0f} | {s.max_peak_per_byte:.2f} | "
+            f"| {s.name} | {s.inputs:,} | {s.crashes} | {s.hangs} | {s.stalls} | {s.refused:,} | {s.accepted:,} | "
+            f"{s.slowest_cpu_s * 1e3:.1f} | {s.slowest_s * 1e3:.1f} | {mean_us:.0f} | {s.max_peak_per_byte:.2f} | "
             f"{s.max_peak_small_bytes / 1024:.1f} | {s.largest_input_bytes / 1024:.0f} |"
         )
     lines.append(
-        f"\nHang detection self-check passed before the run: a target sleeping {HANG_S * 1.2:.1f} s and one "
-        f"looping forever (interrupted after {HANG_S * 1.5:.1f} s) were both counted as hangs."
+        f"\nHang detection self-check passed before the run: a target computing {HANG_S * 1.2:.1f} s and one "
+        f"looping forever (interrupted after {HANG_S * 1.5:.1f} s) were both counted as hangs, and one "
+        f"sleeping {HANG_S * 1.2:.1f} s only as a stall."
     )
     for s in stats.values():
         for example in s.crash_examples:
             lines.append(f"\n- crash in {s.name}: `{example}`")
         for example in s.hang_examples:
             lines.append(f"\n- hang in {s.name}: `{example}`")
+        for example in s.stall_examples:
+            lines.append(f"\n- stall in {s.name}: `{example}`")
     (args.out / "fuzz.md").write_text("\n".join(lines) + "\n")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     names = list(stats)
