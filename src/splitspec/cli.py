@@ -153,7 +153,8 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--prefill-chunk",
         type=int,
         default=256,
-        help="tokens of a big prefill run per batching iteration, so it never stalls decode steps (default 256)",
+        help="most tokens of a big prefill run per batching iteration (default 256); while decode steps are "
+        "flowing a chunk is cut to about one decode batch's time, so a prefill never stalls them",
     )
     add_connection_limit_args(p)
     p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")

@@ -1,13 +1,16 @@
 """Continuous batching of trunk steps across sessions.
 
-Steps of different sessions that are waiting when the compute worker comes free run together:
-every waiting small step (at most ``small_step_tokens`` query tokens: decode steps and draft
-trees) in one padded batched forward (:func:`~splitspec.models.batched.forward_batch`), then one
-chunk of at most ``prefill_chunk_tokens`` of the oldest big step (a prefill) in its own forward.
-A big prefill is thus spread over iterations and never holds up everyone's decode steps for more
-than one chunk. Each session has at most one step in flight (a connection handles its messages in
-order), so rows of a batch always belong to different sessions. The forwards run on one worker
-thread, off the event loop.
+Steps of different sessions that are waiting when the compute worker comes free run together.
+One iteration runs every waiting small step (at most ``small_step_tokens`` query tokens: decode
+steps and draft trees) in one padded batched forward
+(:func:`~splitspec.models.batched.forward_batch`) and hands their results back at once; then one
+chunk of the oldest big step (a prefill) in a forward of its own, sized by
+:class:`~splitspec.cloud.prefill_chunks.ChunkSizer` (at most ``prefill_chunk_tokens``; about one
+decode batch's time while decode traffic is live). Small steps that arrive during a chunk run
+before the next chunk, so a big prefill is spread over iterations and a decode step waits for at
+most one chunk. Each session has at most one step in flight (a connection handles its messages
+in order), so rows of a batch always belong to different sessions. The forwards run on one
+worker thread, off the event loop.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitspec.cloud.metrics import TrunkMetrics
+from splitspec.cloud.prefill_chunks import ChunkSizer
 from splitspec.models.batched import BatchRow, forward_batch
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import is_chain
@@ -74,7 +78,7 @@ class StepBatcher:
         self.metrics = metrics
         self.max_batch_steps = max_batch_steps
         self.small_step_tokens = small_step_tokens
-        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.chunks = ChunkSizer(prefill_chunk_tokens)
         self._pending: list[_Pending] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trunk-batch")
@@ -106,33 +110,33 @@ class StepBatcher:
         return small, big
 
     async def _run_forever(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
                 small, big = self._plan()
-                try:
-                    await loop.run_in_executor(self._executor, self._iterate, small, big)
-                except Exception as exc:  # a bug of ours outside the forwards: fail this iteration's steps
-                    log.exception("batching iteration failed")
-                    for p in [*small, big]:
-                        if p is not None:
-                            p.done, p.error = p.tokens, exc
-                for p in [*small, big]:
-                    if p is not None and p.done == p.tokens:
-                        self._pending.remove(p)
-                        self._deliver(p)
+                if small:  # first, and delivered before any chunk runs
+                    await self._run(small, None)
+                if big is not None:
+                    chunk = self.chunks.next_chunk(time.perf_counter()) if is_chain(big.parents) else big.tokens
+                    await self._run([big], chunk)  # trees cannot be cut: they go whole
 
-    def _iterate(self, small: list[_Pending], big: _Pending | None) -> None:
-        """One iteration on the worker thread: the small steps' batch, then the big step's chunk."""
-        if small:
-            self._forward(small, None)
-        if big is not None:
-            chunk = self.prefill_chunk_tokens if is_chain(big.parents) else big.tokens  # trees go whole
-            self._forward([big], chunk)
+    async def _run(self, group: list[_Pending], chunk: int | None) -> None:
+        """One forward on the worker thread (``chunk`` tokens of a big step, or whole small steps),
+        then deliver the steps it finished."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._forward, group, chunk)
+        except Exception as exc:  # a bug of ours outside the forward: fail its steps
+            log.exception("batching iteration failed")
+            for p in group:
+                p.done, p.error = p.tokens, exc
+        for p in group:
+            if p.done == p.tokens:
+                self._pending.remove(p)
+                self._deliver(p)
 
     def _forward(self, group: list[_Pending], chunk: int | None) -> None:
+        """Run ``group`` (on the worker thread): its steps' next rows in one forward."""
         rows = [p.next_row(chunk or p.tokens) for p in group]
         t0 = time.perf_counter()
         try:
@@ -142,8 +146,14 @@ class StepBatcher:
             for p in group:
                 p.done, p.error = p.tokens, exc
             return
-        ms = (time.perf_counter() - t0) * 1e3
-        self.metrics.observe_batch(len(rows), sum(r.positions.shape[0] for r in rows), ms)
+        end = time.perf_counter()
+        ms = (end - t0) * 1e3
+        tokens = sum(r.positions.shape[0] for r in rows)
+        self.metrics.observe_batch(len(rows), tokens, ms)
+        if chunk is None:
+            self.chunks.observe_decode(ms, end)
+        else:
+            self.chunks.observe_chunk(tokens, ms)
         for p, row, out in zip(group, rows, host, strict=True):
             p.started = t0 if p.started is None else p.started
             p.done += row.positions.shape[0]

@@ -32,7 +32,7 @@ class CloudConfig:
     devices: tuple[str, ...] = ()  # several devices: the trunk's layers split into contiguous runs; overrides device
     batching: bool = True  # continuous batching of steps across sessions; False = each step alone on the pool
     max_batch_steps: int = 64  # most small steps (decode, draft trees) in one batched forward
-    prefill_chunk_tokens: int = 256  # a big prefill runs this many tokens per batching iteration
+    prefill_chunk_tokens: int = 256  # most tokens of a big prefill per batching iteration (fewer among decode traffic)
     compute_workers: int = 4  # without batching: sessions computing at once (threads); others' steps queue
     torch_threads: int | None = None  # intra-op CPU threads for the trunk; None = torch's default
     sweep_interval_s: float | None = None  # TTL sweep period, seconds; None = ttl / 4 capped at 5

@@ -1,0 +1,82 @@
+"""A big prefill never runs two chunks back to back while decode steps wait, and its chunks are
+sized from measured costs so an iteration stays near a decode batch's time (#15)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.cloud.batcher import StepBatcher
+from splitspec.cloud.metrics import TrunkMetrics
+from splitspec.cloud.prefill_chunks import DECODE_LIVE_S, ChunkSizer
+from splitspec.cloud.sessions import SessionStore
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import LayerStack, load_trunk
+
+
+def test_chunk_size_follows_the_decode_batch_time() -> None:
+    sizer = ChunkSizer(max_tokens=256, min_tokens=16)
+    assert sizer.next_chunk(now=0.0) == 256  # nobody decoding: the whole maximum
+    sizer.observe_decode(ms=20.0, now=10.0)
+    assert sizer.next_chunk(now=10.1) == 16  # decoding, a chunk's cost still unknown: the minimum
+    sizer.observe_chunk(tokens=16, ms=8.0)  # 0.5 ms per token
+    assert sizer.next_chunk(now=10.1) == 40  # 20 ms of decode batch / 0.5 ms per token
+    sizer.observe_chunk(tokens=40, ms=200.0)  # chunks got dear: the running mean shrinks the next one
+    assert sizer.next_chunk(now=10.2) == 16
+    assert sizer.next_chunk(now=10.0 + DECODE_LIVE_S + 0.1) == 256  # decode traffic stopped
+    with pytest.raises(ValueError, match="at least 1 token"):
+        ChunkSizer(max_tokens=0)
+
+
+class _Recorder(TrunkMetrics):
+    """Metrics that also keep each forward's (steps, tokens) in order."""
+
+    def __init__(self) -> None:
+        super().__init__(SessionStore(8, 300.0))
+        self.forwards: list[tuple[int, int]] = []
+
+    def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
+        super().observe_batch(steps, tokens, compute_ms)
+        self.forwards.append((steps, tokens))
+
+
+@pytest.fixture(scope="module")
+def trunk(make_checkpoint: Callable[..., Path]) -> LayerStack:
+    ckpt = Checkpoint(make_checkpoint("llama"))
+    return load_trunk(ckpt, SplitPlan(ckpt.config.num_hidden_layers, 2, 2), torch.float32)
+
+
+async def test_decode_steps_run_between_every_two_prefill_chunks(trunk: LayerStack) -> None:
+    metrics = _Recorder()
+    batcher = StepBatcher(trunk, metrics, prefill_chunk_tokens=24)
+    batcher.start()
+    prefill_done = asyncio.Event()
+
+    async def decode(cache: KVCache) -> None:
+        while not prefill_done.is_set():
+            at = torch.tensor([len(cache)], dtype=torch.int32)
+            await batcher.submit(torch.randn(1, 1, 64), at, torch.tensor([-1], dtype=torch.int32), cache)
+
+    decoders = [asyncio.create_task(decode(KVCache())) for _ in range(3)]
+    await asyncio.sleep(0.05)  # the decode sessions are in their loop
+    prompt = 100
+    chain = torch.arange(-1, prompt - 1, dtype=torch.int32)
+    positions = torch.arange(prompt, dtype=torch.int32)
+    out, _, _ = await batcher.submit(torch.randn(1, prompt, 64), positions, chain, KVCache())
+    prefill_done.set()
+    await asyncio.gather(*decoders)
+    await batcher.stop()
+    assert out.shape == (1, prompt, 64)
+    chunks = [i for i, (steps, tokens) in enumerate(metrics.forwards) if tokens > steps]
+    assert sum(metrics.forwards[i][1] for i in chunks) == prompt
+    assert len(chunks) >= prompt // 24 + 1  # cut into chunks of at most --prefill-chunk
+    assert all(metrics.forwards[i][1] <= 24 for i in chunks)
+    for a, b in itertools.pairwise(chunks):
+        assert (3, 3) in metrics.forwards[a + 1 : b], f"chunks {a} and {b} ran with no decode batch between them"
