@@ -47,7 +47,9 @@ def load_points(out: Path) -> list[dict[str, Any]]:
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     points: dict[tuple[str, int, str], dict[str, Any]] = {}
     for p in records:
-        points.setdefault((p["model_name"], p["seed"], p["setting"]), p)  # parallel runs may repeat one
+        key = (p["model_name"], p["seed"], p["setting"])
+        if key not in points or ("outcomes" in p and "outcomes" not in points[key]):
+            points[key] = p  # parallel runs may repeat one; a re-measured point with per-token outcomes wins
     return sorted(points.values(), key=lambda p: (p["model_name"], p["seed"], p["setting"]))
 
 
@@ -419,7 +421,9 @@ def main() -> int:
     meta = {**run_environment(), "command": "python benchmarks/privacy_frontier.py " + " ".join(sys.argv[1:])}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     settings = tuple(parse_defence(s) for s in args.settings.split(","))
-    done = {(p["model_name"], p["seed"], p["setting"]) for p in load_points(args.out)}
+    # points already measured with per-token outcomes (older points without them are re-measured when met)
+    done = {(p["model_name"], p["seed"], p["setting"]) for p in load_points(args.out) if "outcomes" in p}
+    stored = {(p["model_name"], p["seed"], p["setting"]) for p in load_points(args.out)}
     seeds = [int(s) for s in args.seeds.split(",")]
     models = []
     for item in args.models.split(","):
@@ -429,8 +433,8 @@ def main() -> int:
     # seeds outermost: a run cut short still has every model at one seed
     for seed in seeds:
         for path, depth in models:
-            todo = tuple(s for s in settings if (path.name, seed, s.label) not in done)
-            if not todo and (path.name, seed, "stock") in done:
+            todo = tuple(s for s in settings if (path.name, seed, s.label) not in stored)
+            if not todo and (path.name, seed, "stock") in stored:
                 continue
 
             def on_point(point: dict[str, Any]) -> None:

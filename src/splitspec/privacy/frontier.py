@@ -19,7 +19,9 @@ For one model, split depth d (edge layers d,d) and seed:
    * T3 (chosen plaintext): an inverter trained on the traffic's labelled deployed activations.
 
 Each point records Wilson intervals and, per tier, the document-clustered bootstrap of the
-difference from the stock point (paired: same test tokens). Points are handed to ``on_point`` as
+difference from the stock point (paired: same test tokens), and every attacker's per-token top-1
+outcomes (``outcomes``: packed bits, plus the test document of each window) so any two points of a
+seed can be compared with paired tests later (:func:`paired_difference`). Points are handed to ``on_point`` as
 soon as they are measured, so an interrupted run still leaves the finished ones.
 """
 
@@ -45,6 +47,7 @@ from splitspec.privacy.adaptive import Traffic, align, self_train
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
 from splitspec.privacy.defences import DefenceConfig
 from splitspec.privacy.diverge import DivergeConfig, diverge, perplexity
+from splitspec.privacy.outcomes import pack_hits
 from splitspec.privacy.stats import cluster_bootstrap_diff, wilson_interval
 
 log = logging.getLogger(__name__)
@@ -149,6 +152,12 @@ def _point(
                 entry["minus_stock"] = {"diff": ci.diff, "bootstrap95": [ci.low, ci.high]}
             best[tier] = entry
         sides[side] = {"attackers": attackers, "best": best}
+    outcomes = {
+        "encoding": "top-1 hit per test token (window-major), numpy packbits, base64",
+        "n": int(shared.clusters.size),
+        "window_docs": shared.test.doc_index.tolist(),  # document of each test window (the bootstrap's clusters)
+        "sides": {side: {a: pack_hits(r == 1) for a, r in by_attacker.items()} for side, by_attacker in ranks.items()},
+    }
     return {
         "model": display_path(config.model_dir),
         "model_name": config.model_dir.name,
@@ -156,6 +165,7 @@ def _point(
         "seed": config.seed,
         "setting": label,
         "sides": sides,
+        "outcomes": outcomes,
         **extra,
     }
 

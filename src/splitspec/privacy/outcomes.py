@@ -3,10 +3,13 @@
 :class:`AuditData` holds them while the audit runs (:mod:`splitspec.privacy.audit`); the report
 (:mod:`splitspec.privacy.report`) writes them to ``outcomes.csv.gz`` with :func:`write_outcomes`,
 and :func:`load_outcomes` reads them back so anyone can re-run the paired tests.
+:func:`pack_hits` / :func:`unpack_hits` store one attacker's per-token top-1 outcomes compactly in a
+JSON record (the frontier's points), so defences can be compared with paired tests later.
 """
 
 from __future__ import annotations
 
+import base64
 import gzip
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,3 +75,17 @@ def load_outcomes(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
     docs = np.array([r[2] for r in rows])
     cols = {h: np.array([int(r[j]) for r in rows], dtype=np.int8) for j, h in enumerate(header) if j >= 4}
     return cols, docs
+
+
+def pack_hits(hits: np.ndarray) -> str:
+    """Per-token 0/1 outcomes (any shape, read in C order) as base64 of their packed bits."""
+    bits = np.packbits(np.asarray(hits, dtype=bool).ravel())
+    return base64.b64encode(bits.tobytes()).decode("ascii")
+
+
+def unpack_hits(text: str, n: int) -> np.ndarray:
+    """The (n,) boolean outcomes :func:`pack_hits` stored; refuses text of the wrong length."""
+    raw = np.frombuffer(base64.b64decode(text, validate=True), dtype=np.uint8)
+    if raw.size != (n + 7) // 8:
+        raise ValueError(f"packed outcomes hold {raw.size} bytes, {n} tokens need {(n + 7) // 8}")
+    return np.unpackbits(raw, count=n).astype(bool)
