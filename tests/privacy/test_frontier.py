@@ -6,11 +6,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from splitspec.privacy.attackers import TrainConfig
 from splitspec.privacy.defences import DefenceConfig
-from splitspec.privacy.frontier import FrontierConfig, run_frontier
+from splitspec.privacy.frontier import FrontierConfig, compare_points, point_clusters, point_hits, run_frontier
+from splitspec.privacy.outcomes import unpack_hits
 from tests.privacy.test_audit import write_corpus
 
 torch.set_num_threads(1)
@@ -54,3 +56,23 @@ def test_frontier_points(make_checkpoint: Callable[..., Path], tmp_path: Path) -
             d_lo, d_hi = entry["minus_stock"]["bootstrap95"]
             # a percentile bound can equal the estimate up to float rounding (degenerate resamples)
             assert d_lo - 1e-12 <= entry["minus_stock"]["diff"] <= d_hi + 1e-12
+
+    # per-token outcomes: every attacker's stored hits add up to its rate, on the same test tokens everywhere
+    n = stock["outcomes"]["n"]
+    assert point_clusters(stock).size == n == stock["tokens"]["test"]
+    for p in points:
+        assert p["outcomes"]["window_docs"] == stock["outcomes"]["window_docs"]
+        for side, measured in p["sides"].items():
+            assert set(p["outcomes"]["sides"][side]) == set(measured["attackers"])
+            for name, entry in measured["attackers"].items():
+                assert int(unpack_hits(p["outcomes"]["sides"][side][name], n).sum()) == entry["top1"]["successes"]
+    # the paired comparison from stored outcomes reproduces the difference measured during the run
+    for side in ("input", "output"):
+        for tier in ("T1", "T2", "T3"):
+            cmp = compare_points([defended], [stock], side, tier, resamples=50)
+            assert cmp is not None
+            assert cmp.diff == pytest.approx(defended["sides"][side]["best"][tier]["minus_stock"]["diff"])
+            assert cmp.only_a - cmp.only_b == int(point_hits(defended, side, tier).sum()) - int(
+                point_hits(stock, side, tier).sum()
+            )
+    assert compare_points([defended], [{**stock, "seed": 99}], "input", "T1") is None  # no seed pairs up

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 
 from splitspec.privacy.audit import holm
+from splitspec.privacy.outcomes import pack_hits, unpack_hits
 from splitspec.privacy.stats import (
     cluster_bootstrap_diff,
     mcnemar_exact,
     mcnemar_exact_table,
     mcnemar_table,
+    paired_difference,
     wilson_interval,
 )
 
@@ -79,3 +81,30 @@ def test_cluster_bootstrap() -> None:
 def test_holm() -> None:
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
     assert holm([0.5]) == [0.5]
+
+
+def test_packed_hits_round_trip() -> None:
+    hits = np.random.default_rng(0).random((3, 7)) < 0.4  # 21 tokens: not a whole number of bytes
+    text = pack_hits(hits)
+    np.testing.assert_array_equal(unpack_hits(text, 21), hits.ravel())
+    with pytest.raises(ValueError, match="21 tokens"):
+        unpack_hits(pack_hits(hits[:, :2]), 21)  # 6 tokens' bytes read as 21
+
+
+def test_paired_difference_pools_runs() -> None:
+    clusters = np.repeat(np.arange(5), 20)  # 5 documents of 20 tokens, the same indices in both runs
+    a1 = np.ones(100, dtype=bool)
+    b1 = np.arange(100) % 4 == 0  # B recovers 25 %
+    a2 = np.arange(100) % 2 == 0
+    b2 = np.arange(100) % 2 == 0  # run 2: no difference
+    res = paired_difference([a1, a2], [b1, b2], [clusters, clusters], resamples=500)
+    assert res.diff == pytest.approx((100 + 50 - 25 - 50) / 200)
+    assert (res.only_a, res.only_b, res.n, res.runs) == (75, 0, 200, 2)
+    assert res.clusters == 10  # a document of run 1 and one of run 2 are different clusters
+    assert 0 < res.low <= res.diff <= res.high < 1
+    assert res.mcnemar_p == pytest.approx(mcnemar_exact_table(np.array([[75, 75], [0, 50]])).p_value)
+    assert res.mcnemar_p < 1e-10
+    same = paired_difference([a2], [a2], [clusters], resamples=100)
+    assert (same.diff, same.low, same.high, same.mcnemar_p) == (0.0, 0.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="same number"):
+        paired_difference([a1], [b1, b2], [clusters])

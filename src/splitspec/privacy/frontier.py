@@ -47,8 +47,8 @@ from splitspec.privacy.adaptive import Traffic, align, self_train
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
 from splitspec.privacy.defences import DefenceConfig
 from splitspec.privacy.diverge import DivergeConfig, diverge, perplexity
-from splitspec.privacy.outcomes import pack_hits
-from splitspec.privacy.stats import cluster_bootstrap_diff, wilson_interval
+from splitspec.privacy.outcomes import pack_hits, unpack_hits
+from splitspec.privacy.stats import PairedDifference, cluster_bootstrap_diff, paired_difference, wilson_interval
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,43 @@ def _point(
         "outcomes": outcomes,
         **extra,
     }
+
+
+def point_hits(point: dict[str, Any], side: str, tier: str) -> np.ndarray:
+    """(tokens,) top-1 hits of the strongest attacker of ``tier`` on ``side`` of a point with outcomes."""
+    attacker = point["sides"][side]["best"][tier]["attacker"]
+    return unpack_hits(point["outcomes"]["sides"][side][attacker], int(point["outcomes"]["n"]))
+
+
+def point_clusters(point: dict[str, Any]) -> np.ndarray:
+    """(tokens,) test document of each token of a point with outcomes."""
+    docs = np.asarray(point["outcomes"]["window_docs"], dtype=np.int64)
+    n = int(point["outcomes"]["n"])
+    if n % docs.size:
+        raise ValueError(f"{n} outcomes do not split into {docs.size} equal windows")
+    return np.repeat(docs, n // docs.size)
+
+
+def compare_points(
+    a: list[dict[str, Any]], b: list[dict[str, Any]], side: str, tier: str, resamples: int = 2000
+) -> PairedDifference | None:
+    """Paired difference (A - B) of the tier's strongest attacker, pooled over the seeds both have outcomes for.
+
+    ``a`` and ``b`` are one setting's points each (any seeds, one model); None when no seed pairs up.
+    """
+    by_seed = {p["seed"]: p for p in b if "outcomes" in p}
+    pairs = [(p, by_seed[p["seed"]]) for p in a if "outcomes" in p and p["seed"] in by_seed]
+    if not pairs:
+        return None
+    for pa, pb in pairs:
+        if pa["outcomes"]["window_docs"] != pb["outcomes"]["window_docs"]:
+            raise ValueError(f"seed {pa['seed']}: {pa['setting']} and {pb['setting']} were tested on different tokens")
+    return paired_difference(
+        [point_hits(pa, side, tier) for pa, _ in pairs],
+        [point_hits(pb, side, tier) for _, pb in pairs],
+        [point_clusters(pa) for pa, _ in pairs],
+        resamples,
+    )
 
 
 def run_frontier(

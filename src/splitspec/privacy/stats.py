@@ -6,10 +6,13 @@
   when the *same* test tokens are attacked at two split depths.
 * :func:`cluster_bootstrap_diff` - percentile CI of a difference of two paired recovery rates,
   resampling whole documents (tokens of one document are not independent).
+* :func:`paired_difference` - both of the above on outcomes pooled over several runs (seeds), each
+  run's documents its own clusters: the paired comparison of two defences.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,3 +114,43 @@ def cluster_bootstrap_diff(
     diffs = (draws @ sum_a - draws @ sum_b) / np.maximum(draws @ count, 1.0)
     low, high = np.percentile(diffs, [2.5, 97.5])
     return BootstrapCI(float(a.mean() - b.mean()), float(low), float(high), k, resamples)
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """Paired comparison of two conditions on the same tokens, pooled over runs."""
+
+    diff: float  # recovery rate under A minus under B
+    low: float  # document-clustered bootstrap 95% interval of diff
+    high: float
+    mcnemar_p: float  # exact McNemar p on the pooled discordant tokens
+    only_a: int  # tokens recovered under A only
+    only_b: int  # tokens recovered under B only
+    n: int  # paired tokens
+    clusters: int  # documents resampled (one per run and document)
+    runs: int  # runs pooled (e.g. seeds)
+
+
+def paired_difference(
+    a: Sequence[np.ndarray],
+    b: Sequence[np.ndarray],
+    clusters: Sequence[np.ndarray],
+    resamples: int = 2000,
+    seed: int = 0,
+) -> PairedDifference:
+    """Pool paired 0/1 outcomes of conditions A and B over runs (``a[i]``, ``b[i]``, ``clusters[i]`` per run).
+
+    A document of run i and one of run j are different clusters, even if they are the same text.
+    """
+    if not (len(a) == len(b) == len(clusters)) or not a:
+        raise ValueError("need the same number (>= 1) of runs for a, b and clusters")
+    ids = [np.unique(np.asarray(c), return_inverse=True)[1].ravel() for c in clusters]
+    offsets = np.cumsum([0] + [int(i.max()) + 1 for i in ids[:-1]])
+    pooled_a = np.concatenate([np.asarray(x, dtype=bool).ravel() for x in a])
+    pooled_b = np.concatenate([np.asarray(x, dtype=bool).ravel() for x in b])
+    pooled_c = np.concatenate([i + off for i, off in zip(ids, offsets, strict=True)])
+    ci = cluster_bootstrap_diff(pooled_a, pooled_b, pooled_c, resamples, seed)
+    test = mcnemar_exact(pooled_a, pooled_b)
+    return PairedDifference(
+        ci.diff, ci.low, ci.high, test.p_value, test.only_a, test.only_b, int(pooled_a.size), ci.clusters, len(a)
+    )
