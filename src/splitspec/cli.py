@@ -94,6 +94,7 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         max_sessions_per_address=args.max_sessions_per_address,
         kv_budget_mb=args.kv_budget_mb,
         evict_idle_s=args.evict_idle,
+        kv_block_tokens=args.kv_block,
         batching=not args.no_batching,
         max_batch_steps=args.max_batch_steps,
         prefill_chunk_tokens=args.prefill_chunk,
@@ -140,6 +141,13 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=1.0,
         help="seconds a session must have been idle before a full KV budget may evict it (default 1)",
+    )
+    p.add_argument(
+        "--kv-block",
+        type=int,
+        default=16,
+        help="a session's KV cache grows in blocks of this many entries: it holds at most one block beyond "
+        "its tokens (default 16)",
     )
     p.add_argument(
         "--no-batching",

@@ -19,7 +19,8 @@ from tests.e2e.test_bad_input import raw_channel
 from tests.e2e.test_split_generate import PROMPT
 
 OTHER_PROMPT = [4, 8, 15, 16, 23, 42, 7]
-SLAB_KIB = 64 * 2 * 2 * 2 * 16 * 4 / 1024  # the smallest trunk cache: 64 entries x 2 layers x 2 kv heads x 16 x fp32
+BLOCK = 64  # KV block, entries: every cache of this test holds exactly one
+SLAB_KIB = BLOCK * 2 * 2 * 2 * 16 * 4 / 1024  # one block x 2 layers x 2 kv heads x 16 x fp32
 
 
 async def test_eviction_and_capacity_backoff_keep_every_output_identical(
@@ -28,9 +29,10 @@ async def test_eviction_and_capacity_backoff_keep_every_output_identical(
     """Budget for 1.5 sessions: B waits out `capacity` while A is active, then evicts it; A replays,
     waits for B to go idle and evicts it in turn; both outputs equal transformers' own."""
     model = make_checkpoint("llama")
-    config = CloudConfig(model_dir=model, port=0, kv_budget_mb=1.5 * SLAB_KIB / 1024, evict_idle_s=0.3)
+    budget_mb = 1.5 * SLAB_KIB / 1024
+    config = CloudConfig(model_dir=model, port=0, kv_budget_mb=budget_mb, evict_idle_s=0.3, kv_block_tokens=BLOCK)
     async with TrunkServer(config) as server:
-        session_bytes = server.budget.bytes_at(64)
+        session_bytes = server.budget.bytes_at(BLOCK)
         assert session_bytes == SLAB_KIB * 1024
         edge = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
         async with SplitClient(edge) as a, SplitClient(edge) as b:

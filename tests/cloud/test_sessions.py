@@ -8,9 +8,10 @@ import torch
 from splitspec.cloud.budget import available_memory_bytes, default_budget_bytes
 from splitspec.cloud.sessions import KVBudget, Session, SessionStore
 from splitspec.exceptions import CapacityExceeded, SessionQuotaExceeded, TooManySessions, error_from_code
+from splitspec.models.kv_cache import KV_BLOCK_TOKENS
 
 PER_TOKEN = 2 * 1 * 2 * 16 * 4  # one layer, 2 kv heads of 16, float32: 256 bytes an entry
-SLAB = 64 * PER_TOKEN  # the smallest cache allocation, 64 entries: 16 KiB
+SLAB = KV_BLOCK_TOKENS * PER_TOKEN  # the smallest cache allocation, one block: 4 KiB
 
 
 def test_one_owner_cannot_take_every_session() -> None:
@@ -71,9 +72,9 @@ def test_nothing_evictable_refuses_with_a_hint_and_too_big_refuses_without() -> 
     assert refused.value.retry_after_s == pytest.approx(0.75)  # when the older one becomes evictable
     assert len(store) == 3
     with pytest.raises(CapacityExceeded) as never:
-        store.reserve(a, 200, now=200.0)  # 256 entries alone exceed the budget
+        store.reserve(a, 200, now=200.0)  # 208 entries alone exceed the budget
     assert never.value.retry_after_s is None
-    store.reserve(a, 64, now=200.0)  # growing within its capacity needs nothing new
+    store.reserve(a, KV_BLOCK_TOKENS, now=200.0)  # growing within its capacity needs nothing new
 
 
 def test_the_default_budget_is_a_share_of_available_memory() -> None:

@@ -124,3 +124,17 @@ def test_cache_edits_validate() -> None:
     assert len(cache) == 3
     cache.truncate(1)
     assert len(cache) == 1
+
+
+def test_the_cache_grows_in_blocks_and_counts_its_bytes() -> None:
+    cache = KVCache(block_tokens=16)
+    per_entry = 2 * 2 * 4 * 4  # keys and values, 2 kv heads of 4, float32, one layer
+    for step, capacity in ((3, 16), (13, 16), (1, 32), (40, 64)):
+        assert cache.capacity_after(len(cache) + step) == capacity  # what the budget accounts
+        cache.update(torch.ones(1, 2, step, 4), torch.ones(1, 2, step, 4), 0)
+        cache.commit()
+        assert cache.capacity == capacity
+        assert cache.nbytes == capacity * per_entry == cache._keys[0].nbytes + cache._values[0].nbytes
+    assert cache.nbytes < (len(cache) + 16) * per_entry  # at most one block beyond the entries
+    with pytest.raises(ValueError, match="at least 1 entry"):
+        KVCache(block_tokens=0)

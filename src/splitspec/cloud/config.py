@@ -20,6 +20,7 @@ class CloudConfig:
     max_sessions_per_connection: int = 4  # sessions one connection may hold at once
     max_sessions_per_address: int = 32  # sessions all connections from one IP address may hold at once
     kv_budget_mb: float | None = None  # KV memory of all sessions, MiB; None = 40 % of what is available at start
+    kv_block_tokens: int = 16  # a session's KV cache grows in blocks of this many entries (kv_cache.KV_BLOCK_TOKENS)
     evict_idle_s: float = 1.0  # a session idle this long may be evicted (LRU) when the KV budget is full
     handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
     max_unauthenticated: int = 64  # connections in their handshake at once, all addresses

@@ -68,6 +68,8 @@ class TrunkServer:
             raise ConfigError(f"the KV budget must be positive, got {config.kv_budget_mb} MiB")
         if min(config.max_sessions, config.max_sessions_per_connection, config.max_sessions_per_address) < 1:
             raise ConfigError("session limits must be at least 1")
+        if config.kv_block_tokens < 1:
+            raise ConfigError(f"--kv-block must be at least 1 entry, got {config.kv_block_tokens}")
         if config.max_batch_steps < 1 or config.prefill_chunk_tokens < 1:
             raise ConfigError("--max-batch-steps and --prefill-chunk must be at least 1")
         self.checkpoint = Checkpoint(config.model_dir)
@@ -93,6 +95,7 @@ class TrunkServer:
             else int(config.kv_budget_mb * 2**20),
             bytes_per_token=kv_bytes_per_token(model_config, len(self.plan.trunk_layers), self.dtype),
             evict_idle_s=config.evict_idle_s,
+            block_tokens=config.kv_block_tokens,
         )
         self.sessions = SessionStore(
             config.max_sessions,

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from splitspec.exceptions import CapacityExceeded, SessionQuotaExceeded, TooManySessions, UnknownSession
-from splitspec.models.kv_cache import KVCache
+from splitspec.models.kv_cache import KV_BLOCK_TOKENS, KVCache
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +44,12 @@ class Session:
 class KVBudget:
     """The trunk's KV memory budget: ``budget_bytes`` in all, ``bytes_per_token`` per cache entry
     (2 x trunk layers x kv heads x head dim x dtype bytes); sessions idle for ``evict_idle_s`` or
-    longer may be evicted to make room."""
+    longer may be evicted to make room. Caches grow in blocks of ``block_tokens`` entries."""
 
     budget_bytes: int
     bytes_per_token: int
     evict_idle_s: float = 1.0
+    block_tokens: int = KV_BLOCK_TOKENS
 
     def bytes_at(self, capacity_tokens: int) -> int:
         return capacity_tokens * self.bytes_per_token
@@ -91,7 +92,8 @@ class SessionStore:
             raise SessionQuotaExceeded(f"this connection already holds its maximum of {self.max_per_owner} sessions")
         if sum(s.address == address for s in self._sessions.values()) >= self.max_per_address:
             raise SessionQuotaExceeded(f"your address already holds its maximum of {self.max_per_address} sessions")
-        session = Session(session_id=secrets.token_hex(8), owner=owner, address=address)
+        block = self.budget.block_tokens if self.budget is not None else KV_BLOCK_TOKENS
+        session = Session(session_id=secrets.token_hex(8), owner=owner, address=address, cache=KVCache(block))
         self._sessions[session.session_id] = session
         log.info("session %s opened (%d live)", session.session_id, len(self._sessions))
         return session

@@ -1,9 +1,11 @@
 """A per-sequence KV cache that can keep an accepted path and drop the rest.
 
 transformers' attention layers call ``cache.update(key, value, layer_idx)`` and attend over what
-it returns; :class:`KVCache` implements that call over growable buffers (amortised O(1) append)
-and adds the two edits speculative decoding needs: ``truncate(n)`` and ``keep_last(indices)``.
-Entries are stored in position order: entry i holds position i once a step is committed.
+it returns; :class:`KVCache` implements that call over growable buffers and adds the two edits
+speculative decoding needs: ``truncate(n)`` and ``keep_last(indices)``. Entries are stored in
+position order: entry i holds position i once a step is committed. The buffers grow in blocks of
+``block_tokens`` entries (:data:`KV_BLOCK_TOKENS`), so a cache holds at most one block beyond
+its entries and the memory per entry approaches the theoretical KV size.
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ import torch
 
 from splitspec.protocol.messages import kept_length, truncated_length
 
+KV_BLOCK_TOKENS = 16  # default allocation granularity of a cache's buffers, entries
+
 
 class KVCache:
     """Keys and values for a set of layers of one sequence. Shapes are (1, kv_heads, T, head_dim)."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_tokens: int = KV_BLOCK_TOKENS) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"a KV block must hold at least 1 entry, got {block_tokens}")
+        self.block_tokens = block_tokens
+        self._nbytes = 0  # bytes of every buffer, kept as they are (re)allocated
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
         self._length = 0  # committed entries, identical across layers
@@ -29,8 +37,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Memory held by the buffers (their capacity, not only the committed entries), bytes."""
-        buffers = [*self._keys.values(), *self._values.values()]
-        return sum(b.numel() * b.element_size() for b in buffers)
+        return self._nbytes
 
     @property
     def capacity(self) -> int:
@@ -39,10 +46,10 @@ class KVCache:
 
     def capacity_after(self, entries: int) -> int:
         """The capacity once the cache holds ``entries`` entries: the one home of the growth policy
-        (double, at least 64), so a trunk can account a step's memory before running it."""
+        (``entries`` rounded up to whole blocks), so a trunk can account a step's memory before running it."""
         if entries <= self.capacity:
             return self.capacity
-        return max(entries, 2 * self.capacity, 64)
+        return -(-entries // self.block_tokens) * self.block_tokens
 
     @property
     def device(self) -> torch.device | None:
@@ -61,6 +68,8 @@ class KVCache:
             if buf_k is not None:
                 new_k[:, :, : self._length] = buf_k[:, :, : self._length]
                 new_v[:, :, : self._length] = self._values[layer_idx][:, :, : self._length]
+                self._nbytes -= _bytes_of(buf_k) + _bytes_of(self._values[layer_idx])
+            self._nbytes += _bytes_of(new_k) + _bytes_of(new_v)
             self._keys[layer_idx], self._values[layer_idx] = new_k, new_v
         self._keys[layer_idx][:, :, self._length : end] = key
         self._values[layer_idx][:, :, self._length : end] = value
@@ -97,3 +106,7 @@ class KVCache:
                 vals[:, :, dst] = vals.index_select(2, src)
         self._length = kept
         self.last_step = 0
+
+
+def _bytes_of(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
