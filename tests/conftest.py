@@ -107,6 +107,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="device for the device-parametrised tests (cpu, cuda, cuda:N, mps); scripts/gpu_check.sh passes cuda",
     )
 
+    parser.addoption(
+        "--compile-backend",
+        default="eager",
+        help="torch.compile backend of the --compile tests: eager (dynamo's graph capture only, seconds; the "
+        "default) or inductor (the real compile, minutes on a CPU; scripts/gpu_check.sh passes it)",
+    )
+
+
+@pytest.fixture(scope="session")
+def compile_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.config.getoption("--compile-backend"))
+
 
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest) -> str:

@@ -10,9 +10,39 @@ import argparse
 from pathlib import Path
 
 from splitspec.exceptions import ConfigError
+from splitspec.models.compile_modes import COMPILE_MODES
 from splitspec.models.split import parse_edge_layers
 
-__all__ = ["add_connection_limit_args", "add_tls_ca", "add_token_file", "edge_layers", "read_token_file"]
+__all__ = [
+    "add_compile_args",
+    "add_connection_limit_args",
+    "add_tls_ca",
+    "add_token_file",
+    "edge_layers",
+    "read_token_file",
+]
+
+
+def add_compile_args(p: argparse.ArgumentParser, whose: str) -> None:
+    """``--compile [MODE]`` and ``--max-cache-tokens``: the fixed-shape decode step over static KV
+    buffers (:mod:`splitspec.models.fixed_decode`)."""
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="auto",
+        choices=COMPILE_MODES,
+        metavar="MODE",
+        help=f"compile {whose} fixed-shape decode step with torch.compile over static KV buffers (gpt-fast "
+        "style). MODE auto (when the flag is given alone) picks reduce-overhead (CUDA graphs) on CUDA and "
+        f"inductor's default elsewhere; MODE is one of {', '.join(COMPILE_MODES)}. A failed compile stops "
+        "with one line",
+    )
+    p.add_argument(
+        "--max-cache-tokens",
+        type=int,
+        help="with --compile: the static KV buffers' size per sequence, tokens (default: the model's maximum "
+        "positions; smaller saves memory and attention time, and bounds prompt + output)",
+    )
 
 
 def read_token_file(path: Path | None) -> str | None:

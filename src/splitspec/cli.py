@@ -18,7 +18,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from splitspec.arguments import add_connection_limit_args, add_tls_ca, add_token_file, edge_layers, read_token_file
+from splitspec.arguments import (
+    add_compile_args,
+    add_connection_limit_args,
+    add_tls_ca,
+    add_token_file,
+    edge_layers,
+    read_token_file,
+)
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError, SplitspecError
 
@@ -107,6 +114,8 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         torch_threads=args.threads,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
+        compile=args.compile,
+        max_cache_tokens=args.max_cache_tokens,
     )
     asyncio.run(serve_forever(config))
     return 0
@@ -173,6 +182,7 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="DEV,DEV,...",
         help="split the trunk's layers over several devices in contiguous runs, e.g. cuda:0,cuda:1 (replaces --device)",
     )
+    add_compile_args(p, "the trunk's (with --no-batching)")
     p.set_defaults(run=_run_cloud_serve)
 
 

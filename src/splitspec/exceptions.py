@@ -49,6 +49,10 @@ class DeviceUnavailable(ConfigError):
     """A device was requested (``--device cuda``, ``cuda:N``, ``mps``) that this machine does not have."""
 
 
+class CompileFailed(ConfigError):
+    """``--compile``: torch.compile of the fixed-shape decode step failed (no silent eager fallback)."""
+
+
 class TransportError(SplitspecError):
     """The connection to a peer could not be established or was lost."""
 

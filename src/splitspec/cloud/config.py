@@ -34,6 +34,11 @@ class CloudConfig:
     batching: bool = True  # continuous batching of steps across sessions; False = each step alone on the pool
     max_batch_steps: int = 64  # most small steps (decode, draft trees) in one batched forward
     prefill_chunk_tokens: int = 256  # most tokens of a big prefill per batching iteration (fewer among decode traffic)
+    # torch.compile mode of the fixed-shape decode step over static KV buffers (auto, default, reduce-overhead,
+    # max-autotune, ...: splitspec.models.fixed_decode); None = eager with growable caches. Needs batching=False
+    compile: str | None = None
+    max_cache_tokens: int | None = None  # with compile: each session's static KV capacity, tokens; None = max positions
+    compile_backend: str = "inductor"  # torch.compile backend of compile; tests pass "eager" (graph capture only)
     compute_workers: int = 4  # without batching: sessions computing at once (threads); others' steps queue
     torch_threads: int | None = None  # intra-op CPU threads for the trunk; None = torch's default
     sweep_interval_s: float | None = None  # TTL sweep period, seconds; None = ttl / 4 capped at 5

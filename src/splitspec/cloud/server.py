@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from types import TracebackType
 
 import torch
@@ -35,6 +36,7 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk, resolve_dtype
+from splitspec.models.static_kv import StaticKVCache
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.protocol.messages import (
     CloseSession,
@@ -72,6 +74,11 @@ class TrunkServer:
             raise ConfigError(f"--kv-block must be at least 1 entry, got {config.kv_block_tokens}")
         if config.max_batch_steps < 1 or config.prefill_chunk_tokens < 1:
             raise ConfigError("--max-batch-steps and --prefill-chunk must be at least 1")
+        if config.compile is not None and config.batching:
+            raise ConfigError(
+                "--compile runs each session's decode step alone over static KV buffers: add --no-batching "
+                "(batched steps use growable caches)"
+            )
         self.checkpoint = Checkpoint(config.model_dir)
         model_config = self.checkpoint.config
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
@@ -89,6 +96,9 @@ class TrunkServer:
             hidden_size=model_config.hidden_size,
         )
         self.max_positions = int(model_config.max_position_embeddings)
+        self.cache_size = self._static_cache_size()  # entries per session with --compile, else None
+        if self.cache_size is not None:
+            self.trunk.enable_fixed_decode(config.compile, config.compile_backend).warm_up(self.cache_size)
         self.budget = KVBudget(
             budget_bytes=default_budget_bytes(devices)
             if config.kv_budget_mb is None
@@ -103,6 +113,7 @@ class TrunkServer:
             max_per_owner=config.max_sessions_per_connection,
             max_per_address=config.max_sessions_per_address,
             budget=self.budget,
+            new_cache=None if self.cache_size is None else partial(StaticKVCache, self.cache_size),
         )
         self.metrics = TrunkMetrics(self.sessions)
         self.batcher = (
@@ -135,6 +146,19 @@ class TrunkServer:
         )
         self._sweeper: asyncio.Task[None] | None = None
         self._connection_ids = itertools.count()
+
+    def _static_cache_size(self) -> int | None:
+        """Each session's static KV capacity (``--max-cache-tokens``, else the model's positions) with
+        ``--compile``; None without (growable caches)."""
+        config = self.config
+        if config.compile is None:
+            if config.max_cache_tokens is not None:
+                raise ConfigError("--max-cache-tokens sizes the static KV buffers of --compile: give --compile too")
+            return None
+        size = self.max_positions if config.max_cache_tokens is None else config.max_cache_tokens
+        if not 1 <= size <= self.max_positions:
+            raise ConfigError(f"--max-cache-tokens must be between 1 and the model's {self.max_positions} positions")
+        return size
 
     @property
     def port(self) -> int:
@@ -232,6 +256,11 @@ class TrunkServer:
             raise PositionOutOfRange(
                 f"{hidden.shape[1]} query tokens would grow the cache of {length} entries beyond the model's "
                 f"{self.max_positions} positions"
+            )
+        if self.cache_size is not None and length + hidden.shape[1] > self.cache_size:
+            raise PositionOutOfRange(
+                f"{hidden.shape[1]} query tokens would grow the cache of {length} entries beyond this trunk's "
+                f"static KV capacity of {self.cache_size} entries per session (--max-cache-tokens)"
             )
         return length
 

@@ -14,6 +14,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitspec.exceptions import CapacityExceeded, SessionQuotaExceeded, TooManySessions, UnknownSession
@@ -65,8 +66,12 @@ class SessionStore:
         max_per_owner: int | None = None,
         max_per_address: int | None = None,
         budget: KVBudget | None = None,
+        new_cache: Callable[[], KVCache] | None = None,
     ) -> None:
+        """``new_cache`` makes each session's cache (None: growable in the budget's blocks; static buffers
+        with ``--compile``)."""
         self.max_sessions = max_sessions
+        self.new_cache = new_cache
         self.max_per_owner = max_sessions if max_per_owner is None else max_per_owner
         self.max_per_address = max_sessions if max_per_address is None else max_per_address
         self.ttl_s = ttl_s
@@ -92,8 +97,11 @@ class SessionStore:
             raise SessionQuotaExceeded(f"this connection already holds its maximum of {self.max_per_owner} sessions")
         if sum(s.address == address for s in self._sessions.values()) >= self.max_per_address:
             raise SessionQuotaExceeded(f"your address already holds its maximum of {self.max_per_address} sessions")
-        block = self.budget.block_tokens if self.budget is not None else KV_BLOCK_TOKENS
-        session = Session(session_id=secrets.token_hex(8), owner=owner, address=address, cache=KVCache(block))
+        if self.new_cache is not None:
+            cache = self.new_cache()
+        else:
+            cache = KVCache(self.budget.block_tokens if self.budget is not None else KV_BLOCK_TOKENS)
+        session = Session(session_id=secrets.token_hex(8), owner=owner, address=address, cache=cache)
         self._sessions[session.session_id] = session
         log.info("session %s opened (%d live)", session.session_id, len(self._sessions))
         return session

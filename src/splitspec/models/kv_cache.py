@@ -97,7 +97,8 @@ class KVCache:
         start = self._length - self.last_step
         kept = kept_length(self._length, self.last_step, indices)
         if list(indices) != list(range(len(indices))):  # a prefix of the step is already in place
-            src = torch.tensor([start + i for i in indices], dtype=torch.long, device=self.device)
+            # built on the host, copied without blocking: no host sync (a tensor made on the device would wait)
+            src = torch.tensor([start + i for i in indices], dtype=torch.long).to(self.device, non_blocking=True)
             dst = slice(start, start + len(indices))
             for layer_idx, buf in self._keys.items():
                 src = src.to(buf.device, non_blocking=True)  # a no-op unless layers span devices

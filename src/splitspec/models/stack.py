@@ -35,9 +35,11 @@ from splitspec.devices import spread_layers
 from splitspec.exceptions import CheckpointError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.family import Skeleton, published_dtype, skeleton
+from splitspec.models.fixed_decode import FixedShapeDecode
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import step_mask
 from splitspec.models.split import SplitPlan
+from splitspec.models.static_kv import StaticKVCache
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,14 @@ class LayerStack(nn.Module):
         self.layer_types = [skel.layer_type(i) for i in layer_indices]
         self.windows = [skel.layer_window(i) for i in layer_indices]
         self._skeleton = skel
+        self.hidden_size = int(skel.config.hidden_size)
+        self.fixed_decode: FixedShapeDecode | None = None  # see enable_fixed_decode
+
+    def enable_fixed_decode(self, compile_mode: str | None = None, backend: str = "inductor") -> FixedShapeDecode:
+        """Run one-token steps on a :class:`StaticKVCache` through the fixed-shape decode step,
+        compiled with ``compile_mode`` (see :mod:`splitspec.models.fixed_decode`) or eager when None."""
+        self.fixed_decode = FixedShapeDecode(self, compile_mode, backend)
+        return self.fixed_decode
 
     def first(self, count: int) -> LayerStack:
         """A stack of this stack's first ``count`` layers (same modules, no copy)."""
@@ -150,8 +160,12 @@ class LayerStack(nn.Module):
         """hidden (1, q, H), positions (q,), parents (q,) -> hidden (1, q, H); appends q entries to cache."""
         if not len(self.layers):
             return hidden
+        fixed = self.fixed_decode
         try:
-            hidden = self.run(hidden, positions, parents, cache)[-1]
+            if fixed is not None and isinstance(cache, StaticKVCache) and fixed.applies(hidden, cache):
+                hidden = fixed(hidden, positions, cache)
+            else:
+                hidden = self.run(hidden, positions, parents, cache)[-1]
         except BaseException:
             cache.rollback()
             raise
