@@ -117,6 +117,13 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         compile=args.compile,
         max_cache_tokens=args.max_cache_tokens,
     )
+    if args.ray_replicas is not None:
+        from splitspec.cloud.ray_serve import serve_on_ray
+
+        serve_on_ray(config, args.ray_replicas, address=args.ray_address, cpus_per_replica=args.ray_cpus_per_replica)
+        return 0
+    if args.ray_address is not None:
+        raise ConfigError("--ray-address needs --ray-replicas")
     asyncio.run(serve_forever(config))
     return 0
 
@@ -183,6 +190,25 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="split the trunk's layers over several devices in contiguous runs, e.g. cuda:0,cuda:1 (replaces --device)",
     )
     add_compile_args(p, "the trunk's (with --no-batching)")
+    p.add_argument(
+        "--ray-replicas",
+        type=int,
+        metavar="N",
+        help="serve the trunk as a Ray Serve deployment of N replicas behind Ray's HTTP proxy on --host/--port "
+        "(needs pip install 'splitspec[cluster]'); edges connect as to a plain server",
+    )
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="with --ray-replicas: the Ray cluster to join (auto, or the HOST:6379 that ray start --head prints; "
+        "default: start a Ray instance on this machine)",
+    )
+    p.add_argument(
+        "--ray-cpus-per-replica",
+        type=float,
+        default=1.0,
+        help="with --ray-replicas: CPUs Ray reserves for each replica (default 1; fractions allowed)",
+    )
     p.set_defaults(run=_run_cloud_serve)
 
 

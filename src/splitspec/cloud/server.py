@@ -54,7 +54,14 @@ from splitspec.protocol.messages import (
 )
 from splitspec.protocol.state import ServerConnection, TrunkIdentity
 from splitspec.transport.peer import MessagePeer
-from splitspec.transport.server import ConnectionLimits, FrameServer, run_until_signalled, server_tls, warn_if_open
+from splitspec.transport.server import (
+    ConnectionGuard,
+    ConnectionLimits,
+    FrameServer,
+    run_until_signalled,
+    server_tls,
+    warn_if_open,
+)
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +149,7 @@ class TrunkServer:
         )
         routes = {"/metrics": self.metrics.render, "/health": self.metrics.health}
         self._frames = FrameServer(
-            self._new_peer, config.host, config.port, config.max_message_bytes, tls, limits, http_routes=routes
+            self.new_peer, config.host, config.port, config.max_message_bytes, tls, limits, http_routes=routes
         )
         self._sweeper: asyncio.Task[None] | None = None
         self._connection_ids = itertools.count()
@@ -165,14 +172,17 @@ class TrunkServer:
         return self._frames.port
 
     @property
+    def guard(self) -> ConnectionGuard:
+        """The connection limits every connection is served under, whichever front end accepted it."""
+        return self._frames.guard
+
+    @property
     def url(self) -> str:
         return f"{self.scheme}://{self.config.host}:{self.port}"
 
     async def start(self) -> None:
         await self._frames.start()
-        self._sweeper = asyncio.create_task(self._sweep_forever())
-        if self.batcher is not None:
-            self.batcher.start()
+        self.start_compute()
         log.info(
             "trunk server on %s: layers %d..%d of %s, dtype %s, on %s, fingerprint %s, trunk fingerprint %s",
             self.url,
@@ -187,10 +197,19 @@ class TrunkServer:
         warn_if_open(self.config.auth_token, self.url, "trunk server")
 
     async def stop(self) -> None:
+        await self._frames.stop()
+        await self.stop_compute()
+
+    def start_compute(self) -> None:
+        """Start the TTL sweep and the batcher on the running loop (what serving needs besides a listener)."""
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+        if self.batcher is not None:
+            self.batcher.start()
+
+    async def stop_compute(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        await self._frames.stop()
         if self.batcher is not None:
             await self.batcher.stop()
         self._executor.shutdown(wait=True)
@@ -210,7 +229,8 @@ class TrunkServer:
             await asyncio.sleep(interval)
             self.sessions.sweep()
 
-    def _new_peer(self, remote: str) -> _TrunkPeer:
+    def new_peer(self, remote: str) -> _TrunkPeer:
+        """The protocol handling of one new connection from ``remote`` (``host:port``)."""
         return _TrunkPeer(self, next(self._connection_ids), remote)
 
     def _compute(self, step: Step, cache: KVCache) -> tuple[torch.Tensor, float, float]:

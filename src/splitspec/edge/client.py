@@ -265,6 +265,14 @@ class SplitClient:
         return self._session_id
 
     @property
+    def server_headers(self) -> dict[str, str]:
+        """The current connection's WebSocket upgrade answer headers, names lower-cased (empty when not connected).
+
+        Behind Ray Serve, ``x-splitspec-replica`` names the replica serving this connection.
+        """
+        return {} if self._channel is None else self._channel.response_headers
+
+    @property
     def chunk_tokens(self) -> int:
         """Most query tokens one step may carry without hitting either side's caps."""
         if self._welcome is None:

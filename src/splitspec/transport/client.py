@@ -98,6 +98,12 @@ class Channel:
             raise TransportError(f"cannot connect to {url}: {connect_failure(exc, tls=context is not None)}") from exc
         return cls(ws, max_message_bytes)
 
+    @property
+    def response_headers(self) -> dict[str, str]:
+        """The headers of the server's answer to the WebSocket upgrade (e.g. which replica serves us)."""
+        response = self._ws.response
+        return {} if response is None else {name.lower(): value for name, value in response.headers.raw_items()}
+
     async def send_raw(self, data: bytes) -> None:
         try:
             await self._ws.send(data)

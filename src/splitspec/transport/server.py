@@ -9,6 +9,10 @@ the server's message cap, and a connection silent for longer than the idle timeo
 
 A server may also answer plain HTTP GETs on chosen paths of its own port (``http_routes``: the
 trunk's ``/metrics`` and ``/health``); every other request goes on to the WebSocket handshake.
+
+The per-connection loop (:class:`ConnectionGuard`) sees a connection only through
+:class:`FrameSocket`, so the same limits and the same loop serve connections accepted by another
+WebSocket server (the trunk's Ray Serve deployment hands it Starlette's WebSockets).
 """
 
 from __future__ import annotations
@@ -47,6 +51,28 @@ class Peer(Protocol):
     async def handle(self, data: bytes) -> tuple[bytes, bool]: ...
 
     async def closed(self) -> None: ...
+
+
+class SocketClosed(Exception):
+    """The connection is gone (the other side closed it, or it broke)."""
+
+
+class FrameSocket(Protocol):
+    """One accepted WebSocket connection, whichever library accepted it."""
+
+    async def recv(self) -> bytes:
+        """The next frame's payload (a text frame as its UTF-8 bytes); raise SocketClosed when gone."""
+        ...
+
+    async def send(self, data: bytes) -> None:
+        """Send one binary frame; raise SocketClosed when gone."""
+        ...
+
+    async def close(self, code: int, reason: str) -> None: ...
+
+    def limit_frames(self, max_bytes: int) -> None:
+        """Refuse frames above ``max_bytes`` from now on (closing the connection with 1009)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -89,16 +115,19 @@ class FrameServer:
         self._ssl = ssl_context
         self._host = host
         self._port = port
-        self._max = max_message_bytes
         self.limits = limits or ConnectionLimits()
+        self.guard = ConnectionGuard(self.limits, max_message_bytes)
         self._server: Server | None = None
-        self._per_address: Counter[str] = Counter()  # open connections by remote IP
-        self.unauthenticated = 0  # connections still in their handshake
 
     @property
     def connections(self) -> int:
         """Open connections, all addresses."""
-        return sum(self._per_address.values())
+        return self.guard.connections
+
+    @property
+    def unauthenticated(self) -> int:
+        """Connections still in their handshake."""
+        return self.guard.unauthenticated
 
     async def start(self) -> None:
         try:
@@ -141,21 +170,72 @@ class FrameServer:
         return response
 
     async def _serve_connection(self, ws: ServerConnection) -> None:
-        address = str(ws.remote_address[0]) if ws.remote_address else "?"
         remote = "{}:{}".format(*ws.remote_address[:2]) if ws.remote_address else "?"
+        address = str(ws.remote_address[0]) if ws.remote_address else "?"
+        await self.guard.serve(_WebsocketsSocket(ws), self._factory, remote, address)
+
+
+class _WebsocketsSocket:
+    """A :class:`FrameSocket` over a connection accepted by the ``websockets`` library."""
+
+    def __init__(self, ws: ServerConnection) -> None:
+        self._ws = ws
+
+    async def recv(self) -> bytes:
+        try:
+            data = await self._ws.recv()
+        except ConnectionClosed as exc:
+            raise SocketClosed(str(exc)) from exc
+        return data if isinstance(data, bytes) else data.encode()
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self._ws.send(data)
+        except ConnectionClosed as exc:
+            raise SocketClosed(str(exc)) from exc
+
+    async def close(self, code: int, reason: str) -> None:
+        await self._ws.close(code, reason)
+
+    def limit_frames(self, max_bytes: int) -> None:
+        self._ws.protocol.max_message_size = max_bytes
+
+
+class ConnectionGuard:
+    """Serves connections one frame at a time under :class:`ConnectionLimits`.
+
+    It counts, across the connections it serves, those open from each address and those still in
+    their handshake; each connection gets its handshake deadline, its frame caps (a Hello's size
+    before the handshake, then the server's message cap) and its idle timeout.
+    """
+
+    def __init__(self, limits: ConnectionLimits, max_message_bytes: int) -> None:
+        self.limits = limits
+        self._max = max_message_bytes
+        self._per_address: Counter[str] = Counter()  # open connections by remote IP
+        self.unauthenticated = 0  # connections still in their handshake
+
+    @property
+    def connections(self) -> int:
+        """Open connections, all addresses."""
+        return sum(self._per_address.values())
+
+    async def serve(self, socket: FrameSocket, peer_factory: Callable[[str], Peer], remote: str, address: str) -> None:
+        """Serve one accepted connection from ``remote`` (``address`` is its IP) until it closes."""
         limits = self.limits
         if self._per_address[address] >= limits.max_per_address:
             log.info("refused a connection from %s: %d already open", remote, self._per_address[address])
-            await ws.close(CloseCode.TRY_AGAIN_LATER, "too many connections from your address")
+            await socket.close(CloseCode.TRY_AGAIN_LATER, "too many connections from your address")
             return
         if self.unauthenticated >= limits.max_unauthenticated:
             log.info("refused a connection from %s: %d handshakes in progress", remote, self.unauthenticated)
-            await ws.close(CloseCode.TRY_AGAIN_LATER, "too many connections in their handshake")
+            await socket.close(CloseCode.TRY_AGAIN_LATER, "too many connections in their handshake")
             return
         self._per_address[address] += 1
         self.unauthenticated += 1
         authenticated = False
-        peer = self._factory(remote)
+        socket.limit_frames(limits.handshake_max_bytes)  # raised once the handshake is done
+        peer = peer_factory(remote)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.handshake_timeout_s
         try:
@@ -163,22 +243,21 @@ class FrameServer:
                 if not authenticated and peer.ready:
                     authenticated = True
                     self.unauthenticated -= 1
-                    ws.protocol.max_message_size = websocket_max_size(self._max)
+                    socket.limit_frames(websocket_max_size(self._max))
                 timeout = limits.idle_timeout_s if authenticated else deadline - loop.time()
                 try:
-                    data = await asyncio.wait_for(ws.recv(), timeout)
+                    data = await asyncio.wait_for(socket.recv(), timeout)
                 except TimeoutError:
                     why = "idle" if authenticated else "no handshake"
                     log.info("closing connection %s: %s within %.1f s", remote, why, timeout or 0.0)
-                    await ws.close(CloseCode.POLICY_VIOLATION, f"{why} within the deadline")
+                    await socket.close(CloseCode.POLICY_VIOLATION, f"{why} within the deadline")
                     break
-                raw = data if isinstance(data, bytes) else data.encode()
-                reply, close = await peer.handle(raw)
-                await ws.send(reply)
+                reply, close = await peer.handle(data)
+                await socket.send(reply)
                 if close:
-                    await ws.close(CloseCode.POLICY_VIOLATION, "refused")
+                    await socket.close(CloseCode.POLICY_VIOLATION, "refused")
                     break
-        except ConnectionClosed:
+        except SocketClosed:
             pass
         finally:
             if not authenticated:

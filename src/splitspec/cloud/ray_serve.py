@@ -1,0 +1,227 @@
+"""The trunk as a Ray Serve deployment: N replicas behind Ray's HTTP proxy (``cloud serve --ray-replicas N``).
+
+Each replica is a :class:`~splitspec.cloud.server.TrunkServer` without its own listener: it loads the
+trunk once, in its constructor, and serves the WebSocket connections Ray's proxy routes to it
+through the plain server's per-connection loop and limits (:class:`ConnectionGuard`), reading
+Starlette's WebSocket through a :class:`FrameSocket` adapter. A connection stays on the replica
+that accepted it for its whole life. When that replica dies or is scaled down the connection
+closes; the edge reconnects through the proxy, lands on a live replica and replays its session's
+history (``edge/client.py``), so its output does not change. Placement, health checks and
+restarts are Ray's: a replica that dies is replaced by Serve's controller.
+
+Every replica answers the handshake's WebSocket upgrade with the header ``x-splitspec-replica``
+(the replica's Ray actor name), so an operator or a test can tell which replica serves a
+connection. The proxy's address takes the plain server's place: edges connect to ``ws://HOST:PORT``
+as before, and ``GET /metrics`` and ``/health`` answer there too, each from one replica of the
+proxy's choice.
+
+Ray is an optional dependency (``pip install 'splitspec[cluster]'``), imported only inside the
+functions that start it: importing this module needs only FastAPI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from typing import Any
+
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import Response
+from starlette.websockets import WebSocketDisconnect
+
+from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.server import TrunkServer
+from splitspec.exceptions import ConfigError
+from splitspec.transport.server import HttpRoute, SocketClosed, warn_if_open
+
+log = logging.getLogger(__name__)
+
+REPLICA_HEADER = "x-splitspec-replica"  # the WebSocket upgrade's answer names the replica serving the connection
+APP_NAME = "splitspec-trunk"  # the Serve application's name
+_MIN_ONGOING = 8  # connections a replica accepts beyond its session cap (for /metrics and /health scrapes)
+
+
+class _StarletteSocket:
+    """A :class:`~splitspec.transport.server.FrameSocket` over a WebSocket Starlette accepted.
+
+    Ray's proxy has already read a frame whole when it arrives here, so the frame caps are checked
+    on its length after the fact (the proxy's own cap, 16 MiB, is what bounds the buffering).
+    """
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self._ws = websocket
+        self._max_bytes = 0
+
+    async def recv(self) -> bytes:
+        message = await self._ws.receive()
+        if message["type"] == "websocket.disconnect":
+            raise SocketClosed(f"closed by the client ({message.get('code')})")
+        data: bytes | None = message.get("bytes")
+        if data is None:
+            data = str(message.get("text", "")).encode()
+        if len(data) > self._max_bytes:
+            await self.close(1009, "message too big")
+            raise SocketClosed(f"a frame of {len(data)} bytes exceeds the cap of {self._max_bytes}")
+        return data
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self._ws.send_bytes(data)
+        except WebSocketDisconnect as exc:
+            raise SocketClosed("closed by the client") from exc
+
+    async def close(self, code: int, reason: str) -> None:
+        await self._ws.close(code, reason)
+
+    def limit_frames(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+
+
+class TrunkReplica:
+    """One replica: a trunk server serving the connections Ray routes to it."""
+
+    def __init__(self, config: CloudConfig) -> None:
+        self.server = TrunkServer(config)  # loads the trunk layers, once per replica
+        self.name = _replica_name()
+        self._computing = False
+        log.info("replica %s: trunk fingerprint %s", self.name, self.server.trunk_fingerprint)
+
+    def _start_compute(self) -> None:
+        """The sweep and the batcher start on the loop that serves the connections, at the first one."""
+        if not self._computing:
+            self.server.start_compute()
+            self._computing = True
+
+    async def connect(self, websocket: WebSocket) -> None:
+        """Serve one WebSocket connection the proxy routed here, until it closes."""
+        self._start_compute()
+        client = websocket.client
+        remote = f"{client.host}:{client.port}" if client is not None else "?"
+        address = client.host if client is not None else "?"
+        await websocket.accept(headers=[(REPLICA_HEADER.encode(), self.name.encode())])
+        await self.server.guard.serve(_StarletteSocket(websocket), self.server.new_peer, remote, address)
+
+    def answer(self, route: HttpRoute) -> Response:
+        status, content_type, body = route()
+        return Response(body, status_code=status, media_type=content_type, headers={REPLICA_HEADER: self.name})
+
+    async def __del__(self) -> None:
+        """Serve calls this when it stops the replica gracefully (scale-down, redeploy, shutdown)."""
+        if self._computing:
+            await self.server.stop_compute()
+
+
+def _asgi_app() -> FastAPI:
+    """The replica's routes, built on each replica by Serve: the trunk's WebSocket, ``/metrics`` and ``/health``.
+
+    A builder rather than a module-level app with class-method routes: Serve pickles the ingress
+    app, and a module-level one would reach the replicas by reference, without the routes' binding
+    to the replica.
+    """
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.websocket("/")
+    async def connect(websocket: WebSocket) -> None:
+        await _this_replica().connect(websocket)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        replica = _this_replica()
+        return replica.answer(replica.server.metrics.render)
+
+    @app.get("/health")
+    def health() -> Response:
+        replica = _this_replica()
+        return replica.answer(replica.server.metrics.health)
+
+    return app
+
+
+def _this_replica() -> TrunkReplica:
+    from ray import serve
+
+    replica = serve.get_replica_context().servable_object
+    if not isinstance(replica, TrunkReplica):
+        raise TypeError(f"the Serve replica runs {type(replica).__name__}, not a TrunkReplica")
+    return replica
+
+
+def _replica_name() -> str:
+    """This replica's Ray actor name (what ``ray.get_actor(name, namespace="serve")`` finds)."""
+    from ray import serve
+
+    name: str = serve.get_replica_context().replica_id.to_full_id_str()
+    return name
+
+
+def _ray_serve() -> Any:
+    """``ray.serve``, or a clear error when the optional extra is missing."""
+    try:
+        from ray import serve
+    except ImportError:
+        raise ConfigError("serving on Ray needs Ray Serve: pip install 'splitspec[cluster]'") from None
+    return serve
+
+
+def trunk_application(config: CloudConfig, replicas: int, cpus_per_replica: float = 1.0) -> Any:
+    """The Serve application of ``replicas`` trunk replicas (a ``ray.serve.Application``, for ``serve.run``)."""
+    serve = _ray_serve()
+    if replicas < 1:
+        raise ConfigError(f"--ray-replicas must be at least 1, got {replicas}")
+    if cpus_per_replica < 0:
+        raise ConfigError(f"--ray-cpus-per-replica must not be negative, got {cpus_per_replica}")
+    deployment = serve.deployment(
+        name="trunk",
+        num_replicas=replicas,
+        # a WebSocket connection is one request for its whole life: admit as many as the sessions
+        max_ongoing_requests=config.max_sessions + _MIN_ONGOING,
+        ray_actor_options={"num_cpus": cpus_per_replica},
+    )(serve.ingress(_asgi_app)(TrunkReplica))
+    # TLS ends at Ray's proxies (see serve_on_ray): the replicas behind them read no certificate
+    return deployment.bind(dataclasses.replace(config, tls_cert_file=None, tls_key_file=None))
+
+
+def serve_on_ray(
+    config: CloudConfig,
+    replicas: int,
+    *,
+    address: str | None = None,
+    cpus_per_replica: float = 1.0,
+) -> None:
+    """Deploy the trunk on Ray (a local instance when ``address`` is None) and serve until SIGINT/SIGTERM.
+
+    Ray's HTTP proxy listens on ``config.host:config.port`` (with TLS when the config has a
+    certificate), on every node of the cluster.
+    """
+    application = trunk_application(config, replicas, cpus_per_replica)
+    import ray
+    from ray import serve
+
+    ray.init(address=address)
+    try:
+        serve.start(http_options=_http_options(config))
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        scheme = "ws" if config.tls_cert_file is None else "wss"
+        url = f"{scheme}://{config.host}:{config.port}"
+        log.info("trunk on Ray Serve: %d replicas behind %s", replicas, url)
+        warn_if_open(config.auth_token, url, "trunk server")
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        serve.delete(APP_NAME)
+    finally:
+        ray.shutdown()
+    log.info("trunk server stopped")
+
+
+def _http_options(config: CloudConfig) -> dict[str, Any]:
+    """Serve's HTTP options: where its proxies listen, with the trunk's TLS certificate if it has one."""
+    if (config.tls_cert_file is None) != (config.tls_key_file is None):
+        raise ConfigError("TLS needs both a certificate and a key file")
+    options: dict[str, Any] = {"host": config.host, "port": config.port}
+    if config.tls_cert_file is not None and config.tls_key_file is not None:
+        options |= {"ssl_certfile": str(config.tls_cert_file), "ssl_keyfile": str(config.tls_key_file)}
+    return options
