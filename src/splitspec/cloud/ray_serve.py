@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import signal
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, WebSocket
@@ -80,11 +81,16 @@ class _StarletteSocket:
 
 
 class TrunkReplica:
-    """One replica: a trunk server serving the connections Ray routes to it."""
+    """One replica: a trunk server serving the connections Ray routes to it.
 
-    def __init__(self, config: CloudConfig) -> None:
+    ``name`` is what the upgrade header reports; None: this replica's Ray actor name (inside Serve).
+    Serve ends a stopped replica's process, which is all the cleanup it needs; :meth:`stop` is for
+    a replica run outside Serve.
+    """
+
+    def __init__(self, config: CloudConfig, name: str | None = None) -> None:
         self.server = TrunkServer(config)  # loads the trunk layers, once per replica
-        self.name = _replica_name()
+        self.name = _replica_name() if name is None else name
         self._computing = False
         log.info("replica %s: trunk fingerprint %s", self.name, self.server.trunk_fingerprint)
 
@@ -93,6 +99,11 @@ class TrunkReplica:
         if not self._computing:
             self.server.start_compute()
             self._computing = True
+
+    async def stop(self) -> None:
+        if self._computing:
+            await self.server.stop_compute()
+            self._computing = False
 
     async def connect(self, websocket: WebSocket) -> None:
         """Serve one WebSocket connection the proxy routed here, until it closes."""
@@ -104,48 +115,46 @@ class TrunkReplica:
         await self.server.guard.serve(_StarletteSocket(websocket), self.server.new_peer, remote, address)
 
     def answer(self, route: HttpRoute) -> Response:
+        """A plain HTTP answer of the trunk's (``/metrics``, ``/health``), naming this replica."""
         status, content_type, body = route()
         return Response(body, status_code=status, media_type=content_type, headers={REPLICA_HEADER: self.name})
 
-    async def __del__(self) -> None:
-        """Serve calls this when it stops the replica gracefully (scale-down, redeploy, shutdown)."""
-        if self._computing:
-            await self.server.stop_compute()
 
-
-def _asgi_app() -> FastAPI:
-    """The replica's routes, built on each replica by Serve: the trunk's WebSocket, ``/metrics`` and ``/health``.
-
-    A builder rather than a module-level app with class-method routes: Serve pickles the ingress
-    app, and a module-level one would reach the replicas by reference, without the routes' binding
-    to the replica.
-    """
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.websocket("/")
-    async def connect(websocket: WebSocket) -> None:
-        await _this_replica().connect(websocket)
-
-    @app.get("/metrics")
-    def metrics() -> Response:
-        replica = _this_replica()
-        return replica.answer(replica.server.metrics.render)
-
-    @app.get("/health")
-    def health() -> Response:
-        replica = _this_replica()
-        return replica.answer(replica.server.metrics.health)
-
-    return app
-
-
-def _this_replica() -> TrunkReplica:
+def this_replica() -> TrunkReplica:
+    """The replica running this code, inside Serve."""
     from ray import serve
 
     replica = serve.get_replica_context().servable_object
     if not isinstance(replica, TrunkReplica):
         raise TypeError(f"the Serve replica runs {type(replica).__name__}, not a TrunkReplica")
     return replica
+
+
+def trunk_asgi_app(replica: Callable[[], TrunkReplica] = this_replica) -> FastAPI:
+    """The replica's routes: the trunk's WebSocket at ``/``, ``GET /metrics`` and ``GET /health``.
+
+    Serve builds it on each replica (a builder rather than a module-level app with class-method
+    routes: Serve pickles the ingress app, and a module-level one would reach the replicas by
+    reference, without the routes' binding to the replica). ``replica`` finds the replica serving
+    a request; outside Serve, any ASGI server can run the app for a replica of one's own.
+    """
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.websocket("/")
+    async def connect(websocket: WebSocket) -> None:
+        await replica().connect(websocket)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        serving = replica()
+        return serving.answer(serving.server.metrics.render)
+
+    @app.get("/health")
+    def health() -> Response:
+        serving = replica()
+        return serving.answer(serving.server.metrics.health)
+
+    return app
 
 
 def _replica_name() -> str:
@@ -178,7 +187,7 @@ def trunk_application(config: CloudConfig, replicas: int, cpus_per_replica: floa
         # a WebSocket connection is one request for its whole life: admit as many as the sessions
         max_ongoing_requests=config.max_sessions + _MIN_ONGOING,
         ray_actor_options={"num_cpus": cpus_per_replica},
-    )(serve.ingress(_asgi_app)(TrunkReplica))
+    )(serve.ingress(trunk_asgi_app)(TrunkReplica))
     # TLS ends at Ray's proxies (see serve_on_ray): the replicas behind them read no certificate
     return deployment.bind(dataclasses.replace(config, tls_cert_file=None, tls_key_file=None))
 
