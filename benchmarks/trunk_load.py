@@ -9,7 +9,13 @@ latency while it computes. Modes are interleaved within each repeat (>= 3 repeat
 reported with the on/off ratio measured side by side. Memory per session-token is compared with
 the theoretical KV size. Writes JSON, a markdown table and PNG plots, with the git commit.
 
-    nice -n 10 python benchmarks/trunk_load.py [--repeats 3] [--seconds 2] [--out benchmarks/results/trunk_load]
+    nice -n 10 python benchmarks/trunk_load.py [--quick | --repeats 3 --seconds 2] [--threads 2]
+        [--out benchmarks/results/trunk_load]
+
+The mix decodes for seconds / 4, sends the prefill and decodes on until seconds / 4 after it
+returns; its target compares the p99 of decode steps sent while the prefill computed with their
+p50 outside it. Memory per session-token is reported for the decoding sessions (short contexts:
+at most one 16-entry block of slack each) and for the big prefill's cache.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import json
 import logging
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -89,13 +96,15 @@ class Session:
         self.length += q
         return ms
 
-    async def decode_until(self, stop: float) -> None:
-        while time.perf_counter() < stop:
+    async def decode_while(self, done: asyncio.Event) -> None:
+        while not done.is_set():
             sent = time.perf_counter()
             self.latencies.append((sent, await self.step(1)))
 
 
-async def run_load(model: Path, batching: bool, sessions: int, seconds: float, prefill_mix: bool) -> dict[str, Any]:
+async def run_load(
+    model: Path, batching: bool, sessions: int, seconds: float, prefill_mix: bool, prefill: int = PREFILL
+) -> dict[str, Any]:
     config = CloudConfig(
         model_dir=model, port=0, batching=batching, max_sessions=sessions + 2,
         max_sessions_per_address=sessions + 2, max_connections_per_address=sessions + 2,
@@ -106,17 +115,27 @@ async def run_load(model: Path, batching: bool, sessions: int, seconds: float, p
         await asyncio.gather(*(s.open() for s in load))
         await asyncio.gather(*(s.step(CONTEXT) for s in load))
         heavy_window = (0.0, 0.0)
-        prefill_tokens = min(PREFILL, server.max_positions - 64)
+        prefill_tokens = min(prefill, server.max_positions - 64)
+        heavy_bytes_per_token = None
         start = time.perf_counter()
         stop = start + seconds
-        tasks = [asyncio.create_task(s.decode_until(stop)) for s in load]
-        if prefill_mix:
+        if prefill_mix:  # decode for seconds / 4, send the prefill, decode on for seconds / 4 after it returns
+            done = asyncio.Event()
+            tasks = [asyncio.create_task(s.decode_while(done)) for s in load]
             heavy = Session(server)
             await heavy.open()
             await asyncio.sleep(seconds / 4)
             sent = time.perf_counter()
             await heavy.step(prefill_tokens)
             heavy_window = (sent, time.perf_counter())
+            heavy_bytes_per_token = server.sessions._sessions[heavy.sid].cache.nbytes / heavy.length
+            await asyncio.sleep(seconds / 4)
+            done.set()
+        else:
+            done = asyncio.Event()
+            tasks = [asyncio.create_task(s.decode_while(done)) for s in load]
+            await asyncio.sleep(max(0.0, stop - time.perf_counter()))
+            done.set()
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
         held_tokens = sum(s.length for s in load)
@@ -126,18 +145,31 @@ async def run_load(model: Path, batching: bool, sessions: int, seconds: float, p
             await s.channel.close()
     latencies = [ms for s in load for _, ms in s.latencies]
     during = [ms for s in load for sent, ms in s.latencies if heavy_window[0] <= sent <= heavy_window[1]]
+    outside = [ms for s in load for sent, ms in s.latencies if not heavy_window[0] <= sent <= heavy_window[1]]
     return {
         "steps": len(latencies),
         "steps_per_s": len(latencies) / wall,
         "p50_ms": quantile(latencies, 0.5),
         "p99_ms": quantile(latencies, 0.99),
+        "outside_prefill_p50_ms": quantile(outside, 0.5) if prefill_mix else None,
         "during_prefill_p99_ms": quantile(during, 0.99) if prefill_mix else None,
         "during_prefill_steps": len(during),
         "prefill_ms": (heavy_window[1] - heavy_window[0]) * 1e3 if prefill_mix else None,
         "prefill_tokens": prefill_tokens if prefill_mix else None,
         "kv_bytes_per_token": kv_bytes / held_tokens,
+        "prefill_kv_bytes_per_token": heavy_bytes_per_token,
         "theory_bytes_per_token": theory,
     }
+
+
+KEYS = (
+    "steps_per_s", "p50_ms", "p99_ms", "outside_prefill_p50_ms", "during_prefill_p99_ms", "prefill_ms",
+    "kv_bytes_per_token", "prefill_kv_bytes_per_token",
+)  # fmt: skip
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -151,40 +183,67 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 for r in runs
                 if (r["model"], r["scenario"], r["sessions"], r["mode"]) == (model, scenario, sessions, mode)
             ]
-            for key in ("steps_per_s", "p50_ms", "p99_ms", "during_prefill_p99_ms", "kv_bytes_per_token"):
+            for key in KEYS:
                 values = [r[key] for r in mine if r[key] is not None]
                 row[f"{mode} {key}"] = statistics.median(values) if values else None
         row["throughput ratio"] = row["batched steps_per_s"] / row["per-session steps_per_s"]
         row["p50 ratio"] = row["batched p50_ms"] / row["per-session p50_ms"]
+        for mode in ("batched", "per-session"):  # the prefill target: p99 during it over p50 outside it
+            row[f"{mode} prefill p99/p50"] = _ratio(
+                row[f"{mode} during_prefill_p99_ms"], row[f"{mode} outside_prefill_p50_ms"]
+            )
         row["theory_bytes_per_token"] = next(r["theory_bytes_per_token"] for r in runs if r["model"] == model)
+        row["prefill_tokens"] = next(
+            (r["prefill_tokens"] for r in runs if r["model"] == model and r["prefill_tokens"]), None
+        )
         rows.append(row)
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], env: dict[str, Any]) -> str:
+def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str) -> str:
     lines = [
         "# Trunk load: batched vs per-session (medians of interleaved repeats)",
         "",
-        f"commit {env.get('commit')}; in-process server and load generator on one machine (shared, noisy CPU).",
+        f"commit {env.get('commit')}, `{command}`, {env.get('cpu_count')} CPUs, {env.get('torch_threads')} torch "
+        "threads; in-process server and load generator on one machine (shared, noisy CPU): only ratios mean much.",
         "",
-        "| model | scenario | sessions | batched steps/s | per-session steps/s | ratio | batched p50/p99 ms "
-        "| per-session p50/p99 ms | p99 during the big prefill (batched / per-session) ms "
-        "| KV B/token (batched; theory) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "## Decode load",
+        "",
+        "| model | sessions | batched steps/s | per-session steps/s | ratio | batched p50/p99 ms "
+        "| per-session p50/p99 ms | p50 ratio | KV B/token (batched; theory) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        during = (
-            f"{r['batched during_prefill_p99_ms']:.1f} / {r['per-session during_prefill_p99_ms']:.1f}"
-            if r["batched during_prefill_p99_ms"] is not None and r["per-session during_prefill_p99_ms"] is not None
-            else "-"
-        )
+        if r["scenario"] != "decode":
+            continue
         lines.append(
-            f"| {r['model']} | {r['scenario']} | {r['sessions']} | {r['batched steps_per_s']:.0f} "
+            f"| {r['model']} | {r['sessions']} | {r['batched steps_per_s']:.0f} "
             f"| {r['per-session steps_per_s']:.0f} | {r['throughput ratio']:.2f} "
             f"| {r['batched p50_ms']:.1f} / {r['batched p99_ms']:.1f} "
-            f"| {r['per-session p50_ms']:.1f} / {r['per-session p99_ms']:.1f} | {during} "
+            f"| {r['per-session p50_ms']:.1f} / {r['per-session p99_ms']:.1f} | {r['p50 ratio']:.2f} "
             f"| {r['batched kv_bytes_per_token']:.0f}; {r['theory_bytes_per_token']} |"
         )
+    lines += [
+        "",
+        "## One big prefill arriving among 16 decoding sessions",
+        "",
+        "Decode-step p50 outside the prefill, p99 of the steps sent while it computed, and their ratio (target "
+        "<= 3x); the prefill's own time and its cache's bytes per token.",
+        "",
+        "| model | prefill tokens | mode | p50 outside ms | p99 during ms | p99/p50 | prefill ms | prefill KV B/token "
+        "(theory) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r["scenario"] == "decode":
+            continue
+        for mode in ("batched", "per-session"):
+            lines.append(
+                f"| {r['model']} | {r['prefill_tokens']} | {mode} | {r[f'{mode} outside_prefill_p50_ms']:.1f} "
+                f"| {r[f'{mode} during_prefill_p99_ms']:.1f} | {r[f'{mode} prefill p99/p50']:.2f} "
+                f"| {r[f'{mode} prefill_ms']:.0f} | {r[f'{mode} prefill_kv_bytes_per_token']:.0f} "
+                f"({r['theory_bytes_per_token']}) |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -212,6 +271,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
 async def main_async(args: argparse.Namespace) -> None:
     env = run_environment()
+    command = "python benchmarks/trunk_load.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory() as tmp:
         models = {"demo-base": DEMO, "random-llama-1024": random_llama(Path(tmp) / "llama1024")}
         runs: list[dict[str, Any]] = []
@@ -221,27 +281,37 @@ async def main_async(args: argparse.Namespace) -> None:
                 for scenario, sessions in plans:
                     modes = ("batched", "per-session") if repeat % 2 == 0 else ("per-session", "batched")
                     for mode in modes:  # interleaved, order alternating between repeats
-                        result = await run_load(path, mode == "batched", sessions, args.seconds, scenario != "decode")
+                        mix = scenario != "decode"
+                        result = await run_load(path, mode == "batched", sessions, args.seconds, mix, args.prefill)
                         runs.append({"repeat": repeat, "model": name, "scenario": scenario, "sessions": sessions,
                                      "mode": mode, **result})  # fmt: skip
                         logging.info("%s", runs[-1])
     rows = summarise(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "trunk_load.json").write_text(json.dumps({"environment": env, "summary": rows}, indent=1))
+    meta = {"environment": env, "command": command, "summary": rows}
+    (args.out / "trunk_load.json").write_text(json.dumps(meta, indent=1))
     write_jsonl_gz(args.out / "runs.jsonl.gz", runs, commit=env["commit"], splitspec=env["splitspec"])
-    (args.out / "trunk_load.md").write_text(markdown(rows, env))
+    (args.out / "trunk_load.md").write_text(markdown(rows, env, command))
     plot(rows, args.out)
-    print(markdown(rows, env))
+    logging.getLogger(__name__).info("\n%s", markdown(rows, env, command))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="3 repeats of 0.4 s runs and a 1,024-token prefill (under 10 minutes on 2 loaded cores)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0, help="decode time per run, seconds")
+    parser.add_argument("--prefill", type=int, default=PREFILL, help="tokens of the mix's big prefill (default 2000)")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/trunk_load"))
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.seconds, args.prefill = 3, 0.4, 1024
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger(__name__).setLevel(logging.INFO)

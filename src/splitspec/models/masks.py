@@ -26,6 +26,8 @@ def is_chain(parents: torch.Tensor) -> bool:
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     """(q, q) bool: ``out[i, j]`` is True iff j is i or an ancestor of i within the step."""
     q = parents.shape[0]
+    if q == 1:  # a decode step: the token sees itself
+        return torch.ones(1, 1, dtype=torch.bool)
     if is_chain(parents):
         return torch.ones(q, q, dtype=torch.bool).tril()
     out = torch.zeros(q, q, dtype=torch.bool)
