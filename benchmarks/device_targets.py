@@ -51,13 +51,15 @@ from splitspec.decoding.sampling import SamplingParams
 from splitspec.devices import HostStaging, resolve_device
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.compile_modes import COMPILE_MODES
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import dtype_from_name, load_trunk
+from splitspec.models.stack import LayerStack, dtype_from_name, load_trunk
+from splitspec.models.static_kv import StaticKVCache
 from splitspec.protocol.messages import Step, StepResult, decode_message, encode_message
 from splitspec.run_info import run_environment
 from splitspec.transport.client import Channel
-from splitspec.transport.server import FrameServer
+from splitspec.transport.server import ConnectionLimits, FrameServer
 
 log = logging.getLogger("bench.device_targets")
 
@@ -173,6 +175,8 @@ async def split_vs_whole(
 class _EchoPeer:
     """The server's side of a step without a model: decode, copy to the device and back, encode."""
 
+    ready = True  # no handshake: the echo measures steps only
+
     def __init__(self, staging: HostStaging) -> None:
         self.staging = staging
 
@@ -193,7 +197,8 @@ async def framework_overhead(width: int, dtype: torch.dtype, device: torch.devic
     staging = HostStaging(device)
     hidden = torch.randn(1, 1, width, device=device).to(dtype)  # (1, 1, H)
     positions, parents = torch.tensor([100], dtype=torch.int32), torch.tensor([-1], dtype=torch.int32)
-    server = FrameServer(lambda remote: _EchoPeer(staging), "127.0.0.1", 0, 1 << 22)
+    limits = ConnectionLimits(handshake_max_bytes=1 << 22)  # the first frame is a step already
+    server = FrameServer(lambda remote: _EchoPeer(staging), "127.0.0.1", 0, 1 << 22, None, limits)
     await server.start()
     channel = await Channel.connect(f"ws://127.0.0.1:{server.port}", max_message_bytes=1 << 22, timeout_s=5)
     copies, codec, trips_ms = [], [], []
@@ -245,10 +250,22 @@ def _time_steps(step: Callable[[], Any], device: torch.device, n: int) -> tuple[
     return launch, total
 
 
+VARIANTS = ("growable", "static", "compiled")  # our trunk step: growable KV / static KV (fixed shape) / compiled
+
+
 def trunk_vs_transformers(
-    directory: Path, dtype: torch.dtype, device: torch.device, context: int, steps: int, repeats: int
+    directory: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    context: int,
+    steps: int,
+    repeats: int,
+    cache_tokens: int,
+    compile_mode: str,
 ) -> dict[str, Any]:
-    """One decode step of the trunk layers: our LayerStack + KVCache vs transformers' model of those layers."""
+    """One decode step of the trunk's layers, transformers' model of those layers against ours in
+    three variants, interleaved: growable KVCache (eager), static KV buffers through the fixed-shape
+    step (eager), and that step compiled (``compile_mode``)."""
     ckpt = Checkpoint(directory)
     plan = SplitPlan(ckpt.config.num_hidden_layers, *EDGE_LAYERS)
     trunk = load_trunk(ckpt, plan, dtype, devices=(device,))
@@ -264,17 +281,29 @@ def trunk_vs_transformers(
     gen = torch.Generator().manual_seed(0)
     prefix = (torch.randn(1, context, hidden_size, generator=gen) * 0.5).to(device, dtype)  # (1, C, H)
     token = (torch.randn(1, 1, hidden_size, generator=gen) * 0.5).to(device, dtype)  # (1, 1, H)
-
-    ours_cache = KVCache()
     chain = torch.arange(-1, context - 1, dtype=torch.int32)
-    trunk(prefix, torch.arange(context, dtype=torch.int32), chain, ours_cache)
     pos = torch.tensor([context], dtype=torch.int32)
     parent = torch.tensor([-1], dtype=torch.int32)
 
-    def ours() -> Any:
-        out = trunk(token, pos, parent, ours_cache)
-        ours_cache.truncate(context)  # every timed step sees the same context
-        return out
+    def ours(stack: LayerStack, cache: KVCache) -> Callable[[], Any]:
+        stack(prefix, torch.arange(context, dtype=torch.int32), chain, cache)
+
+        def step() -> Any:
+            out = stack(token, pos, parent, cache)
+            cache.truncate(context)  # every timed step sees the same context
+            return out
+
+        return step
+
+    fns: dict[str, Callable[[], Any]] = {"growable": ours(trunk, KVCache())}
+    static = LayerStack(trunk._skeleton, trunk.layer_indices).eval()  # the same modules
+    static.enable_fixed_decode()
+    fns["static"] = ours(static, StaticKVCache(cache_tokens))
+    compiled = LayerStack(trunk._skeleton, trunk.layer_indices).eval()
+    compile_s = compiled.enable_fixed_decode(compile_mode).warm_up(cache_tokens)
+    fns["compiled"] = ours(compiled, StaticKVCache(cache_tokens))
+    outs = {name: fn() for name, fn in fns.items()}
+    max_diff = {name: float((out.float() - outs["growable"].float()).abs().max()) for name, out in outs.items()}
 
     hf_cache = DynamicCache(config=hf_config)
     with torch.inference_mode():
@@ -287,28 +316,38 @@ def trunk_vs_transformers(
         hf_cache.crop(-1)  # transformers 5: crop(-n) drops the last n tokens
         return out
 
-    ours_ms, bare_ms, launch_ms, ratios = [], [], [], []
-    for fn in (ours, bare):  # warm-up
+    fns["transformers"] = bare
+    step_ms: dict[str, list[float]] = {name: [] for name in fns}
+    launch_ms: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up
         _time_steps(fn, device, 5)
     for _ in range(repeats):
-        launch_a, a = _time_steps(ours, device, steps)
-        _, b = _time_steps(bare, device, steps)
-        ours_ms.append(statistics.median(a))
-        bare_ms.append(statistics.median(b))
-        launch_ms.append(statistics.median(launch_a))
-        ratios.append(ours_ms[-1] / bare_ms[-1])
+        for name, fn in fns.items():  # interleaved: every variant once per repeat
+            launch, total = _time_steps(fn, device, steps)
+            step_ms[name].append(statistics.median(total))
+            launch_ms[name].append(statistics.median(launch))
+    ratios = {v: [a / b for a, b in zip(step_ms[v], step_ms["transformers"], strict=True)] for v in VARIANTS}
     return {
         "trunk_layers": n_layers,
         "context_tokens": context,
-        "ours_step_ms": ours_ms,
-        "transformers_step_ms": bare_ms,
-        "ours_launch_ms": launch_ms,
-        "ratio": ratios,
-        "ratio_median": statistics.median(ratios),
-        "ours_step_ms_median": statistics.median(ours_ms),
-        "transformers_step_ms_median": statistics.median(bare_ms),
-        "ours_launch_ms_median": statistics.median(launch_ms),
+        "static_cache_tokens": cache_tokens,
+        "compile_mode": compiled.fixed_decode.mode if compiled.fixed_decode else None,
+        "compile_s": compile_s,
+        "max_abs_diff_vs_growable": max_diff,
+        "step_ms": step_ms,
+        "launch_ms": launch_ms,
+        "ratio_vs_transformers": ratios,
+        "step_ms_median": {k: statistics.median(v) for k, v in step_ms.items()},
+        "launch_ms_median": {k: statistics.median(v) for k, v in launch_ms.items()},
+        "ratio_median": {k: statistics.median(v) for k, v in ratios.items()},
     }
+
+
+_VARIANT_TEXT = {
+    "growable": "growable KV, eager",
+    "static": "static KV, fixed-shape step, eager",
+    "compiled": "static KV, fixed-shape step compiled",
+}
 
 
 def write_report(results: dict[str, Any], out: Path) -> None:
@@ -331,11 +370,16 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         f" (p90 {fo['step_overhead_ms_p90']:.3f}) | <= 1 ms |",
         f"| of which the edge's host copies | {fo['edge_copies_ms_median']:.3f} ms | |",
         f"| of which the edge's encode + decode | {fo['edge_codec_ms_median']:.3f} ms | |",
-        f"| trunk decode step ({tr['trunk_layers']} layers, context {tr['context_tokens']}), ours"
-        f" | {tr['ours_step_ms_median']:.3f} ms | |",
-        f"| same layers, bare transformers | {tr['transformers_step_ms_median']:.3f} ms | |",
-        f"| ours / transformers | {tr['ratio_median']:.3f} | <= 1.2 |",
-        f"| ours, host launch time (returns before the device finishes) | {tr['ours_launch_ms_median']:.3f} ms | |",
+        f"| transformers, same {tr['trunk_layers']} layers, decode step at context {tr['context_tokens']}"
+        f" | {tr['step_ms_median']['transformers']:.3f} ms | |",
+        *[
+            f"| ours, {v} ({_VARIANT_TEXT[v]}): step / host launch / ratio to transformers"
+            f" | {tr['step_ms_median'][v]:.3f} ms / {tr['launch_ms_median'][v]:.3f} ms / {tr['ratio_median'][v]:.3f}"
+            f" | <= 1.2 |"
+            for v in VARIANTS
+        ],
+        f"| compile time (mode {tr['compile_mode']}), static KV of {tr['static_cache_tokens']} entries"
+        f" | {tr['compile_s']:.1f} s | |",
         "",
         f"Reproduce: `python benchmarks/device_targets.py {results['argv']}`",
     ]
@@ -353,13 +397,12 @@ def write_report(results: dict[str, Any], out: Path) -> None:
     axes[1].set_ylabel("ms per step (median)")
     axes[1].set_title(f"framework overhead, {fo['width']}-wide {fo['dtype']}")
     axes[1].legend()
-    axes[2].bar(
-        ["ours (launch)", "ours", "transformers"],
-        [tr["ours_launch_ms_median"], tr["ours_step_ms_median"], tr["transformers_step_ms_median"]],
-        color=["C5", "C1", "C0"],
-    )
+    names = ["transformers", *VARIANTS]
+    axes[2].bar(names, [tr["step_ms_median"][n] for n in names], color=["C0", "C1", "C2", "C3"], label="step")
+    axes[2].bar(names, [tr["launch_ms_median"][n] for n in names], color="k", alpha=0.35, width=0.4, label="launch")
     axes[2].set_ylabel("ms per decode step (median)")
-    axes[2].set_title(f"trunk step, ratio {tr['ratio_median']:.2f}")
+    axes[2].set_title(f"trunk step, compiled / transformers {tr['ratio_median']['compiled']:.2f}")
+    axes[2].legend()
     fig.suptitle(f"{results['device_name']} · {results['shape']} · {results['dtype']}")
     fig.tight_layout()
     fig.savefig(out / "device_targets.png", dpi=110)
@@ -378,6 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=4096, help="hidden width of the overhead figure")
     parser.add_argument("--context", type=int, default=512, help="prefix before the timed trunk steps")
     parser.add_argument("--steps", type=int, default=50, help="timed trunk steps per repeat")
+    parser.add_argument(
+        "--cache-tokens", type=int, default=1024, help="static KV buffer size of the static/compiled trunk steps"
+    )
+    parser.add_argument(
+        "--compile", default="auto", choices=COMPILE_MODES, help="torch.compile mode of the compiled trunk step"
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, help="output folder")
     args = parser.parse_args(argv)
@@ -398,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         prompt = torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
         split = asyncio.run(split_vs_whole(directory, args.dtype, device, prompt, args.new_tokens, args.repeats))
         overhead = asyncio.run(framework_overhead(args.width, dtype, device, args.trips))
-        trunk = trunk_vs_transformers(directory, dtype, device, args.context, args.steps, args.repeats)
+        trunk = trunk_vs_transformers(
+            directory, dtype, device, args.context, args.steps, args.repeats, args.cache_tokens, args.compile
+        )
     results = {
         **run_environment(),
         "argv": " ".join(sys.argv[1:] if argv is None else argv),

@@ -14,9 +14,12 @@
 #      and bfloat16, sequential and speculative, Llama and Qwen2; a trunk split over GPU + CPU;
 #      seeded sampling on the GPU; CUDA-vs-CPU float32 token identity (tests/e2e/test_devices_e2e.py,
 #      tests/test_devices.py);
+#   3b. runs the --compile tests with the real compiler (inductor, CUDA graphs): greedy identity with
+#      the trunk and the edge compiled, one graph each;
 #   4. runs the benchmarks on the GPU: benchmarks/device_targets.py (split vs whole at zero RTT on a
 #      random Llama-3.2-1B-shaped checkpoint in bfloat16, framework overhead for a 4096-wide bf16
-#      hidden state, trunk step vs bare transformers), and the speculative scenario quick run;
+#      hidden state, trunk step vs bare transformers with growable KV, static KV and --compile),
+#      and the speculative scenario quick run;
 #   5. writes everything under $OUT when set (the device tool's folder), else benchmarks/results/gpu/:
 #      gpu_check.log, targets/device_targets.{json,md,png}, speculative/summary.{json,md} and its
 #      two plots (8 files: what the device tool brings back).
@@ -81,10 +84,17 @@ status=0
 "$PY" -m pytest -q -p no:cacheprovider --device cuda -o timeout=240 \
     tests/test_devices.py tests/e2e/test_devices_e2e.py || status=$?
 echo "== device tests exit status $status"
+# --compile for real: inductor with CUDA graphs (reduce-overhead) on the trunk, the edge's head and tail;
+# greedy identity sequential and speculative, one graph each
+"$PY" -m pytest -q -p no:cacheprovider --device cuda --compile-backend inductor -o timeout=300 \
+    tests/e2e/test_compile_e2e.py || status=$?
+echo "== compile tests exit status $status"
 
 # 4. benchmarks on the GPU
+# trunk step: transformers vs ours with growable KV, static KV (fixed-shape, eager) and compiled
+# (--compile auto = reduce-overhead, CUDA graphs), static KV of 1024 entries at context 512
 "$PY" benchmarks/device_targets.py --device cuda --dtype bfloat16 --shape llama-3.2-1b \
-    --repeats 3 --new-tokens 64 --out "$RESULTS/targets" || status=$?
+    --repeats 3 --new-tokens 64 --compile auto --cache-tokens 1024 --out "$RESULTS/targets" || status=$?
 "$PY" -m splitspec.cli --log-level WARNING bench speculative --quick --device cuda --no-progress --no-runs \
     --out "$RESULTS/speculative" || status=$?
 echo "== gpu_check done, exit status $status; results in $RESULTS"

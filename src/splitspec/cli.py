@@ -288,6 +288,7 @@ def _add_edge_link_args(p: argparse.ArgumentParser) -> None:
         "--model; needed when that copy lacks them)",
     )
     add_speculation_args(p)
+    add_compile_args(p, "the edge's (head and tail layers)")
 
 
 def _add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
@@ -327,6 +328,8 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         published_model_dir=args.published_model,
         trunk_fingerprint=args.trunk_fingerprint,
         tls_ca_file=args.tls_ca,
+        compile=args.compile,
+        max_cache_tokens=args.max_cache_tokens,
     )
 
 

@@ -122,9 +122,10 @@ class HostStaging:
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (host, e.g. decoded wire bytes) on the compute device."""
-        staged = self._host_buffer(tensor)
-        staged.copy_(tensor)
-        return staged.to(self.device, non_blocking=True)
+        with torch.inference_mode():  # an inference tensor, like a step's every activation (one compiled graph)
+            staged = self._host_buffer(tensor)
+            staged.copy_(tensor)
+            return staged.to(self.device, non_blocking=True)
 
 
 def device_generator(device: torch.device, seed: int) -> torch.Generator:

@@ -2,12 +2,14 @@
 
 Greedy split output equals transformers' ``generate``, sequentially and speculatively (draft
 trees and keep_last run eager on the same static buffers), with every decode step through the
-one compiled graph. The compile backend is ``--compile-backend`` (default ``eager``: dynamo's
-whole-graph capture, seconds; ``inductor`` compiles for real, as scripts/gpu_check.sh runs it).
+one compiled graph; then with the edge's head and tail compiled as well. The compile backend is
+``--compile-backend`` (default ``eager``: dynamo's whole-graph capture, seconds; ``inductor``
+compiles for real, as scripts/gpu_check.sh runs it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,7 +60,18 @@ async def test_compiled_trunk_keeps_greedy_identity(
             assert speculative.token_ids == expected
             with pytest.raises(PositionOutOfRange, match="static KV capacity of 64 entries"):
                 await client.generate(PROMPT, 60, speculate="off")
-    assert counters["stats"]["unique_graphs"] - before == 1  # one graph, reused by every session and step
+        # the edge compiled too (--compile on generate/chat/serve): head and tail, each one graph
+        edge = dataclasses.replace(edge, compile="auto", compile_backend=compile_backend, max_cache_tokens=64)
+        async with SplitClient(edge) as client:
+            head, tail = client.model.head.fixed_decode, client.model.tail.fixed_decode
+            assert head is not None
+            assert tail is not None
+            assert (await client.generate(PROMPT, 24, speculate="off")).token_ids == expected
+            assert (head.steps, tail.steps) == (2 + 23, 2 + 23)
+            assert (await client.generate(PROMPT, 24, speculate="draft")).token_ids == expected
+            with pytest.raises(ConfigError, match="exceeds the edge's static KV size of 64"):
+                client.check_length(len(PROMPT), 60)
+    assert counters["stats"]["unique_graphs"] - before == 3  # trunk, head, tail: reused by every session and step
 
 
 def test_compile_settings_are_checked(make_checkpoint: Callable[..., Path]) -> None:

@@ -44,7 +44,8 @@ def _script(stack: LayerStack, cache: KVCache, device: torch.device, seed: int =
     gen = torch.Generator().manual_seed(seed)
 
     def hidden(q: int) -> torch.Tensor:
-        return torch.randn(1, q, H, generator=gen).to(device)  # (1, q, H)
+        with torch.inference_mode():  # as a step's activations and HostStaging's copies are
+            return torch.randn(1, q, H, generator=gen).to(device)  # (1, q, H)
 
     outs = [stack(hidden(10), _ints(list(range(10))), _ints(list(range(-1, 9))), cache)]
     outs.append(stack(hidden(4), _ints([10, 11, 11, 12]), _ints([-1, 0, 0, 2]), cache))

@@ -36,7 +36,7 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk, resolve_dtype
-from splitspec.models.static_kv import StaticKVCache
+from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.protocol.messages import (
     CloseSession,
@@ -103,8 +103,9 @@ class TrunkServer:
             hidden_size=model_config.hidden_size,
         )
         self.max_positions = int(model_config.max_position_embeddings)
-        self.cache_size = self._static_cache_size()  # entries per session with --compile, else None
-        if self.cache_size is not None:
+        # entries per session with --compile, else None
+        self.cache_size = static_cache_size(config.compile, config.max_cache_tokens, self.max_positions)
+        if config.compile is not None and self.cache_size is not None:
             self.trunk.enable_fixed_decode(config.compile, config.compile_backend).warm_up(self.cache_size)
         self.budget = KVBudget(
             budget_bytes=default_budget_bytes(devices)
@@ -153,19 +154,6 @@ class TrunkServer:
         )
         self._sweeper: asyncio.Task[None] | None = None
         self._connection_ids = itertools.count()
-
-    def _static_cache_size(self) -> int | None:
-        """Each session's static KV capacity (``--max-cache-tokens``, else the model's positions) with
-        ``--compile``; None without (growable caches)."""
-        config = self.config
-        if config.compile is None:
-            if config.max_cache_tokens is not None:
-                raise ConfigError("--max-cache-tokens sizes the static KV buffers of --compile: give --compile too")
-            return None
-        size = self.max_positions if config.max_cache_tokens is None else config.max_cache_tokens
-        if not 1 <= size <= self.max_positions:
-            raise ConfigError(f"--max-cache-tokens must be between 1 and the model's {self.max_positions} positions")
-        return size
 
     @property
     def port(self) -> int:

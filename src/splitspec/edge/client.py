@@ -48,6 +48,7 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
+from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
 from splitspec.protocol.messages import (
@@ -166,6 +167,8 @@ class SplitClient:
             else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation, self.device)
         )
         self._staging = HostStaging(self.device)
+        self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
+        self.cache_size = self._compile_fixed_decode()  # static KV entries with --compile, else None
         self.hello = Hello(
             fingerprint=fingerprint(ckpt.config),
             layer_start=self.plan.trunk_layers.start,
@@ -179,7 +182,6 @@ class SplitClient:
         self.eos_token_ids = generation_stop_ids(config.model_dir, ckpt.config)
         self.published_sampling = published_sampling(config.model_dir)  # generation_config.json's
         self._default_sampling: SamplingParams | None = None
-        self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
         self.draft_model: FullModel | None = draft_model
         if draft_model is None and config.draft_model_dir is not None:
             draft_ckpt = Checkpoint(config.draft_model_dir)
@@ -194,8 +196,8 @@ class SplitClient:
         self._welcome: Welcome | None = None
         self._session_id: str | None = None
         self._seq = 0
-        self._head_cache = KVCache()
-        self._tail_cache = KVCache()
+        self._head_cache = self._new_cache()
+        self._tail_cache = self._new_cache()
         self._tokens: list[int] = []  # token id behind every committed cache entry
         self._digests: list[bytes] = []  # keyed prefix digest of every committed token (send noise only)
         self._command: CacheCommand | None = None  # rides on the next step
@@ -204,6 +206,22 @@ class SplitClient:
         self.recoveries = 0
         self.capacity_waits = 0  # steps sent again after a capacity refusal
         self._controller = controller  # kept across chat turns
+
+    def _compile_fixed_decode(self) -> int | None:
+        """With ``compile``: the head's and tail's fixed-shape decode steps, compiled now (once per
+        shared model); return the static KV size. None without (growable caches)."""
+        config = self.config
+        size = static_cache_size(config.compile, config.max_cache_tokens, self.max_positions)
+        if config.compile is None or size is None:
+            return None
+        for stack in (self.model.head, self.model.tail):
+            if len(stack.layers) and stack.fixed_decode is None:
+                stack.enable_fixed_decode(config.compile, config.compile_backend).warm_up(size)
+        return size
+
+    def _new_cache(self) -> KVCache:
+        """A sequence's cache on the edge: static buffers with ``compile``, else growable."""
+        return KVCache() if self.cache_size is None else StaticKVCache(self.cache_size)
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -291,8 +309,8 @@ class SplitClient:
 
     def reset(self) -> None:
         """Start a new sequence: the cloud cache is truncated on the next step."""
-        self._head_cache = KVCache()
-        self._tail_cache = KVCache()
+        self._head_cache = self._new_cache()
+        self._tail_cache = self._new_cache()
         # a pending command (a truncation, a kept path) is superseded: the cloud's cache empties too
         self._command = CacheCommand(truncate_to=0) if self._tokens or self._command is not None else None
         self._tokens = []
@@ -326,6 +344,11 @@ class SplitClient:
         anything, so a request either fits whole or fails at once, never midway.
         """
         total = context_tokens + prompt_tokens + max_new_tokens
+        if self.cache_size is not None and total > self.cache_size:
+            raise ConfigError(
+                f"prompt + max new tokens + context = {total} exceeds the edge's static KV size of "
+                f"{self.cache_size} (--max-cache-tokens)"
+            )
         if total > self.max_positions:
             raise ConfigError(
                 f"prompt ({prompt_tokens} tokens) + max new tokens ({max_new_tokens})"
@@ -508,7 +531,7 @@ class SplitClient:
                     raise
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)
-        self._head_cache, self._tail_cache = KVCache(), KVCache()
+        self._head_cache, self._tail_cache = self._new_cache(), self._new_cache()
         self._tokens, self._command, self._digests = [], None, []
         if history:
             try:

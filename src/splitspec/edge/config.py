@@ -25,4 +25,9 @@ class EdgeConfig:
     draft_model_dir: Path | None = None  # small local model sharing the tokenizer, for drafting
     allow_stock_edge_weights: bool = False  # run the published edge weights anyway (warned every session)
     published_model_dir: Path | None = None  # published checkpoint to compare the edge weights with
+    # torch.compile mode of the edge's fixed-shape decode steps (head and tail) over static KV buffers: auto,
+    # default, reduce-overhead, ... (splitspec.models.fixed_decode); None = eager with growable caches
+    compile: str | None = None
+    max_cache_tokens: int | None = None  # with compile: the static KV buffers' size, tokens; None = max positions
+    compile_backend: str = "inductor"  # torch.compile backend of compile; tests pass "eager" (graph capture only)
     trunk_fingerprint: str | None = None  # pinned trunk content fingerprint; None = hash model_dir's own trunk

@@ -127,7 +127,8 @@ class FixedShapeDecode:
         t0 = time.perf_counter()
         dtype = next(self.stack.layers[0].parameters()).dtype
         cache = StaticKVCache(size)
-        token = torch.zeros(1, 1, self.stack.hidden_size, dtype=dtype, device=self.device)  # (1, 1, H)
+        with torch.inference_mode():  # steps see inference tensors (activations, HostStaging's copies)
+            token = torch.zeros(1, 1, self.stack.hidden_size, dtype=dtype, device=self.device)  # (1, 1, H)
         one = torch.tensor([-1], dtype=torch.int32)
         self.stack(token, torch.tensor([0], dtype=torch.int32), one, cache)  # allocates the buffers
         try:

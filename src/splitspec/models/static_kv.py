@@ -24,6 +24,19 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.kv_cache import KVCache
 
 
+def static_cache_size(compile_mode: str | None, max_cache_tokens: int | None, max_positions: int) -> int | None:
+    """The static KV size of a role: ``max_cache_tokens`` (else ``max_positions``) with ``--compile``,
+    None without (growable caches); a size given without ``--compile`` or out of range is refused."""
+    if compile_mode is None:
+        if max_cache_tokens is not None:
+            raise ConfigError("--max-cache-tokens sizes the static KV buffers of --compile: give --compile too")
+        return None
+    size = max_positions if max_cache_tokens is None else max_cache_tokens
+    if not 1 <= size <= max_positions:
+        raise ConfigError(f"--max-cache-tokens must be between 1 and the model's {max_positions} positions")
+    return size
+
+
 class StaticKVCache(KVCache):
     """Keys and values (1, kv_heads, size, head_dim) per layer, allocated once at the first step."""
 
