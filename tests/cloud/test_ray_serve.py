@@ -19,18 +19,21 @@ from typing import Any
 import pytest
 
 from splitspec.cloud.config import CloudConfig
-from splitspec.cloud.ray_serve import APP_NAME, REPLICA_HEADER, trunk_application
+from splitspec.cloud.ray_serve import APP_NAME, REPLICA_HEADER, build_app, trunk_application
 from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.exceptions import ConfigError
 from tests.conftest import free_port, local_greedy
 
 ray = pytest.importorskip("ray", reason="Ray is the optional 'cluster' extra: pip install 'splitspec[cluster]'")
 serve = pytest.importorskip("ray.serve")
+yaml = pytest.importorskip("yaml")  # a dependency of Ray's
 
 pytestmark = pytest.mark.slow  # a Ray instance and two replica processes, each importing torch
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 12]
 NEW_TOKENS = 24
 KILL_AFTER = 6  # tokens generated before the replica goes
+SERVE_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "ray-serve.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +82,27 @@ async def test_a_killed_replica_costs_a_replay_not_the_output(proxy: tuple[Path,
     assert replaced_by != killed
     if other != killed:  # the bystander's connection stayed on its replica the whole time
         assert bystander.recoveries == 0
+
+
+def test_the_serve_config_file_builds_the_trunk_application(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """deploy/ray-serve.yaml is a valid Serve config whose builder makes the trunk deployment from its args."""
+    from ray.serve.schema import ServeDeploySchema
+
+    document = yaml.safe_load(SERVE_CONFIG.read_text())
+    application = ServeDeploySchema.model_validate(document).applications[0]
+    assert application.import_path == "splitspec.cloud.ray_serve:build_app"
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    model = make_checkpoint("llama")
+    args = {**document["applications"][0]["args"], "model_dir": str(model), "token_file": str(token)}
+    deployment = build_app(args)._bound_deployment
+    assert deployment.num_replicas == args["replicas"]
+    assert deployment.ray_actor_options["num_cpus"] == args["cpus_per_replica"]
+    (config,) = deployment.init_args
+    assert (config.model_dir, config.edge_layers, config.auth_token) == (model, (2, 2), "s3cret")
+    with pytest.raises(ConfigError, match="unknown trunk options"):
+        build_app({**args, "prot": 1})
+    with pytest.raises(ConfigError, match="model_dir"):
+        build_app({"replicas": 2})

@@ -26,12 +26,14 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import Response
 from starlette.websockets import WebSocketDisconnect
 
+from splitspec.arguments import read_token_file
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.exceptions import ConfigError
@@ -190,6 +192,36 @@ def trunk_application(config: CloudConfig, replicas: int, cpus_per_replica: floa
     )(serve.ingress(trunk_asgi_app)(TrunkReplica))
     # TLS ends at Ray's proxies (see serve_on_ray): the replicas behind them read no certificate
     return deployment.bind(dataclasses.replace(config, tls_cert_file=None, tls_key_file=None))
+
+
+# CloudConfig fields a Serve config file may not set: the proxies' http_options hold host, port and TLS
+_PROXY_FIELDS = frozenset({"host", "port", "tls_cert_file", "tls_key_file", "auth_token"})
+
+
+def build_app(args: dict[str, Any]) -> Any:
+    """The application builder of a Serve config file (``import_path: splitspec.cloud.ray_serve:build_app``).
+
+    ``args``: ``replicas`` (default 1), ``cpus_per_replica`` (1.0), ``token_file`` (the shared
+    secret's file, read where Serve builds the application) and any :class:`CloudConfig` field by
+    name, ``model_dir`` required (``edge_layers`` and ``devices`` as lists). Where the proxies
+    listen, and their TLS, is the file's ``http_options``. See deploy/ray-serve.yaml.
+    """
+    options = dict(args)
+    replicas = int(options.pop("replicas", 1))
+    cpus_per_replica = float(options.pop("cpus_per_replica", 1.0))
+    token_file = options.pop("token_file", None)
+    fields = {field.name for field in dataclasses.fields(CloudConfig)} - _PROXY_FIELDS
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ConfigError(f"unknown trunk options {unknown} in the Serve config's args (known: {sorted(fields)})")
+    if "model_dir" not in options:
+        raise ConfigError("the Serve config's args need model_dir (the checkpoint directory on every node)")
+    options["model_dir"] = Path(options["model_dir"])
+    for name in ("edge_layers", "devices"):
+        if name in options:
+            options[name] = tuple(options[name])
+    config = CloudConfig(**options, auth_token=read_token_file(None if token_file is None else Path(token_file)))
+    return trunk_application(config, replicas, cpus_per_replica)
 
 
 def serve_on_ray(
