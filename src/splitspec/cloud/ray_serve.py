@@ -190,8 +190,9 @@ def trunk_application(config: CloudConfig, replicas: int, cpus_per_replica: floa
         max_ongoing_requests=config.max_sessions + _MIN_ONGOING,
         ray_actor_options={"num_cpus": cpus_per_replica},
     )(serve.ingress(trunk_asgi_app)(TrunkReplica))
-    # TLS ends at Ray's proxies (see serve_on_ray): the replicas behind them read no certificate
-    return deployment.bind(dataclasses.replace(config, tls_cert_file=None, tls_key_file=None))
+    # the replicas listen nowhere: host, port and TLS are the proxies' (see serve_on_ray), so a
+    # replica reads no certificate and does not warn about a secret sent in the clear
+    return deployment.bind(dataclasses.replace(config, host="127.0.0.1", tls_cert_file=None, tls_key_file=None))
 
 
 # CloudConfig fields a Serve config file may not set: the proxies' http_options hold host, port and TLS
@@ -248,6 +249,8 @@ def serve_on_ray(
         url = f"{scheme}://{config.host}:{config.port}"
         log.info("trunk on Ray Serve: %d replicas behind %s", replicas, url)
         warn_if_open(config.auth_token, url, "trunk server")
+        if scheme == "ws" and config.auth_token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
+            log.warning("the shared secret and all hidden states travel unencrypted: serve TLS (--tls-cert/--tls-key)")
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
