@@ -45,3 +45,10 @@ def test_each_row_equals_its_step_alone(make_checkpoint: Callable[..., Path], fa
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         assert (len(batched), batched.last_step) == (len(solo), solo.last_step)
         torch.testing.assert_close(batched._keys[2][:, :, : len(solo)], solo._keys[2][:, :, : len(solo)])
+    # a lone row (a prefill chunk, or one session decoding) takes the per-session path: same result
+    solo, batched = solo_caches[0], batch_caches[0]
+    at = torch.tensor([len(solo)], dtype=torch.int32)
+    hidden = torch.randn(1, 1, 64)
+    (alone,) = forward_batch(trunk, [BatchRow(hidden, at, torch.tensor([-1], dtype=torch.int32), batched)])
+    torch.testing.assert_close(alone, trunk(hidden, at, torch.tensor([-1], dtype=torch.int32), solo))
+    assert len(batched) == len(solo)

@@ -114,6 +114,9 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
 
     The caches receive their rows' entries and are committed on success, rolled back on failure.
     """
+    if len(rows) == 1:  # a lone step takes the per-session path: no padding, and no mask for a decode step
+        row = rows[0]
+        return [stack(row.hidden, row.positions, row.parents, row.cache)]
     lengths = [row.positions.shape[0] for row in rows]
     past = [len(row.cache) for row in rows]
     q_max = max(lengths)
