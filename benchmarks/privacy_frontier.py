@@ -460,7 +460,9 @@ def write_report(out: Path, meta: dict[str, Any]) -> None:
     if not points:
         log.warning("no points yet in %s", out)
         return
-    write_jsonl_gz(out / RUNS, points, commit=meta.get("commit", "unknown"))
+    # each point keeps the commit it was measured at (rounds run at different commits share one file)
+    stamped = [{**p, "commit": p.get("commit", meta.get("commit", "unknown"))} for p in points]
+    write_jsonl_gz(out / RUNS, stamped)
     (out / "report.md").write_text(render(points, meta, out))
     summary = {"meta": meta, "rows": aggregate(points), "paired": paired(points)}
     (out / "frontier.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -516,7 +518,7 @@ def main() -> int:
                     return
                 name = f"points-{point['model_name']}-s{point['seed']}-{args.tag}.jsonl"
                 with (args.out / name).open("a") as f:
-                    f.write(json.dumps(point) + "\n")
+                    f.write(json.dumps({**point, "commit": meta["commit"]}) + "\n")
                 write_report(args.out, meta)
 
             config = FrontierConfig(
