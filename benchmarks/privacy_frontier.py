@@ -218,7 +218,9 @@ def render_paired(rows: list[dict[str, Any]], model: str) -> list[str]:
         "Each cell: this setting's strongest attacker of the tier minus the reference's, on the same test "
         "tokens, pooled over the seeds listed (document-clustered bootstrap 95 % interval, each seed's "
         "documents their own clusters; exact McNemar p on the pooled tokens; tokens recovered only under "
-        f"this setting / only under the reference). The default edge is `{DEFAULT_DEFENCE.label}`.",
+        "this setting / only under the reference). McNemar treats tokens as independent and so overstates "
+        "significance; the bootstrap interval, which resamples whole documents, is the one to read. "
+        f"The default edge is `{DEFAULT_DEFENCE.label}`.",
         "",
         "| setting | minus | seeds | side | T1 | T2 | T3 |",
         "|---|---|---|---|---|---|---|",
