@@ -162,7 +162,8 @@ def paired(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 for tier in TIERS:
                     cmp = compare_points(items, groups[(model, versus)], side, tier)
                     if cmp is not None:
-                        seeds = sorted(p["seed"] for p in items if "outcomes" in p)
+                        theirs = {q["seed"] for q in groups[(model, versus)] if "outcomes" in q}
+                        seeds = sorted(p["seed"] for p in items if "outcomes" in p and p["seed"] in theirs)
                         rows.append(
                             {
                                 "model": model,
