@@ -133,20 +133,14 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
         torch.device, tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[int | None, torch.Tensor]]
     ] = {}
     try:
-        for j, layer in enumerate(stack.layers):
+        for j in range(len(stack.layers)):
             hidden = hidden.to(stack.devices[j], non_blocking=True)  # moves only at a device boundary
             if hidden.device not in inputs:
                 pos = positions.to(hidden.device, non_blocking=True)
                 masks = batch_masks(rows, set(stack.windows), caches.past_max, q_max, hidden.dtype, hidden.device)
                 inputs[hidden.device] = (pos, stack.position_embeddings(hidden, pos), masks)
             pos, rope, masks = inputs[hidden.device]
-            hidden = layer(
-                hidden,
-                attention_mask=masks[stack.windows[j]],
-                position_ids=pos,
-                past_key_values=caches,
-                position_embeddings=rope[stack.layer_types[j]],
-            )
+            hidden = stack.run_layer(j, hidden, pos, rope, masks, caches)
     except BaseException:
         caches.rollback()
         raise

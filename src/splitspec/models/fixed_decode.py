@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -39,6 +40,16 @@ class DecoderStack(Protocol):
     def position_embeddings(
         self, hidden: torch.Tensor, pos: torch.Tensor
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def run_layer(
+        self,
+        j: int,
+        hidden: torch.Tensor,
+        pos: torch.Tensor,
+        rope: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+        masks: Mapping[Any, torch.Tensor | None],
+        cache: Any,
+    ) -> torch.Tensor: ...
 
     def __call__(
         self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
@@ -110,14 +121,8 @@ class FixedShapeDecode:
         stack = self.stack
         rope = stack.position_embeddings(hidden, pos)
         masks = {w: fixed_step_mask(pos[0], cache.size, hidden.dtype, w) for w in set(stack.windows)}
-        for j, layer in enumerate(stack.layers):
-            hidden = layer(
-                hidden,
-                attention_mask=masks[stack.windows[j]],
-                position_ids=pos,
-                past_key_values=cache,
-                position_embeddings=rope[stack.layer_types[j]],
-            )
+        for j in range(len(stack.layers)):
+            hidden = stack.run_layer(j, hidden, pos, rope, masks, cache)
         return hidden
 
     def warm_up(self, size: int) -> float:

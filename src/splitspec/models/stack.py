@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -143,15 +143,29 @@ class LayerStack(nn.Module):
             if hidden.device not in inputs:
                 inputs[hidden.device] = self._step_inputs(hidden, positions, parents, past)
             pos, rope, masks = inputs[hidden.device]
-            hidden = self.layers[j](
-                hidden,
-                attention_mask=masks[self.windows[j]],
-                position_ids=pos,
-                past_key_values=cache,
-                position_embeddings=rope[self.layer_types[j]],
-            )
+            hidden = self.run_layer(j, hidden, pos, rope, masks, cache)
             outs.append(hidden)
         return outs
+
+    def run_layer(
+        self,
+        j: int,
+        hidden: torch.Tensor,
+        pos: torch.Tensor,
+        rope: Mapping[str, PositionEmbeddings],
+        masks: Mapping[Any, torch.Tensor | None],
+        cache: Any,
+    ) -> torch.Tensor:
+        """hidden (B, q, H) through local layer ``j`` with its window's mask and its type's rotary:
+        the one place a decoder layer is called (per-session, batched and fixed-shape steps)."""
+        out: torch.Tensor = self.layers[j](
+            hidden,
+            attention_mask=masks[self.windows[j]],
+            position_ids=pos,
+            past_key_values=cache,
+            position_embeddings=rope[self.layer_types[j]],
+        )
+        return out
 
     @torch.inference_mode()
     def forward(
