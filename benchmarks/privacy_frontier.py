@@ -46,12 +46,32 @@ def load_points(out: Path) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = list(read_jsonl_gz(out / RUNS)) if (out / RUNS).is_file() else []
     for path in sorted(out.glob("points-*.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    points: dict[tuple[str, int, str], dict[str, Any]] = {}
+    points: dict[tuple[str, int, str, int], dict[str, Any]] = {}
     for p in records:
-        key = (p["model_name"], p["seed"], p["setting"])
+        key = (p["model_name"], p["seed"], p["setting"], train_tokens(p))
         if key not in points or ("outcomes" in p and "outcomes" not in points[key]):
             points[key] = p  # parallel runs may repeat one; a re-measured point with per-token outcomes wins
-    return sorted(points.values(), key=lambda p: (p["model_name"], p["seed"], p["setting"]))
+    return sorted(points.values(), key=lambda p: (p["model_name"], p["seed"], p["setting"], train_tokens(p)))
+
+
+def train_tokens(point: dict[str, Any]) -> int:
+    """The attacker-train tokens a point was measured with (public + traffic: its --max-tokens, corpus allowing)."""
+    return int(point["tokens"]["public"]) + int(point["tokens"]["traffic"])
+
+
+def by_train_size(points: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(points at each model's reference attacker-train size, the points at other sizes).
+
+    The reference size of a model is the one most of its points have (ties: the smaller); the frontier tables,
+    plots and targets use it alone, so a few points with a larger attacker never mix into a row's pooled rates.
+    """
+    sizes: dict[str, dict[int, int]] = {}
+    for p in points:
+        count = sizes.setdefault(p["model_name"], {})
+        count[train_tokens(p)] = count.get(train_tokens(p), 0) + 1
+    ref = {m: min(c, key=lambda size: (-c[size], size)) for m, c in sizes.items()}
+    main = [p for p in points if train_tokens(p) == ref[p["model_name"]]]
+    return main, [p for p in points if train_tokens(p) != ref[p["model_name"]]]
 
 
 # ------------------------------------------------------------------ aggregation over seeds
@@ -237,9 +257,102 @@ def render_paired(rows: list[dict[str, Any]], model: str) -> list[str]:
     return [*lines, ""]
 
 
-def render(points: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path | None = None) -> str:
+def train_size_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each (model, seed, setting) measured at more than one attacker-train size: larger minus reference.
+
+    Per side and tier: the strongest attacker's top-1 at the reference size and at the larger one, their paired
+    difference (the same test tokens: the test split does not depend on the attacker-train size), and, for a
+    defence, its paired difference from the stock edge at each size (does the defence's gain hold against the
+    bigger attacker?). Only points with per-token outcomes take part.
+    """
+    main, larger = by_train_size(points)
+    ref_size = {p["model_name"]: train_tokens(p) for p in main}
+    at = {(p["model_name"], p["seed"], p["setting"], train_tokens(p)): p for p in points if "outcomes" in p}
+    rows: list[dict[str, Any]] = []
+    for big in larger:
+        model, seed, setting = big["model_name"], big["seed"], big["setting"]
+        ref = at.get((model, seed, setting, ref_size[model]))
+        if "outcomes" not in big or ref is None:
+            continue
+        pair = (ref, big)
+        stocks = [at.get((model, seed, "stock", train_tokens(p))) for p in pair]
+        for side in ("input", "output"):
+            for tier in TIERS:
+                diff = _versus(big, ref, side, tier)
+                if diff is None:
+                    continue
+                rows.append(
+                    {
+                        "model": model,
+                        "seed": seed,
+                        "setting": setting,
+                        "side": side,
+                        "tier": tier,
+                        "tokens": [train_tokens(p) for p in pair],
+                        "best": [p["sides"][side]["best"][tier] for p in pair],
+                        "larger_minus_reference": diff,
+                        "minus_stock": [
+                            _versus(p, stock, side, tier) if setting != "stock" else None
+                            for p, stock in zip(pair, stocks, strict=True)
+                        ],
+                    }
+                )
+    return rows
+
+
+def _versus(a: dict[str, Any], b: dict[str, Any] | None, side: str, tier: str) -> dict[str, Any] | None:
+    """Paired difference of two points of one seed (A - B) as a dict, or None without B."""
+    cmp = compare_points([a], [b], side, tier) if b is not None else None
+    return asdict(cmp) if cmp is not None else None
+
+
+def _best_cell(entry: dict[str, Any]) -> str:
+    lo, hi = entry["wilson95"]
+    return f"{100 * entry['rate']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] {entry['attacker']}"
+
+
+def render_train_size(rows: list[dict[str, Any]], model: str) -> list[str]:
+    """The attacker-train size table of one model (empty when no point was measured at a second size)."""
+    mine = [r for r in rows if r["model"] == model]
+    if not mine:
+        return []
+    lines: list[str] = []
+    for small, big in sorted({tuple(r["tokens"]) for r in mine}):
+        a, b = f"{small // 2000}k", f"{big // 2000}k"
+        lines += [
+            f"### Attacker-train size: {a} vs {b} tokens per tier",
+            "",
+            f"The same seed, setting and test tokens, with every attacker trained on {small} attacker-train tokens "
+            f"({a} public + {a} traffic, the rows above) or {big} ({b} + {b}). Top-1 recovery of the tier's "
+            f"strongest attacker (Wilson 95 %, the attacker named); `{b} - {a}`: the paired difference "
+            "(percentage points, document-clustered bootstrap 95 %, McNemar p, tokens recovered only with the "
+            f"larger / only with the smaller set); `- stock`: the defence minus the stock edge at that size.",
+            "",
+            f"| setting | seed | side | tier | top-1 at {a} | top-1 at {b} | {b} - {a} "
+            f"| - stock at {a} | - stock at {b} |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in mine:
+            if tuple(r["tokens"]) != (small, big):
+                continue
+            if r["setting"] == "stock" and r["tier"] != "T1":
+                continue  # public weights: T2 and T3 are T1 on the stock edge
+            lines.append(
+                f"| {r['setting']} | {r['seed']} | {r['side']} | {'T1-T3' if r['setting'] == 'stock' else r['tier']} | "
+                + " | ".join(_best_cell(e) for e in r["best"])
+                + f" | {_paired_cell(r['larger_minus_reference'])} | "
+                + " | ".join(_paired_cell(m) if m else "" for m in r["minus_stock"])
+                + " |"
+            )
+        lines.append("")
+    return lines
+
+
+def render(every: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path | None = None) -> str:
+    points, _ = by_train_size(every)  # the tables pool one attacker-train size; the others get their own section
     rows = aggregate(points)
     pairs = paired(points)
+    sizes = train_size_rows(every)
     models = sorted({r["model"] for r in rows})
     lines = [
         "# Privacy-utility frontier of the edge defences",
@@ -343,6 +456,7 @@ def render(points: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path | N
             "",
         ]
         lines += render_paired(pairs, model)
+        lines += render_train_size(sizes, model)
         if stock_row is not None:
             lines += ["### Targets (at <= 10 % perplexity cost)", ""]
             lines += ["| setting | ppl cost | " + " | ".join(meets_targets(stock_row, stock_row)) + " |"]
@@ -467,11 +581,26 @@ def write_report(out: Path, meta: dict[str, Any]) -> None:
     stamped = [{**p, "commit": p.get("commit", meta.get("commit", "unknown"))} for p in points]
     write_jsonl_gz(out / RUNS, stamped)
     (out / "report.md").write_text(render(points, meta, out))
-    summary = {"meta": meta, "rows": aggregate(points), "paired": paired(points)}
+    main, _ = by_train_size(points)
+    summary = {"meta": meta, "rows": aggregate(main), "paired": paired(main), "train_size": train_size_rows(points)}
     (out / "frontier.json").write_text(json.dumps(summary, indent=1) + "\n")
     for side in ("input", "output"):
-        plot(points, side, out / f"frontier_{side}.png")
+        plot(main, side, out / f"frontier_{side}.png")
     log.info("wrote %s", out / "report.md")
+
+
+def measured(out: Path, max_tokens: int) -> tuple[set[tuple[str, int, str]], set[tuple[str, int, str]]]:
+    """(model, seed, setting) of the points in ``out`` at this attacker-train size: (with outcomes, all).
+
+    A rerun skips what is stored and does not write again what is done (older points without per-token outcomes
+    are re-measured when met); a point at another ``--max-tokens`` is another point. A size is matched exactly, so
+    a cap above what the corpus holds (the point records what it got) is measured again on a rerun.
+    """
+    here = [p for p in load_points(out) if train_tokens(p) == max_tokens]
+    return (
+        {(p["model_name"], p["seed"], p["setting"]) for p in here if "outcomes" in p},
+        {(p["model_name"], p["seed"], p["setting"]) for p in here},
+    )
 
 
 def main() -> int:
@@ -500,9 +629,7 @@ def main() -> int:
     meta = {**run_environment(), "command": "python benchmarks/privacy_frontier.py " + " ".join(sys.argv[1:])}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     settings = tuple(parse_defence(s) for s in args.settings.split(","))
-    # points already measured with per-token outcomes (older points without them are re-measured when met)
-    done = {(p["model_name"], p["seed"], p["setting"]) for p in load_points(args.out) if "outcomes" in p}
-    stored = {(p["model_name"], p["seed"], p["setting"]) for p in load_points(args.out)}
+    done, stored = measured(args.out, args.max_tokens)
     seeds = [int(s) for s in args.seeds.split(",")]
     models = []
     for item in args.models.split(","):

@@ -7,10 +7,7 @@ criterion that counts waiting as computing.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -19,19 +16,12 @@ from splitspec.exceptions import MalformedFrame
 from splitspec.federated.codec import decode_topk
 from splitspec.protocol.fed import decode_fed
 from splitspec.protocol.messages import decode_message
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz.py"
+from tests.bench.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def fuzz() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("fuzz_script", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("fuzz.py", "fuzz_script")
 
 
 def test_every_seed_is_a_valid_input(fuzz: ModuleType) -> None:
