@@ -258,57 +258,66 @@ def render_paired(rows: list[dict[str, Any]], model: str) -> list[str]:
 
 
 def train_size_rows(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each (model, seed, setting) measured at more than one attacker-train size: larger minus reference.
+    """Each (model, setting) measured at a second attacker-train size: larger minus reference, per seed and pooled.
 
-    Per side and tier: the strongest attacker's top-1 at the reference size and at the larger one, their paired
-    difference (the same test tokens: the test split does not depend on the attacker-train size), and, for a
-    defence, its paired difference from the stock edge at each size (does the defence's gain hold against the
-    bigger attacker?). Only points with per-token outcomes take part.
+    Per side and tier: the strongest attacker's top-1 at the reference size and at the larger one (pooled over the
+    seeds of the row), their paired difference (the same test tokens: the test split does not depend on the
+    attacker-train size), and, for a defence, its paired difference from the stock edge at each size (does the
+    defence's gain hold against the bigger attacker?). One row per seed, plus one pooling the seeds when a size
+    has several. Only points with per-token outcomes and a reference point of their seed take part.
     """
     main, larger = by_train_size(points)
-    ref_size = {p["model_name"]: train_tokens(p) for p in main}
     at = {(p["model_name"], p["seed"], p["setting"], train_tokens(p)): p for p in points if "outcomes" in p}
-    rows: list[dict[str, Any]] = []
+    ref_size = {p["model_name"]: train_tokens(p) for p in main}
+    groups: dict[tuple[str, str, int], list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     for big in larger:
-        model, seed, setting = big["model_name"], big["seed"], big["setting"]
-        ref = at.get((model, seed, setting, ref_size[model]))
-        if "outcomes" not in big or ref is None:
-            continue
-        pair = (ref, big)
-        stocks = [at.get((model, seed, "stock", train_tokens(p))) for p in pair]
-        for side in ("input", "output"):
-            for tier in TIERS:
-                diff = _versus(big, ref, side, tier)
-                if diff is None:
-                    continue
-                rows.append(
-                    {
-                        "model": model,
-                        "seed": seed,
-                        "setting": setting,
-                        "side": side,
-                        "tier": tier,
-                        "tokens": [train_tokens(p) for p in pair],
-                        "best": [p["sides"][side]["best"][tier] for p in pair],
-                        "larger_minus_reference": diff,
-                        "minus_stock": [
-                            _versus(p, stock, side, tier) if setting != "stock" else None
-                            for p, stock in zip(pair, stocks, strict=True)
-                        ],
-                    }
-                )
+        ref = at.get((big["model_name"], big["seed"], big["setting"], ref_size[big["model_name"]]))
+        if "outcomes" in big and ref is not None:
+            groups.setdefault((big["model_name"], big["setting"], train_tokens(big)), []).append((ref, big))
+    rows: list[dict[str, Any]] = []
+    for (model, setting, size), pairs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "stock", kv[0])):
+        pairs.sort(key=lambda pair: pair[0]["seed"])
+        for chosen in [[pair] for pair in pairs] + ([pairs] if len(pairs) > 1 else []):
+            sides = [[pair[i] for pair in chosen] for i in (0, 1)]  # reference points, larger points
+            stocks = [[at.get((model, p["seed"], "stock", train_tokens(p))) for p in side] for side in sides]
+            for side in ("input", "output"):
+                for tier in TIERS:
+                    diff = compare_points(sides[1], sides[0], side, tier)
+                    if diff is None:
+                        continue
+                    minus_stock = [
+                        compare_points(mine, [q for q in stock if q is not None], side, tier)
+                        if setting != "stock" and None not in stock
+                        else None
+                        for mine, stock in zip(sides, stocks, strict=True)
+                    ]
+                    rows.append(
+                        {
+                            "model": model,
+                            "setting": setting,
+                            "seeds": [pair[0]["seed"] for pair in chosen],
+                            "side": side,
+                            "tier": tier,
+                            "tokens": [ref_size[model], size],
+                            "best": [_pooled_best(mine, side, tier) for mine in sides],
+                            "larger_minus_reference": asdict(diff),
+                            "minus_stock": [asdict(m) if m is not None else None for m in minus_stock],
+                        }
+                    )
     return rows
 
 
-def _versus(a: dict[str, Any], b: dict[str, Any] | None, side: str, tier: str) -> dict[str, Any] | None:
-    """Paired difference of two points of one seed (A - B) as a dict, or None without B."""
-    cmp = compare_points([a], [b], side, tier) if b is not None else None
-    return asdict(cmp) if cmp is not None else None
+def _pooled_best(points: list[dict[str, Any]], side: str, tier: str) -> dict[str, Any]:
+    """Top-1 recovery of the tier's strongest attacker pooled over ``points`` (Wilson 95 %), and who it was."""
+    entries = [p["sides"][side]["best"][tier] for p in points]
+    s, n = sum(int(e["successes"]) for e in entries), sum(int(e["n"]) for e in entries)
+    return {"rate": s / n, "wilson95": list(wilson_interval(s, n)), "attackers": [e["attacker"] for e in entries]}
 
 
 def _best_cell(entry: dict[str, Any]) -> str:
     lo, hi = entry["wilson95"]
-    return f"{100 * entry['rate']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] {entry['attacker']}"
+    names = "/".join(dict.fromkeys(entry["attackers"]))
+    return f"{100 * entry['rate']:.1f} [{100 * lo:.1f}, {100 * hi:.1f}] {names}"
 
 
 def render_train_size(rows: list[dict[str, Any]], model: str) -> list[str]:
@@ -322,13 +331,14 @@ def render_train_size(rows: list[dict[str, Any]], model: str) -> list[str]:
         lines += [
             f"### Attacker-train size: {a} vs {b} tokens per tier",
             "",
-            f"The same seed, setting and test tokens, with every attacker trained on {small} attacker-train tokens "
+            f"The same seeds, settings and test tokens, with every attacker trained on {small} attacker-train tokens "
             f"({a} public + {a} traffic, the rows above) or {big} ({b} + {b}). Top-1 recovery of the tier's "
-            f"strongest attacker (Wilson 95 %, the attacker named); `{b} - {a}`: the paired difference "
-            "(percentage points, document-clustered bootstrap 95 %, McNemar p, tokens recovered only with the "
-            f"larger / only with the smaller set); `- stock`: the defence minus the stock edge at that size.",
+            f"strongest attacker (Wilson 95 %, pooled over the seeds listed; the attacker named per seed); "
+            f"`{b} - {a}`: the paired difference (percentage points, document-clustered bootstrap 95 %, McNemar p, "
+            f"tokens recovered only with the larger / only with the smaller set); `- stock`: the defence minus the "
+            "stock edge at that size, paired the same way.",
             "",
-            f"| setting | seed | side | tier | top-1 at {a} | top-1 at {b} | {b} - {a} "
+            f"| setting | seeds | side | tier | top-1 at {a} | top-1 at {b} | {b} - {a} "
             f"| - stock at {a} | - stock at {b} |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
@@ -338,7 +348,8 @@ def render_train_size(rows: list[dict[str, Any]], model: str) -> list[str]:
             if r["setting"] == "stock" and r["tier"] != "T1":
                 continue  # public weights: T2 and T3 are T1 on the stock edge
             lines.append(
-                f"| {r['setting']} | {r['seed']} | {r['side']} | {'T1-T3' if r['setting'] == 'stock' else r['tier']} | "
+                f"| {r['setting']} | {','.join(map(str, r['seeds']))} | {r['side']} | "
+                f"{'T1-T3' if r['setting'] == 'stock' else r['tier']} | "
                 + " | ".join(_best_cell(e) for e in r["best"])
                 + f" | {_paired_cell(r['larger_minus_reference'])} | "
                 + " | ".join(_paired_cell(m) if m else "" for m in r["minus_stock"])

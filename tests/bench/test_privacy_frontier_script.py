@@ -135,9 +135,10 @@ def test_train_size_rows_pair_the_same_seed_and_setting(frontier: ModuleType, po
     rows = {(r["setting"], r["side"], r["tier"]): r for r in frontier.train_size_rows(points)}
     assert len(rows) == 2 * 2 * 3  # stock and adv=0.1 of seed 2, both sides, every tier
     r = rows[("adv=0.1", "input", "T1")]
-    assert r["seed"] == 2
+    assert r["seeds"] == [2]
     assert r["tokens"] == [48_000, 96_000]
     assert [b["rate"] for b in r["best"]] == [8 / N, 20 / N]
+    assert [b["attackers"] for b in r["best"]] == [["t1-search"], ["t1-search"]]
     assert r["larger_minus_reference"]["diff"] == pytest.approx(12 / N)
     assert (r["larger_minus_reference"]["only_a"], r["larger_minus_reference"]["only_b"]) == (12, 0)
     # the defence against the stock edge of its own size: -8/32 at 24k, -4/32 at 48k
@@ -174,3 +175,32 @@ def test_report_keeps_sizes_apart(frontier: ModuleType, points: list[dict[str, A
     assert {tuple(r["seeds"]) for r in summary["rows"]} == {(0, 2)}
     with gzip.open(tmp_path / "runs.jsonl.gz", "rt") as f:
         assert sum(1 for line in f if line.strip()) == 6  # every point kept, both sizes
+
+
+def test_train_size_rows_pool_the_seeds(frontier: ModuleType, points: list[dict[str, Any]]) -> None:
+    # seed 0 at 48k too: 4 points per size, the tie goes to the smaller size as the reference
+    both = [*points, stock(0, 48_000, 14, 16), defended(0, 48_000, 12, 8, 7)]
+    rows = frontier.train_size_rows(both)
+    assert {tuple(r["seeds"]) for r in rows} == {(0,), (2,), (0, 2)}
+    pooled = {(r["setting"], r["side"], r["tier"]): r for r in rows if r["seeds"] == [0, 2]}
+    r = pooled[("adv=0.1", "input", "T1")]
+    assert r["tokens"] == [48_000, 96_000]
+    # seed 0: 6 -> 12 hits, seed 2: 8 -> 20, over 64 tokens
+    assert [b["rate"] for b in r["best"]] == [14 / 64, 32 / 64]
+    assert r["larger_minus_reference"]["diff"] == pytest.approx(18 / 64)
+    assert r["larger_minus_reference"]["runs"] == 2
+    # minus stock pooled per size: (6 + 8) - (12 + 16) at 24k, (12 + 20) - (14 + 24) at 48k
+    assert [m["diff"] for m in r["minus_stock"]] == pytest.approx([-14 / 64, -6 / 64])
+    assert pooled[("stock", "output", "T1")]["larger_minus_reference"]["diff"] == pytest.approx((6 + 8) / 64)
+    report = frontier.render(both, {})
+    assert "| adv=0.1 | 0,2 | input | T1 | 21.9 [" in report
+    # the stock rows come first, then each seed before the pooled row
+    order = [(r["setting"], tuple(r["seeds"])) for r in rows if r["side"] == "input" and r["tier"] == "T1"]
+    assert order == [
+        ("stock", (0,)),
+        ("stock", (2,)),
+        ("stock", (0, 2)),
+        ("adv=0.1", (0,)),
+        ("adv=0.1", (2,)),
+        ("adv=0.1", (0, 2)),
+    ]
