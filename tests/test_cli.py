@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer
 from splitspec.models import trunk_fingerprint as tf
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
+from tests.commands import run_commands
 from tests.conftest import local_greedy
 
 CLI = [sys.executable, "-m", "splitspec.cli"]
@@ -43,13 +45,9 @@ def wait_for_port(port: int, proc: subprocess.Popen[str], timeout: float = 60) -
     raise TimeoutError(f"nothing listening on {port}")
 
 
-@pytest.fixture
-def cloud(
-    make_checkpoint: Callable[..., Path], tmp_path: Path
-) -> Iterator[tuple[Path, int, Path, subprocess.Popen[str]]]:
-    model = make_checkpoint("llama")
-    token_file = tmp_path / "token"
-    token_file.write_text("hunter2\n")
+@contextmanager
+def cloud_server(model: Path, token_file: Path) -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """``splitspec cloud serve`` of ``model``, stopped with SIGTERM on leaving."""
     port = free_port()
     proc = subprocess.Popen(
         [*CLI, "cloud", "serve", "--model", str(model), "--port", str(port), "--token-file", str(token_file)],
@@ -58,15 +56,39 @@ def cloud(
     )
     try:
         wait_for_port(port, proc)
-        yield model, port, token_file, proc
+        yield port, proc
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
 
 
-def edge_cmd(command: str, model: Path, port: int, *extra: str) -> list[str]:
-    """A ``splitspec generate`` / ``chat`` command line against the fixture's server."""
-    return [*CLI, command, "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", *extra]
+@pytest.fixture
+def cloud(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> Iterator[tuple[Path, int, Path, subprocess.Popen[str]]]:
+    """A server of the test's own: the test may stop it and read its log."""
+    model = make_checkpoint("llama")
+    token_file = tmp_path / "token"
+    token_file.write_text("hunter2\n")
+    with cloud_server(model, token_file) as (port, proc):
+        yield model, port, token_file, proc
+
+
+@pytest.fixture(scope="module")
+def shared_cloud(
+    make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, int, Path]]:
+    """One server for the tests that only connect to it (each opens sessions of its own)."""
+    model = make_checkpoint("llama")
+    token_file = tmp_path_factory.mktemp("shared-cloud") / "token"
+    token_file.write_text("hunter2\n")
+    with cloud_server(model, token_file) as (port, _):
+        yield model, port, token_file
+
+
+def edge_args(command: str, model: Path, port: int, *extra: str) -> list[str]:
+    """The arguments of a ``splitspec generate`` / ``chat`` against the fixture's server."""
+    return [command, "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", *extra]
 
 
 def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subprocess.Popen[str]]) -> None:
@@ -74,9 +96,11 @@ def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subpro
     prompt = "to be or not to be"
     common = ["--prompt", prompt, "--max-new-tokens", "8", "--token-file", str(token_file)]
     common.append("--allow-stock-edge-weights")
-    out = subprocess.run(
-        edge_cmd("generate", model, port, *common, "--json"), capture_output=True, text=True, timeout=120, check=True
+    out, plain = run_commands(
+        [edge_args("generate", model, port, *common, "--json"), edge_args("generate", model, port, *common)],
+        timeout=300,
     )
+    assert out.returncode == plain.returncode == 0, out.stderr + plain.stderr
     result = json.loads(out.stdout)
     ids = AutoTokenizer.from_pretrained(model).encode(prompt)
     assert result["token_ids"] == local_greedy(model, ids, 8)
@@ -87,9 +111,6 @@ def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subpro
     assert step["bytes_up"] > 64 * 4 * step["query_tokens"]
     assert step["cloud_ms"] > 0
     assert "STOCK public edge weights" in out.stderr  # allowed, but never silently
-    plain = subprocess.run(
-        edge_cmd("generate", model, port, *common), capture_output=True, text=True, timeout=120, check=True
-    )
     assert plain.stdout.strip() == result["text"].strip()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
@@ -100,52 +121,49 @@ def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subpro
     assert sorted(opened) == sorted(closed)
 
 
-def test_generate_errors_are_clear(cloud: tuple[Path, int, Path, subprocess.Popen[str]], tmp_path: Path) -> None:
-    model, port, token_file, _ = cloud
+def test_generate_errors_are_clear(shared_cloud: tuple[Path, int, Path], tmp_path: Path) -> None:
+    model, port, token_file = shared_cloud
     wrong = tmp_path / "wrong"
     wrong.write_text("nope")
-    base = edge_cmd("generate", model, port, "--prompt", "to be", "--allow-stock-edge-weights")
-
-    def run(*cmd: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-
-    out = run(*base, "--token-file", str(wrong))
-    assert out.returncode == 2
-    assert "AuthenticationFailed" in out.stderr
-    out = run(*base, "--edge-layers", "3,3")
-    assert out.returncode == 2
-    assert "leave no trunk" in out.stderr
-    out = run(*base, "--edge-layers", "two")
-    assert out.returncode == 2
-    assert "HEAD,TAIL" in out.stderr
-    out = run(*edge_cmd("generate", model, 1, "--prompt", "to be", "--allow-stock-edge-weights"))
-    assert out.returncode == 2
-    assert "TransportError" in out.stderr
+    base = edge_args("generate", model, port, "--prompt", "to be", "--allow-stock-edge-weights")
     pin = str(tf.trunk_fingerprint(Checkpoint(model), SplitPlan(6, 2, 2)))
     other = pin[:-4] + "0000"  # a trunk other than the one served
-    out = run(*base, "--token-file", str(token_file), "--trunk-fingerprint", other)
-    assert out.returncode == 2
-    assert "TrunkMismatch: the cloud serves another trunk than the pinned --trunk-fingerprint" in out.stderr
-    assert "Traceback" not in out.stderr
-    out = run(*base[:-1])  # stock weights, not allowed
-    assert out.returncode == 2
-    assert "refusing to run stock public edge weights" in out.stderr
+    cases = {  # what stderr must say; the commands run at once, each its own process (tests/commands.py)
+        "AuthenticationFailed": [*base, "--token-file", str(wrong)],
+        "leave no trunk": [*base, "--edge-layers", "3,3"],
+        "HEAD,TAIL": [*base, "--edge-layers", "two"],
+        "TransportError": edge_args("generate", model, 1, "--prompt", "to be", "--allow-stock-edge-weights"),
+        "TrunkMismatch: the cloud serves another trunk than the pinned --trunk-fingerprint": [
+            *base, "--token-file", str(token_file), "--trunk-fingerprint", other,
+        ],
+        "refusing to run stock public edge weights": base[:-1],  # stock weights, not allowed
+    }  # fmt: skip
+    for needle, out in zip(cases, run_commands(list(cases.values()), timeout=300), strict=True):
+        assert out.returncode == 2, out.stderr
+        assert needle in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
 
 
-@pytest.mark.parametrize("speculate", ["off", "auto"])
+CHAT_MODES = ["off", "auto"]  # --speculate of the chat tests
+
+
+@pytest.fixture(scope="module")
+def chats(shared_cloud: tuple[Path, int, Path]) -> dict[str, subprocess.CompletedProcess[str]]:
+    """``splitspec chat --json`` of two turns then /quit, once per --speculate mode (at once)."""
+    model, port, token_file = shared_cloud
+    extra = ["--token-file", str(token_file), "--max-new-tokens", "6", "--json", "--allow-stock-edge-weights"]
+    commands = [edge_args("chat", model, port, *extra, "--speculate", mode) for mode in CHAT_MODES]
+    lines = "to be or not\nwhether tis nobler\n/quit\nnever read\n"
+    return dict(zip(CHAT_MODES, run_commands(commands, inputs=[lines] * len(CHAT_MODES), timeout=300), strict=True))
+
+
+@pytest.mark.parametrize("speculate", CHAT_MODES)
 def test_chat_keeps_the_cache_across_turns(
-    cloud: tuple[Path, int, Path, subprocess.Popen[str]], speculate: str
+    shared_cloud: tuple[Path, int, Path], chats: dict[str, subprocess.CompletedProcess[str]], speculate: str
 ) -> None:
-    model, port, token_file, _ = cloud
-    extra = ["--token-file", str(token_file), "--max-new-tokens", "6", "--json", "--speculate", speculate]
-    out = subprocess.run(
-        edge_cmd("chat", model, port, *extra, "--allow-stock-edge-weights"),
-        input="to be or not\nwhether tis nobler\n/quit\nnever read\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    model = shared_cloud[0]
+    out = chats[speculate]
+    assert out.returncode == 0, out.stderr
     turns = [json.loads(line) for line in out.stdout.splitlines()]
     assert [t["turn"] for t in turns] == [1, 2]  # /quit stops before the third line
     first, second = turns

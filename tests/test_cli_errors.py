@@ -1,8 +1,9 @@
 """Errors a user can act on: exit status 2, one line on stderr, no traceback, no network attempt.
 
-Every case runs the real ``splitspec`` command in a subprocess (all at once, to share the
-import cost), with the Hub endpoint pointed at a closed local port: a command that tried the
-network would fail with a connection error instead of the message asserted here.
+Every case runs the real ``splitspec`` command in a process of its own (all at once, forked from
+one interpreter that paid the import cost: tests/commands.py), with the Hub endpoint pointed at a
+closed local port: a command that tried the network would fail with a connection error instead
+of the message asserted here.
 """
 
 from __future__ import annotations
@@ -11,30 +12,21 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-CLI = [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING"]
+from tests.commands import run_commands
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # subprocesses of the real command
 
 
-def start(*args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    env.pop("HF_HUB_OFFLINE", None)  # our code must not rely on it
-    return subprocess.Popen(
-        [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env
-    )
-
-
-def generate(model: Path, *extra: str) -> subprocess.Popen[str]:
-    return start(
+def generate(model: Path, *extra: str) -> list[str]:
+    return [
         "generate", "--model", str(model), "--cloud", "ws://127.0.0.1:9", "--prompt", "to be",
         "--allow-stock-edge-weights", *extra,
-    )  # fmt: skip
+    ]  # fmt: skip
 
 
 def copy_of(model: Path, tmp_path: Path, name: str) -> Path:
@@ -72,19 +64,18 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
         "no_such_family": generate(with_config(copy_of(model, tmp_path, "unknown"), model_type="no_such_family")),
         "cannot load the tokenizer": generate(no_tokenizer),
         "exceeds the model's 4096 positions": generate(model, "--max-new-tokens", "5000"),
-        "safetensors": start("cloud", "serve", "--model", str(truncated), "--port", "0"),
-        f"cannot listen on 127.0.0.1:{port}": start("cloud", "serve", "--model", str(model), "--port", str(port)),
+        "safetensors": ["cloud", "serve", "--model", str(truncated), "--port", "0"],
+        f"cannot listen on 127.0.0.1:{port}": ["cloud", "serve", "--model", str(model), "--port", str(port)],
     }
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env.pop("HF_HUB_OFFLINE", None)  # our code must not rely on it
     try:
-        for needle, proc in cases.items():
-            _, stderr = proc.communicate(timeout=600)
-            lines = [line for line in stderr.splitlines() if line.strip()]
-            assert proc.returncode == 2, stderr
-            assert "Traceback" not in stderr, stderr
-            assert len(lines) == 1, stderr
-            assert needle in lines[0], lines[0]
+        outs = run_commands([["--log-level", "WARNING", *args] for args in cases.values()], env=env, timeout=600)
     finally:
         busy.close()
-        for proc in cases.values():
-            if proc.poll() is None:
-                proc.kill()
+    for needle, out in zip(cases, outs, strict=True):
+        lines = [line for line in out.stderr.splitlines() if line.strip()]
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+        assert len(lines) == 1, out.stderr
+        assert needle in lines[0], lines[0]
