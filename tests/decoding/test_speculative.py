@@ -37,13 +37,23 @@ async def run(
     draft: FullModel | None = None,
     trace: list[SpecStep] | None = None,
     budget: int = 4,
+    read: int | None = None,
 ) -> list[int]:
-    """``auto`` runs the adaptive controller; a single drafter always drafts ``budget`` tokens."""
+    """``auto`` runs the adaptive controller; a single drafter always drafts ``budget`` tokens.
+
+    ``read``: stop after that many tokens (no step runs for the ones after them).
+    """
     generator = torch.Generator().manual_seed(seed)
     drafters = make_drafters(mode, params, draft, generator)
     policy: SpeculationPolicy = SpeculationController(list(drafters)) if mode == "auto" else FixedPolicy(mode, budget)
     out = speculative_decode(LocalSequence(model), prompt, n, params, generator, drafters, policy, trace=trace)
-    return [t async for t in out]
+    tokens = []
+    async for token in out:
+        tokens.append(token)
+        if len(tokens) == read:
+            break
+    await out.aclose()
+    return tokens
 
 
 def test_build_tree_merges_shared_prefixes() -> None:
@@ -115,16 +125,21 @@ async def test_speculative_sampling_keeps_the_model_law(make_checkpoint: Callabl
             ]
         )
     joint = p1[:, None] * p2  # (16, 16)
-    # Power: the classic bug of resampling a rejected draft from p instead of norm(max(0, p - q))
-    # shifts this law by a chi-square noncentrality of ~0.15 per sample, ~150 at n = 1000 against
-    # ~100 degrees of freedom: rejected at p < 1e-3 with near certainty. Accepting every draft
-    # token puts mass outside the law's support and fails the support check outright.
+    # Power, measured with the bug put in (4,000 runs a mode): the classic bug of resampling a rejected
+    # draft from p instead of norm(max(0, p - q)) shifts this law by a chi-square noncentrality of
+    # ~0.13 per sample with the draft model: ~130 at n = 1000 over 48 degrees of freedom, rejected at
+    # p < 1e-3 with probability 0.99999 (0.999 at n = 700). The prompt-lookup and mix drafts here are
+    # mostly tokens p gives little mass, so that bug barely moves their law (noncentrality ~16 and ~24
+    # at n = 1000: caught 7 % and 19 % of the time); those two cases guard their code paths and the
+    # support. False alarm: 1e-3 a case (the threshold). Accepting every draft token puts mass outside
+    # the law's support and fails the support check outright.
     n = 1000
     counts: Counter[tuple[int, int]] = Counter()
     drafted = 0
     for seed in range(n):
         trace: list[SpecStep] = []
-        out = await run(model, mode, prompt, 3, params, seed=seed, draft=draft, trace=trace, budget=2)
+        # 3 tokens leave room for a draft of 1 after the first; the law of the first two needs no step after theirs
+        out = await run(model, mode, prompt, 3, params, seed=seed, draft=draft, trace=trace, budget=2, read=2)
         counts[(out[0], out[1])] += 1
         drafted += trace[0].draft_tokens > 0
     assert drafted > n // 2, "the second token must mostly come from a verified draft"
