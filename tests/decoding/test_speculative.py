@@ -52,7 +52,6 @@ async def run(
         tokens.append(token)
         if len(tokens) == read:
             break
-    await out.aclose()
     return tokens
 
 
