@@ -1,7 +1,8 @@
 """Trunk load benchmark (#15): batched vs per-session steps under N concurrent sessions.
 
-A load generator speaks the protocol directly (random hidden states, no edge compute) to an
-in-process `TrunkServer`, one connection per session, on the demo base model and on a random
+A load generator speaks the protocol directly (random hidden states, no edge compute) to a
+`TrunkServer` running in a process of its own (as `splitspec cloud serve` does, the issue's
+setting), one connection per session, on the demo base model and on a random
 Llama of hidden size >= 1024 with few layers. For each model, mode (batching on / off) and
 session count it measures aggregate decode steps/s and p50/p99 step latency; a "prefill mix"
 run adds one 2,000-token prefill arriving mid-run among 16 decoding sessions and reports decode
@@ -24,10 +25,14 @@ import argparse
 import asyncio
 import json
 import logging
+import multiprocessing
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -60,23 +65,82 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """What a load generator needs to know of a trunk server running in another process."""
+
+    url: str
+    identity: tuple[str, int, int, str, int]  # Hello's fingerprint, layer_start, layer_end, dtype, hidden_size
+    dtype: torch.dtype
+    max_positions: int
+    bytes_per_token: int  # theoretical KV bytes per token of the trunk
+
+
+def _serve(config: CloudConfig, conn: Connection) -> None:
+    """The server process: a TrunkServer answering the parent's questions until told to stop."""
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(_serve_async(config, conn))
+
+
+async def _serve_async(config: CloudConfig, conn: Connection) -> None:
+    async with TrunkServer(config) as server:
+        ident = server.identity
+        identity = (ident.fingerprint, ident.layer_start, ident.layer_end, ident.dtype, ident.hidden_size)
+        conn.send(Endpoint(server.url, identity, server.dtype, server.max_positions, server.budget.bytes_per_token))
+        stop = asyncio.Event()
+
+        def answer() -> None:  # the parent asks for each session's KV bytes, or says stop
+            if conn.recv() == "stop":
+                stop.set()
+            else:
+                conn.send({sid: s.cache.nbytes for sid, s in server.sessions._sessions.items()})
+
+        asyncio.get_running_loop().add_reader(conn.fileno(), answer)
+        await stop.wait()
+
+
+class ServerProcess:
+    """A trunk server in a process of its own, as `splitspec cloud serve` runs (the issue's setting): the
+    load generator's framing and encoding then do not share the server's interpreter and event loop."""
+
+    def __init__(self, config: CloudConfig) -> None:
+        self._conn, child = multiprocessing.get_context("spawn").Pipe()
+        self._process = multiprocessing.get_context("spawn").Process(target=_serve, args=(config, child), daemon=True)
+        self._process.start()
+        if not self._conn.poll(300):
+            raise RuntimeError("the trunk server process did not start")
+        self.endpoint: Endpoint = self._conn.recv()
+        self._lock = threading.Lock()
+
+    def _ask(self) -> dict[str, int]:
+        with self._lock:
+            self._conn.send("kv")
+            answer: dict[str, int] = self._conn.recv()
+            return answer
+
+    async def kv_bytes(self) -> dict[str, int]:
+        """Each open session's KV cache bytes (asked off the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(None, self._ask)
+
+    def close(self) -> None:
+        self._conn.send("stop")
+        self._process.join(60)
+
+
 class Session:
     """One load-generating session: its own connection, a prefill, then decode steps."""
 
-    def __init__(self, server: TrunkServer) -> None:
-        self.server = server
-        self.hidden = server.identity.hidden_size
-        self.dtype = server.dtype
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.hidden = endpoint.identity[4]
+        self.dtype = endpoint.dtype
         self.length = 0
         self.seq = 0
         self.latencies: list[tuple[float, float]] = []  # (sent at, ms)
 
     async def open(self) -> None:
-        ident = self.server.identity
-        self.channel = await Channel.connect(self.server.url, max_message_bytes=64 << 20, timeout_s=30)
-        await self.channel.request(
-            Hello(ident.fingerprint, ident.layer_start, ident.layer_end, ident.dtype, ident.hidden_size), 30
-        )
+        self.channel = await Channel.connect(self.endpoint.url, max_message_bytes=64 << 20, timeout_s=30)
+        await self.channel.request(Hello(*self.endpoint.identity), 30)
         opened, _ = await self.channel.request(OpenSession(request_id=0), 30)
         assert isinstance(opened, SessionOpened)
         self.sid = opened.session_id
@@ -102,47 +166,54 @@ class Session:
             self.latencies.append((sent, await self.step(1)))
 
 
-async def run_load(
-    model: Path, batching: bool, sessions: int, seconds: float, prefill_mix: bool, prefill: int = PREFILL
-) -> dict[str, Any]:
-    config = CloudConfig(
-        model_dir=model, port=0, batching=batching, max_sessions=sessions + 2,
-        max_sessions_per_address=sessions + 2, max_connections_per_address=sessions + 2,
-        max_query_tokens=2048, kv_budget_mb=4096,
+def server_config(model: Path, batching: bool, max_sessions: int, threads: int) -> CloudConfig:
+    return CloudConfig(
+        model_dir=model, port=0, batching=batching, max_sessions=max_sessions,
+        max_sessions_per_address=max_sessions, max_connections_per_address=max_sessions,
+        max_query_tokens=2048, kv_budget_mb=4096, torch_threads=threads,
     )  # fmt: skip
-    async with TrunkServer(config) as server:
-        load = [Session(server) for _ in range(sessions)]
-        await asyncio.gather(*(s.open() for s in load))
-        await asyncio.gather(*(s.step(CONTEXT) for s in load))
-        heavy_window = (0.0, 0.0)
-        prefill_tokens = min(prefill, server.max_positions - 64)
-        heavy_bytes_per_token = None
-        start = time.perf_counter()
-        stop = start + seconds
-        if prefill_mix:  # decode for seconds / 4, send the prefill, decode on for seconds / 4 after it returns
-            done = asyncio.Event()
-            tasks = [asyncio.create_task(s.decode_while(done)) for s in load]
-            heavy = Session(server)
-            await heavy.open()
-            await asyncio.sleep(seconds / 4)
-            sent = time.perf_counter()
-            await heavy.step(prefill_tokens)
-            heavy_window = (sent, time.perf_counter())
-            heavy_bytes_per_token = server.sessions._sessions[heavy.sid].cache.nbytes / heavy.length
-            await asyncio.sleep(seconds / 4)
-            done.set()
-        else:
-            done = asyncio.Event()
-            tasks = [asyncio.create_task(s.decode_while(done)) for s in load]
-            await asyncio.sleep(max(0.0, stop - time.perf_counter()))
-            done.set()
-        await asyncio.gather(*tasks)
-        wall = time.perf_counter() - start
-        held_tokens = sum(s.length for s in load)
-        kv_bytes = sum(server.sessions._sessions[s.sid].cache.nbytes for s in load)
-        theory = server.budget.bytes_per_token
-        for s in load:
-            await s.channel.close()
+
+
+async def run_load(
+    server: ServerProcess, sessions: int, seconds: float, prefill_mix: bool, prefill: int = PREFILL
+) -> dict[str, Any]:
+    endpoint = server.endpoint
+    for _ in range(50):  # the previous run's connections close their sessions as the server sees them go
+        if not await server.kv_bytes():
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise RuntimeError("the server still holds sessions of an earlier run")
+    load = [Session(endpoint) for _ in range(sessions)]
+    await asyncio.gather(*(s.open() for s in load))
+    await asyncio.gather(*(s.step(CONTEXT) for s in load))
+    heavy_window = (0.0, 0.0)
+    prefill_tokens = min(prefill, endpoint.max_positions - 64)
+    heavy_bytes_per_token = None
+    start = time.perf_counter()
+    stop = start + seconds
+    done = asyncio.Event()
+    tasks = [asyncio.create_task(s.decode_while(done)) for s in load]
+    if prefill_mix:  # decode for seconds / 4, send the prefill, decode on for seconds / 4 after it returns
+        heavy = Session(endpoint)
+        await heavy.open()
+        await asyncio.sleep(seconds / 4)
+        sent = time.perf_counter()
+        await heavy.step(prefill_tokens)
+        heavy_window = (sent, time.perf_counter())
+        heavy_bytes_per_token = (await server.kv_bytes())[heavy.sid] / heavy.length
+        await asyncio.sleep(seconds / 4)
+    else:
+        await asyncio.sleep(max(0.0, stop - time.perf_counter()))
+    done.set()
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    held_tokens = sum(s.length for s in load)
+    held = await server.kv_bytes()
+    kv_bytes = sum(held[s.sid] for s in load)
+    theory = endpoint.bytes_per_token
+    for s in load + ([heavy] if prefill_mix else []):
+        await s.channel.close()
     latencies = [ms for s in load for _, ms in s.latencies]
     during = [ms for s in load for sent, ms in s.latencies if heavy_window[0] <= sent <= heavy_window[1]]
     outside = [ms for s in load for sent, ms in s.latencies if not heavy_window[0] <= sent <= heavy_window[1]]
@@ -205,7 +276,7 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str) -> s
         "# Trunk load: batched vs per-session (medians of interleaved repeats)",
         "",
         f"commit {env.get('commit')}, `{command}`, {env.get('cpu_count')} CPUs, {env.get('torch_threads')} torch "
-        "threads; in-process server and load generator on one machine (shared, noisy CPU): only ratios mean much.",
+        "threads; server process and load generator on one machine (shared, noisy CPU): only ratios mean much.",
         "",
         "## Decode load",
         "",
@@ -272,20 +343,30 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 async def main_async(args: argparse.Namespace) -> None:
     env = run_environment()
     command = "python benchmarks/trunk_load.py " + " ".join(sys.argv[1:])
+    runs: list[dict[str, Any]] = []
+    max_sessions = max([*args.sessions, 16]) + 2
     with tempfile.TemporaryDirectory() as tmp:
         models = {"demo-base": DEMO, "random-llama-1024": random_llama(Path(tmp) / "llama1024")}
-        runs: list[dict[str, Any]] = []
-        for repeat in range(args.repeats):
-            for name, path in models.items():
-                plans = [("decode", n) for n in args.sessions] + [("prefill-mix", 16)]
-                for scenario, sessions in plans:
-                    modes = ("batched", "per-session") if repeat % 2 == 0 else ("per-session", "batched")
-                    for mode in modes:  # interleaved, order alternating between repeats
-                        mix = scenario != "decode"
-                        result = await run_load(path, mode == "batched", sessions, args.seconds, mix, args.prefill)
-                        runs.append({"repeat": repeat, "model": name, "scenario": scenario, "sessions": sessions,
-                                     "mode": mode, **result})  # fmt: skip
-                        logging.info("%s", runs[-1])
+        for name, path in models.items():
+            # one server process per mode, both alive for the model's whole run (the idle one sleeps)
+            servers = {
+                mode: ServerProcess(server_config(path, mode == "batched", max_sessions, args.threads))
+                for mode in ("batched", "per-session")
+            }
+            try:
+                for repeat in range(args.repeats):
+                    plans = [("decode", n) for n in args.sessions] + [("prefill-mix", 16)]
+                    for scenario, sessions in plans:
+                        modes = ("batched", "per-session") if repeat % 2 == 0 else ("per-session", "batched")
+                        for mode in modes:  # interleaved, order alternating between repeats
+                            mix = scenario != "decode"
+                            result = await run_load(servers[mode], sessions, args.seconds, mix, args.prefill)
+                            runs.append({"repeat": repeat, "model": name, "scenario": scenario,
+                                         "sessions": sessions, "mode": mode, **result})  # fmt: skip
+                            logging.info("%s", runs[-1])
+            finally:
+                for server in servers.values():
+                    server.close()
     rows = summarise(runs)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"environment": env, "command": command, "summary": rows}

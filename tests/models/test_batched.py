@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitspec.models.batched import BatchRow, forward_batch
+from splitspec.models.batched import BatchedCaches, BatchRow, forward_batch
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
@@ -52,3 +52,20 @@ def test_each_row_equals_its_step_alone(make_checkpoint: Callable[..., Path], fa
     (alone,) = forward_batch(trunk, [BatchRow(hidden, at, torch.tensor([-1], dtype=torch.int32), batched)])
     torch.testing.assert_close(alone, trunk(hidden, at, torch.tensor([-1], dtype=torch.int32), solo))
     assert len(batched) == len(solo)
+
+
+def test_padding_keys_are_zero_whatever_the_allocator_held() -> None:
+    """A shorter row's padded keys get zero weight from the mask, and are zero: 0 x NaN would be NaN."""
+    short, long_ = KVCache(), KVCache()
+    for cache, past in ((short, 2), (long_, 5)):  # committed prefixes of 2 and 5 entries
+        cache.update(torch.randn(1, 2, past, 4), torch.randn(1, 2, past, 4), 0)
+        cache.commit()
+    caches = BatchedCaches([short, long_], lengths=[1, 1], past=[2, 5])
+    garbage = torch.full((2, 2, 6, 4), float("nan"))
+    del garbage  # the freed block is what the next allocation of this size is likely to get
+    keys, values = caches.update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4), 0)  # (B, kv, past_max + 1, d)
+    assert keys.shape == (2, 2, 6, 4)
+    for out in (keys, values):
+        assert torch.equal(out[0, :, 2:5], torch.zeros(2, 3, 4))  # the short row's padding
+        assert torch.isfinite(out).all()
+    assert torch.equal(keys[1, :, :5], long_._keys[0][0, :, :5])  # the long row's prefix, in place

@@ -49,14 +49,18 @@ class BatchedCaches:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """key, value (B, kv, q_max, d) -> all keys, values (B, kv, past_max + q_max, d)."""
         batch, heads, q_max, dim = key.shape
-        keys = key.new_zeros((batch, heads, self.past_max + q_max, dim))
-        values = value.new_zeros((batch, heads, self.past_max + q_max, dim))
-        keys[:, :, self.past_max :] = key
-        values[:, :, self.past_max :] = value
+        past_max = self.past_max
+        keys = key.new_empty((batch, heads, past_max + q_max, dim))
+        values = value.new_empty((batch, heads, past_max + q_max, dim))
+        keys[:, :, past_max:] = key
+        values[:, :, past_max:] = value
         for b, (cache, q, past) in enumerate(zip(self.caches, self.lengths, self.past, strict=True)):
             all_k, all_v = cache.update(key[b : b + 1, :, :q], value[b : b + 1, :, :q], layer_idx)  # (1, kv, past+q, d)
             keys[b, :, :past] = all_k[0, :, :past]
             values[b, :, :past] = all_v[0, :, :past]
+            if past < past_max:  # masked padding gets zero weight, but must be finite (0 x NaN is NaN)
+                keys[b, :, past:past_max] = 0
+                values[b, :, past:past_max] = 0
         return keys, values
 
     def commit(self) -> None:
@@ -120,12 +124,16 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
     lengths = [row.positions.shape[0] for row in rows]
     past = [len(row.cache) for row in rows]
     q_max = max(lengths)
-    first = rows[0].hidden
-    hidden = first.new_zeros((len(rows), q_max, first.shape[2]))  # (B, q_max, H)
-    positions = torch.zeros((len(rows), q_max), dtype=torch.long)  # (B, q_max)
-    for b, (row, q) in enumerate(zip(rows, lengths, strict=True)):
-        hidden[b, :q] = row.hidden[0]
-        positions[b, :q] = row.positions.to(torch.long)
+    if q_max == 1:  # decode steps only: no padding
+        hidden = torch.cat([row.hidden for row in rows])  # (B, 1, H)
+        positions = torch.cat([row.positions for row in rows]).to(torch.long)[:, None]  # (B, 1)
+    else:
+        first = rows[0].hidden
+        hidden = first.new_zeros((len(rows), q_max, first.shape[2]))  # (B, q_max, H)
+        positions = torch.zeros((len(rows), q_max), dtype=torch.long)  # (B, q_max)
+        for b, (row, q) in enumerate(zip(rows, lengths, strict=True)):
+            hidden[b, :q] = row.hidden[0]
+            positions[b, :q] = row.positions.to(torch.long)
     caches = BatchedCaches([row.cache for row in rows], lengths, past)
     if not len(stack.layers):
         return [row.hidden for row in rows]
