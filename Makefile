@@ -40,17 +40,18 @@ types: install
 	$(BIN)/mypy tests
 
 # The whole suite (both lanes) with branch coverage, then the floors. Tests run on TEST_WORKERS
-# pytest-xdist workers, a test file per worker at a time (module fixtures stay shared); tests pin
+# pytest-xdist workers, a test file per worker at a time (module fixtures stay shared), in the
+# order tests/conftest.py sets (the files that run the command in subprocesses first); tests pin
 # torch to one thread each, so two workers use a 2-core machine fully.
 TEST_WORKERS ?= 2
 coverage: install
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 --cov --cov-report=term
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 --cov --cov-report=term
 	$(BIN)/coverage report --include='src/splitspec/protocol/*' --fail-under=$(PROTOCOL_FLOOR)
 	$(BIN)/coverage report --include='src/splitspec/federated/codec.py' --fail-under=$(CODEC_FLOOR)
 
 # The fast lane only: everything not marked slow.
 test-fast: install
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile -m 'not slow'
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m 'not slow'
 
 clean:
 	rm -rf .coverage .coverage.* htmlcov .mypy_cache .ruff_cache .pytest_cache build dist src/*.egg-info
