@@ -10,8 +10,13 @@ latency while it computes. Modes are interleaved within each repeat (>= 3 repeat
 reported with the on/off ratio measured side by side. Memory per session-token is compared with
 the theoretical KV size. Writes JSON, a markdown table and PNG plots, with the git commit.
 
-    nice -n 10 python benchmarks/trunk_load.py [--quick | --repeats 3 --seconds 2] [--threads 2]
+    python benchmarks/trunk_load.py [--quick | --repeats 3 --seconds 2] [--threads 1]
         [--out benchmarks/results/trunk_load]
+
+The server gets one torch thread by default: on a small machine its event loop, its compute
+thread(s) and the load generator share the cores, and two intra-op threads then wait at each
+other's barriers (a batched trunk with 2 threads fell to 19 steps/s on 2 cores while another
+process ran). The per-session server computes on its default pool of 4 threads.
 
 The mix decodes for seconds / 4, sends the prefill and decodes on until seconds / 4 after it
 returns; its target compares the p99 of decode steps sent while the prefill computed with their
@@ -271,12 +276,13 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str) -> str:
+def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str, threads: int) -> str:
     lines = [
         "# Trunk load: batched vs per-session (medians of interleaved repeats)",
         "",
-        f"commit {env.get('commit')}, `{command}`, {env.get('cpu_count')} CPUs, {env.get('torch_threads')} torch "
-        "threads; server process and load generator on one machine (shared, noisy CPU): only ratios mean much.",
+        f"commit {env.get('commit')}, `{command}`, {env.get('cpu_count')} CPUs, server with {threads} torch "
+        "thread(s), per-session with its default pool of 4 compute threads; server process and load generator "
+        "on one machine (shared, noisy CPU): only ratios mean much.",
         "",
         "## Decode load",
         "",
@@ -369,12 +375,12 @@ async def main_async(args: argparse.Namespace) -> None:
                     server.close()
     rows = summarise(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"environment": env, "command": command, "summary": rows}
+    meta = {"environment": env, "command": command, "threads": args.threads, "summary": rows}
     (args.out / "trunk_load.json").write_text(json.dumps(meta, indent=1))
     write_jsonl_gz(args.out / "runs.jsonl.gz", runs, commit=env["commit"], splitspec=env["splitspec"])
-    (args.out / "trunk_load.md").write_text(markdown(rows, env, command))
+    (args.out / "trunk_load.md").write_text(markdown(rows, env, command, args.threads))
     plot(rows, args.out)
-    logging.getLogger(__name__).info("\n%s", markdown(rows, env, command))
+    logging.getLogger(__name__).info("\n%s", markdown(rows, env, command, args.threads))
 
 
 def main() -> None:
@@ -388,7 +394,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="decode time per run, seconds")
     parser.add_argument("--prefill", type=int, default=PREFILL, help="tokens of the mix's big prefill (default 2000)")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16, 32, 64])
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the server (default 1)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/trunk_load"))
     args = parser.parse_args()
     if args.quick:
