@@ -45,8 +45,8 @@ build_parser()  # the start-up every command shares: what main() does first, imp
 gc.freeze()  # the children's garbage collector skips what is here already: exiting takes 0.1 s, not 1 s of page copies
 sys.stdout.flush()
 sys.stderr.flush()
-to_file(1, "forker.out")
-to_file(2, "forker.err")
+to_file(1, "forker.out")  # from here on the forker's own output (e.g. Python >= 3.12 warning that it forks with
+to_file(2, "forker.err")  # a thread running: torch's import starts one) stays out of the commands' output
 children = []
 for i, args in enumerate(commands):
     pid = os.fork()
