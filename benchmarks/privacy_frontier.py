@@ -327,7 +327,7 @@ def render_train_size(rows: list[dict[str, Any]], model: str) -> list[str]:
         return []
     lines: list[str] = []
     for small, big in sorted({tuple(r["tokens"]) for r in mine}):
-        a, b = f"{small // 2000}k", f"{big // 2000}k"
+        a, b = f"{round(small / 2000)}k", f"{round(big / 2000)}k"  # per tier
         lines += [
             f"### Attacker-train size: {a} vs {b} tokens per tier",
             "",
