@@ -105,6 +105,7 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         batching=not args.no_batching,
         max_batch_steps=args.max_batch_steps,
         prefill_chunk_tokens=args.prefill_chunk,
+        batch_gather=args.batch_gather,
         handshake_timeout_s=args.handshake_timeout,
         max_connections_per_address=args.max_connections_per_address,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
@@ -172,6 +173,15 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--max-batch-steps", type=int, default=64, help="most decode/draft steps in one batched forward (default 64)"
+    )
+    p.add_argument(
+        "--batch-gather",
+        type=float,
+        default=0.5,
+        metavar="FRACTION",
+        help="a free batch worker waits up to this fraction of a decode batch's forward time for the next steps "
+        "of the sessions active in the last second, so they run in one batch rather than two (default 0.5; "
+        "0 = start at once; a lone session never waits)",
     )
     p.add_argument(
         "--prefill-chunk",

@@ -7,6 +7,7 @@ import asyncio
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,6 +48,19 @@ class _Recorder(TrunkMetrics):
         self.forwards.append((steps, tokens))
 
 
+class _ChunkFlags(StepBatcher):
+    """A batcher that notes, forward by forward, whether it ran a chunk of a big step (a last chunk
+    of one token looks like a decode step in the metrics)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.chunk_flags: list[bool] = []
+
+    def _forward(self, group: list[Any], chunk: int | None) -> None:
+        super()._forward(group, chunk)
+        self.chunk_flags.append(chunk is not None)
+
+
 @pytest.fixture(scope="module")
 def trunk(make_checkpoint: Callable[..., Path]) -> LayerStack:
     ckpt = Checkpoint(make_checkpoint("llama"))
@@ -55,7 +69,7 @@ def trunk(make_checkpoint: Callable[..., Path]) -> LayerStack:
 
 async def test_decode_steps_run_between_every_two_prefill_chunks(trunk: LayerStack) -> None:
     metrics = _Recorder()
-    batcher = StepBatcher(trunk, metrics, prefill_chunk_tokens=24)
+    batcher = _ChunkFlags(trunk, metrics, prefill_chunk_tokens=24)
     batcher.start()
     prefill_done = asyncio.Event()
 
@@ -74,9 +88,44 @@ async def test_decode_steps_run_between_every_two_prefill_chunks(trunk: LayerSta
     await asyncio.gather(*decoders)
     await batcher.stop()
     assert out.shape == (1, prompt, 64)
-    chunks = [i for i, (steps, tokens) in enumerate(metrics.forwards) if tokens > steps]
+    assert len(batcher.chunk_flags) == len(metrics.forwards)
+    chunks = [i for i, is_chunk in enumerate(batcher.chunk_flags) if is_chunk]
     assert sum(metrics.forwards[i][1] for i in chunks) == prompt
     assert len(chunks) >= prompt // 24 + 1  # cut into chunks of at most --prefill-chunk
     assert all(metrics.forwards[i][1] <= 24 for i in chunks)
     for a, b in itertools.pairwise(chunks):
         assert (3, 3) in metrics.forwards[a + 1 : b], f"chunks {a} and {b} ran with no decode batch between them"
+
+
+@pytest.mark.parametrize("gather", [0.0, 50.0])
+async def test_a_free_worker_gathers_the_active_sessions_steps(trunk: LayerStack, gather: float) -> None:
+    metrics = _Recorder()
+    batcher = StepBatcher(trunk, metrics, gather=gather)
+    batcher.start()
+    caches = [KVCache(), KVCache()]
+
+    async def step(cache: KVCache) -> float:
+        at = torch.tensor([len(cache)], dtype=torch.int32)
+        _, _, queue_ms = await batcher.submit(torch.randn(1, 1, 64), at, torch.tensor([-1], dtype=torch.int32), cache)
+        return queue_ms
+
+    await asyncio.gather(*(step(c) for c in caches))  # both sessions active, a decode batch's time measured
+    assert batcher.chunks.decode_ms is not None
+    window_ms = gather * batcher.chunks.decode_ms
+    metrics.forwards.clear()
+    first = asyncio.create_task(step(caches[0]))
+    await asyncio.sleep(0.005)  # the second session's step comes 5 ms later
+    await asyncio.gather(first, step(caches[1]))
+    lone = KVCache()  # a third session, alone among the active ones once the others fall silent
+    batcher._delivered.clear()  # (as if a second had passed since the others' last steps)
+    await step(lone)
+    lone_wait = await step(lone)
+    await batcher.stop()
+    if gather:
+        assert window_ms > 5
+        assert metrics.forwards[:1] == [(2, 2)]  # the first waited for the second: one batch of both
+    else:
+        assert metrics.forwards[:2] == [(1, 1), (1, 1)]  # started at once: a batch each
+    assert lone_wait < 5  # a lone session never waits for anyone
+    with pytest.raises(ValueError, match="non-negative fraction"):
+        StepBatcher(trunk, metrics, gather=-1)

@@ -9,7 +9,14 @@ chunk of the oldest big step (a prefill) in a forward of its own, sized by
 decode batch's time while decode traffic is live). Small steps that arrive during a chunk run
 before the next chunk, so a big prefill is spread over iterations and a decode step waits for at
 most one chunk. Each session has at most one step in flight (a connection handles its messages
-in order), so rows of a batch always belong to different sessions. The forwards run on one
+in order), so rows of a batch always belong to different sessions.
+
+Gathering: sessions that decode together send their next steps within a few milliseconds of each
+other, and a worker that started on the first arrival would run a batch of one or two rows (on a
+CPU nearly the price of a full batch) while the rest queue behind it. So a free worker waits for
+the sessions active in the last :data:`ACTIVE_S` second to send their steps, for at most
+``gather`` times a decode batch's measured forward time, then runs whatever has come. A lone
+session never waits (it is the only active one). The forwards run on one
 worker thread, off the event loop.
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -31,6 +39,8 @@ from splitspec.models.masks import is_chain
 from splitspec.models.stack import LayerStack
 
 log = logging.getLogger(__name__)
+
+ACTIVE_S = 1.0  # a session whose step was delivered this recently counts as one whose next step is coming
 
 
 @dataclass(eq=False)  # identity: its fields hold tensors
@@ -73,13 +83,19 @@ class StepBatcher:
         max_batch_steps: int = 64,
         small_step_tokens: int = 64,
         prefill_chunk_tokens: int = 256,
+        gather: float = 0.5,
     ) -> None:
+        if gather < 0:
+            raise ValueError(f"the gathering window is a non-negative fraction of a batch's time, got {gather}")
         self.stack = stack
+        self.gather = gather
         self.metrics = metrics
         self.max_batch_steps = max_batch_steps
         self.small_step_tokens = small_step_tokens
         self.chunks = ChunkSizer(prefill_chunk_tokens)
         self._pending: list[_Pending] = []
+        # each session's cache -> when its last step was delivered (weak: a closed session's cache is freed)
+        self._delivered: weakref.WeakKeyDictionary[KVCache, float] = weakref.WeakKeyDictionary()
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trunk-batch")
         self._task: asyncio.Task[None] | None = None
@@ -114,12 +130,32 @@ class StepBatcher:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
+                await self._gather()
                 small, big = self._plan()
                 if small:  # first, and delivered before any chunk runs
                     await self._run(small, None)
                 if big is not None:
                     chunk = self.chunks.next_chunk(time.perf_counter()) if is_chain(big.parents) else big.tokens
                     await self._run([big], chunk)  # trees cannot be cut: they go whole
+
+    def _active(self, now: float) -> int:
+        """Sessions with a step waiting or delivered within :data:`ACTIVE_S` (older entries are dropped)."""
+        for cache in [c for c, at in self._delivered.items() if now - at > ACTIVE_S]:
+            del self._delivered[cache]
+        return len(set(self._delivered.keys()) | {p.cache for p in self._pending})
+
+    async def _gather(self) -> None:
+        """Wait (at most ``gather`` decode batches' time) for the active sessions' next steps."""
+        window = None if self.chunks.decode_ms is None else self.gather * self.chunks.decode_ms / 1e3
+        if not window:
+            return
+        deadline = time.perf_counter() + window
+        while (now := time.perf_counter()) < deadline and len(self._pending) < self._active(now):
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), deadline - now)
+            except TimeoutError:
+                return
 
     async def _run(self, group: list[_Pending], chunk: int | None) -> None:
         """One forward on the worker thread (``chunk`` tokens of a big step, or whole small steps),
@@ -163,6 +199,7 @@ class StepBatcher:
             group[0].cache.last_step = group[0].tokens  # a keep_last on the next step indexes the whole step
 
     def _deliver(self, p: _Pending) -> None:
+        self._delivered[p.cache] = time.perf_counter()
         if p.future.done():  # its connection went away meanwhile
             return
         if p.error is not None:

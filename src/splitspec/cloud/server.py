@@ -81,6 +81,10 @@ class TrunkServer:
             raise ConfigError(f"--kv-block must be at least 1 entry, got {config.kv_block_tokens}")
         if config.max_batch_steps < 1 or config.prefill_chunk_tokens < 1:
             raise ConfigError("--max-batch-steps and --prefill-chunk must be at least 1")
+        if not 0 <= config.batch_gather <= 10:
+            raise ConfigError(
+                f"--batch-gather must be between 0 and 10 (decode batches' time), got {config.batch_gather}"
+            )
         if config.compile is not None and config.batching:
             raise ConfigError(
                 "--compile runs each session's decode step alone over static KV buffers: add --no-batching "
@@ -126,7 +130,11 @@ class TrunkServer:
         self.metrics = TrunkMetrics(self.sessions)
         self.batcher = (
             StepBatcher(
-                self.trunk, self.metrics, config.max_batch_steps, prefill_chunk_tokens=config.prefill_chunk_tokens
+                self.trunk,
+                self.metrics,
+                config.max_batch_steps,
+                prefill_chunk_tokens=config.prefill_chunk_tokens,
+                gather=config.batch_gather,
             )
             if config.batching
             else None
