@@ -66,6 +66,7 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
         "exceeds the model's 4096 positions": generate(model, "--max-new-tokens", "5000"),
         "safetensors": ["cloud", "serve", "--model", str(truncated), "--port", "0"],
         f"cannot listen on 127.0.0.1:{port}": ["cloud", "serve", "--model", str(model), "--port", str(port)],
+        "--batch-gather must be between 0 and 10": ["cloud", "serve", "--model", str(model), "--batch-gather", "-1"],
     }
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
     env.pop("HF_HUB_OFFLINE", None)  # our code must not rely on it
