@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 from collections import Counter
 from collections.abc import Callable
@@ -99,6 +100,14 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return cache[key]
 
     return build
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell starts a background job (`make test &`) with SIGINT ignored, and every process it
+    # spawns inherits that: the tests that stop a splitspec process with Ctrl-C's signal would then
+    # see it ignored. A handler here makes the signal's default come back in the processes we start.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
