@@ -10,6 +10,10 @@ keeps what it finished; a rerun skips points already there; parallel processes u
 the run's commit; the points files can then be deleted) and renders ``report.md`` (threat model, frontier tables,
 targets check, recommended setting) and one plot per side, ``frontier_input.png`` and ``frontier_output.png``. See
 :mod:`splitspec.privacy.frontier` for what each point measures.
+
+A point is keyed by model, seed, setting and attacker-train size (``--max-tokens``): the tables and plots use each
+model's most common size; points rerun with a larger ``--max-tokens`` (its own ``--tag``) get a section that pairs
+them with the same seed and setting at that size, on the same test tokens.
 """
 
 from __future__ import annotations
