@@ -125,7 +125,9 @@ def test_wrong_api_key(make_stack: Callable[..., Stack]) -> None:
 
 
 async def test_busy_pool_gets_429_with_retry_after(make_stack: Callable[..., Stack]) -> None:
-    s = make_stack(rtt_ms=20.0, max_active=1, queue_timeout_s=0.3)
+    # the held generation must outlast two 0.3 s queue waits: 60 tokens took 0.7 s at 20 ms RTT on a quiet
+    # machine (the test then failed), 2.8 s at 100 ms
+    s = make_stack(rtt_ms=100.0, max_active=1, queue_timeout_s=0.3)
     client = openai.AsyncOpenAI(base_url=s.base_url, api_key="unused", max_retries=0)
     long = {"model": MODEL_NAME, "prompt": "to be", "max_tokens": 60, "temperature": 0}
     async with httpx.AsyncClient(timeout=60) as http:
