@@ -22,7 +22,12 @@ install: $(BIN)/python
 demo: install
 	$(BIN)/splitspec demo
 
-test: install lint types coverage
+test: install cluster lint types coverage
+
+# Ray Serve (the optional 'cluster' extra) for the test of `cloud serve --ray-replicas`
+# (tests/cloud/test_ray_serve.py, which skips without it); `make demo` does not need it.
+cluster: install
+	$(BIN)/pip install -q -e '.[cluster]'
 
 # ruff lint rules (pyproject: [tool.ruff.lint], PT included) and the formatter, as checks.
 lint: install
@@ -57,4 +62,4 @@ clean:
 	rm -rf .coverage .coverage.* htmlcov .mypy_cache .ruff_cache .pytest_cache build dist src/*.egg-info
 	find src tests benchmarks -name __pycache__ -type d -prune -exec rm -rf {} +
 
-.PHONY: install demo test lint format types coverage test-fast clean
+.PHONY: install cluster demo test lint format types coverage test-fast clean
