@@ -109,12 +109,17 @@ class ServerProcess:
     load generator's framing and encoding then do not share the server's interpreter and event loop."""
 
     def __init__(self, config: CloudConfig) -> None:
-        self._conn, child = multiprocessing.get_context("spawn").Pipe()
-        self._process = multiprocessing.get_context("spawn").Process(target=_serve, args=(config, child), daemon=True)
+        spawn = multiprocessing.get_context("spawn")
+        self._conn, child = spawn.Pipe()
+        self._process = spawn.Process(target=_serve, args=(config, child), daemon=True)
         self._process.start()
-        if not self._conn.poll(300):
-            raise RuntimeError("the trunk server process did not start")
-        self.endpoint: Endpoint = self._conn.recv()
+        child.close()  # the child's end lives in the child alone: if it dies, recv() sees EOF at once
+        try:
+            if not self._conn.poll(300):
+                raise RuntimeError("the trunk server process did not start within 300 s")
+            self.endpoint: Endpoint = self._conn.recv()
+        except EOFError as exc:
+            raise RuntimeError("the trunk server process died while starting (its traceback is above)") from exc
         self._lock = threading.Lock()
 
     def _ask(self) -> dict[str, int]:
