@@ -152,7 +152,8 @@ class Session:
         self.channel = await Channel.connect(self.endpoint.url, max_message_bytes=64 << 20, timeout_s=30)
         await self.channel.request(Hello(*self.endpoint.identity), 30)
         opened, _ = await self.channel.request(OpenSession(request_id=0), 30)
-        assert isinstance(opened, SessionOpened)
+        if not isinstance(opened, SessionOpened):  # the server's reply, checked like any peer input
+            raise RuntimeError(f"expected session_opened, the server sent {opened.TYPE!r}")
         self.sid = opened.session_id
 
     async def step(self, q: int) -> float:
