@@ -122,6 +122,8 @@ def raw(header: dict[str, object], tensors: dict[str, torch.Tensor] | None = Non
         (raw({"type": "step", "session_id": "s", "seq": 1}), BadTensor),
         (encode_message(step(parents=torch.tensor([-1, 1, 0], dtype=torch.int32))), PositionOutOfRange),
         (encode_message(step(parents=torch.tensor([-2, 0, 1], dtype=torch.int32))), PositionOutOfRange),
+        (encode_message(step(1, parents=torch.tensor([0], dtype=torch.int32))), PositionOutOfRange),  # decode
+        (encode_message(step(1, parents=torch.tensor([-2], dtype=torch.int32))), PositionOutOfRange),
         (encode_message(step(positions=torch.arange(3))), BadTensor),  # int64 positions
         (encode_message(step(positions=torch.arange(2, dtype=torch.int32))), BadTensor),
         (encode_message(step(hidden=torch.randn(2, 3, 8))), BadTensor),

@@ -153,7 +153,8 @@ class StepBatcher:
         while (now := time.perf_counter()) < deadline and len(self._pending) < self._active(now):
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), deadline - now)
+                async with asyncio.timeout(deadline - now):
+                    await self._wake.wait()
             except TimeoutError:
                 return
 

@@ -261,13 +261,17 @@ class TrunkServer:
         if hidden.shape[1] > self.config.max_query_tokens:
             raise BadTensor(f"{hidden.shape[1]} query tokens exceed the limit of {self.config.max_query_tokens}")
         length = cache_length if step.cache is None else step.cache.length_after(cache_length, last_step)
-        expected = length + depths(step.parents)
-        if not torch.equal(step.positions.to(torch.long), expected):
+        if hidden.shape[1] == 1:  # a decode step (its parent is -1, checked when decoded): read one value
+            matches, top = int(step.positions[0]) == length, length
+        else:
+            expected = length + depths(step.parents)
+            matches, top = torch.equal(step.positions.to(torch.long), expected), int(expected.max())
+        if not matches:
             raise PositionOutOfRange(
                 f"position ids must be the committed length ({length}) plus each token's depth in the step"
             )
-        if int(expected.max()) >= self.max_positions:
-            raise PositionOutOfRange(f"position {int(expected.max())} exceeds the model's {self.max_positions}")
+        if top >= self.max_positions:
+            raise PositionOutOfRange(f"position {top} exceeds the model's {self.max_positions}")
         if length + hidden.shape[1] > self.max_positions:
             raise PositionOutOfRange(
                 f"{hidden.shape[1]} query tokens would grow the cache of {length} entries beyond the model's "

@@ -366,8 +366,11 @@ _TYPES: dict[str, Any] = {
 def check_parents(parents: torch.Tensor) -> None:
     """Each query token's parent must be -1 (the committed prefix) or an earlier token of the step."""
     q = parents.shape[0]
-    limit = torch.arange(q, dtype=parents.dtype)
-    if bool(((parents < -1) | (parents >= limit)).any()):
+    if q == 1:  # a decode step, the common case: read the one value instead of three tensor operations
+        bad = int(parents[0]) != -1
+    else:
+        bad = bool(((parents < -1) | (parents >= torch.arange(q, dtype=parents.dtype))).any())
+    if bad:
         raise PositionOutOfRange("every parent must be -1 or the index of an earlier query token")
 
 

@@ -112,7 +112,8 @@ class Channel:
 
     async def recv_raw(self, timeout_s: float) -> bytes:
         try:
-            data = await asyncio.wait_for(self._ws.recv(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # no task per frame, unlike wait_for
+                data = await self._ws.recv()
         except ConnectionClosed as exc:
             raise _closed_error(exc) from exc
         except TimeoutError as exc:

@@ -246,7 +246,8 @@ class ConnectionGuard:
                     socket.limit_frames(websocket_max_size(self._max))
                 timeout = limits.idle_timeout_s if authenticated else deadline - loop.time()
                 try:
-                    data = await asyncio.wait_for(socket.recv(), timeout)
+                    async with asyncio.timeout(timeout):  # no task per frame, unlike wait_for
+                        data = await socket.recv()
                 except TimeoutError:
                     why = "idle" if authenticated else "no handshake"
                     log.info("closing connection %s: %s within %.1f s", remote, why, timeout or 0.0)
