@@ -10,13 +10,14 @@ latency while it computes. Modes are interleaved within each repeat (>= 3 repeat
 reported with the on/off ratio measured side by side. Memory per session-token is compared with
 the theoretical KV size. Writes JSON, a markdown table and PNG plots, with the git commit.
 
-    python benchmarks/trunk_load.py [--quick | --repeats 3 --seconds 2] [--threads 1]
+    python benchmarks/trunk_load.py [--quick | --repeats 3 --seconds 2] [--threads N]
         [--out benchmarks/results/trunk_load]
 
-The server gets one torch thread by default: on a small machine its event loop, its compute
-thread(s) and the load generator share the cores, and two intra-op threads then wait at each
-other's barriers (a batched trunk with 2 threads fell to 19 steps/s on 2 cores while another
-process ran). The per-session server computes on its default pool of 4 threads.
+Both servers run with torch's default intra-op threads, as `splitspec cloud serve` does, unless
+``--threads`` says otherwise (the count is recorded). Give them only cores nothing else keeps
+busy: two intra-op threads on 2 cores while another process kept one busy made a batched trunk
+10x slower, threads waiting at each other's barriers. The per-session server computes on its
+default pool of 4 threads; the load generator uses one thread.
 
 The mix decodes for seconds / 4, sends the prefill and decodes on until seconds / 4 after it
 returns; its target compares the p99 of decode steps sent while the prefill computed with their
@@ -79,6 +80,7 @@ class Endpoint:
     dtype: torch.dtype
     max_positions: int
     bytes_per_token: int  # theoretical KV bytes per token of the trunk
+    torch_threads: int  # the server process's intra-op threads
 
 
 def _serve(config: CloudConfig, conn: Connection) -> None:
@@ -91,7 +93,9 @@ async def _serve_async(config: CloudConfig, conn: Connection) -> None:
     async with TrunkServer(config) as server:
         ident = server.identity
         identity = (ident.fingerprint, ident.layer_start, ident.layer_end, ident.dtype, ident.hidden_size)
-        conn.send(Endpoint(server.url, identity, server.dtype, server.max_positions, server.budget.bytes_per_token))
+        kv_theory = server.budget.bytes_per_token
+        threads = torch.get_num_threads()
+        conn.send(Endpoint(server.url, identity, server.dtype, server.max_positions, kv_theory, threads))
         stop = asyncio.Event()
 
         def answer() -> None:  # the parent asks for each session's KV bytes, or says stop
@@ -180,7 +184,7 @@ class Session:
             self.latencies.append((sent, await self.step(1)))
 
 
-def server_config(model: Path, batching: bool, max_sessions: int, threads: int) -> CloudConfig:
+def server_config(model: Path, batching: bool, max_sessions: int, threads: int | None) -> CloudConfig:
     return CloudConfig(
         model_dir=model, port=0, batching=batching, max_sessions=max_sessions,
         max_sessions_per_address=max_sessions, max_connections_per_address=max_sessions,
@@ -285,13 +289,13 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str, threads: int) -> str:
+def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str, threads: list[int]) -> str:
     lines = [
         "# Trunk load: batched vs per-session (medians of interleaved repeats)",
         "",
-        f"commit {env.get('commit')}, `{command}`, {env.get('cpu_count')} CPUs, server with {threads} torch "
-        "thread(s), per-session with its default pool of 4 compute threads; server process and load generator "
-        "on one machine (shared, noisy CPU): only ratios mean much.",
+        f"commit {env.get('commit')}, `{command}`, {env.get('cpu_count')} CPUs, servers with "
+        f"{'/'.join(map(str, threads))} torch thread(s), per-session with its default pool of 4 compute threads; "
+        "server process and load generator on one machine (shared, noisy CPU): only ratios mean much.",
         "",
         "## Decode load",
         "",
@@ -359,6 +363,7 @@ async def main_async(args: argparse.Namespace) -> None:
     env = run_environment()
     command = "python benchmarks/trunk_load.py " + " ".join(sys.argv[1:])
     runs: list[dict[str, Any]] = []
+    threads: set[int] = set()  # the servers' intra-op threads, as they report them
     max_sessions = max([*args.sessions, 16]) + 2
     with tempfile.TemporaryDirectory() as tmp:
         models = {"demo-base": DEMO, "random-llama-1024": random_llama(Path(tmp) / "llama1024")}
@@ -368,6 +373,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 mode: ServerProcess(server_config(path, mode == "batched", max_sessions, args.threads))
                 for mode in ("batched", "per-session")
             }
+            threads |= {server.endpoint.torch_threads for server in servers.values()}
             try:
                 for repeat in range(args.repeats):
                     plans = [("decode", n) for n in args.sessions] + [("prefill-mix", 16)]
@@ -384,12 +390,12 @@ async def main_async(args: argparse.Namespace) -> None:
                     server.close()
     rows = summarise(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"environment": env, "command": command, "threads": args.threads, "summary": rows}
+    meta = {"environment": env, "command": command, "server_threads": sorted(threads), "summary": rows}
     (args.out / "trunk_load.json").write_text(json.dumps(meta, indent=1))
     write_jsonl_gz(args.out / "runs.jsonl.gz", runs, commit=env["commit"], splitspec=env["splitspec"])
-    (args.out / "trunk_load.md").write_text(markdown(rows, env, command, args.threads))
+    (args.out / "trunk_load.md").write_text(markdown(rows, env, command, sorted(threads)))
     plot(rows, args.out)
-    logging.getLogger(__name__).info("\n%s", markdown(rows, env, command, args.threads))
+    logging.getLogger(__name__).info("\n%s", markdown(rows, env, command, sorted(threads)))
 
 
 def main() -> None:
@@ -403,12 +409,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="decode time per run, seconds")
     parser.add_argument("--prefill", type=int, default=PREFILL, help="tokens of the mix's big prefill (default 2000)")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16, 32, 64])
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the server (default 1)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="the servers' intra-op threads (default: torch's, as cloud serve)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/trunk_load"))
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.seconds, args.prefill = 3, 0.4, 1024
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)  # the load generator's own tensor work is small
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger(__name__).setLevel(logging.INFO)
     asyncio.run(main_async(args))
