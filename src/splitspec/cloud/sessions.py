@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitspec.exceptions import CapacityExceeded, SessionQuotaExceeded, TooManySessions, UnknownSession
-from splitspec.models.kv_cache import KV_BLOCK_TOKENS, KVCache
+from splitspec.models.kv_cache import KV_BLOCK_TOKENS, KVCache, KVLedger
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class SessionStore:
         self.budget = budget
         self.evictions = 0  # sessions evicted to make room, since start
         self._sessions: dict[str, Session] = {}
+        self._ledger = KVLedger()  # the live caches' bytes, kept as they grow: read in O(1) on every step
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -88,7 +89,7 @@ class SessionStore:
 
     def kv_bytes(self) -> int:
         """KV memory the live sessions hold (their caches' capacity), bytes."""
-        return sum(s.cache.nbytes for s in self._sessions.values())
+        return self._ledger.nbytes
 
     def open(self, owner: int, address: str = "?") -> Session:
         if len(self._sessions) >= self.max_sessions:
@@ -101,6 +102,7 @@ class SessionStore:
             cache = self.new_cache()
         else:
             cache = KVCache(self.budget.block_tokens if self.budget is not None else KV_BLOCK_TOKENS)
+        cache.attach(self._ledger)
         session = Session(session_id=secrets.token_hex(8), owner=owner, address=address, cache=cache)
         self._sessions[session.session_id] = session
         log.info("session %s opened (%d live)", session.session_id, len(self._sessions))
@@ -138,10 +140,10 @@ class SessionStore:
                 f"a cache of {entries} entries needs {needed / 2**20:.1f} MiB, more than the whole KV budget "
                 f"of {budget.budget_bytes / 2**20:.1f} MiB"
             )
-        others = [s for s in self._sessions.values() if s is not session]
-        held = sum(s.cache.nbytes for s in others)
-        if held + needed <= budget.budget_bytes:
+        held = self._ledger.nbytes - session.cache.nbytes  # the other sessions' bytes
+        if held + needed <= budget.budget_bytes:  # the common case, in O(1)
             return
+        others = [s for s in self._sessions.values() if s is not session]
         idle = sorted(
             (s for s in others if not s.busy and s.cache.nbytes and now - s.last_used >= budget.evict_idle_s),
             key=lambda s: s.last_used,
@@ -166,6 +168,7 @@ class SessionStore:
     def close(self, session_id: str, reason: str) -> None:
         session = self._sessions.pop(session_id, None)
         if session is not None:
+            session.cache.detach()
             log.info(
                 "session %s closed (%s, %d live) %s",
                 session_id,

@@ -10,11 +10,23 @@ its entries and the memory per entry approaches the theoretical KV size.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from splitspec.protocol.messages import kept_length, truncated_length
 
 KV_BLOCK_TOKENS = 16  # default allocation granularity of a cache's buffers, entries
+
+
+class KVLedger:
+    """The bytes a set of caches hold, kept as their buffers are (re)allocated: a trunk reads its KV
+    memory in O(1) on every step instead of summing every session's cache. Caches grow on compute
+    threads while the event loop reads and releases, so changes happen under ``lock``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.nbytes = 0  # bytes held by the attached caches
 
 
 class KVCache:
@@ -25,6 +37,7 @@ class KVCache:
             raise ValueError(f"a KV block must hold at least 1 entry, got {block_tokens}")
         self.block_tokens = block_tokens
         self._nbytes = 0  # bytes of every buffer, kept as they are (re)allocated
+        self._ledger: KVLedger | None = None  # where a trunk totals its caches' bytes (see attach)
         self._keys: dict[int, torch.Tensor] = {}
         self._values: dict[int, torch.Tensor] = {}
         self._length = 0  # committed entries, identical across layers
@@ -38,6 +51,31 @@ class KVCache:
     def nbytes(self) -> int:
         """Memory held by the buffers (their capacity, not only the committed entries), bytes."""
         return self._nbytes
+
+    def attach(self, ledger: KVLedger) -> None:
+        """Count this cache's bytes, now and as it grows, in ``ledger`` (until :meth:`detach`)."""
+        with ledger.lock:
+            self._ledger = ledger
+            ledger.nbytes += self._nbytes
+
+    def detach(self) -> None:
+        """Take this cache's bytes out of its ledger (the cache is being dropped); later growth is not counted."""
+        ledger = self._ledger
+        if ledger is not None:
+            with ledger.lock:
+                ledger.nbytes -= self._nbytes
+                self._ledger = None
+
+    def _account(self, delta: int) -> None:
+        """The buffers now hold ``delta`` more bytes (a growth, or a first allocation)."""
+        ledger = self._ledger
+        if ledger is None:
+            self._nbytes += delta
+            return
+        with ledger.lock:  # with detach: a cache dropped while it grows leaves the ledger exact
+            self._nbytes += delta
+            if self._ledger is ledger:
+                ledger.nbytes += delta
 
     @property
     def capacity(self) -> int:
@@ -65,11 +103,12 @@ class KVCache:
             capacity = self.capacity_after(end)  # the first layer grows; the others follow its capacity
             new_k = key.new_empty((*key.shape[:2], capacity, key.shape[3]))
             new_v = value.new_empty((*value.shape[:2], capacity, value.shape[3]))
+            delta = _bytes_of(new_k) + _bytes_of(new_v)
             if buf_k is not None:
                 new_k[:, :, : self._length] = buf_k[:, :, : self._length]
                 new_v[:, :, : self._length] = self._values[layer_idx][:, :, : self._length]
-                self._nbytes -= _bytes_of(buf_k) + _bytes_of(self._values[layer_idx])
-            self._nbytes += _bytes_of(new_k) + _bytes_of(new_v)
+                delta -= _bytes_of(buf_k) + _bytes_of(self._values[layer_idx])
+            self._account(delta)
             self._keys[layer_idx], self._values[layer_idx] = new_k, new_v
         self._keys[layer_idx][:, :, self._length : end] = key
         self._values[layer_idx][:, :, self._length : end] = value

@@ -84,7 +84,7 @@ class StaticKVCache(KVCache):
             self._keys[layer_idx] = key.new_zeros((*key.shape[:2], self.size, key.shape[3]))
             self._values[layer_idx] = value.new_zeros((*value.shape[:2], self.size, value.shape[3]))
             for buf in (self._keys[layer_idx], self._values[layer_idx]):
-                self._nbytes += buf.numel() * buf.element_size()
+                self._account(buf.numel() * buf.element_size())
                 # a CUDA graph writes into these buffers in place: their address is part of the
                 # graph (a session's buffers are recorded once), not an input copied on every replay
                 torch._dynamo.mark_static_address(buf)
