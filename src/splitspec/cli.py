@@ -106,6 +106,7 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         max_batch_steps=args.max_batch_steps,
         prefill_chunk_tokens=args.prefill_chunk,
         batch_gather=args.batch_gather,
+        prepack=args.prepack,
         handshake_timeout_s=args.handshake_timeout,
         max_connections_per_address=args.max_connections_per_address,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
@@ -182,6 +183,14 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="a free batch worker waits up to this fraction of a decode batch's forward time for the next steps "
         "of the sessions active in the last second, so they run in one batch rather than two (default 0.5; "
         "0 = start at once; a lone session never waits)",
+    )
+    p.add_argument(
+        "--prepack",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="prepack the trunk's linear weights for oneDNN once at load: batched forwards on a CPU ran 1.3-1.5x "
+        "faster than with PyTorch's default matmul (auto, the default: on for a batching float32 trunk wholly on "
+        "the CPU; on: required; off: PyTorch's default)",
     )
     p.add_argument(
         "--prefill-chunk",

@@ -37,6 +37,10 @@ class CloudConfig:
     # sessions active in the last second (0 = start at once; a lone session never waits)
     batch_gather: float = 0.5
     prefill_chunk_tokens: int = 256  # most tokens of a big prefill per batching iteration (fewer among decode traffic)
+    # the trunk's linear weights prepacked for oneDNN (splitspec.models.prepack): "auto" = for a batching float32
+    # trunk wholly on the CPU (its batched forwards ran 1.3-1.5x faster), "on" = required (refused where it cannot
+    # apply), "off" = PyTorch's default CPU matmul (MKL)
+    prepack: str = "auto"
     # torch.compile mode of the fixed-shape decode step over static KV buffers (auto, default, reduce-overhead,
     # max-autotune, ...: splitspec.models.fixed_decode); None = eager with growable caches. Needs batching=False
     compile: str | None = None

@@ -1,0 +1,68 @@
+"""Linear layers with their weights prepacked for oneDNN: a faster CPU trunk.
+
+PyTorch's CPU ``nn.Linear`` calls MKL's sgemm, which repacks the weight matrix on every call. For
+the few rows of a decode batch that repacking dominates: on a 2-core AMD EPYC, a (16 x 1024) x
+(1024 x 2816) float32 product took 1.86 ms through ``F.linear`` and 0.72 ms through oneDNN with the
+weight reordered once, at load, into oneDNN's blocked layout (2.6x; 1.7x for one row, 1.5x for
+256). This is what ``torch.compile``'s CPU freezing and Intel's extension do to linear layers;
+here the trunk's ``nn.Linear`` modules are swapped for :class:`PackedLinear` once, after loading.
+
+The results differ from MKL's in the last bits (about 1e-7 relative), as any other kernel's would.
+A packed module serves inference only: its weight is an opaque oneDNN tensor, with no gradient,
+``state_dict`` entry or device move.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+BATCH_HINT = 16  # rows the weight layout is chosen for: a decode batch (1-64 rows measured within 1.2x of best)
+
+
+def prepack_available() -> bool:
+    """True when this torch build has oneDNN and the packed-linear operators."""
+    ops = torch.ops.mkldnn
+    return bool(torch.backends.mkldnn.is_available()) and all(
+        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise")
+    )
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` for x (..., in_features), with W reordered once for oneDNN."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+        super().__init__()
+        weight = linear.weight.detach()  # (out_features, in_features)
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError(f"only float32 CPU weights are prepacked, got {weight.dtype} on {weight.device}")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.packed: torch.Tensor  # (out_features, in_features) in oneDNN's opaque blocked layout
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().clone()  # (out_features,)
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out  # (..., out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def prepack_linears(module: nn.Module, batch_hint: int = BATCH_HINT) -> int:
+    """Swap every ``nn.Linear`` inside ``module`` for a :class:`PackedLinear`; return how many."""
+    swapped = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(child, batch_hint))
+            swapped += 1
+        else:
+            swapped += prepack_linears(child, batch_hint)
+    return swapped

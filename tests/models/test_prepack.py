@@ -1,0 +1,88 @@
+"""oneDNN-prepacked linear layers (models/prepack.py) and the trunk server's --prepack choice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.server import TrunkServer
+from splitspec.exceptions import ConfigError
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.prepack import PackedLinear, prepack_available, prepack_linears
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import load_trunk
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build lacks oneDNN's packed linear")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (16, 48), (2, 5, 48)])
+@torch.inference_mode()
+def test_a_packed_linear_computes_what_the_linear_does(bias: bool, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(shape)
+    out = packed(x)
+    assert out.shape == (*shape[:-1], 80)
+    torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_only_float32_cpu_weights_are_packed() -> None:
+    with pytest.raises(ValueError, match="only float32 CPU weights"):
+        PackedLinear(nn.Linear(8, 8).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # Qwen2's q/k/v projections carry a bias
+@torch.inference_mode()
+def test_a_prepacked_trunk_computes_what_the_trunk_does(make_checkpoint: Callable[..., Path], family: str) -> None:
+    ckpt = Checkpoint(make_checkpoint(family))
+    plan = SplitPlan(ckpt.config.num_hidden_layers, 2, 2)
+    plain, packed = load_trunk(ckpt, plan, torch.float32), load_trunk(ckpt, plan, torch.float32)
+    assert prepack_linears(packed) == 7 * len(plan.trunk_layers)  # q, k, v, o, gate, up, down per layer
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    torch.manual_seed(1)
+    for q in (9, 1, 3):  # a prefill, a decode step and a chain on top, each against its own cache
+        hidden = torch.randn(1, q, ckpt.config.hidden_size)
+        if q == 9:
+            caches, past = (KVCache(), KVCache()), 0
+        positions, parents = torch.arange(past, past + q, dtype=torch.int32), torch.arange(-1, q - 1, dtype=torch.int32)
+        want = plain(hidden, positions, parents, caches[0])
+        torch.testing.assert_close(packed(hidden, positions, parents, caches[1]), want, rtol=1e-4, atol=1e-5)
+        past += q
+
+
+@pytest.mark.parametrize(
+    ("prepack", "batching", "packed"),
+    [("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)],
+)
+def test_the_server_prepacks_where_it_is_asked_or_helps(
+    make_checkpoint: Callable[..., Path], prepack: str, batching: bool, packed: bool
+) -> None:
+    config = CloudConfig(model_dir=make_checkpoint("llama"), port=0, prepack=prepack, batching=batching, device="cpu")
+    trunk = TrunkServer(config).trunk
+    assert any(isinstance(m, PackedLinear) for m in trunk.modules()) is packed
+    assert any(isinstance(m, nn.Linear) for m in trunk.modules()) is not packed
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"prepack": "on", "dtype": "bfloat16"}, "--prepack on: it applies to float32 weights"),
+        ({"prepack": "on", "compile": "default", "batching": False}, "--prepack on: --compile builds its own"),
+        ({"prepack": "sometimes"}, "--prepack must be auto, on or off"),
+    ],
+)
+def test_a_prepack_that_cannot_apply_is_refused(
+    make_checkpoint: Callable[..., Path], changes: dict[str, object], message: str
+) -> None:
+    config = CloudConfig(model_dir=make_checkpoint("llama"), port=0, device="cpu", **changes)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=message):
+        TrunkServer(config)
