@@ -47,6 +47,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
+from splitspec.models.prepack import PackedLinear
 from splitspec.protocol.messages import Hello, OpenSession, SessionOpened, Step
 from splitspec.run_info import run_environment, write_jsonl_gz
 from splitspec.transport.client import Channel
@@ -81,6 +82,8 @@ class Endpoint:
     max_positions: int
     bytes_per_token: int  # theoretical KV bytes per token of the trunk
     torch_threads: int  # the server process's intra-op threads
+    device: str  # where its trunk computes
+    prepacked: bool  # its linear layers are prepacked for oneDNN (--prepack)
 
 
 def _serve(config: CloudConfig, conn: Connection) -> None:
@@ -94,8 +97,11 @@ async def _serve_async(config: CloudConfig, conn: Connection) -> None:
         ident = server.identity
         identity = (ident.fingerprint, ident.layer_start, ident.layer_end, ident.dtype, ident.hidden_size)
         kv_theory = server.budget.bytes_per_token
-        threads = torch.get_num_threads()
-        conn.send(Endpoint(server.url, identity, server.dtype, server.max_positions, kv_theory, threads))
+        threads, device = torch.get_num_threads(), str(server.trunk.input_device)
+        packed = any(isinstance(m, PackedLinear) for m in server.trunk.modules())
+        conn.send(
+            Endpoint(server.url, identity, server.dtype, server.max_positions, kv_theory, threads, device, packed)
+        )
         stop = asyncio.Event()
 
         def answer() -> None:  # the parent asks for each session's KV bytes, or says stop
@@ -184,11 +190,13 @@ class Session:
             self.latencies.append((sent, await self.step(1)))
 
 
-def server_config(model: Path, batching: bool, max_sessions: int, threads: int | None) -> CloudConfig:
+def server_config(
+    model: Path, batching: bool, max_sessions: int, threads: int | None, prepack: str = "auto", device: str = "auto"
+) -> CloudConfig:
     return CloudConfig(
         model_dir=model, port=0, batching=batching, max_sessions=max_sessions,
         max_sessions_per_address=max_sessions, max_connections_per_address=max_sessions,
-        max_query_tokens=2048, kv_budget_mb=4096, torch_threads=threads,
+        max_query_tokens=2048, kv_budget_mb=4096, torch_threads=threads, prepack=prepack, device=device,
     )  # fmt: skip
 
 
@@ -289,13 +297,17 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str, threads: list[int]) -> str:
+def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str, setup: dict[str, Endpoint]) -> str:
+    threads = sorted({e.torch_threads for e in setup.values()})
+    devices = sorted({e.device for e in setup.values()})
+    packed = ", ".join(f"{key} {'prepacked' if e.prepacked else 'default'}" for key, e in setup.items())
     lines = [
         "# Trunk load: batched vs per-session (medians of interleaved repeats)",
         "",
         f"commit {env.get('commit')}, `{command}`, {env.get('cpu_count')} CPUs, servers with "
-        f"{'/'.join(map(str, threads))} torch thread(s), per-session with its default pool of 4 compute threads; "
-        "server process and load generator on one machine (shared, noisy CPU): only ratios mean much.",
+        f"{'/'.join(map(str, threads))} torch thread(s) on {'/'.join(devices)}, per-session with its default pool "
+        "of 4 compute threads; server process and load generator on one machine (shared, noisy CPU): only ratios "
+        f"mean much. Linear kernels (--prepack): {packed}.",
         "",
         "## Decode load",
         "",
@@ -363,17 +375,19 @@ async def main_async(args: argparse.Namespace) -> None:
     env = run_environment()
     command = "python benchmarks/trunk_load.py " + " ".join(sys.argv[1:])
     runs: list[dict[str, Any]] = []
-    threads: set[int] = set()  # the servers' intra-op threads, as they report them
+    setup: dict[str, Endpoint] = {}  # each server's device and kernels, as it reports them
     max_sessions = max([*args.sessions, 16]) + 2
     with tempfile.TemporaryDirectory() as tmp:
         models = {"demo-base": DEMO, "random-llama-1024": random_llama(Path(tmp) / "llama1024")}
         for name, path in models.items():
             # one server process per mode, both alive for the model's whole run (the idle one sleeps)
             servers = {
-                mode: ServerProcess(server_config(path, mode == "batched", max_sessions, args.threads))
+                mode: ServerProcess(
+                    server_config(path, mode == "batched", max_sessions, args.threads, args.prepack, args.device)
+                )
                 for mode in ("batched", "per-session")
             }
-            threads |= {server.endpoint.torch_threads for server in servers.values()}
+            setup.update({f"{name} {mode}": server.endpoint for mode, server in servers.items()})
             try:
                 for repeat in range(args.repeats):
                     plans = [("decode", n) for n in args.sessions] + [("prefill-mix", 16)]
@@ -390,12 +404,15 @@ async def main_async(args: argparse.Namespace) -> None:
                     server.close()
     rows = summarise(runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"environment": env, "command": command, "server_threads": sorted(threads), "summary": rows}
+    kernels = {
+        key: {"device": e.device, "prepacked": e.prepacked, "threads": e.torch_threads} for key, e in setup.items()
+    }
+    meta = {"environment": env, "command": command, "servers": kernels, "summary": rows}
     (args.out / "trunk_load.json").write_text(json.dumps(meta, indent=1))
     write_jsonl_gz(args.out / "runs.jsonl.gz", runs, commit=env["commit"], splitspec=env["splitspec"])
-    (args.out / "trunk_load.md").write_text(markdown(rows, env, command, sorted(threads)))
+    (args.out / "trunk_load.md").write_text(markdown(rows, env, command, setup))
     plot(rows, args.out)
-    logging.getLogger(__name__).info("\n%s", markdown(rows, env, command, sorted(threads)))
+    logging.getLogger(__name__).info("\n%s", markdown(rows, env, command, setup))
 
 
 def main() -> None:
@@ -412,6 +429,10 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="the servers' intra-op threads (default: torch's, as cloud serve)"
     )
+    parser.add_argument(
+        "--prepack", choices=("auto", "on", "off"), default="auto", help="both servers' --prepack (default auto)"
+    )
+    parser.add_argument("--device", default="auto", help="both servers' --device (default auto, as cloud serve)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/trunk_load"))
     args = parser.parse_args()
     if args.quick:

@@ -29,6 +29,7 @@ def test_load_against_a_server_process(trunk_load: ModuleType, batching: bool) -
         mix = asyncio.run(trunk_load.run_load(server, 1, 0.4, True, prefill=40))  # the earlier run's sessions went
     finally:
         server.close()
+    assert (server.endpoint.device, server.endpoint.prepacked) == ("cpu", False)  # float16 weights: not prepacked
     assert decode["steps"] > 2
     assert decode["steps_per_s"] > 0
     assert 0 < decode["p50_ms"] <= decode["p99_ms"]
