@@ -54,6 +54,7 @@ from splitspec.transport.client import Channel
 
 DEMO = Path(__file__).resolve().parents[1] / "src/splitspec/assets/models/base"
 CONTEXT = 16  # tokens each session prefills before decoding
+MODELS = ("demo-base", "random-llama-1024")
 PREFILL = 2000  # the big prefill of the mix (less on a model with fewer positions: recorded per run)
 
 
@@ -378,7 +379,9 @@ async def main_async(args: argparse.Namespace) -> None:
     setup: dict[str, Endpoint] = {}  # each server's device and kernels, as it reports them
     max_sessions = max([*args.sessions, 16]) + 2
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"demo-base": DEMO, "random-llama-1024": random_llama(Path(tmp) / "llama1024")}
+        models = {name: DEMO for name in args.models if name == "demo-base"}
+        if "random-llama-1024" in args.models:
+            models["random-llama-1024"] = random_llama(Path(tmp) / "llama1024")
         for name, path in models.items():
             # one server process per mode, both alive for the model's whole run (the idle one sleeps)
             servers = {
@@ -426,6 +429,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="decode time per run, seconds")
     parser.add_argument("--prefill", type=int, default=PREFILL, help="tokens of the mix's big prefill (default 2000)")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    parser.add_argument(
+        "--models", nargs="+", choices=MODELS, default=list(MODELS), help="which models to load (default both)"
+    )
     parser.add_argument(
         "--threads", type=int, default=None, help="the servers' intra-op threads (default: torch's, as cloud serve)"
     )
