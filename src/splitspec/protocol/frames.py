@@ -68,10 +68,15 @@ class Frame:
     tensors: dict[str, torch.Tensor]
 
 
+def _tensor_view(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of ``tensor`` in C order, without copying a contiguous host tensor."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data
+
+
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """Raw little-endian bytes of ``tensor`` in C order."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
+    return bytes(_tensor_view(tensor))
 
 
 def encode_frame(
@@ -82,11 +87,11 @@ def encode_frame(
 ) -> bytes:
     """Serialize ``header`` and ``tensors`` into one frame."""
     descriptors = []
-    payloads = []
+    payloads: list[memoryview] = []
     for name, tensor in (tensors or {}).items():
         if tensor.dtype not in DTYPE_NAMES:
             raise BadDtype(f"tensor {name!r} has dtype {tensor.dtype}, not one of {sorted(DTYPES)}")
-        raw = tensor_bytes(tensor)
+        raw = _tensor_view(tensor)  # copied once, by the join below
         descriptors.append(
             {"name": name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "nbytes": len(raw)}
         )
