@@ -204,6 +204,55 @@ def server_config(
     )  # fmt: skip
 
 
+def _prefill_edge(endpoint: Endpoint, tokens: int, conn: Connection) -> None:
+    """The mix's prefilling edge, in a process of its own as it would be on its own machine: its 8 MB frame
+    (made, encoded and masked; its reply received and decoded) never stalls the decoding sessions' loop."""
+    asyncio.run(_prefill_edge_async(endpoint, tokens, conn))
+
+
+async def _prefill_edge_async(endpoint: Endpoint, tokens: int, conn: Connection) -> None:
+    torch.set_num_threads(1)
+    edge = Session(endpoint)
+    await edge.open()
+    big = edge.random_hidden(tokens)
+    conn.send(edge.sid)  # ready
+    conn.recv()  # go
+    sent = time.perf_counter()  # CLOCK_MONOTONIC: the parent's clock too
+    await edge.step(tokens, big)
+    conn.send((sent, time.perf_counter()))
+    conn.recv()  # the parent has read its cache's bytes
+    await edge.channel.close()
+
+
+class PrefillEdge:
+    """Starts :func:`_prefill_edge` and waits for it to be connected, before the measured window."""
+
+    def __init__(self, endpoint: Endpoint, tokens: int) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        self._conn, child = spawn.Pipe()
+        self._process = spawn.Process(target=_prefill_edge, args=(endpoint, tokens, child), daemon=True)
+        self._process.start()
+        child.close()
+        self.tokens = tokens
+
+    async def _recv(self) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(None, self._conn.recv)
+
+    async def ready(self) -> str:
+        sid: str = await self._recv()
+        return sid
+
+    async def prefill(self) -> tuple[float, float]:
+        """Send the prefill now -> (sent, returned) on this process's perf_counter clock."""
+        self._conn.send("go")
+        window: tuple[float, float] = await self._recv()
+        return window
+
+    async def close(self) -> None:
+        self._conn.send("close")
+        await asyncio.get_running_loop().run_in_executor(None, self._process.join, 60)
+
+
 async def run_load(
     server: ServerProcess, sessions: int, seconds: float, prefill_mix: bool, prefill: int = PREFILL
 ) -> dict[str, Any]:
@@ -220,30 +269,30 @@ async def run_load(
     heavy_window = (0.0, 0.0)
     prefill_tokens = min(prefill, endpoint.max_positions - 64)
     heavy_bytes_per_token = None
+    if prefill_mix:
+        heavy = PrefillEdge(endpoint, prefill_tokens)
+        heavy_sid = await heavy.ready()
     start = time.perf_counter()
     stop = start + seconds
     done = asyncio.Event()
     tasks = [asyncio.create_task(s.decode_while(done)) for s in load]
     if prefill_mix:  # decode for seconds / 4, send the prefill, decode on for seconds / 4 after it returns
-        heavy = Session(endpoint)
-        await heavy.open()
-        big = heavy.random_hidden(prefill_tokens)  # made before: 14 ms of the generator's loop for 2,000 x 1024
         await asyncio.sleep(seconds / 4)
-        sent = time.perf_counter()
-        await heavy.step(prefill_tokens, big)
-        heavy_window = (sent, time.perf_counter())
-        heavy_bytes_per_token = (await server.kv_bytes())[heavy.sid] / heavy.length
+        heavy_window = await heavy.prefill()
+        heavy_bytes_per_token = (await server.kv_bytes())[heavy_sid] / prefill_tokens
         await asyncio.sleep(seconds / 4)
     else:
         await asyncio.sleep(max(0.0, stop - time.perf_counter()))
     done.set()
     await asyncio.gather(*tasks)
+    if prefill_mix:
+        await heavy.close()  # after the measured window: its interpreter's exit takes a second
     wall = time.perf_counter() - start
     held_tokens = sum(s.length for s in load)
     held = await server.kv_bytes()
     kv_bytes = sum(held[s.sid] for s in load)
     theory = endpoint.bytes_per_token
-    for s in load + ([heavy] if prefill_mix else []):
+    for s in load:
         await s.channel.close()
     latencies = [ms for s in load for _, ms in s.latencies]
     during = [ms for s in load for sent, ms in s.latencies if heavy_window[0] <= sent <= heavy_window[1]]

@@ -12,11 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from splitspec.cloud import server as server_module
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.protocol.messages import encode_message
 from tests.conftest import local_greedy
 
+KINDS = ("decode", "tree", "prefill")  # the trunk's step kinds (cloud/metrics.step_kind)
 _rng = random.Random(15)
 # (prompt, new tokens, speculation): a repetitive prompt makes the n-gram drafters send draft trees
 SESSIONS = [
@@ -51,3 +54,31 @@ async def test_concurrent_sessions_each_equal_their_solo_output(
     assert batched_steps > forwards  # some forwards carried several sessions' steps
     assert drafts is not None
     assert drafts > len(SESSIONS)  # speculative verify steps (several tokens) went through the batch too
+
+
+async def test_big_replies_are_encoded_off_the_event_loop_with_identical_output(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every reply counts as big here: each is encoded on a thread (asyncio.to_thread), and a chunked prompt's
+    outputs, joined on the batch worker, still give transformers' own greedy tokens."""
+    model = make_checkpoint("llama")
+    encoded_on_threads: list[object] = []
+    to_thread = asyncio.to_thread
+
+    async def counting_to_thread(func: Callable[..., object], /, *args: object) -> object:
+        if func is encode_message:
+            encoded_on_threads.append(func)
+        return await to_thread(func, *args)
+
+    monkeypatch.setattr(server_module, "BIG_REPLY_BYTES", -1)
+    monkeypatch.setattr(asyncio, "to_thread", counting_to_thread)
+    prompt, n, _ = SESSIONS[1]  # 90 tokens, in chunks of 16
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, prefill_chunk_tokens=16)) as server:
+        edge = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        async with SplitClient(edge) as client:
+            tokens = (await client.generate(prompt, n)).token_ids
+        registry = server.metrics.registry
+        steps = sum(registry.get_sample_value("splitspec_trunk_steps_total", {"kind": k}) or 0 for k in KINDS)
+    assert tokens == local_greedy(model, prompt, n)
+    assert steps >= 2
+    assert len(encoded_on_threads) == steps  # every step's reply: the prefill's and each decode step's

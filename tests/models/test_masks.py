@@ -138,3 +138,22 @@ def test_the_cache_grows_in_blocks_and_counts_its_bytes() -> None:
     assert cache.nbytes < (len(cache) + 16) * per_entry  # at most one block beyond the entries
     with pytest.raises(ValueError, match="at least 1 entry"):
         KVCache(block_tokens=0)
+
+
+def test_a_reserved_cache_grows_once_for_a_step_computed_in_chunks() -> None:
+    """A 100-token prefill in 16-token chunks: reserved, its buffers are allocated (and copied) once."""
+    cache = KVCache(block_tokens=16)
+    cache.update(torch.ones(1, 2, 5, 4), torch.ones(1, 2, 5, 4), 0)  # an earlier step
+    cache.commit()
+    cache.reserve(5 + 100)
+    buffers = set()
+    for start in range(0, 100, 16):
+        chunk = min(16, 100 - start)
+        cache.update(torch.full((1, 2, chunk, 4), float(start)), torch.ones(1, 2, chunk, 4), 0)
+        cache.commit()
+        buffers.add(cache._keys[0].data_ptr())
+    assert len(buffers) == 1  # without the reservation: a new buffer for each block crossed
+    assert cache.capacity == cache.capacity_after(105) == 112
+    assert len(cache) == 105
+    assert torch.equal(cache._keys[0][0, 0, :5, 0], torch.ones(5))  # the earlier step survived the one growth
+    assert torch.equal(cache._keys[0][0, 0, 5:105:16, 0], torch.arange(0.0, 100.0, 16))

@@ -42,6 +42,7 @@ class KVCache:
         self._values: dict[int, torch.Tensor] = {}
         self._length = 0  # committed entries, identical across layers
         self._pending = 0  # entries appended by the step in flight (same for each layer)
+        self._reserved = 0  # entries the buffers should have room for when they next grow (see reserve)
         self.last_step = 0  # query tokens of the most recent step
 
     def __len__(self) -> int:
@@ -82,6 +83,11 @@ class KVCache:
         """Entries the buffers hold room for (0 while empty), tokens."""
         return next((buf.shape[2] for buf in self._keys.values()), 0)
 
+    def reserve(self, entries: int) -> None:
+        """Make the next growth room for ``entries`` entries at once: a step computed in chunks (a big prefill)
+        then copies the buffers once, not once per chunk (O(n) instead of O(n^2) copying)."""
+        self._reserved = entries
+
     def capacity_after(self, entries: int) -> int:
         """The capacity once the cache holds ``entries`` entries: the one home of the growth policy
         (``entries`` rounded up to whole blocks), so a trunk can account a step's memory before running it."""
@@ -100,7 +106,7 @@ class KVCache:
         end = self._length + q
         buf_k = self._keys.get(layer_idx)
         if buf_k is None or buf_k.shape[2] < end:
-            capacity = self.capacity_after(end)  # the first layer grows; the others follow its capacity
+            capacity = self.capacity_after(max(end, self._reserved))  # the first layer grows; the others follow
             new_k = key.new_empty((*key.shape[:2], capacity, key.shape[3]))
             new_v = value.new_empty((*value.shape[:2], capacity, value.shape[3]))
             delta = _bytes_of(new_k) + _bytes_of(new_v)

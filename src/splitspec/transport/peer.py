@@ -47,6 +47,10 @@ class MessagePeer(ABC, Generic[M]):
     def encode(self, message: M | Error) -> bytes:
         """Serialize a reply (or a refusal)."""
 
+    async def encode_reply(self, reply: M) -> bytes:
+        """:meth:`encode` for a served reply; a subclass may move a big one off the event loop."""
+        return self.encode(reply)
+
     @abstractmethod
     async def dispatch(self, message: M) -> M:
         """Serve one decoded message; return the reply."""
@@ -66,7 +70,7 @@ class MessagePeer(ABC, Generic[M]):
             self.gate.admit(data)  # before the handshake, nothing but a hello is decoded
             message = self.decode(data)
             reply = await self.dispatch(message)
-            encoded = self.encode(reply)
+            encoded = await self.encode_reply(reply)
             self.served(message, reply, len(data), len(encoded))
             return encoded, False
         except ProtocolError as exc:
