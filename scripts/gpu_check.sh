@@ -8,7 +8,7 @@
 #   1. checks that python3's torch sees CUDA; installs torch==2.13.0 (PyPI's default CUDA build)
 #      only when torch is missing, and fails in one line when torch is there without CUDA;
 #   2. installs from .wheelhouse/ (offline) the packages the image lacks or holds too old
-#      (websockets, pytest-asyncio, transformers in the range pyproject.toml pins), then runs
+#      (websockets, pytest-asyncio, prometheus-client, transformers in the range pyproject.toml pins), then runs
 #      splitspec from src/ (no build step);
 #   3. runs the device tests with --device cuda: greedy split == HF generate on the GPU in float32
 #      and bfloat16, sequential and speculative, Llama and Qwen2; a trunk split over GPU + CPU;
@@ -19,10 +19,12 @@
 #   4. runs the benchmarks on the GPU: benchmarks/device_targets.py (split vs whole at zero RTT on a
 #      random Llama-3.2-1B-shaped checkpoint in bfloat16, framework overhead for a 4096-wide bf16
 #      hidden state, trunk step vs bare transformers with growable KV, static KV and --compile),
-#      and the speculative scenario quick run;
+#      the speculative scenario quick run, and the trunk under 1-32 concurrent sessions, batched vs
+#      per-session (benchmarks/trunk_load.py, issue 15's >= 4x at 16 sessions on an accelerator);
 #   5. writes everything under $OUT when set (the device tool's folder), else benchmarks/results/gpu/:
 #      gpu_check.log, targets/device_targets.{json,md,png}, speculative/summary.{json,md} and its
-#      two plots (8 files: what the device tool brings back).
+#      two plots, trunk_load/{trunk_load.json,trunk_load.md,trunk_load.png,runs.jsonl.gz}
+#      (12 files: what the device tool brings back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -35,7 +37,7 @@ if [[ "${1:-}" == "prepare" ]]; then
     "$PY" -m pip download --no-deps -d "$WHEELS" --only-binary=:all: \
         --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
         --implementation cp \
-        "websockets>=14,<18" "pytest-asyncio>=0.24" "transformers==5.23.0"
+        "websockets>=14,<18" "pytest-asyncio>=0.24" "transformers==5.23.0" "prometheus-client>=0.20"
     ls -l "$WHEELS"
     exit 0
 fi
@@ -62,6 +64,7 @@ fi
 need=()
 "$PY" -c 'import websockets' 2>/dev/null || need+=("websockets>=14,<18")
 "$PY" -c 'import pytest_asyncio' 2>/dev/null || need+=("pytest-asyncio>=0.24")
+"$PY" -c 'import prometheus_client' 2>/dev/null || need+=("prometheus-client>=0.20")  # the trunk's /metrics
 "$PY" - <<'EOF' || need+=("transformers==5.23.0")
 import sys
 from importlib.metadata import version
@@ -97,5 +100,8 @@ echo "== compile tests exit status $status"
     --repeats 3 --new-tokens 64 --compile auto --cache-tokens 1024 --out "$RESULTS/targets" || status=$?
 "$PY" -m splitspec.cli --log-level WARNING bench speculative --quick --device cuda --no-progress --no-runs \
     --out "$RESULTS/speculative" || status=$?
+# continuous batching on the GPU: batched vs per-session steps/s at 1, 16 and 32 sessions, and the prefill mix
+"$PY" benchmarks/trunk_load.py --device cuda --repeats 3 --seconds 1 --sessions 1 16 32 \
+    --out "$RESULTS/trunk_load" || status=$?
 echo "== gpu_check done, exit status $status; results in $RESULTS"
 exit $status
