@@ -37,8 +37,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -115,16 +117,24 @@ async def _serve_async(config: CloudConfig, conn: Connection) -> None:
         await stop.wait()
 
 
+def spawn_with_pipe(target: Callable[..., None], *args: object) -> tuple[Connection, BaseProcess]:
+    """Start ``target(*args, child_end)`` in a spawned process -> (the parent's end of the pipe, the process).
+
+    The child's end lives in the child alone: if the child dies, the parent's ``recv()`` sees EOF at once."""
+    spawn = multiprocessing.get_context("spawn")
+    conn, child = spawn.Pipe()
+    process = spawn.Process(target=target, args=(*args, child), daemon=True)
+    process.start()
+    child.close()
+    return conn, process
+
+
 class ServerProcess:
     """A trunk server in a process of its own, as `splitspec cloud serve` runs (the issue's setting): the
     load generator's framing and encoding then do not share the server's interpreter and event loop."""
 
     def __init__(self, config: CloudConfig) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        self._conn, child = spawn.Pipe()
-        self._process = spawn.Process(target=_serve, args=(config, child), daemon=True)
-        self._process.start()
-        child.close()  # the child's end lives in the child alone: if it dies, recv() sees EOF at once
+        self._conn, self._process = spawn_with_pipe(_serve, config)
         try:
             if not self._conn.poll(300):
                 raise RuntimeError("the trunk server process did not start within 300 s")
@@ -228,12 +238,7 @@ class PrefillEdge:
     """Starts :func:`_prefill_edge` and waits for it to be connected, before the measured window."""
 
     def __init__(self, endpoint: Endpoint, tokens: int) -> None:
-        spawn = multiprocessing.get_context("spawn")
-        self._conn, child = spawn.Pipe()
-        self._process = spawn.Process(target=_prefill_edge, args=(endpoint, tokens, child), daemon=True)
-        self._process.start()
-        child.close()
-        self.tokens = tokens
+        self._conn, self._process = spawn_with_pipe(_prefill_edge, endpoint, tokens)
 
     async def _recv(self) -> Any:
         return await asyncio.get_running_loop().run_in_executor(None, self._conn.recv)

@@ -366,8 +366,8 @@ class _TrunkPeer(MessagePeer[Message]):
         if isinstance(reply, StepResult) and reply.hidden.nbytes > BIG_REPLY_BYTES:
             # a big prefill's reply (8 MB for 2,000 x 1024 float32: 6-27 ms) is copied on a thread: the event
             # loop gets the GIL back at every switch interval instead of stalling every other session's steps
-            return await asyncio.to_thread(encode_message, reply)
-        return encode_message(reply)
+            return await asyncio.to_thread(self.encode, reply)
+        return self.encode(reply)
 
     async def dispatch(self, message: Message) -> Message:
         server = self.server

@@ -14,12 +14,8 @@ A packed module serves inference only: its weight is an opaque oneDNN tensor, wi
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 BATCH_HINT = 16  # rows the weight layout is chosen for: a decode batch (1-64 rows measured within 1.2x of best)
 
