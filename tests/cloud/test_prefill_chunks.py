@@ -14,7 +14,7 @@ import torch
 
 from splitspec.cloud.batcher import StepBatcher
 from splitspec.cloud.metrics import TrunkMetrics
-from splitspec.cloud.prefill_chunks import DECODE_LIVE_S, ChunkSizer
+from splitspec.models.prefill_chunks import DECODE_LIVE_S, ChunkSizer
 from splitspec.cloud.sessions import SessionStore
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
