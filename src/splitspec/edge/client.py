@@ -22,9 +22,10 @@ from typing import Any
 import torch
 
 from splitspec.decoding.controller import SpeculationController
-from splitspec.decoding.generate import decode_sequential
+from splitspec.decoding.loop import Emitted, decode
+from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
+from splitspec.decoding.speculative import SpecStep, make_drafters
 from splitspec.edge.config import EdgeConfig
 from splitspec.edge.engine import EdgeEngine
 from splitspec.edge.provenance import EdgeProvenance
@@ -293,7 +294,26 @@ class SplitClient:
         trace: list[SpecStep] | None = None,
         fresh: bool = True,
     ) -> AsyncIterator[int]:
-        """Yield new tokens as they are produced.
+        """Yield new token ids as they are produced (:meth:`stream_tokens` without logprobs)."""
+        async for emitted in self.stream_tokens(
+            prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace, fresh
+        ):
+            yield emitted.token
+
+    async def stream_tokens(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        stop_token_ids: Collection[int] | None = None,
+        generator: torch.Generator | None = None,
+        speculate: str = "auto",
+        trace: list[SpecStep] | None = None,
+        fresh: bool = True,
+        processors: Sequence[LogitsProcessor] = (),
+        logprobs: int | None = None,
+    ) -> AsyncIterator[Emitted]:
+        """Yield new tokens as they are produced, with their logprobs when ``logprobs`` is not None.
 
         ``speculate``: ``off`` (one round trip per token) or a drafter (``ngram``,
         ``prompt-lookup``, ``draft``) or ``auto`` (the default, as the CLI's ``--speculate``); the
@@ -301,28 +321,27 @@ class SplitClient:
         mode (greedy: token for token; sampling: in law).
         ``fresh=False`` appends ``prompt_ids`` to the sequence already in the caches instead of
         starting over (multi-turn chat); the last token generated before is not in the caches yet,
-        so a continuation should start with it.
+        so a continuation should start with it. ``processors`` see every row of logits before a
+        token is chosen from it (see :mod:`splitspec.decoding.loop`); ``logprobs``: how many
+        alternatives each token carries (0: its own logprob only).
         """
         params = params if params is not None else self.default_sampling
         if generator is None:
             generator, _ = self.runtime.generator(params)
         self.check_length(len(prompt_ids), max_new_tokens, 0 if fresh else len(self.sequence.tokens))
         stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
-        drafters = make_drafters(speculate, params, self.draft_model, generator)
-        if not drafters:
-            async for token in decode_sequential(
-                self, prompt_ids, max_new_tokens, params, generator, stops, fresh=fresh
-            ):
-                yield token
-            return
+        # under processors, sampled drafts must be deterministic (q one-hot) for the acceptance rule to stay exact
+        draft_params = SamplingParams() if processors else params
+        drafters = make_drafters(speculate, draft_params, self.draft_model, generator)
         # the sequence's controller outlives one generation (a chat's turns): its acceptance estimates
         # are this conversation's; its step times are the engine's, shared by every sequence on the link
-        controller = self.engine.controller(self.sequence, list(drafters))
+        controller = self.engine.controller(self.sequence, list(drafters)) if drafters else None
         history = None if fresh else list(self.sequence.tokens)
-        async for token in speculative_decode(
-            self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace, history
-        ):
-            yield token
+        async for emitted in decode(
+            self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace, history,
+            processors, logprobs,
+        ):  # fmt: skip
+            yield emitted
 
     async def generate(
         self,

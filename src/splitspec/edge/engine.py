@@ -200,7 +200,8 @@ class EdgeEngine:
         ids = torch.tensor(tokens, dtype=torch.long)
         try:
             t0 = time.perf_counter()
-            embedded = runtime.model.embed(ids[None])  # (1, q, H) on the device
+            with torch.inference_mode():  # as the head's own forward (a compiled step guards on it)
+                embedded = runtime.model.embed(ids[None])  # (1, q, H) on the device
             hidden, _, _ = await self._head.submit(embedded, positions, parent_t, sequence.head_cache)  # (1, q, H)
             digests: list[bytes] = []
             noise = runtime.send_noise
