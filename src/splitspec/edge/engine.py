@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -55,12 +57,35 @@ _HEADER_RESERVE = 2048  # bytes kept free in every step frame for the prefix and
 MAX_CAPACITY_BACKOFF_S = 5.0  # longest wait between two tries of a step the trunk refused for capacity, seconds
 
 
+class BatchLog:
+    """The forwards one of the engine's workers ran: per batch size (rows), how many and their total time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the worker thread writes, the event loop reads
+        self.forwards: Counter[int] = Counter()  # rows -> forwards of that many rows
+        self.total_ms: Counter[int] = Counter()  # rows -> their total compute, milliseconds
+
+    def observe(self, rows: int, ms: float) -> None:
+        with self._lock:
+            self.forwards[rows] += 1
+            self.total_ms[rows] += ms
+
+    def snapshot(self) -> dict[int, tuple[int, float]]:
+        """rows -> (forwards, mean compute ms per forward), sorted by rows."""
+        with self._lock:
+            return {rows: (n, self.total_ms[rows] / n) for rows, n in sorted(self.forwards.items())}
+
+
 class _HeadBatcher(RowBatcher):
     """The head layers over many sequences' embedded query tokens -> hidden states (1, q, H), on the device."""
 
     def __init__(self, model: EdgeModel, max_batch_steps: int, gather: float) -> None:
         super().__init__(max_batch_steps, gather=gather, thread_name="edge-head")
         self.model = model
+        self.log = BatchLog()
+
+    def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
+        self.log.observe(steps, compute_ms)
 
     def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
         return forward_batch(self.model.head, rows)
@@ -72,6 +97,10 @@ class _TailBatcher(RowBatcher):
     def __init__(self, model: EdgeModel, max_batch_steps: int, gather: float) -> None:
         super().__init__(max_batch_steps, gather=gather, thread_name="edge-tail")
         self.model = model
+        self.log = BatchLog()
+
+    def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
+        self.log.observe(steps, compute_ms)
 
     @torch.inference_mode()
     def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
@@ -93,6 +122,16 @@ class EdgeEngine:
         self.step_times = StepTimes()
 
     # -- sequences -----------------------------------------------------------------------------
+
+    @property
+    def head_batches(self) -> BatchLog:
+        """The head worker's forwards by batch size."""
+        return self._head.log
+
+    @property
+    def tail_batches(self) -> BatchLog:
+        """The tail worker's forwards by batch size."""
+        return self._tail.log
 
     def new_sequence(self) -> EdgeSequence:
         return EdgeSequence(self.runtime)
