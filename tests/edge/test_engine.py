@@ -18,6 +18,7 @@ import torch
 
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
+from splitspec.decoding.loop import SpecStep
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.engine import EdgeEngine
@@ -134,7 +135,7 @@ async def test_logprobs_equal_the_local_models_log_softmax(models: tuple[Path, P
     async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
         config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
         async with SplitClient(config) as client:
-            trace: list = []
+            trace: list[SpecStep] = []
             emitted = [
                 e
                 async for e in client.stream_tokens(

@@ -38,7 +38,8 @@ def test_a_new_session_does_not_rehash_the_edge_weights(
         client = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0)
         for prompt in ("to be or not to be", "that is the question", "class Split: pass"):
             reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
-            assert reply.usage is not None and reply.usage.completion_tokens == 4
+            assert reply.usage is not None
+            assert reply.usage.completion_tokens == 4
         assert not stack.state.runtime.provenance.stock
     finally:
         stack.close()

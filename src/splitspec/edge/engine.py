@@ -63,12 +63,12 @@ class BatchLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the worker thread writes, the event loop reads
         self.forwards: Counter[int] = Counter()  # rows -> forwards of that many rows
-        self.total_ms: Counter[int] = Counter()  # rows -> their total compute, milliseconds
+        self.total_ms: dict[int, float] = {}  # rows -> their total compute, milliseconds
 
     def observe(self, rows: int, ms: float) -> None:
         with self._lock:
             self.forwards[rows] += 1
-            self.total_ms[rows] += ms
+            self.total_ms[rows] = self.total_ms.get(rows, 0.0) + ms
 
     def snapshot(self) -> dict[int, tuple[int, float]]:
         """rows -> (forwards, mean compute ms per forward), sorted by rows."""
