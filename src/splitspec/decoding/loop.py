@@ -26,8 +26,10 @@ acceptance rule stays exact.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -169,12 +171,14 @@ async def decode(
     history: Sequence[int] | None = None,
     processors: Sequence[LogitsProcessor] = (),
     logprobs: int | None = None,
+    draft_executor: Executor | None = None,
 ) -> AsyncIterator[Emitted]:
     """Yield up to ``max_new_tokens`` tokens; identical in law (greedy: identical) to sequential decoding.
 
     ``history`` (tokens already in the verifier's cache) continues that sequence instead of
     starting a new one; the drafters see history + prompt. ``logprobs``: None for none, else how
     many alternatives each token carries (0 for the chosen token's logprob alone).
+    ``draft_executor``: where drafters run (None: inline); a sequence's drafts are made one at a time.
     """
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
@@ -208,7 +212,12 @@ async def decode(
             if budget < 1:
                 break
             t0 = time.perf_counter()
-            draft = drafters[choice.drafter].propose(context, budget)
+            drafter = drafters[choice.drafter]
+            if draft_executor is None:
+                draft = drafter.propose(context, budget)
+            else:  # a draft model's forwards: off the event loop, which other sequences' I/O needs
+                loop = asyncio.get_running_loop()
+                draft = await loop.run_in_executor(draft_executor, drafter.propose, context, budget)
             if processors and draft:
                 draft = cut_draft(draft, processors)
             draft_s += time.perf_counter() - t0

@@ -339,7 +339,7 @@ class SplitClient:
         history = None if fresh else list(self.sequence.tokens)
         async for emitted in decode(
             self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace, history,
-            processors, logprobs,
+            processors, logprobs, self.engine.draft_executor,
         ):  # fmt: skip
             yield emitted
 

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -120,6 +121,8 @@ class EdgeEngine:
         self._tail = _TailBatcher(runtime.model, rows, self.config.batch_gather)
         # step-time estimates describe the link and the trunk, so every sequence's controller shares them
         self.step_times = StepTimes()
+        # drafting (a draft model's forwards) runs here, off the event loop, one draft at a time
+        self.draft_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-draft")
 
     # -- sequences -----------------------------------------------------------------------------
 
@@ -171,6 +174,8 @@ class EdgeEngine:
         await self.link.close()
         for batcher in (self._head, self._tail):
             await batcher.stop()
+        self.draft_executor.shutdown(wait=False)
+        self.draft_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-draft")  # reusable
 
     def chunk_tokens(self, sequence: EdgeSequence) -> int:
         """Most query tokens one step may carry without hitting either side's caps."""

@@ -49,6 +49,7 @@ class ServeState:
         # a chat reply also ends at the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)
         self.chat_stop_ids = self.eos_token_ids | (end_of_turn_ids(self.tokenizer) if self.templated else frozenset())
         self.metrics = ServeMetrics()
+        self.metrics.watch_engine(self.engine)
         self.pool = SessionPool(
             self.new_client,
             config.max_active,
