@@ -67,6 +67,16 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
         "safetensors": ["cloud", "serve", "--model", str(truncated), "--port", "0"],
         f"cannot listen on 127.0.0.1:{port}": ["cloud", "serve", "--model", str(model), "--port", str(port)],
         "--batch-gather must be between 0 and 10": ["cloud", "serve", "--model", str(model), "--batch-gather", "-1"],
+        "--trunk-sessions-per-connection must be at least 1": [
+            "serve",
+            "--model",
+            str(model),
+            "--cloud",
+            "ws://127.0.0.1:9",
+            "--allow-stock-edge-weights",
+            "--trunk-sessions-per-connection",
+            "0",
+        ],
     }
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
     env.pop("HF_HUB_OFFLINE", None)  # our code must not rely on it

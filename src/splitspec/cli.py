@@ -468,7 +468,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     from splitspec.serve.config import ServeConfig
     from splitspec.serve.server import serve_forever
 
-    edge = dataclasses.replace(_edge_config(args), reconnect_timeout_s=args.reconnect_timeout)
+    if args.trunk_sessions_per_connection < 1:
+        raise ConfigError(
+            f"--trunk-sessions-per-connection must be at least 1, got {args.trunk_sessions_per_connection}"
+        )
+    edge = dataclasses.replace(
+        _edge_config(args),
+        reconnect_timeout_s=args.reconnect_timeout,
+        sessions_per_connection=args.trunk_sessions_per_connection,
+    )
     config = ServeConfig(
         edge=edge,
         served_model_name=args.served_model_name or args.model.resolve().name,
@@ -510,6 +518,13 @@ def _register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--prefix-cache-mb", type=int, default=512, help="edge KV memory of kept conversations, MiB")
     p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every prompt (for comparison)")
     p.add_argument("--reconnect-timeout", type=float, default=10.0, help="seconds to retry a lost trunk before 503")
+    p.add_argument(
+        "--trunk-sessions-per-connection",
+        type=int,
+        default=4,
+        help="requests' cloud sessions multiplexed on one trunk connection; more connections open as needed "
+        "(at most the trunk's --max-sessions-per-connection, default 4)",
+    )
     p.set_defaults(run=_run_serve)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitspec.exceptions import ConfigError
+
 
 @dataclass(frozen=True)
 class EdgeConfig:
@@ -35,3 +37,9 @@ class EdgeConfig:
     # --max-sessions-per-connection (default 4) caps it, and the engine opens more connections as needed
     sessions_per_connection: int = 4
     batch_gather: float = 0.5  # engine: how long a free worker waits for the other sequences' steps, in batch times
+
+    def __post_init__(self) -> None:
+        if self.sessions_per_connection < 1:
+            raise ConfigError(f"sessions per trunk connection must be at least 1, got {self.sessions_per_connection}")
+        if not self.batch_gather >= 0:
+            raise ConfigError(f"the batch gathering window must be >= 0, got {self.batch_gather}")

@@ -82,11 +82,6 @@ class EdgeRuntime:
                 )
             draft_dtype = None if config.dtype is None else self.dtype  # the draft's own unless --dtype
             self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation, self.device)
-        if self.provenance.stock:
-            log.warning(
-                "the edge runs STOCK public edge weights (%s): the cloud can invert what it sees",
-                self.provenance.reason,
-            )
 
     def _compile_fixed_decode(self) -> int | None:
         """With ``compile``: the head's and tail's fixed-shape decode steps, compiled now (once per
