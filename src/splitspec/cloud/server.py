@@ -98,10 +98,12 @@ class TrunkServer:
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
         self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype)
         devices = parse_devices(",".join(config.devices)) if config.devices else (resolve_device(config.device),)
-        self.trunk = load_trunk(self.checkpoint, self.plan, self.dtype, config.attn_implementation, devices)
+        self.trunk = load_trunk(
+            self.checkpoint, self.plan, self.dtype, config.attn_implementation, devices, config.quantize
+        )
         if self._should_prepack(devices):
             log.info("trunk: %d linear layers prepacked for oneDNN", prepack_linears(self.trunk))
-        self.trunk_fingerprint = trunk_fingerprint(self.checkpoint, self.plan)  # sent in every Welcome
+        self.trunk_fingerprint = trunk_fingerprint(self.checkpoint, self.plan, config.quantize)  # in every Welcome
         self._into_trunk = HostStaging(self.trunk.input_device)
         self._out_of_trunk = HostStaging(self.trunk.output_device)
         self.identity = TrunkIdentity(
