@@ -132,6 +132,10 @@ def plan_quantization(
     if quantizer is None:
         raise CheckpointError(f"transformers has no quantizer for this checkpoint's quantization_config: {SUPPORTED}")
     method = quantize or published or ""  # one of the two is set (both None returned above)
+    if method.endswith("int8") and dtype != torch.float16:
+        # bitsandbytes logs this at every int8 matmul of every step; said once here instead
+        logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+        log.info("int8: bitsandbytes casts each quantized layer's %s input to float16 for its int8 matmul", dtype)
     return Quantization(quantizer, method, pre_quantized=published is not None), config
 
 
