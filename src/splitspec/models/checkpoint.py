@@ -196,12 +196,18 @@ class Checkpoint:
         return out
 
     @contextlib.contextmanager
-    def open_slices(self, names: list[str], device: torch.device) -> Iterator[dict[str, Any]]:
+    def open_slices(self, names: list[str], device: torch.device, pread: bool = False) -> Iterator[dict[str, Any]]:
         """Lazy handles on exactly ``names`` (safetensors slices), each read straight onto ``device`` when indexed.
 
         transformers' loader takes these the way ``from_pretrained`` hands it its own: one tensor is
         materialized at a time, as it is converted (and quantized), so a role's load never holds more
-        than one unconverted tensor beside what it keeps. The files stay open until the block ends."""
+        than one unconverted tensor beside what it keeps. The files stay open until the block ends.
+
+        On the host, a tensor read through the file's memory map is a view of it (nothing copied;
+        the pages count in this process's RSS once touched, and stay mapped while any tensor of the
+        file lives). ``pread`` reads each one into its own buffer instead: for tensors that are
+        temporaries (quantized or dequantized at load), so the pages they were read from are not
+        kept mapped by the norms that stay."""
         missing = [n for n in names if n not in self._files]
         if missing:
             raise CheckpointError(f"{self.directory} lacks tensors: {', '.join(missing[:5])}")
@@ -212,7 +218,8 @@ class Checkpoint:
             out: dict[str, Any] = {}
             for path, file_names in by_file.items():
                 try:
-                    f = files.enter_context(safe_open(str(path), framework="pt", device=str(device)))
+                    backend = "pread" if pread else "mmap"
+                    f = files.enter_context(safe_open(str(path), framework="pt", device=str(device), backend=backend))
                     out.update((name, f.get_slice(name)) for name in file_names)
                 except (SafetensorError, OSError) as exc:
                     raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
