@@ -7,9 +7,11 @@ calls, in a fresh process per quantization (none, nf4, int8), repeats interleave
 reports:
 
 * its RSS just before the load (bitsandbytes and transformers imported) and just after it, and after
-  a 16-token prefill and five one-token steps: the trunk's weight memory is that last RSS minus the
-  one before (an unquantized trunk's tensors map the safetensors file and are only paged in when a
-  step first reads them; the KV cache of 21 tokens is under 2 MiB);
+  a 16-token prefill and five one-token steps with the heap's freed pages handed back
+  (``malloc_trim``): the trunk's weight memory is that last RSS minus the one before (an
+  unquantized trunk's tensors map the safetensors file and are only paged in when a step first
+  reads them; the KV cache of 21 tokens is under 2 MiB). With ``--device cuda`` the weight memory
+  is the GPU memory the load allocated, and the RSS figures say what the host held meanwhile;
 * its peak RSS during the load (``VmHWM`` minus the RSS before), against the size of the trunk's
   own stored tensors and the whole checkpoint's: tensors are read one at a time, straight onto
   their device, so the peak stays near the trunk's own size, not the checkpoint's;
@@ -27,6 +29,8 @@ Writes quant_load.json and quant_load.md into --out.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import logging
 import math
@@ -84,11 +88,19 @@ def build_model(directory: Path, layers: int) -> None:
     )
     torch.manual_seed(0)
     with torch.device("cpu"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers types .to() oddly
     model.save_pretrained(directory)
 
 
-def child(model: Path, method: str) -> dict[str, Any]:
+def _trim_heap() -> None:
+    """Hand the heap pages freed by the steps' temporaries back (glibc), so RSS counts live memory."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is not None:
+        trim(0)
+
+
+def child(model: Path, method: str, device_name: str) -> dict[str, Any]:
     """One load in this (fresh) process: what the parent prints."""
     import bitsandbytes  # noqa: F401  (imported before "before": the libraries are not weight memory)
     import torch
@@ -100,6 +112,8 @@ def child(model: Path, method: str) -> dict[str, Any]:
     from splitspec.models.stack import load_trunk, trunk_tensor_names
 
     torch.set_num_threads(1)
+    device = torch.device(device_name)
+    on_gpu = device.type == "cuda"
     ckpt = Checkpoint(model)
     plan = SplitPlan(ckpt.config.num_hidden_layers, 2, 2)
     names = trunk_tensor_names(ckpt, plan)
@@ -107,29 +121,38 @@ def child(model: Path, method: str) -> dict[str, Any]:
         trunk_bytes = sum(math.prod(s.get_shape()) * _ITEM_BYTES[s.get_dtype()] for s in slices.values())
     ckpt.read_names.clear()
     checkpoint_bytes = sum(p.stat().st_size for p in ckpt.tensor_files)
+    gpu_before = torch.cuda.memory_allocated(device) if on_gpu else 0
     before = _rss_bytes()
     _reset_peak()
     start = time.perf_counter()
-    trunk = load_trunk(ckpt, plan, quantize=None if method == "none" else method)
+    trunk = load_trunk(ckpt, plan, devices=(device,), quantize=None if method == "none" else method)
+    if on_gpu:
+        torch.cuda.synchronize(device)
     load_s = time.perf_counter() - start
     after_load = _rss_bytes()
     peak = _peak_bytes()
-    hidden = torch.randn(1, 16, ckpt.config.hidden_size, dtype=torch.bfloat16)
+    gpu_weight = torch.cuda.memory_allocated(device) - gpu_before if on_gpu else 0
+    hidden = torch.randn(1, 16, ckpt.config.hidden_size, dtype=torch.bfloat16, device=device)
     cache = KVCache()
     trunk(hidden, torch.arange(16), torch.arange(16) - 1, cache)
     steps = []
     for i in range(5):
         t = time.perf_counter()
         trunk(hidden[:, :1], torch.tensor([16 + i]), torch.tensor([-1]), cache)
+        if on_gpu:
+            torch.cuda.synchronize(device)
         steps.append(time.perf_counter() - t)
+    after_steps_untrimmed = _rss_bytes()
+    _trim_heap()
     after_steps = _rss_bytes()
     return {
         "method": method,
         "load_s": load_s,
         "rss_before_mb": before / 2**20,
         "rss_after_load_over_before_mb": (after_load - before) / 2**20,
+        "rss_after_steps_untrimmed_over_before_mb": (after_steps_untrimmed - before) / 2**20,
         # every weight read by now: an unquantized trunk's tensors map the file and are paged in on first use
-        "weight_mb": (after_steps - before) / 2**20,
+        "weight_mb": (gpu_weight if on_gpu else after_steps - before) / 2**20,
         "peak_over_before_mb": (peak - before) / 2**20,
         "trunk_stored_mb": trunk_bytes / 2**20,
         "checkpoint_mb": checkpoint_bytes / 2**20,
@@ -137,9 +160,9 @@ def child(model: Path, method: str) -> dict[str, Any]:
     }
 
 
-def run_child(model: Path, method: str) -> dict[str, Any]:
+def run_child(model: Path, method: str, device: str) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(model), method],
+        [sys.executable, __file__, "--child", str(model), method, device],
         capture_output=True,
         text=True,
         check=False,
@@ -156,10 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="interleaved loads per method (default 2)")
     p.add_argument("--layers", type=int, default=16, help="decoder layers of the random Llama (default 16)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quant_load")
-    p.add_argument("--child", nargs=2, metavar=("MODEL", "METHOD"), help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help="where the trunk loads: cpu (default) or cuda[:N]")
+    p.add_argument("--child", nargs=3, metavar=("MODEL", "METHOD", "DEVICE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(child(Path(args.child[0]), args.child[1])))
+        print(json.dumps(child(Path(args.child[0]), args.child[1], args.child[2])))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     env = run_environment()
@@ -170,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         build_model(model, args.layers)
         for r in range(args.repeats):
             for method in METHODS:
-                runs[method].append(run_child(model, method))
+                runs[method].append(run_child(model, method, args.device))
                 log.info("repeat %d %s: %s", r, method, runs[method][-1])
     med = {m: {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "method"} for m, rs in runs.items()}
     base = med["none"]["weight_mb"]
@@ -181,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": f"random Llama, hidden 1536, {args.layers} layers, intermediate 4096, vocab 32000, bfloat16",
         "trunk": f"layers 2..{args.layers - 3} (edge 2+2)",
         "repeats": args.repeats,
+        "device": args.device,
+        "weight_memory": "GPU memory allocated by the load" if args.device != "cpu" else "host RSS",
         "torch_threads": 1,
         "median": med,
         "weight_ratio_to_bfloat16": ratios,
@@ -192,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     verdict = {m: f" (<= {g:.2f}: {'pass' if gates[m] else 'FAIL'})" for m, g in GATES.items()}
     rows = [
         f"| {m} | {med[m]['load_s']:.2f} | {med[m]['weight_mb']:.0f} | {ratios[m]:.3f}{verdict.get(m, '')} | "
-        f"{med[m]['rss_after_load_over_before_mb']:.0f} | {med[m]['peak_over_before_mb']:.0f} | "
+        f"{med[m]['rss_after_load_over_before_mb']:.0f} | {med[m]['rss_after_steps_untrimmed_over_before_mb']:.0f} | "
+        f"{med[m]['peak_over_before_mb']:.0f} | "
         f"{med[m]['step_ms_median']:.1f} |"
         for m in METHODS
     ]
@@ -201,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Model: {results['model']} ({med['none']['checkpoint_mb']:.0f} MiB of safetensors); trunk "
         f"{results['trunk']}, {med['none']['trunk_stored_mb']:.0f} MiB stored. A fresh process per load, "
-        f"{args.repeats} interleaved repeats, medians; one torch thread. Commit {env['commit']}.",
+        f"{args.repeats} interleaved repeats, medians; one torch thread; device {args.device}. Commit {env['commit']}.",
         "",
-        "| quantization | load s | weight memory MiB (RSS after load + steps - before) | x bfloat16 | "
-        "RSS after load - before, MiB | peak RSS during load - before, MiB | one-token step ms |",
-        "|---|---|---|---|---|---|---|",
+        f"| quantization | load s | weight memory MiB ({results['weight_memory']}) | x bfloat16 | "
+        "RSS after load - before, MiB | RSS after steps (untrimmed) - before, MiB | "
+        "peak RSS during load - before, MiB | one-token step ms |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "Peak RSS includes the safetensors pages mapped while the trunk's files are open (the trunk's own "

@@ -40,9 +40,10 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], new_tokens: int) -> lis
     return list(out[0, len(prompt) :].tolist())
 
 
-def save_plain(directory: Path, family: str, seed: int = 11) -> Path:
+def save_plain(directory: Path, family: str, seed: int = 11, hidden: int = 64) -> Path:
+    """``hidden`` 256 suits transformers' fp8 (blocks of 128x128 weights); 64 the rest."""
     config = family_config(family, LAYERS)
-    config.hidden_size, config.intermediate_size, config.head_dim = 64, 128, 16
+    config.hidden_size, config.intermediate_size, config.head_dim = hidden, 2 * hidden, hidden // 4
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval().save_pretrained(directory)
     return directory

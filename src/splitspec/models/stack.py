@@ -319,7 +319,6 @@ def _load_modules(
     without one, transformers' loader would move every tensor to the host first), and quantized
     there by the skeleton's quantizer when it has one."""
     prefixes = _module_prefixes(skel, modules)
-    names = [n for n in ckpt.tensor_names if n.startswith(prefixes)]
     lm = skel.lm
     quantizer = skel.quantizer
     conversions: list[Any] = get_model_conversion_mapping(lm, None, quantizer)  # renames, fusions, dequantizers
@@ -330,14 +329,23 @@ def _load_modules(
         device_map={"": str(device)},
         hf_quantizer=quantizer,
     )
-    with ckpt.open_slices(names, device, pread=quantizer is not None and device.type == "cpu") as state:
-        info, _ = convert_and_load_state_dict_in_model(lm, state, load_config)
-    problems = [
-        *(f"unexpected tensor {k}" for k in sorted(info.unexpected_keys)),
-        *(f"{k} has shape {tuple(got)}, expected {tuple(want)}" for k, got, want in sorted(info.mismatched_keys)),
-        *(f"{k}: {str(v).splitlines()[-1]}" for k, v in info.conversion_errors.items()),
-        *info.error_msgs,
-    ]
+    # quantizing on the host: one module at a time, and the heap its temporaries freed handed back
+    # after each, so the load's peak is what it keeps plus one layer's temporaries
+    on_host = quantizer is not None and device.type == "cpu"
+    groups = [(p,) for p in prefixes] if on_host else [prefixes]
+    problems: list[str] = []
+    for group in groups:
+        names = [n for n in ckpt.tensor_names if n.startswith(group)]
+        with ckpt.open_slices(names, device, pread=on_host) as state:
+            info, _ = convert_and_load_state_dict_in_model(lm, state, load_config)
+        if on_host:
+            _return_freed_host_memory()
+        problems += [
+            *(f"unexpected tensor {k}" for k in sorted(info.unexpected_keys)),
+            *(f"{k} has shape {tuple(got)}, expected {tuple(want)}" for k, got, want in sorted(info.mismatched_keys)),
+            *(f"{k}: {str(v).splitlines()[-1]}" for k, v in info.conversion_errors.items()),
+            *info.error_msgs,
+        ]
     for prefix, module in zip(prefixes, modules, strict=True):
         problems += [f"{prefix}{n} is missing" for n, p in module.named_parameters() if p.is_meta]
     if problems:
@@ -369,7 +377,6 @@ def _finish(skel: Skeleton) -> None:
     """The quantizer's ``postprocess_model``, once every piece of the role is loaded."""
     if skel.quantizer is not None:
         skel.quantizer.postprocess_model(skel.lm)
-        _return_freed_host_memory()
 
 
 def _return_freed_host_memory() -> None:
