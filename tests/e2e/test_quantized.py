@@ -24,6 +24,7 @@ from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import TrunkMismatch
+from tests.families import LAYERS
 from tests.quantized import bnb_config, hf_greedy, save_plain
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 61, 30, 12, 7]
@@ -90,3 +91,19 @@ async def test_an_edge_expecting_another_quantization_is_refused_naming_the_meth
             with pytest.raises(TrunkMismatch, match=f"the quantization differs .*{named.replace('(', '.')}"):
                 async with SplitClient(edge) as client:
                     await client.generate(PROMPT, 1, speculate="off")
+
+
+def test_the_fingerprint_of_a_trunk_quantized_at_load_names_the_method_over_the_stored_digest(
+    checkpoints: Callable[[str], Path],
+) -> None:
+    from splitspec.models.checkpoint import Checkpoint
+    from splitspec.models.split import SplitPlan
+    from splitspec.models.trunk_fingerprint import trunk_fingerprint
+
+    ckpt, plan = Checkpoint(checkpoints("qwen2")), SplitPlan(LAYERS, 1, 1)
+    stored = trunk_fingerprint(ckpt, plan)
+    for method in ("nf4", "int8"):
+        quantized = trunk_fingerprint(ckpt, plan, method)  # the cached stored hash, the method around it
+        assert str(quantized) == f"1-{LAYERS - 1}:{method}(bfloat16):{stored.digest}"
+        assert quantized.quantization == method
+    assert trunk_fingerprint(ckpt, plan) == stored  # the cache holds the stored form, not the last method asked
