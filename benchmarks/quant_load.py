@@ -236,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
-        "Peak RSS includes the safetensors pages mapped while the trunk's files are open (the trunk's own "
-        "tensors, never the rest of the checkpoint).",
+        "An unquantized trunk's tensors are views of the memory-mapped safetensors file: they are paged in "
+        "when the first steps read them (hence its small RSS after load and peak). A quantizing load reads "
+        "each tensor into a buffer of its own, quantizes it and frees it, one module at a time: its peak is "
+        "what it keeps plus one layer's temporaries, under the trunk's own stored size and never the whole "
+        "checkpoint's. The untrimmed RSS after steps shows what glibc keeps of the freed temporaries of "
+        "bitsandbytes' CPU NF4 matmul (it dequantizes each weight per step without the Hub's fused kernel).",
         "",
         "Reproduce: `python benchmarks/quant_load.py`",
     ]
