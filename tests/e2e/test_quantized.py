@@ -107,3 +107,15 @@ def test_the_fingerprint_of_a_trunk_quantized_at_load_names_the_method_over_the_
         assert str(quantized) == f"1-{LAYERS - 1}:{method}(bfloat16):{stored.digest}"
         assert quantized.quantization == method
     assert trunk_fingerprint(ckpt, plan) == stored  # the cache holds the stored form, not the last method asked
+
+
+async def test_a_quantized_float32_trunk_is_not_prepacked(checkpoints: Callable[[str], Path]) -> None:
+    """--prepack swaps float32 nn.Linear weights for oneDNN's: never bitsandbytes' quantized ones."""
+    from splitspec.exceptions import ConfigError
+
+    target = checkpoints("llama3")
+    cloud = CloudConfig(model_dir=target, edge_layers=(1, 1), port=0, quantize="int8", dtype="float32")
+    with pytest.raises(ConfigError, match="--prepack on: it applies to float32 weights, the trunk's are quantized"):
+        TrunkServer(dataclasses.replace(cloud, prepack="on"))
+    async with TrunkServer(cloud) as server:  # prepack auto: a batching float32 CPU trunk, left as loaded
+        assert all(isinstance(layer.mlp.up_proj, Linear8bitLt) for layer in server.trunk.layers)  # type: ignore[union-attr]

@@ -35,6 +35,7 @@ from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.prepack import prepack_available, prepack_linears
+from splitspec.models.quantization import published_method
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk, resolve_dtype
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
@@ -303,6 +304,8 @@ class TrunkServer:
             why_not = "it applies to a trunk wholly on the CPU"
         elif self.dtype != torch.float32:
             why_not = f"it applies to float32 weights, the trunk computes in {self.dtype}"
+        elif config.quantize is not None or published_method(self.checkpoint.config) is not None:
+            why_not = "it applies to float32 weights, the trunk's are quantized"
         elif config.compile is not None:
             why_not = "--compile builds its own kernels"
         elif not prepack_available():
