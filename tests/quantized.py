@@ -80,3 +80,31 @@ def save_ct_fp8(plain: Path, directory: Path) -> Path:
     model.save_pretrained(directory)
     compressor.update_config(str(directory))
     return directory
+
+
+def save_fp8(plain: Path, directory: Path) -> Path:
+    """That checkpoint in transformers' fine-grained ``fp8`` format (FP8 weights in 32x32 blocks, each with
+    its float32 ``weight_scale_inv``), quantized by transformers' own ``Fp8Quantize`` operation.
+
+    transformers only quantizes to fp8 at load on a GPU (``from_pretrained`` refuses on a CPU), so
+    the tensors its operation returns are written with safetensors and the config it would save."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    config = FineGrainedFP8Config(weight_block_size=(32, 32), modules_to_not_convert=["lm_head"])
+    quantize = Fp8Quantize(AutoHfQuantizer.from_config(config, pre_quantized=False))
+    model = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.bfloat16).eval()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        linear = ".layers." in name and name.endswith("_proj.weight")
+        tensors.update(quantize.convert({name: tensor}) if linear else {name: tensor})  # type: ignore[arg-type]
+    model.config.save_pretrained(directory)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors", {"format": "pt"})
+    raw = json.loads((directory / "config.json").read_text())
+    raw["quantization_config"] = config.to_dict()
+    (directory / "config.json").write_text(json.dumps(raw))
+    return directory

@@ -2,8 +2,9 @@
 
 Each checkpoint is made by the quantization library's own save path (tests/quantized.py):
 bitsandbytes 4-bit and 8-bit through transformers' ``save_pretrained`` of a quantized model,
-compressed-tensors FP8 through compressed-tensors' compressor. A trunk server and an edge load it
-without ``--quantize``; greedy output must equal ``generate`` of transformers'
+compressed-tensors FP8 through compressed-tensors' compressor, transformers' fine-grained fp8
+through its own ``Fp8Quantize`` operation (transformers quantizes to fp8 only on a GPU). A trunk
+server and an edge load it without ``--quantize``; greedy output must equal ``generate`` of transformers'
 ``from_pretrained`` of the same directory, token for token. The trunk fingerprint hashes the
 stored (quantized) tensors and names the method; ``--quantize`` on such a checkpoint and a GPTQ
 or AWQ config are refused in one line.
@@ -31,7 +32,7 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
-from tests.quantized import hf_greedy, save_bnb, save_ct_fp8, save_plain
+from tests.quantized import hf_greedy, save_bnb, save_ct_fp8, save_fp8, save_plain
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 61, 30, 12, 7]
 NEW_TOKENS = 10
@@ -50,7 +51,8 @@ def published(plain: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable
     def get(kind: str) -> Path:
         if kind not in built:
             target = tmp_path_factory.mktemp(kind)
-            built[kind] = save_ct_fp8(plain, target) if kind == "ct_fp8" else save_bnb(plain, target, kind)
+            save = {"ct_fp8": save_ct_fp8, "fp8": save_fp8}.get(kind)
+            built[kind] = save(plain, target) if save is not None else save_bnb(plain, target, kind)
         return built[kind]
 
     return get
@@ -69,10 +71,11 @@ STORED = {  # what the trunk fingerprint's dtype field says: the method around t
     "nf4": "bnb_nf4(bfloat16+float32+uint8)",
     "int8": "bnb_int8(bfloat16+float32+int8+uint8)",
     "ct_fp8": "ct_fp8(bfloat16+float8_e4m3fn)",
+    "fp8": "fp8(bfloat16+float32+float8_e4m3fn)",
 }
 
 
-@pytest.mark.parametrize("kind", ["nf4", "int8", "ct_fp8"])
+@pytest.mark.parametrize("kind", ["nf4", "int8", "ct_fp8", "fp8"])
 async def test_a_published_quantized_checkpoint_splits_and_matches_transformers(
     published: Callable[[str], Path], plain: Path, kind: str
 ) -> None:
@@ -87,7 +90,8 @@ async def test_a_published_quantized_checkpoint_splits_and_matches_transformers(
             assert isinstance(layer.mlp.up_proj, Linear4bit)
         elif kind == "int8":
             assert isinstance(layer.mlp.up_proj, Linear8bitLt)
-        else:  # dequantized on a CPU: FP8 weights times their per-channel scales
+        else:  # dequantized on a CPU: FP8 weights times their per-channel (ct_fp8) or per-block (fp8) scales
+            assert type(layer.mlp.up_proj) is torch.nn.Linear
             assert layer.mlp.up_proj.weight.dtype == torch.bfloat16
         assert server.trunk_fingerprint.dtype == STORED[kind]
         async with SplitClient(dataclasses.replace(edge, cloud_url=server.url)) as client:
