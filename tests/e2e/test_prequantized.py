@@ -95,6 +95,8 @@ async def test_a_published_quantized_checkpoint_splits_and_matches_transformers(
             assert layer.mlp.up_proj.weight.dtype == torch.bfloat16
         assert server.trunk_fingerprint.dtype == STORED[kind]
         async with SplitClient(dataclasses.replace(edge, cloud_url=server.url)) as client:
+            assert type(client.model.lm_head) is torch.nn.Linear  # left unquantized, as published
+            assert client.model.lm_head.weight.dtype == torch.bfloat16
             off = await client.generate(PROMPT, NEW_TOKENS, speculate="off")
     assert off.token_ids == expected
     assert trunk_fingerprint(Checkpoint(directory), PLAN).digest != trunk_fingerprint(Checkpoint(plain), PLAN).digest

@@ -118,7 +118,10 @@ def plan_quantization(
         args = CompressedTensorsConfig(dequantize=not keep, use_optimized_inference=keep)
         log.info("compressed-tensors FP8 checkpoint: %s", "kept in FP8 (scaled_mm)" if keep else "dequantized at load")
     elif published == "fp8":
-        args = FineGrainedFP8Config(dequantize=True)  # its kernel comes from the Hub: dequantize, never download
+        # its kernel comes from the Hub: dequantize, never download (keeping the checkpoint's own skip list,
+        # which these loading attributes would otherwise overwrite)
+        skip = (_published_config(config) or {}).get("modules_to_not_convert")
+        args = FineGrainedFP8Config(dequantize=True, modules_to_not_convert=skip)
         log.info("fp8 checkpoint: dequantized at load (its matmul kernel would need a download)")
     else:
         args = None  # bitsandbytes as published: the checkpoint's own config says it all
