@@ -218,8 +218,8 @@ class Checkpoint:
             out: dict[str, Any] = {}
             for path, file_names in by_file.items():
                 try:
-                    backend = "pread" if pread else "mmap"
-                    f = files.enter_context(safe_open(str(path), framework="pt", device=str(device), backend=backend))
+                    how = {"backend": "pread"} if pread else {}  # default: the memory map
+                    f = files.enter_context(safe_open(str(path), framework="pt", device=str(device), **how))
                     out.update((name, f.get_slice(name)) for name in file_names)
                 except (SafetensorError, OSError) as exc:
                     raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
