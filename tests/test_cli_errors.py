@@ -51,6 +51,7 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
     truncated = copy_of(model, tmp_path, "truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 3])
+    gptq = with_config(copy_of(model, tmp_path, "gptq"), quantization_config={"quant_method": "gptq", "bits": 4})
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -77,6 +78,7 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
             "--trunk-sessions-per-connection",
             "0",
         ],
+        "checkpoints quantized with gptq are not supported": ["cloud", "serve", "--model", str(gptq), "--port", "0"],
     }
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
     env.pop("HF_HUB_OFFLINE", None)  # our code must not rely on it

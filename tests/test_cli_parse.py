@@ -80,3 +80,14 @@ def test_the_python_api_speculates_like_the_cli_by_default() -> None:
     args = build_parser().parse_args(["generate", "--model", "m", "--cloud", "ws://h:1", "--prompt", "p"])
     for method in (SplitClient.generate, SplitClient.stream):
         assert inspect.signature(method).parameters["speculate"].default == args.speculate == "auto"
+
+
+def test_quantize_is_offered_to_the_trunk_and_every_edge_role() -> None:
+    options = {" ".join(path): p for path, p in leaves()}
+    for command in ("cloud serve", "generate", "chat", "serve"):
+        action = next(a for a in options[command]._actions if "--quantize" in a.option_strings)
+        assert tuple(action.choices or ()) == ("nf4", "int8"), command
+    args = build_parser().parse_args(["cloud", "serve", "--model", "m", "--quantize", "nf4"])
+    assert args.quantize == "nf4"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cloud", "serve", "--model", "m", "--quantize", "gptq"])

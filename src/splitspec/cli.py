@@ -28,6 +28,7 @@ from splitspec.arguments import (
 )
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError, SplitspecError
+from splitspec.models.quantize_choices import QUANTIZE_CHOICES, QUANTIZE_HELP
 
 if TYPE_CHECKING:
     from splitspec.decoding.sampling import SamplingParams
@@ -63,6 +64,7 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="compute and wire dtype (default: the checkpoint's own, config.json's dtype); both sides must agree",
     )
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_token_file(p)
     p.add_argument("--threads", type=int, help="CPU threads for this side's compute (default: torch's choice)")
@@ -111,6 +113,7 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         max_connections_per_address=args.max_connections_per_address,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         dtype=args.dtype,
+        quantize=args.quantize,
         device=args.device,
         devices=tuple(args.devices.split(",")) if args.devices else (),
         torch_threads=args.threads,
@@ -340,6 +343,7 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         cloud_url=args.cloud,
         edge_layers=args.edge_layers,
         dtype=args.dtype,
+        quantize=args.quantize,
         device=args.device,
         auth_token=read_token_file(args.token_file),
         draft_model_dir=args.draft_model,

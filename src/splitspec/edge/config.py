@@ -15,6 +15,8 @@ class EdgeConfig:
     tls_ca_file: Path | None = None  # PEM CA bundle to verify a wss:// server; None = system store
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
     dtype: str | None = None  # compute and wire dtype; None = the checkpoint's; must equal the server's
+    # quantize the head and tail layers at load ("nf4", "int8"; bitsandbytes), and expect a trunk quantized so
+    quantize: str | None = None
     device: str = "auto"  # compute device of the edge and the draft model: auto, cpu, cuda, cuda:N or mps
     auth_token: str | None = None  # shared secret, if the server requires one
     max_message_bytes: int = 16 * 1024 * 1024  # our own frame cap, bytes (the server's may be lower)

@@ -53,7 +53,7 @@ class EdgeRuntime:
         self.model = (
             edge
             if edge is not None
-            else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation, self.device)
+            else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation, self.device, config.quantize)
         )
         self.staging = HostStaging(self.device)
         self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
@@ -148,7 +148,7 @@ def expected_trunk(config: EdgeConfig, ckpt: Checkpoint, plan: SplitPlan) -> tup
             )
         return pinned, "the pinned --trunk-fingerprint"
     try:
-        own = trunk_fingerprint(ckpt, plan)
+        own = trunk_fingerprint(ckpt, plan, config.quantize)  # quantized as this edge expects
     except CheckpointError as exc:
         raise CheckpointError(
             f"{exc}: the edge checks the cloud's trunk against its own copy; without one, pin the trunk with "
