@@ -204,3 +204,11 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+@pytest.fixture(scope="session")
+def tool_model(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 with a byte-level tokenizer and a Qwen2.5-style tools chat template."""
+    from tests.tool_model import TOOL_VOCAB, build_tool_model
+
+    return build_tool_model(make_checkpoint("qwen2", vocab=TOOL_VOCAB), tmp_path_factory.mktemp("tool-qwen2"))

@@ -1,0 +1,66 @@
+"""The edge's logits-processor interface: mask or adjust a ``(q, V)`` block of logits.
+
+Sequential decoding, speculative verification and drafting all call the same five methods (see
+docs/architecture.md): ``process`` before a token is chosen at each of q chained positions,
+``validate_draft`` to cut a draft at the first token the processor forbids before it is sent,
+``accept`` once tokens are emitted and ``rollback`` to forget them. A grammar
+(:class:`splitspec.decoding.grammar.GrammarProcessor`), ``logit_bias``, ``min_tokens`` and the
+OpenAI penalties (:mod:`splitspec.decoding.adjusters`) are processors; :class:`ProcessorChain`
+runs several as one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class LogitsProcessor(Protocol):
+    def process(self, logits: torch.Tensor, tokens: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+        """logits (q, V) float32 for a chain of q positions: row 0 follows `tokens` (the sequence so far, accepted),
+        row i follows tokens + draft[:i]. Return the logits with forbidden tokens set to -inf (may be in place)."""
+        ...
+
+    def validate_draft(self, draft: Sequence[int]) -> int:
+        """How many leading tokens of `draft` the processor allows after the accepted sequence (cut the draft there)."""
+        ...
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """These tokens were emitted: advance the state."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n accepted tokens."""
+        ...
+
+    @property
+    def finished(self) -> bool: ...
+
+
+class ProcessorChain:
+    """Several processors applied in order, as one (each sees the previous one's output)."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor]) -> None:
+        self.processors = list(processors)
+
+    def process(self, logits: torch.Tensor, tokens: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+        for p in self.processors:
+            logits = p.process(logits, tokens, draft)
+        return logits
+
+    def validate_draft(self, draft: Sequence[int]) -> int:
+        return min((p.validate_draft(draft) for p in self.processors), default=len(draft))
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        for p in self.processors:
+            p.accept(tokens)
+
+    def rollback(self, n: int) -> None:
+        for p in self.processors:
+            p.rollback(n)
+
+    @property
+    def finished(self) -> bool:
+        return any(p.finished for p in self.processors)
