@@ -113,7 +113,10 @@ class GrammarProcessor:
                 if i > 0:
                     self._matcher.consume_token(int(draft[i - 1]))
                     consumed += 1
-                logits[i].masked_fill_(~self.allowed().to(logits.device), -float("inf"))  # (V,)
+                allowed = self.allowed()
+                if not allowed.any():  # e.g. a tokenizer with no token for a character the grammar needs
+                    raise InvalidGrammar(f"no token of this tokenizer can continue the grammar here ({self.error})")
+                logits[i].masked_fill_(~allowed.to(logits.device), -float("inf"))  # (V,)
         finally:
             if consumed:
                 self._matcher.rollback(consumed)
@@ -131,6 +134,10 @@ class GrammarProcessor:
     def rollback(self, n: int) -> None:
         if n and not self._matcher.rollback(n):
             raise ValueError(f"cannot roll the grammar back by {n} tokens: {self._matcher.get_error()}")
+
+    @property
+    def error(self) -> str:
+        return str(self._matcher.get_error()) or "no error"
 
     @property
     def finished(self) -> bool:

@@ -25,6 +25,7 @@ import torch
 
 from splitspec.decoding.controller import SpeculationController
 from splitspec.decoding.generate import decode_sequential
+from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.published import published_sampling, sampling_settings
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
@@ -553,6 +554,7 @@ class SplitClient:
         speculate: str = "auto",
         trace: list[SpecStep] | None = None,
         fresh: bool = True,
+        processor: LogitsProcessor | None = None,
     ) -> AsyncIterator[int]:
         """Yield new tokens as they are produced.
 
@@ -563,6 +565,8 @@ class SplitClient:
         ``fresh=False`` appends ``prompt_ids`` to the sequence already in the caches instead of
         starting over (multi-turn chat); the last token generated before is not in the caches yet,
         so a continuation should start with it.
+        ``processor`` (a grammar, logit_bias, penalties) decodes one token per round trip for now:
+        speculation under a processor comes with the edge engine.
         """
         params = params if params is not None else self.default_sampling
         if generator is None:
@@ -570,9 +574,9 @@ class SplitClient:
         self.check_length(len(prompt_ids), max_new_tokens, 0 if fresh else len(self._tokens))
         stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
         drafters = make_drafters(speculate, params, self.draft_model, generator)
-        if not drafters:
+        if not drafters or processor is not None:
             async for token in decode_sequential(
-                self, prompt_ids, max_new_tokens, params, generator, stops, fresh=fresh
+                self, prompt_ids, max_new_tokens, params, generator, stops, fresh=fresh, processor=processor
             ):
                 yield token
             return
