@@ -15,6 +15,7 @@ import torch
 
 from tests.conftest import local_model
 from tests.serve.conftest import MODEL_NAME, Stack
+from tests.serve.helpers import chat, complete
 
 ASK = [{"role": "user", "content": "to be or not"}]
 
@@ -39,29 +40,30 @@ def end_id(stack: Stack) -> int:
 
 
 def test_n_choices_are_indexed_and_usage_is_summed(client: openai.OpenAI) -> None:
-    one = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=6, temperature=0)  # type: ignore[arg-type]
-    three = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=6, temperature=0, n=3)  # type: ignore[arg-type]
+    one = chat(client, model=MODEL_NAME, messages=ASK, max_tokens=6, temperature=0)
+    three = chat(client, model=MODEL_NAME, messages=ASK, max_tokens=6, temperature=0, n=3)
     assert [c.index for c in three.choices] == [0, 1, 2]
     assert {c.message.content for c in three.choices} == {one.choices[0].message.content}  # greedy: all alike
     assert one.usage is not None
     assert three.usage is not None
     assert three.usage.prompt_tokens == one.usage.prompt_tokens
     assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
-    sampled = client.completions.create(model=MODEL_NAME, prompt="the question", max_tokens=10, temperature=1.0,
+    sampled = complete(client, model=MODEL_NAME, prompt="the question", max_tokens=10, temperature=1.0,
                                         n=4, seed=11)  # fmt: skip
     texts = [c.text for c in sampled.choices]
     assert len(set(texts)) > 1  # independent draws
-    singles = [client.completions.create(model=MODEL_NAME, prompt="the question", max_tokens=10, temperature=1.0,
+    singles = [complete(client, model=MODEL_NAME, prompt="the question", max_tokens=10, temperature=1.0,
                                          seed=11 + i).choices[0].text for i in (0, 3)]  # fmt: skip
     assert singles == [texts[0], texts[3]]  # choice i is seeded with seed + i
 
 
 def test_usage_options(client: openai.OpenAI, stack: Stack) -> None:
-    plain = client.chat.completions.create(
+    plain = chat(
+        client,
         model=MODEL_NAME,
         messages=ASK,
         max_tokens=5,
-        temperature=0,  # type: ignore[arg-type]
+        temperature=0,
         stream_options={"include_usage": True},
     )  # LiteLLM sends it unstreamed
     assert plain.usage is not None
@@ -88,7 +90,7 @@ def test_usage_options(client: openai.OpenAI, stack: Stack) -> None:
 
 def test_fields_clients_send_are_accepted(client: openai.OpenAI, stack: Stack) -> None:
     base = {"model": MODEL_NAME, "max_tokens": 6, "temperature": 0}
-    system = client.chat.completions.create(messages=[{"role": "system", "content": "to be"}, *ASK], **base)  # type: ignore[call-overload]
+    system = chat(client, messages=[{"role": "system", "content": "to be"}, *ASK], **base)
     sent = {**base, "messages": [{"role": "developer", "content": [{"type": "text", "text": "to "},
             {"type": "text", "text": "be"}]}, *ASK], "stop": None, "user": "u-1", "max_completion_tokens": 6,
             "max_tokens": None, "presence_penalty": 0, "frequency_penalty": None, "logit_bias": {}}  # fmt: skip
@@ -101,11 +103,12 @@ def test_logit_bias_min_tokens_and_ignore_eos(client: openai.OpenAI, stack: Stac
     end = {str(end_id(stack)): 100}  # the end-of-turn token almost surely next
 
     def reply(**kw: Any) -> tuple[int, str]:
-        r = client.chat.completions.create(
+        r = chat(
+            client,
             model=MODEL_NAME,
             messages=ASK,
             max_tokens=9,
-            temperature=0,  # type: ignore[arg-type]
+            temperature=0,
             logit_bias=end,
             **kw,
         )
@@ -120,10 +123,10 @@ def test_logit_bias_min_tokens_and_ignore_eos(client: openai.OpenAI, stack: Stac
 def test_penalties_are_openais(client: openai.OpenAI, stack: Stack, chat_model: Path) -> None:
     prompt = token_ids(stack, "to be or not to be")
     presence, frequency = 0.7, 1.3
-    reply = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
+    reply = complete(client, model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0,
                                       presence_penalty=presence, frequency_penalty=frequency)  # fmt: skip
-    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
-    model, out = local_model(chat_model), []  # the whole model, the penalty written out here
+    plain = complete(client, model=MODEL_NAME, prompt=prompt, max_tokens=12, temperature=0)
+    model, out = local_model(chat_model), list[int]()  # the whole model, the penalty written out here
     with torch.no_grad():
         for _ in range(12):
             logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
@@ -138,26 +141,26 @@ def test_penalties_are_openais(client: openai.OpenAI, stack: Stack, chat_model: 
 
 def test_batched_and_token_id_prompts(client: openai.OpenAI, stack: Stack) -> None:
     texts = ["to be or", "def main():", "whether tis"]
-    batch = client.completions.create(model=MODEL_NAME, prompt=texts, max_tokens=5, temperature=0, n=2)
-    singles = [client.completions.create(model=MODEL_NAME, prompt=t, max_tokens=5, temperature=0) for t in texts]
+    batch = complete(client, model=MODEL_NAME, prompt=texts, max_tokens=5, temperature=0, n=2)
+    singles = [complete(client, model=MODEL_NAME, prompt=t, max_tokens=5, temperature=0) for t in texts]
     assert [c.index for c in batch.choices] == list(range(6))
     assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles for _ in range(2)]
     assert batch.usage is not None
-    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)  # type: ignore[union-attr]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
     ids = [token_ids(stack, t) for t in texts[:2]]
-    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=5, temperature=0)
+    by_ids = complete(client, model=MODEL_NAME, prompt=ids, max_tokens=5, temperature=0)
     assert [c.text for c in by_ids.choices] == [s.choices[0].text for s in singles[:2]]
     unknown_bos = [5, *ids[0]]  # sent as is: no BOS added in front of token ids
-    one = client.completions.create(model=MODEL_NAME, prompt=unknown_bos, max_tokens=1, temperature=0)
+    one = complete(client, model=MODEL_NAME, prompt=unknown_bos, max_tokens=1, temperature=0)
     assert one.usage is not None
     assert one.usage.prompt_tokens == len(unknown_bos)
 
 
 def test_echo(client: openai.OpenAI) -> None:
-    reply = client.completions.create(model=MODEL_NAME, prompt="to be or", max_tokens=4, temperature=0, echo=True)
-    plain = client.completions.create(model=MODEL_NAME, prompt="to be or", max_tokens=4, temperature=0)
+    reply = complete(client, model=MODEL_NAME, prompt="to be or", max_tokens=4, temperature=0, echo=True)
+    plain = complete(client, model=MODEL_NAME, prompt="to be or", max_tokens=4, temperature=0)
     assert reply.choices[0].text == "to be or" + plain.choices[0].text
-    alone = client.completions.create(model=MODEL_NAME, prompt="to be or", max_tokens=0, echo=True)
+    alone = complete(client, model=MODEL_NAME, prompt="to be or", max_tokens=0, echo=True)
     assert alone.choices[0].text == "to be or"
     assert alone.usage is not None
     assert alone.usage.completion_tokens == 0

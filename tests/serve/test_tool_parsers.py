@@ -88,7 +88,7 @@ def test_forcing_grammar_admits_a_call_and_nothing_else(tool_model: Path) -> Non
     compiler = GrammarCompiler(tokenizer, TOOL_VOCAB)
     tools = [{"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
                                             "required": ["a"], "additionalProperties": False}}]  # fmt: skip
-    end = {int(tokenizer.convert_tokens_to_ids("<|im_end|>"))}
+    end = {tokenizer.added_tokens_encoder["<|im_end|>"]}
     grammar = forcing_grammar(compiler, "hermes", tools, parallel=False)
     good = tokenizer.encode(
         '<tool_call>\n{"name": "add", "arguments": {"a": 7}}\n</tool_call>', add_special_tokens=False

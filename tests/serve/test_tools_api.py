@@ -17,6 +17,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 from tests.serve.conftest import MODEL_NAME, Stack
+from tests.serve.helpers import chat
 
 WEATHER: ChatCompletionToolParam = {
     "type": "function",
@@ -66,7 +67,7 @@ def arguments(call: Any) -> dict[str, Any]:
 
 
 def test_required_forces_a_valid_call_and_a_second_turn_completes(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(
+    reply = chat(client,
         model=MODEL_NAME, messages=ASK, tools=[WEATHER, ADD], tool_choice="required", max_tokens=80,
         temperature=0, parallel_tool_calls=False,
     )  # fmt: skip
@@ -83,26 +84,26 @@ def test_required_forces_a_valid_call_and_a_second_turn_completes(client: openai
     assert choice.message.content is None
     history: list[ChatCompletionMessageParam] = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},  # type: ignore[list-item]
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
     ]
-    second = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=[WEATHER, ADD], max_tokens=8,
+    second = chat(client, model=MODEL_NAME, messages=history, tools=[WEATHER, ADD], max_tokens=8,
                                             temperature=0)  # fmt: skip
     assert second.choices[0].finish_reason in ("stop", "length")
     assert second.usage is not None
-    assert second.usage.prompt_tokens > reply.usage.prompt_tokens  # type: ignore[union-attr]
+    assert second.usage.prompt_tokens > reply.usage.prompt_tokens
 
 
 def test_a_named_function_is_forced_and_streams_as_openai_deltas(client: openai.OpenAI) -> None:
     named = {"type": "function", "function": {"name": "add"}}
-    whole = client.chat.completions.create(
-        model=MODEL_NAME, messages=ASK, tools=[WEATHER, ADD], tool_choice=named, max_tokens=60, temperature=0,  # type: ignore[arg-type]
+    whole = chat(client,
+        model=MODEL_NAME, messages=ASK, tools=[WEATHER, ADD], tool_choice=named, max_tokens=60, temperature=0,
     )  # fmt: skip
     calls = whole.choices[0].message.tool_calls or []
     assert [c.function.name for c in calls] == ["add"]
     jsonschema.validate(arguments(calls[0]), ADD["function"]["parameters"])
-    chunks = list(client.chat.completions.create(
-        model=MODEL_NAME, messages=ASK, tools=[WEATHER, ADD], tool_choice=named, max_tokens=60, temperature=0,  # type: ignore[arg-type]
+    chunks = list(chat(client,
+        model=MODEL_NAME, messages=ASK, tools=[WEATHER, ADD], tool_choice=named, max_tokens=60, temperature=0,
         stream=True,
     ))  # fmt: skip
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or []) if c.choices]
@@ -118,8 +119,8 @@ def test_a_named_function_is_forced_and_streams_as_openai_deltas(client: openai.
 
 def test_response_format_json_schema_validates_when_sampled(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}
-    reply = client.chat.completions.create(
-        model=MODEL_NAME, messages=ASK, response_format=fmt, max_tokens=60, temperature=1.0, n=20, seed=7,  # type: ignore[arg-type]
+    reply = chat(client,
+        model=MODEL_NAME, messages=ASK, response_format=fmt, max_tokens=60, temperature=1.0, n=20, seed=7,
     )  # fmt: skip
     assert [c.index for c in reply.choices] == list(range(20))
     texts = [c.message.content or "" for c in reply.choices]
@@ -129,18 +130,17 @@ def test_response_format_json_schema_validates_when_sampled(client: openai.OpenA
     assert reply.usage is not None
     # choice i is seeded with seed + i: the same as a one-choice request with that seed
     singles = [
-        client.chat.completions.create(model=MODEL_NAME, messages=ASK, response_format=fmt, max_tokens=60,  # type: ignore[arg-type]
+        chat(client, model=MODEL_NAME, messages=ASK, response_format=fmt, max_tokens=60,
                                        temperature=1.0, seed=7 + i)
         for i in (0, 5)
     ]  # fmt: skip
     assert [s.choices[0].message.content for s in singles] == [texts[0], texts[5]]
-    assert reply.usage.prompt_tokens == singles[0].usage.prompt_tokens  # type: ignore[union-attr]
-    assert reply.usage.completion_tokens > sum(s.usage.completion_tokens for s in singles)  # type: ignore[union-attr]
-    again = client.chat.completions.create(
-        model=MODEL_NAME, messages=ASK, response_format=fmt, max_tokens=60, temperature=1.0, n=20, seed=7,  # type: ignore[arg-type]
+    assert reply.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert reply.usage.completion_tokens > sum(s.usage.completion_tokens for s in singles)
+    again = chat(client,
+        model=MODEL_NAME, messages=ASK, response_format=fmt, max_tokens=60, temperature=1.0, n=20, seed=7,
     )  # fmt: skip
     assert [c.message.content for c in again.choices] == texts  # seed: reproducible
-
 
 
 def test_json_object_composes_with_logit_bias(client: openai.OpenAI, tool_stack: Stack) -> None:
@@ -150,12 +150,12 @@ def test_json_object_composes_with_logit_bias(client: openai.OpenAI, tool_stack:
     assert braces["count"] == 2  # "{" and "}" (not '{"', which would open a key)
     assert braces["max_model_len"] == 4096
     bias = {str(t): 100 for t in braces["tokens"]}
-    obj = client.chat.completions.create(model=MODEL_NAME, messages=ASK, response_format={"type": "json_object"},
+    obj = chat(client, model=MODEL_NAME, messages=ASK, response_format={"type": "json_object"},
                                          max_tokens=60, temperature=0, logit_bias=bias)  # fmt: skip
     assert obj.choices[0].finish_reason == "stop"
     assert obj.choices[0].message.content == "{}"
     assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
-    plain = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=6, temperature=0,
+    plain = chat(client, model=MODEL_NAME, messages=ASK, max_tokens=6, temperature=0,
                                            logit_bias=bias)  # fmt: skip
     assert set(plain.choices[0].message.content or "") <= set("{}")  # the bias alone, without a grammar
     assert plain.usage is not None
