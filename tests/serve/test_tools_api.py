@@ -6,8 +6,6 @@ official ``openai`` client: forced calls (``required``, a named function) parsed
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,13 +44,6 @@ SCHEMA = {
     "required": ["answer", "score", "note"],
     "additionalProperties": False,
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def tool_stack(tool_model: Path) -> Iterator[Stack]:
-    s = Stack(tool_model)
-    yield s
-    s.close()
 
 
 @pytest.fixture(scope="module")
