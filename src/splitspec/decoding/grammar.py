@@ -57,6 +57,10 @@ class GrammarCompiler:
             self._wrapped[key] = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
         return self._wrapped[key]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token (part of a UTF-8 character for some byte-level tokens)."""
+        return bytes(self.lltokenizer(()).decode_bytes([token_id]))
+
     def json_schema(self, schema: Mapping[str, Any], what: str = "the JSON schema") -> str:
         """llguidance's grammar for documents valid under ``schema``; InvalidGrammar naming ``what``."""
         try:
