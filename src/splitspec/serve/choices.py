@@ -157,6 +157,8 @@ class Runner:
                 self.current = None  # counted: no longer running
                 finish: FinishReason = "tool_calls" if parser and parser.calls else out.finish_reason
                 yield index, job, None, finish
+                if await self.disconnected():  # the generation stopped early: start no more choices
+                    return
 
     def running(self) -> int:
         """Completion tokens of the choice in progress (for usage on every chunk)."""
