@@ -5,7 +5,7 @@ RTT) and ``splitspec serve`` on the demo models (draft model, ``--speculate auto
 
 1. **tok/s and tokens per round trip** with and without a JSON schema (``response_format``) on the
    same prompts, greedy: decode tok/s of each streamed completion (tokens after the first / time
-   after the first), tokens per decode round trip from the server's ``/metrics``. Repeats
+   after the first), completion tokens per round trip after the prefill (``/metrics``). Repeats
    interleave the two modes. Under a grammar the server decodes one token per round trip for now
    (speculation under logits processors comes with the edge engine), which this measures.
 2. **The grammar's per-token cost on the edge:** ``GrammarProcessor.process`` + ``accept`` over the
@@ -81,7 +81,7 @@ async def one(http: httpx.AsyncClient, base: str, prompt: str, schema: bool, max
     first = t_first or t_end
     return {"schema": schema, "prompt": prompt, "text": "".join(text), "tokens": n, "total_s": t_end - t0,
             "decode_tok_s": (n - 1) / (t_end - first) if n > 1 and t_end > first else None,
-            "tokens_per_trip": (n - 1) / trips if trips else None}  # fmt: skip
+            "tokens_per_trip": n / trips if trips else None}  # fmt: skip
 
 
 async def run(base: str, repeats: int, max_tokens: int) -> list[dict[str, Any]]:

@@ -179,8 +179,9 @@ def create_app(state: ServeState) -> FastAPI:
         check_common(body)
         stops = stop_ids(body, state.eos_token_ids, state.vocab_size)
         fmt = body.response_format
-        json_format = isinstance(fmt, JsonObjectFormat | JsonSchemaResponseFormat)
-        grammar = response_grammar(fmt, compiler) if json_format else None  # type: ignore[arg-type]
+        grammar = None
+        if isinstance(fmt, JsonObjectFormat | JsonSchemaResponseFormat):
+            grammar = response_grammar(fmt, compiler)
         make = processors(body, grammar, stops, state.vocab_size, compiler)
         jobs = []
         for prompt in body.prompts():

@@ -56,14 +56,14 @@ class Tally:
         return schemas.usage(self.prompt, self.completion + running, self.cached)
 
 
-def sampling(body: schemas._Generation) -> SamplingParams:
+def sampling(body: schemas.GenerationRequest) -> SamplingParams:
     top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     return SamplingParams(temperature=temperature, top_p=top_p, seed=body.seed, top_k=top_k)
 
 
-def stop_ids(body: schemas._Generation, default: frozenset[int], vocab_size: int) -> frozenset[int]:
+def stop_ids(body: schemas.GenerationRequest, default: frozenset[int], vocab_size: int) -> frozenset[int]:
     extra = frozenset(body.stop_token_ids or ())
     if any(not 0 <= t < vocab_size for t in extra):
         raise invalid(f"stop_token_ids must be token ids in 0..{vocab_size - 1}", "stop_token_ids")
@@ -71,7 +71,7 @@ def stop_ids(body: schemas._Generation, default: frozenset[int], vocab_size: int
 
 
 def processors(
-    body: schemas._Generation,
+    body: schemas.GenerationRequest,
     grammar: str | None,
     stops: frozenset[int],
     vocab_size: int,

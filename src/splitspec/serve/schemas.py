@@ -130,7 +130,7 @@ class JsonSchemaResponseFormat(_Part):
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
 
 
-class _Generation(BaseModel):
+class GenerationRequest(BaseModel):
     """Fields shared by both completion endpoints."""
 
     model_config = ConfigDict(extra="allow")
@@ -195,7 +195,7 @@ class _Generation(BaseModel):
             log.debug("ignoring unknown request fields: %s", ", ".join(unknown))
 
 
-class ChatCompletionRequest(_Generation):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -216,7 +216,7 @@ class ChatCompletionRequest(_Generation):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(_Generation):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for this endpoint; 0 with echo
     echo: bool | None = False
