@@ -153,6 +153,20 @@ def test_json_object_composes_with_logit_bias(client: openai.OpenAI, tool_stack:
     assert plain.usage.completion_tokens == 6
 
 
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_text_that_is_not_a_call_stays_content(client: openai.OpenAI, tool_stack: Stack, choice: str) -> None:
+    # a bias makes the model open <tool_call> again and again: never valid JSON, never a 500
+    tag = httpx.post(f"{tool_stack.base_url.removesuffix('/v1')}/tokenize",
+                     json={"prompt": "<tool_call>", "add_special_tokens": False}, timeout=30).json()  # fmt: skip
+    assert tag["count"] == 1
+    reply = chat(client, model=MODEL_NAME, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=6,
+                 temperature=0, logit_bias={str(tag["tokens"][0]): 100})  # fmt: skip
+    message = reply.choices[0].message
+    assert message.tool_calls is None
+    assert message.content == "<tool_call>" * 6
+    assert reply.choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [
