@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,9 @@ JSON_LAYOUT: JsonCompileOptions = {
 }
 
 
+WRAPPED_TOKENIZERS = 4  # llguidance tokenizers kept, one per set of stop tokens
+
+
 class GrammarCompiler:
     """Compiles grammars for one tokenizer and a model vocabulary of ``vocab_size`` logits."""
 
@@ -47,15 +51,24 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = max(vocab_size, len(tokenizer))
         self.logits_size = vocab_size  # columns of the logits the processors mask
-        self._wrapped: dict[frozenset[int], llguidance.LLTokenizer] = {}
+        self._wrapped: OrderedDict[frozenset[int], llguidance.LLTokenizer] = OrderedDict()
 
     def lltokenizer(self, stop_ids: Collection[int]) -> llguidance.LLTokenizer:
-        """The tokenizer as llguidance sees it, ending a grammar with any of ``stop_ids``."""
+        """The tokenizer as llguidance sees it, ending a grammar with any of ``stop_ids``.
+
+        Kept for the last few sets of stop tokens (a server sees two or three: chat, completions,
+        ``ignore_eos``); a request's own ``stop_token_ids`` cannot grow the cache without bound.
+        """
         key = frozenset(stop_ids)
-        if key not in self._wrapped:
-            eos = sorted(key) or [int(self.tokenizer.eos_token_id or 0)]
-            self._wrapped[key] = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
-        return self._wrapped[key]
+        if key in self._wrapped:
+            self._wrapped.move_to_end(key)
+            return self._wrapped[key]
+        eos = sorted(key) or [int(self.tokenizer.eos_token_id or 0)]
+        wrapped = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        self._wrapped[key] = wrapped
+        while len(self._wrapped) > WRAPPED_TOKENIZERS:
+            self._wrapped.popitem(last=False)
+        return wrapped
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes of one token (part of a UTF-8 character for some byte-level tokens)."""
