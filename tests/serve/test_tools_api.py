@@ -146,6 +146,11 @@ def test_json_object_composes_with_logit_bias(client: openai.OpenAI, tool_stack:
     assert obj.choices[0].finish_reason == "stop"
     assert obj.choices[0].message.content == "{}"
     assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+    cut = chat(client, model=MODEL_NAME, messages=ASK, response_format={"type": "json_object"}, max_tokens=5,
+               temperature=0)  # fmt: skip
+    assert cut.choices[0].finish_reason == "length"  # a document not finished within max_tokens
+    assert cut.choices[0].message.content.startswith("{")
+    assert cut.usage.completion_tokens == 5
     plain = chat(client, model=MODEL_NAME, messages=ASK, max_tokens=6, temperature=0,
                                            logit_bias=bias)  # fmt: skip
     assert set(plain.choices[0].message.content or "") <= set("{}")  # the bias alone, without a grammar
