@@ -494,6 +494,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefix_cache_bytes=args.prefix_cache_mb * 1024 * 1024,
         prefix_reuse=not args.no_prefix_reuse,
         chat_template=_read_text(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
     )
     asyncio.run(serve_forever(config, args.log_level.lower()))
     return 0
@@ -516,6 +517,13 @@ def _register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
     p.add_argument("--api-key-file", type=Path, help="file holding the bearer key clients must send")
     p.add_argument("--chat-template", type=Path, help="Jinja chat template for a tokenizer that has none")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("auto", "hermes", "llama3_json"),
+        default="auto",
+        help="how tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
+        'Hermes), llama3_json ({"name", "parameters"}: Llama 3.1+), or auto (the chat template says which)',
+    )
     p.add_argument("--max-active", type=int, default=8, help="requests generating at once, one cloud session each")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request waits for a session, then 429")
     p.add_argument("--prefix-cache-size", type=int, default=16, help="idle conversations kept for reuse (default 16)")

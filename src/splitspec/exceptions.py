@@ -5,7 +5,8 @@ Every error raised on purpose by splitspec derives from :class:`SplitspecError`:
     SplitspecError
     ├── ConfigError                 bad local configuration (split plan, checkpoint dir, CLI values)
     │   ├── CheckpointError         a checkpoint directory is missing files or tensors
-    │   └── DeviceUnavailable       the requested device (cuda, cuda:N, mps) is not on this machine
+    │   ├── DeviceUnavailable       the requested device (cuda, cuda:N, mps) is not on this machine
+    │   └── InvalidGrammar          a JSON schema or grammar the grammar engine cannot compile
     ├── ProtocolError               a peer sent something we refuse; carries a wire ``code``
     │   ├── MalformedFrame          not a frame: too short, bad header JSON, trailing bytes
     │   ├── BadMagic                wrong magic bytes
@@ -47,6 +48,10 @@ class CheckpointError(ConfigError):
 
 class DeviceUnavailable(ConfigError):
     """A device was requested (``--device cuda``, ``cuda:N``, ``mps``) that this machine does not have."""
+
+
+class InvalidGrammar(ConfigError):
+    """A JSON schema, Lark grammar or tool definition that llguidance refuses to compile."""
 
 
 class CompileFailed(ConfigError):
