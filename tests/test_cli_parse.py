@@ -80,3 +80,16 @@ def test_the_python_api_speculates_like_the_cli_by_default() -> None:
     args = build_parser().parse_args(["generate", "--model", "m", "--cloud", "ws://h:1", "--prompt", "p"])
     for method in (SplitClient.generate, SplitClient.stream):
         assert inspect.signature(method).parameters["speculate"].default == args.speculate == "auto"
+
+
+# the commands that load model weights; each computes in --dtype auto unless told otherwise
+DTYPE_ROLES = ("cloud serve", "generate", "chat", "serve", "demo", "probe", "fed worker", "fed generate")
+
+
+def test_every_role_that_loads_weights_takes_dtype_auto_by_default() -> None:
+    by_path = {" ".join(path): p for path, p in leaves()}
+    for role in (*DTYPE_ROLES, "bench"):
+        action = next((a for a in by_path[role]._actions if "--dtype" in a.option_strings), None)
+        assert action is not None, f"splitspec {role} has no --dtype"
+        assert action.choices == ("auto", "float32", "bfloat16", "float16"), role
+        assert action.default == ("auto" if role != "bench" else None), role  # bench: the scenario's, else auto

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 from splitspec.arguments import (
     add_compile_args,
     add_connection_limit_args,
+    add_dtype_arg,
     add_tls_ca,
     add_token_file,
     edge_layers,
@@ -58,10 +59,10 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
         metavar="HEAD,TAIL",
         help="decoder layers kept on the edge before and after the trunk (default 2,2)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="compute and wire dtype (default: the checkpoint's own, config.json's dtype); both sides must agree",
+    add_dtype_arg(
+        p,
+        ". It is the wire's dtype too: an auto edge follows the trunk's (stated at the handshake); a pinned one "
+        "must equal it",
     )
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_token_file(p)
@@ -419,6 +420,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         edge_layers=args.edge_layers,
         device=args.device,
+        dtype=args.dtype,
     )
     return run_demo(config)
 
@@ -437,6 +439,7 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for the edge (default 1: small models)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + "; the trunk server child uses it too")
+    add_dtype_arg(p, "; the trunk server child uses it too")
     p.set_defaults(run=_run_demo)
 
 

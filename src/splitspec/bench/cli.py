@@ -24,7 +24,7 @@ import json
 import logging
 from pathlib import Path
 
-from splitspec.arguments import add_tls_ca, add_token_file, edge_layers, read_token_file
+from splitspec.arguments import add_dtype_arg, add_tls_ca, add_token_file, edge_layers, read_token_file
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
@@ -118,7 +118,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL", help="edge layers (default 2,2)"
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    add_dtype_arg(p, "; it must equal the server's, which an auto probe follows")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_token_file(p)
     add_tls_ca(p)
@@ -166,7 +166,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from splitspec.bench.harness import run_benchmark
     from splitspec.bench.scenario import load_scenario
 
-    scenario = load_scenario(resolve_scenario(args.scenario), model_dir=args.model, device=args.device)
+    scenario = load_scenario(
+        resolve_scenario(args.scenario), model_dir=args.model, device=args.device, dtype=args.dtype
+    )
     if args.quick:
         scenario = scenario.quick()
     out = args.out if args.out is not None else RESULTS_DIR / scenario.name
@@ -188,6 +190,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-runs", action="store_true", help="skip the per-run records file (runs.jsonl.gz)")
     p.add_argument("--device", help=DEVICE_HELP.replace("default auto", "default: the scenario's, else auto"))
+    add_dtype_arg(p, " (default: the scenario's dtype, else auto)", default=None)
     p.set_defaults(run=run_bench)
 
 

@@ -20,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from splitspec.arguments import add_connection_limit_args, add_tls_ca, add_token_file, read_token_file
+from splitspec.arguments import add_connection_limit_args, add_dtype_arg, add_tls_ca, add_token_file, read_token_file
 from splitspec.devices import DEVICE_HELP, resolve_device
 from splitspec.exceptions import ConfigError
 from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET
@@ -52,6 +52,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         handshake_timeout_s=args.handshake_timeout,
         max_connections_per_address=args.max_connections_per_address,
         device=args.device,
+        dtype=args.dtype,
     )
     asyncio.run(serve_forever(config))
     return 0
@@ -83,9 +84,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         tls_ca_file=args.tls_ca,
         round_timeout_s=args.round_timeout,
         device=args.device,
+        dtype=args.dtype,
     )
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    draft = load_model(config.draft_dir, device=resolve_device(config.device))
+    draft = load_model(config.draft_dir, config.dtype, resolve_device(config.device))
     prompt_ids = list(draft.tokenizer.encode(args.prompt))
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens")
@@ -142,6 +144,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_connection_limit_args(w)
     w.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_dtype_arg(w)
     w.set_defaults(run=_run_worker)
 
     g = fed_sub.add_parser("generate", help="draft locally, verify against the workers' aggregate")
@@ -185,4 +188,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--json", action="store_true", help="print tokens, text and per-round figures as JSON")
     g.add_argument("--audit", action="store_true", help="workers also send full laws: check the bounds each round")
     g.add_argument("--device", default="auto", help=DEVICE_HELP + " (for the draft model; sampling stays on the host)")
+    add_dtype_arg(g, " (for the draft model)")
     g.set_defaults(run=_run_generate)
