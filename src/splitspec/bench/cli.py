@@ -24,7 +24,15 @@ import json
 import logging
 from pathlib import Path
 
-from splitspec.arguments import add_dtype_arg, add_tls_ca, add_token_file, edge_layers, read_token_file
+from splitspec.arguments import (
+    MODEL_HELP,
+    add_dtype_arg,
+    add_tls_ca,
+    add_token_file,
+    edge_layers,
+    model_dir,
+    read_token_file,
+)
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
@@ -111,9 +119,9 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765")
     p.add_argument(
         "--model",
-        type=Path,
+        type=model_dir,
         default=DEFAULT_MODEL_DIR,
-        help="checkpoint directory; only edge tensors are loaded (default: the demo base model)",
+        help=MODEL_HELP + "; only edge tensors are loaded (default: the demo base model)",
     )
     p.add_argument(
         "--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL", help="edge layers (default 2,2)"
@@ -185,7 +193,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("scenario", help="scenario TOML file, or the name of a shipped scenario (default, speculative)")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<scenario name>)")
-    p.add_argument("--model", type=Path, help="checkpoint directory, instead of the scenario's model")
+    p.add_argument("--model", type=model_dir, help=MODEL_HELP + ", instead of the scenario's model")
     p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 prompt per set, <= 16 tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-runs", action="store_true", help="skip the per-run records file (runs.jsonl.gz)")
