@@ -53,7 +53,7 @@ def add_compile_args(p: argparse.ArgumentParser, whose: str) -> None:
 DTYPE_HELP = (
     "compute dtype: auto (the default) computes in the checkpoint's own dtype (config.json's) on an accelerator; "
     "on a CPU a float16/bfloat16 checkpoint computes in float32 unless the CPU has native matrix instructions "
-    "for it (AMX or AVX512-BF16 for bfloat16, AVX512-FP16 for float16); the choice is logged"
+    "for it (AMX-BF16 or AVX512-BF16 for bfloat16, AMX-FP16 or AVX512-FP16 for float16); the choice is logged"
 )
 
 

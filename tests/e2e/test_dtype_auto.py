@@ -4,6 +4,7 @@ that differs is refused at the handshake."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -96,3 +97,25 @@ async def test_an_auto_edge_follows_the_trunks_pinned_dtype(make_checkpoint: Cal
             assert given.model.dtype == torch.bfloat16
             assert loaded.dtype == torch.float32  # what the caller passed is left as it was
             assert (await given.generate(PROMPT, 16, speculate="off")).token_ids == followed.token_ids
+
+
+async def test_a_compiled_auto_edge_compiles_again_in_the_trunks_dtype(
+    make_checkpoint: Callable[..., Path], compile_backend: str
+) -> None:
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, dtype="bfloat16")) as server:
+        edge = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        async with SplitClient(edge) as plain:
+            expected = (await plain.generate(PROMPT, 16, speculate="off")).token_ids
+        compiled = SplitClient(
+            dataclasses.replace(edge, compile="auto", compile_backend=compile_backend, max_cache_tokens=64)
+        )
+        loaded = compiled.model
+        async with compiled:
+            assert compiled.model is not loaded  # reloaded in bfloat16, then compiled for it
+            assert compiled.model.dtype == torch.bfloat16
+            head, tail = compiled.model.head.fixed_decode, compiled.model.tail.fixed_decode
+            assert head is not None
+            assert tail is not None
+            assert (await compiled.generate(PROMPT, 16, speculate="off")).token_ids == expected
+            assert (head.steps, tail.steps) == (2 + 15, 2 + 15)  # the decode steps took the compiled path
