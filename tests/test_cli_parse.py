@@ -91,3 +91,16 @@ def test_quantize_is_offered_to_the_trunk_and_every_edge_role() -> None:
     assert args.quantize == "nf4"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["cloud", "serve", "--model", "m", "--quantize", "gptq"])
+
+
+# the commands that load model weights; each computes in --dtype auto unless told otherwise
+DTYPE_ROLES = ("cloud serve", "generate", "chat", "serve", "demo", "probe", "fed worker", "fed generate")
+
+
+def test_every_role_that_loads_weights_takes_dtype_auto_by_default() -> None:
+    by_path = {" ".join(path): p for path, p in leaves()}
+    for role in (*DTYPE_ROLES, "bench"):
+        action = next((a for a in by_path[role]._actions if "--dtype" in a.option_strings), None)
+        assert action is not None, f"splitspec {role} has no --dtype"
+        assert action.choices == ("auto", "float32", "bfloat16", "float16"), role
+        assert action.default == ("auto" if role != "bench" else None), role  # bench: the scenario's, else auto

@@ -1,7 +1,9 @@
 """The splitspec command: one entry point, one subcommand per job.
 
-    splitspec cloud serve --model DIR [--edge-layers 2,2] [--port 8765] ...
-    splitspec generate --model DIR --cloud ws://HOST:PORT --prompt TEXT [--max-new-tokens N] ...
+    splitspec cloud serve --model DIR|ORG/NAME[@REV] [--edge-layers 2,2] [--port 8765] [--dtype auto] ...
+    splitspec generate --model DIR|ORG/NAME[@REV] --cloud ws://HOST:PORT --prompt TEXT [--max-new-tokens N] ...
+
+A model id is read from the local Hugging Face cache only (never downloaded).
 
 Each subcommand builds its frozen config once from the arguments and hands it to the library.
 """
@@ -19,11 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from splitspec.arguments import (
+    MODEL_HELP,
     add_compile_args,
     add_connection_limit_args,
+    add_dtype_arg,
     add_tls_ca,
     add_token_file,
     edge_layers,
+    model_dir,
     read_token_file,
 )
 from splitspec.devices import DEVICE_HELP
@@ -51,7 +56,7 @@ def set_threads(threads: int | None) -> None:
 
 
 def _add_split_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True, help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--model", type=model_dir, required=True, help=MODEL_HELP)
     p.add_argument(
         "--edge-layers",
         type=edge_layers,
@@ -59,10 +64,10 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
         metavar="HEAD,TAIL",
         help="decoder layers kept on the edge before and after the trunk (default 2,2)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="compute and wire dtype (default: the checkpoint's own, config.json's dtype); both sides must agree",
+    add_dtype_arg(
+        p,
+        ". It is the wire's dtype too: an auto edge follows the trunk's (stated at the handshake); a pinned one "
+        "must equal it",
     )
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -81,7 +86,12 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         "and draft length from measured RTT, step cost and acceptance, and falls back to one token "
         "per trip when speculation would not pay",
     )
-    p.add_argument("--draft-model", type=Path, help="small local model sharing the tokenizer, for --speculate draft")
+    p.add_argument(
+        "--draft-model",
+        type=model_dir,
+        help="small local model sharing the tokenizer, for --speculate draft (a "
+        "directory or a cached org/name[@revision])",
+    )
 
 
 # -- cloud serve ---------------------------------------------------------------------------------
@@ -302,7 +312,11 @@ def _add_edge_link_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the published edge weights anyway (the cloud can invert its hidden states; warned every session)",
     )
-    p.add_argument("--published-model", type=Path, help="published checkpoint to compare the edge weights with")
+    p.add_argument(
+        "--published-model",
+        type=model_dir,
+        help="published checkpoint to compare the edge weights with (a directory or a cached org/name[@revision])",
+    )
     p.add_argument(
         "--trunk-fingerprint",
         metavar="START-END:DTYPE:DIGEST",
@@ -423,6 +437,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         edge_layers=args.edge_layers,
         device=args.device,
+        dtype=args.dtype,
     )
     return run_demo(config)
 
@@ -436,11 +451,14 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--rtt-ms", type=float, default=80.0, help="emulated round-trip time, ms (default 80)")
     p.add_argument("--mode", choices=SPECULATE_MODES, default="auto", help="speculation mode (default auto)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--model", type=Path, help="checkpoint to split (default: the embedded base model)")
-    p.add_argument("--draft-model", type=Path, help="drafter (default: the embedded draft model)")
+    p.add_argument("--model", type=model_dir, help=MODEL_HELP + ", to split (default: the embedded base model)")
+    p.add_argument(
+        "--draft-model", type=model_dir, help="drafter, a directory or model id (default: the embedded draft model)"
+    )
     p.add_argument("--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for the edge (default 1: small models)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + "; the trunk server child uses it too")
+    add_dtype_arg(p, "; the trunk server child uses it too")
     p.set_defaults(run=_run_demo)
 
 
@@ -469,6 +487,7 @@ def _register_privacy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from splitspec.models.hub import model_label
     from splitspec.serve.config import ServeConfig
     from splitspec.serve.server import serve_forever
 
@@ -483,7 +502,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     config = ServeConfig(
         edge=edge,
-        served_model_name=args.served_model_name or args.model.resolve().name,
+        served_model_name=args.served_model_name or model_label(args.model),
         host=args.host,
         port=args.port,
         api_key=read_token_file(args.api_key_file),
@@ -514,7 +533,9 @@ def _register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_edge_link_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
+    p.add_argument(
+        "--served-model-name", help="model id clients send (default: the --model id, or the model directory's name)"
+    )
     p.add_argument("--api-key-file", type=Path, help="file holding the bearer key clients must send")
     p.add_argument("--chat-template", type=Path, help="Jinja chat template for a tokenizer that has none")
     p.add_argument(
@@ -595,16 +616,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _log_cached_models(args: argparse.Namespace) -> None:
+    """Say which cached snapshot each model id resolved to (resolved while parsing, before logging was set)."""
+    from splitspec.models.hub import model_label, snapshot_repo
+
+    for name, value in sorted(vars(args).items()):
+        if isinstance(value, Path) and snapshot_repo(value) is not None:
+            log.info("--%s %s: the cached snapshot %s", name.replace("_", "-"), model_label(value), value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SplitspecError as exc:  # from an option's type: a --model id that is not in the local cache
+        logging.basicConfig(level="INFO", format=LOG_FORMAT)
+        log.error("%s: %s", type(exc).__name__, exc)
+        return 2
     args.log_level = getattr(args, "log_level", "INFO")
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLevelName(args.log_level)))
     if args.log_level != "DEBUG":  # transformers' per-load progress bars are noise around our log lines
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    _log_cached_models(args)
     run: Runner = args.run
     try:
         return run(args)

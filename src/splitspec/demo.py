@@ -60,6 +60,7 @@ class DemoConfig:
     temperature: float = 0.0  # 0 = greedy
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers on the edge
     device: str = "auto"  # compute device of the edge and of the trunk server child
+    dtype: str = "auto"  # compute dtype of both (models.precision)
     startup_timeout_s: float = 120.0  # waiting for the children to listen, seconds
 
 
@@ -141,6 +142,7 @@ async def _generate(config: DemoConfig, url: str, console: Console) -> list[tupl
         edge_layers=config.edge_layers,
         draft_model_dir=config.draft_model_dir,
         device=config.device,
+        dtype=config.dtype,
         # the demo model is public by construction: say so instead of refusing
         allow_stock_edge_weights=True,
     )
@@ -218,6 +220,8 @@ def run_demo(config: DemoConfig, console: Console | None = None) -> int:
                     "1",
                     "--device",
                     config.device,
+                    "--dtype",
+                    config.dtype,
                 ]
             )
         )

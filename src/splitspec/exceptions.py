@@ -5,6 +5,7 @@ Every error raised on purpose by splitspec derives from :class:`SplitspecError`:
     SplitspecError
     ├── ConfigError                 bad local configuration (split plan, checkpoint dir, CLI values)
     │   ├── CheckpointError         a checkpoint directory is missing files or tensors
+    │   │   └── ModelNotFound       a --model id is not in the local Hugging Face cache (never downloaded)
     │   ├── DeviceUnavailable       the requested device (cuda, cuda:N, mps) is not on this machine
     │   └── InvalidGrammar          a JSON schema or grammar the grammar engine cannot compile
     ├── ProtocolError               a peer sent something we refuse; carries a wire ``code``
@@ -44,6 +45,10 @@ class ConfigError(SplitspecError):
 
 class CheckpointError(ConfigError):
     """A checkpoint directory lacks a file or a tensor that the requested role needs."""
+
+
+class ModelNotFound(CheckpointError):
+    """A model id (``org/name[@revision]``) names no directory and no snapshot in the local Hugging Face cache."""
 
 
 class DeviceUnavailable(ConfigError):

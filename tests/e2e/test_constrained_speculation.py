@@ -65,9 +65,9 @@ async def test_constrained_speculation(tool_model: Path, make_checkpoint: Callab
                 for s in range(20)
             ]
     assert greedy == alone  # speculation changes nothing under the grammar
-    jsonschema.validate(json.loads(tokenizer.decode(greedy)), SCHEMA)
+    jsonschema.validate(json.loads(str(tokenizer.decode(greedy))), SCHEMA)
     for tokens, _ in sampled:
-        jsonschema.validate(json.loads(tokenizer.decode(tokens)), SCHEMA)
+        jsonschema.validate(json.loads(str(tokenizer.decode(tokens))), SCHEMA)
     steps = [s for _, t in sampled for s in t] + trace
     per_trip = sum(s.emitted for s in steps) / len(steps)
     assert sum(s.accepted for s in steps) > 0  # drafts went through the grammar and were accepted

@@ -17,7 +17,7 @@ OURS = TrunkFingerprint(2, 6, "bfloat16", DIGEST)
 
 def welcome_bytes(trunk: object) -> bytes:
     """A Welcome frame whose trunk_fingerprint field holds ``trunk`` as written."""
-    header, _ = Welcome("s", 100, 4, 1.0, OURS).to_wire()
+    header, _ = Welcome("s", 100, 4, 1.0, OURS, "bfloat16").to_wire()
     return encode_frame({"type": Welcome.TYPE, **header, "trunk_fingerprint": trunk})
 
 

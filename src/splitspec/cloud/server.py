@@ -97,8 +97,9 @@ class TrunkServer:
         self.checkpoint = Checkpoint(config.model_dir)
         model_config = self.checkpoint.config
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
-        self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype)
         devices = parse_devices(",".join(config.devices)) if config.devices else (resolve_device(config.device),)
+        slowest = next((d for d in devices if d.type == "cpu"), devices[0])  # a CPU share sets auto's choice
+        self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype, slowest, "trunk")
         self.trunk = load_trunk(
             self.checkpoint, self.plan, self.dtype, config.attn_implementation, devices, config.quantize
         )
@@ -391,6 +392,7 @@ class _TrunkPeer(MessagePeer[Message]):
                 max_query_tokens=server.config.max_query_tokens,
                 session_ttl_s=server.config.session_ttl_s,
                 trunk=server.trunk_fingerprint,
+                dtype=server.identity.dtype,
             )
         if isinstance(message, OpenSession):
             session = server.sessions.open(self.conn_id, self.address)

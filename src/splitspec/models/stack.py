@@ -40,6 +40,7 @@ from splitspec.models.family import Skeleton, published_dtype, skeleton
 from splitspec.models.fixed_decode import FixedShapeDecode
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import step_mask
+from splitspec.models.precision import dtype_name, resolve_compute_dtype
 from splitspec.models.quantization import plan_quantization
 from splitspec.models.split import SplitPlan
 from splitspec.models.static_kv import StaticKVCache
@@ -274,10 +275,11 @@ class FullModel(ModelEnds):
 # -- loading --------------------------------------------------------------------------------------
 
 
-def resolve_dtype(ckpt: Checkpoint, name: str | None) -> tuple[torch.dtype, str]:
-    """The compute/wire dtype: ``name`` when given, else the checkpoint's published dtype."""
-    dtype = published_dtype(ckpt.config) if name is None else dtype_from_name(name)
-    return dtype, str(dtype).removeprefix("torch.")
+def resolve_dtype(ckpt: Checkpoint, name: str, device: torch.device, what: str = "model") -> tuple[torch.dtype, str]:
+    """The compute/wire dtype and its name: ``name`` when pinned, else (``auto``) the checkpoint's
+    published dtype as :func:`~splitspec.models.precision.resolve_compute_dtype` fits it to ``device``."""
+    dtype = resolve_compute_dtype(name, published_dtype(ckpt.config), device, what)
+    return dtype, dtype_name(dtype)
 
 
 def _materialize_buffers(skel: Skeleton, modules: Sequence[nn.Module], device: torch.device) -> None:
@@ -484,12 +486,3 @@ def load_full(
     """Every piece of a checkpoint on ``device``, for running it whole on one machine."""
     skel = _load_ends_and_layers(ckpt, None, dtype, attn_implementation, device, quantize)
     return FullModel(skel).eval()
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Map "float32" / "bfloat16" / "float16" to a torch dtype, with a clear error."""
-    from splitspec.protocol.frames import DTYPES
-
-    if name not in ("float32", "float16", "bfloat16"):
-        raise CheckpointError(f"dtype {name!r} is not one of float32, float16, bfloat16")
-    return DTYPES[name]

@@ -12,9 +12,11 @@ the method: ``bnb_nf4(bfloat16+float32+uint8)``. A trunk quantized at load (``--
 hashed from the tensors it quantizes and names its method the same way: ``nf4(bfloat16)``.
 
 Hashing reads every trunk byte once, so the result is cached in ``CACHE_FILE`` in the checkpoint
-directory, keyed by the layer range and the size and modification time of every tensor file (a
-restart does not rehash). A directory we cannot write to only costs the rehash at the next start;
-within one process the result is also kept in memory.
+directory (for a snapshot of the Hugging Face cache, a symlink farm shared by revisions, beside its
+``snapshots/`` folder instead: :func:`splitspec.models.hub.side_file`), keyed by the layer range and
+the size and modification time of every tensor file (a restart does not rehash). A directory we
+cannot write to only costs the rehash at the next start; within one process the result is also
+kept in memory.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 
 from splitspec.exceptions import CheckpointError
 from splitspec.models.checkpoint import INDEX_FILE, Checkpoint
+from splitspec.models.hub import side_file
 from splitspec.models.quantization import published_method, quantized_dtype_label
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import trunk_tensor_names
@@ -111,7 +114,7 @@ def _hash_trunk(directory: Path, plan: SplitPlan, stats: FileStats) -> TrunkFing
 
 
 def _read_cache(directory: Path) -> dict[str, Any]:
-    path = directory / CACHE_FILE
+    path = side_file(directory, CACHE_FILE)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
@@ -127,14 +130,14 @@ def _read_cache(directory: Path) -> dict[str, Any]:
 
 def _write_cache(directory: Path, entries: dict[str, Any]) -> None:
     """Write the cache atomically; a read-only directory is logged, not an error."""
-    path = directory / CACHE_FILE
+    path = side_file(directory, CACHE_FILE)
     tmp: str | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=CACHE_FILE, dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=CACHE_FILE, dir=path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump({"format": _CACHE_FORMAT, "entries": entries}, f, indent=1)
         os.replace(tmp, path)
     except OSError as exc:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        log.info("cannot cache the trunk fingerprint in %s (%s): it is recomputed at the next start", directory, exc)
+        log.info("cannot cache the trunk fingerprint in %s (%s): it is recomputed at the next start", path, exc)

@@ -5,7 +5,8 @@ Conversation (edge -> cloud on the left)::
     Hello            ->   <- Welcome                 once per connection; pins version, model
                                                      fingerprint, trunk layer range, dtype, auth;
                                                      the Welcome carries the trunk's content
-                                                     fingerprint, which the edge checks
+                                                     fingerprint, which the edge checks, and its
+                                                     dtype, which an edge that says "auto" follows
     OpenSession      ->   <- SessionOpened           a session owns one KV cache on the cloud
     Step             ->   <- StepResult              hidden states in, hidden states out
     CloseSession     ->   <- SessionClosed
@@ -35,6 +36,8 @@ from splitspec.protocol.trunk_fingerprint import MAX_TEXT_LEN as MAX_TRUNK_TEXT_
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 
 MAX_ID_LEN = 128
+AUTO_DTYPE = "auto"  # a Hello's dtype when the edge follows the trunk's (given in the Welcome)
+WIRE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # a session's hidden-state dtypes
 MAX_ERROR_CHARS = 4096  # longest error message a peer accepts, characters
 MAX_RETRY_AFTER_S = 3600.0  # longest retry-after hint a peer accepts, seconds
 
@@ -47,7 +50,7 @@ class Hello:
     fingerprint: str  # model fingerprint (config hash), see models.checkpoint.fingerprint
     layer_start: int  # first trunk layer index (inclusive)
     layer_end: int  # last trunk layer index (exclusive)
-    dtype: str  # hidden-state dtype on the wire and in compute, e.g. "float32"
+    dtype: str  # hidden-state dtype on the wire and in compute, e.g. "float32"; "auto": the trunk's (Welcome)
     hidden_size: int  # width of the hidden states, in elements
     auth_token: str | None = None  # shared secret, when the server requires one
     client: str = "splitspec"  # free-form client name, for logs
@@ -87,6 +90,7 @@ class Welcome:
     max_query_tokens: int  # largest q of one Step, in tokens
     session_ttl_s: float  # idle seconds after which a session is dropped
     trunk: TrunkFingerprint  # what the trunk's weights are; the edge checks it against its own copy
+    dtype: str  # the trunk's compute and wire dtype ("float32", "bfloat16", "float16")
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return {
@@ -95,6 +99,7 @@ class Welcome:
             "max_query_tokens": self.max_query_tokens,
             "session_ttl_s": self.session_ttl_s,
             "trunk_fingerprint": str(self.trunk),
+            "dtype": self.dtype,
         }, {}
 
     @classmethod
@@ -106,7 +111,16 @@ class Welcome:
             max_query_tokens=int_field(h, "max_query_tokens", minimum=1),
             session_ttl_s=number_field(h, "session_ttl_s"),
             trunk=_trunk_field(h),
+            dtype=_dtype_field(h),
         )
+
+
+def _dtype_field(header: dict[str, Any]) -> str:
+    """A Welcome's dtype: one of the wire's hidden-state dtypes, nothing else."""
+    text: str = str_field(header, "dtype", max_len=32)
+    if text not in WIRE_DTYPE_NAMES:
+        raise MalformedFrame(f"field 'dtype': {text!r:.40} is not one of {', '.join(WIRE_DTYPE_NAMES)}")
+    return text
 
 
 def _trunk_field(header: dict[str, Any]) -> TrunkFingerprint:

@@ -19,7 +19,7 @@ from splitspec.exceptions import (
     UnexpectedMessage,
 )
 from splitspec.protocol.frames import peek_header
-from splitspec.protocol.messages import Hello
+from splitspec.protocol.messages import AUTO_DTYPE, Hello
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,10 @@ class ServerConnection(HandshakeGate):
         self.identity = identity
 
     def accept_hello(self, hello: Hello) -> None:
-        """Check auth and the pinned identity; raise a typed error on any mismatch."""
+        """Check auth and the pinned identity; raise a typed error on any mismatch.
+
+        A Hello whose dtype is ``auto`` accepts the trunk's (the Welcome states it); any other must equal it.
+        """
         self.begin_hello(hello.auth_token)
         ident = self.identity
         mismatches = [
@@ -99,7 +102,7 @@ class ServerConnection(HandshakeGate):
                 ("fingerprint", hello.fingerprint, ident.fingerprint),
                 ("layer_start", hello.layer_start, ident.layer_start),
                 ("layer_end", hello.layer_end, ident.layer_end),
-                ("dtype", hello.dtype, ident.dtype),
+                ("dtype", ident.dtype if hello.dtype == AUTO_DTYPE else hello.dtype, ident.dtype),
                 ("hidden_size", hello.hidden_size, ident.hidden_size),
             )
             if theirs != ours
