@@ -207,6 +207,9 @@ class EdgeEngine:
                 if sequence.lost:
                     await self._recover(sequence)
                 return await self._forward_chunked(sequence, tokens, parents, kind)
+            except asyncio.CancelledError:
+                sequence.tokens = sequence.tokens[:base]  # the chunks that went through are forgotten too
+                raise
             except (UnknownSession, TransportError, ServerError) as exc:
                 # the chunks of this forward that went through are forgotten: the retry sends them
                 # again, after the recovery replayed only what was committed before this forward.
@@ -268,8 +271,14 @@ class EdgeEngine:
             t4 = time.perf_counter()
             logits, _, _ = await self._tail.submit(trunk_out, positions, parent_t, sequence.tail_cache)  # (1, q, V)
             t5 = time.perf_counter()
-        except BaseException:
-            for cache in (sequence.head_cache, sequence.tail_cache):  # leave no half-run step behind
+        except asyncio.CancelledError:
+            # a worker may still be computing this step on the caches: leave them to it, and start the
+            # sequence's caches afresh; its next forward replays the committed tokens on a new session
+            sequence.head_cache, sequence.tail_cache = runtime.new_cache(), runtime.new_cache()
+            sequence.lost = True
+            raise
+        except BaseException:  # the workers are done with this step: leave no half-run step behind
+            for cache in (sequence.head_cache, sequence.tail_cache):
                 if len(cache) > base:
                     cache.truncate(base)
             raise
