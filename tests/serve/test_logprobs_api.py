@@ -40,7 +40,7 @@ def ids_of(model_dir: Path, texts: Sequence[str]) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     by_text: dict[str, list[int]] = {}
     for i in range(len(tokenizer)):
-        by_text.setdefault(tokenizer.decode([i], skip_special_tokens=False), []).append(i)
+        by_text.setdefault(str(tokenizer.decode([i], skip_special_tokens=False)), []).append(i)
     out = []
     for text in texts:
         assert len(by_text[text]) == 1, f"{text!r} names tokens {by_text[text]}"
@@ -113,7 +113,8 @@ def test_completion_echo_gives_every_prompt_tokens_logprob(
     assert alone.usage.completion_tokens == 0
     assert alone.usage.prompt_tokens_details.cached_tokens == 0  # a fresh session: every row computed
     assert alone.choices[0].text == tokenizer.decode(prompt, skip_special_tokens=True)
-    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
     assert len(lp.token_logprobs) == len(prompt)
     local = local_logprobs(chat_model, prompt)
     for i in range(1, len(prompt)):
@@ -129,7 +130,8 @@ def test_completion_echo_gives_every_prompt_tokens_logprob(
     both = more.choices[0].logprobs
     assert both.token_logprobs[0] is None
     assert len(both.token_logprobs) == len(prompt) + 3
-    assert all(abs(a - b) <= TOL for a, b in zip(both.token_logprobs[1 : len(prompt)], lp.token_logprobs[1:]))
+    again = zip(both.token_logprobs[1 : len(prompt)], lp.token_logprobs[1:], strict=True)
+    assert all(abs(a - b) <= TOL for a, b in again)
     generated = ids_of(chat_model, both.tokens[len(prompt) :])
     local = local_logprobs(chat_model, prompt + generated)
     for k, token in enumerate(generated):
@@ -137,16 +139,18 @@ def test_completion_echo_gives_every_prompt_tokens_logprob(
 
     pieces = list(complete(client, model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=2,
                            temperature=0, stream=True))  # fmt: skip
-    tokens, offsets, values = [], [], []
+    tokens: list[str] = []
+    offsets: list[int] = []
+    streamed: list[float | None] = []
     for piece in pieces:
         if piece.choices and piece.choices[0].logprobs is not None:
             tokens += piece.choices[0].logprobs.tokens
             offsets += piece.choices[0].logprobs.text_offset
-            values += piece.choices[0].logprobs.token_logprobs
+            streamed += piece.choices[0].logprobs.token_logprobs
     assert tokens == both.tokens
     assert offsets == both.text_offset  # text_offset counts on across chunks
-    assert values[0] is None
-    assert all(abs(a - b) <= TOL for a, b in zip(values[1:], both.token_logprobs[1:], strict=True))
+    assert streamed[0] is None
+    assert all(abs(a - b) <= TOL for a, b in zip(streamed[1:], both.token_logprobs[1:], strict=True))
 
 
 def test_logprobs_line_up_with_the_text_under_a_stop_string(tool_stack: Stack, tool_model: Path) -> None:
