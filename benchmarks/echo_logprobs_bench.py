@@ -3,7 +3,9 @@
 Processes on loopback, as ``structured_bench.py`` has them: a trunk server, the WAN emulator
 (80 ms RTT) and ``splitspec serve`` on the demo models. Each request is a 1,000-token prompt (token
 ids from the held-out prose corpus, a different window for every request so no cached prefix is
-reused) to ``/v1/completions``, in three modes, interleaved (the order turns every repeat):
+reused; ``--prefix-cache-size 1``, so every request, echo or not, recycles the one idle session
+rather than opening a new cloud session) to ``/v1/completions``, in three modes, interleaved (the
+order turns every repeat):
 
 - ``prefill``: ``max_tokens`` 1, no logprobs: what the prompt's prefill costs anyway;
 - ``echo``: ``echo`` with ``logprobs`` 1 and ``max_tokens`` 0 (lm-evaluation-harness's
@@ -123,7 +125,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"# Prompt logprobs (echo) through splitspec serve ({results['rtt_ms']:.0f} ms RTT, demo models)",
         "",
         f"Commit `{results['commit'][:12]}`, {results['repeats']} interleaved repeats, {results['tokens']}-token "
-        "prompts (a fresh corpus window per request), medians. "
+        "prompts (a fresh corpus window per request, `--prefix-cache-size 1`: every request recycles the idle "
+        "session), medians. "
         "Reproduce: `python benchmarks/echo_logprobs_bench.py`.",
         "",
         "| mode | request | prompt tok/s | wall s |",
@@ -157,7 +160,7 @@ def main() -> int:
         _wait_for_port(link_port, procs[1], 60)
         procs.append(_spawn(["serve", "--model", str(base_model), "--draft-model", str(draft), "--cloud",
                              f"ws://127.0.0.1:{link_port}", "--served-model-name", "demo", "--port", str(port),
-                             "--threads", "1", "--allow-stock-edge-weights"]))  # fmt: skip
+                             "--threads", "1", "--allow-stock-edge-weights", "--prefix-cache-size", "1"]))  # fmt: skip
         _wait_for_port(port, procs[-1], 120)
         base = f"http://127.0.0.1:{port}"
         rows = run(base, prompts, args.repeats)
