@@ -3,6 +3,7 @@ completions with ``echo``, against the whole model's log-softmax computed locall
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from transformers import AutoTokenizer
 from tests.conftest import local_model
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import chat, complete
+from tests.serve.test_tools_api import ADD
 from tests.tool_model import TOOL_VOCAB
 
 TOL = 1e-4
@@ -65,12 +67,19 @@ def assert_close(a: Sequence[Any], b: Sequence[Any]) -> None:
         assert all(abs(x - y) <= TOL for (_, x), (_, y) in zip(top_a, top_b, strict=True))
 
 
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "biased"])
 def test_chat_logprobs_streamed_and_whole_equal_the_local_model(
-    stack: Stack, client: openai.OpenAI, chat_model: Path, sampled: bool
+    stack: Stack, client: openai.OpenAI, chat_model: Path, mode: str
 ) -> None:
+    """``biased``: logit_bias picks every token, yet the logprobs are the model's own, before it."""
     kw: dict[str, Any] = dict(model=MODEL_NAME, messages=ASK, max_tokens=10, logprobs=True, top_logprobs=3)
-    kw |= {"temperature": 1.0, "seed": 7} if sampled else {"temperature": 0}
+    favoured = ids_of(chat_model, ["be"])[0]
+    modes: dict[str, dict[str, Any]] = {
+        "greedy": {"temperature": 0},
+        "sampled": {"temperature": 1.0, "seed": 7},
+        "biased": {"temperature": 0, "logit_bias": {str(favoured): 100}},
+    }
+    kw |= modes[mode]
     whole = chat(client, **kw)
     content = whole.choices[0].logprobs.content
     assert whole.usage is not None
@@ -96,8 +105,11 @@ def test_chat_logprobs_streamed_and_whole_equal_the_local_model(
         assert ids_of(chat_model, names) == top_ids.tolist()
         expected.append((content[k].token, float(local[k, token]), list(zip(names, values.tolist(), strict=True))))
     assert_close(content_of(content), expected)
-    if not sampled:  # greedy: each chosen token is the model's most likely one
+    if mode == "greedy":  # each chosen token is the model's most likely one
         assert all(e.token == e.top_logprobs[0].token for e in content)
+    if mode == "biased":  # the bias chose the tokens; the logprobs did not see it
+        assert set(generated) == {favoured}
+        assert any(e.token != e.top_logprobs[0].token for e in content)
 
 
 def test_completion_echo_gives_every_prompt_tokens_logprob(
@@ -180,6 +192,26 @@ def test_logprobs_line_up_with_the_text_under_a_stop_string(tool_stack: Stack, t
         assert covered.startswith(shown)  # every chunk's text comes with the tokens that made it
     assert shown == cut.choices[0].text
     assert covered == "".join(lp.tokens)
+
+
+def test_tool_call_logprobs_cover_every_token(tool_stack: Stack) -> None:
+    """A forced call under its grammar: whole and streamed logprobs agree, one per completion token."""
+    client = openai.OpenAI(base_url=tool_stack.base_url, api_key="unused", max_retries=0)
+    kw: dict[str, Any] = dict(model=MODEL_NAME, messages=ASK, tools=[ADD], max_tokens=60, temperature=0,
+                              tool_choice={"type": "function", "function": {"name": "add"}}, logprobs=True,
+                              top_logprobs=1)  # fmt: skip
+    whole = chat(client, **kw)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    call = (whole.choices[0].message.tool_calls or [])[0]
+    content = whole.choices[0].logprobs.content
+    assert whole.usage is not None
+    assert len(content) == whole.usage.completion_tokens
+    generated = b"".join(bytes(e.bytes) for e in content).decode()  # byte-level: the reply's exact text
+    assert set(json.loads(call.function.arguments)) == {"a"}
+    assert call.function.arguments.replace(" ", "") in generated.replace(" ", "")
+    streamed = [e for c in chat(client, stream=True, **kw) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]  # fmt: skip
+    assert_close(content_of(streamed), content_of(content))
 
 
 def test_top_logprobs_needs_logprobs(stack: Stack) -> None:
