@@ -15,7 +15,8 @@ the raw logits, before logits processors and before temperature, top-k and top-p
 reports them). Under speculation a token's row is the one its verification read, so logprobs are
 those of one-token decoding. A :class:`PromptLogprobs` passed as ``prompt_logprobs`` is filled
 with the prompt's own logprobs (row i of the prefill scores prompt token i + 1), in chunks of
-rows so the extra memory stays bounded, before the first token is yielded.
+rows so the extra memory stays bounded, on a worker thread (off the event loop), before the first
+token is yielded.
 
 Logits processors (:class:`~splitspec.decoding.processors.LogitsProcessor`: a grammar, say) see
 every row before a token is chosen from it, in verification as in the prefill. A draft is cut
@@ -220,8 +221,10 @@ async def decode(
         verifier.reset()
     context = [*(history or ()), *prompt_ids]
     logits = await verifier.forward(prompt_ids)  # prefill: (len(prompt), V)
-    if prompt_logprobs is not None:
-        prompt_logprobs.entries = prompt_token_logprobs(logits, prompt_ids, prompt_logprobs.top)
+    if prompt_logprobs is not None:  # on a worker thread: a long prompt's rows must not stall the event loop
+        prompt_logprobs.entries = await asyncio.to_thread(
+            prompt_token_logprobs, logits, prompt_ids, prompt_logprobs.top
+        )
     last = logits[-1:]  # (1, V)
     pending = _choose(_process(last, processors, context, ())[0], params, generator)
     (first,) = _emit(last, [0], [pending], logprobs)
