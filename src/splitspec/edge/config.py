@@ -37,11 +37,16 @@ class EdgeConfig:
     trunk_fingerprint: str | None = None  # pinned trunk content fingerprint; None = hash model_dir's own trunk
     # sessions one trunk connection carries at once (their steps multiplexed); the trunk's
     # --max-sessions-per-connection (default 4) caps it, and the engine opens more connections as needed
+    # linear layers and LM head reordered once for oneDNN (models/prepack.py): auto = on a float32 CPU
+    # edge without --compile or quantization; on = refuse anything else; off = PyTorch's matmul
+    prepack: str = "auto"
     sessions_per_connection: int = 4
     batch_gather: float = 0.5  # engine: how long a free worker waits for the other sequences' steps, in batch times
 
     def __post_init__(self) -> None:
         if self.sessions_per_connection < 1:
             raise ConfigError(f"sessions per trunk connection must be at least 1, got {self.sessions_per_connection}")
+        if self.prepack not in ("auto", "on", "off"):
+            raise ConfigError(f"prepack must be auto, on or off, got {self.prepack!r}")
         if not self.batch_gather >= 0:
             raise ConfigError(f"the batch gathering window must be >= 0, got {self.batch_gather}")

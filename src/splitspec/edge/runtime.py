@@ -17,6 +17,7 @@ import dataclasses
 import logging
 
 import torch
+from torch import nn
 
 from splitspec.decoding.published import published_sampling, sampling_settings
 from splitspec.decoding.sampling import SamplingParams
@@ -28,6 +29,8 @@ from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.precision import dtype_from_name
 from splitspec.models.precision import dtype_name as dtype_name_of
+from splitspec.models.prepack import PackedLinear, prepack_available, prepack_linears
+from splitspec.models.quantization import published_method
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
@@ -36,6 +39,8 @@ from splitspec.protocol.messages import AUTO_DTYPE, Hello
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 
 log = logging.getLogger(__name__)
+
+PACKED_HEAD_MAX_BYTES = 256 * 2**20  # a bigger LM head keeps PyTorch's matmul: packing it would cost a copy, bytes
 
 
 class EdgeRuntime:
@@ -63,6 +68,7 @@ class EdgeRuntime:
             if edge is not None
             else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation, self.device, config.quantize)
         )
+        self._prepack()
         self.staging = HostStaging(self.device)
         self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
         self.vocab_size = int(ckpt.config.vocab_size)
@@ -116,9 +122,42 @@ class EdgeRuntime:
             self.model = load_edge(
                 self.checkpoint, self.plan, self.dtype, config.attn_implementation, self.device, config.quantize
             )
+            self._prepack()
             self.cache_size = self._compile_fixed_decode()
         self.hello = dataclasses.replace(self.hello, dtype=trunk_dtype)
         return self.hello
+
+    def _prepack(self) -> None:
+        """``prepack``: the head's and tail's linear layers, and the LM head up to :data:`PACKED_HEAD_MAX_BYTES`,
+        reordered once for oneDNN (MKL repacks a weight on every call: a 16-row (256 x 8192) LM-head
+        product took 0.99 ms, prepacked 0.35 ms, on this project's 2-core AMD EPYC)."""
+        config = self.config
+        if config.prepack == "off":
+            return
+        why_not = None
+        if self.device.type != "cpu":
+            why_not = "it applies to an edge on the CPU"
+        elif self.dtype != torch.float32:
+            why_not = f"it applies to float32 weights, the edge computes in {self.dtype}"
+        elif config.quantize is not None or published_method(self.checkpoint.config) is not None:
+            why_not = "it applies to float32 weights, the edge's are quantized"
+        elif config.compile is not None:
+            why_not = "--compile builds its own kernels"
+        elif not prepack_available():
+            why_not = "this torch build lacks oneDNN's packed-linear operators"
+        if why_not is not None:
+            if config.prepack == "on":
+                raise ConfigError(f"cannot prepack the edge's linear layers: {why_not}")
+            return
+        model = self.model
+        packed = prepack_linears(model.head) + prepack_linears(model.tail)
+        head = model.lm_head
+        # the packed copy sits beside the embedding's (a tied head) or the skeleton's: one more copy of it
+        if isinstance(head, nn.Linear) and head.weight.nelement() * head.weight.element_size() <= PACKED_HEAD_MAX_BYTES:
+            model.lm_head = PackedLinear(head)
+            packed += 1
+        if packed:
+            log.info("edge: %d linear layers prepacked for oneDNN", packed)
 
     def _compile_fixed_decode(self) -> int | None:
         """With ``compile``: the head's and tail's fixed-shape decode steps, compiled now (once per

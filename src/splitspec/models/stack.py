@@ -199,17 +199,17 @@ class ModelEnds(nn.Module):
         self.config: PretrainedConfig = skel.config
         self.embed_tokens = skel.embed
         self.norm = skel.norm
-        self.lm_head = skel.lm_head
+        self.lm_head: nn.Module = skel.lm_head  # an nn.Linear, or its prepacked form (models/prepack.py)
         self._skeleton = skel
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        return self.embed_tokens.weight.dtype  # the embedding: the LM head may be a prepacked module
 
     @property
     def device(self) -> torch.device:
         """Where this piece computes, and where its logits are returned."""
-        return self.lm_head.weight.device
+        return self.embed_tokens.weight.device
 
     @property
     def hidden_size(self) -> int:
