@@ -14,6 +14,7 @@ retry-after hint, backing off.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
@@ -36,6 +37,7 @@ from splitspec.exceptions import (
     CapacityExceeded,
     CheckpointError,
     ConfigError,
+    HandshakeMismatch,
     ProtocolError,
     ServerError,
     TransportError,
@@ -51,6 +53,7 @@ from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, r
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
+from splitspec.protocol.codec import WIRE_CODECS, wire_bytes_per_token
 from splitspec.protocol.messages import (
     CacheCommand,
     CloseSession,
@@ -160,6 +163,8 @@ class SplitClient:
         )
         self.send_noise = send_noise(config.model_dir)  # the defence the edge layers were trained with
         self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype)
+        if config.wire_codec not in WIRE_CODECS:
+            raise ConfigError(f"--wire-codec must be one of {', '.join(WIRE_CODECS)}, got {config.wire_codec!r}")
         self.device = edge.device if edge is not None else resolve_device(config.device)
         self.model = (
             edge
@@ -177,6 +182,7 @@ class SplitClient:
             hidden_size=self.model.hidden_size,
             auth_token=config.auth_token,
             client="splitspec-edge",
+            wire_codec=config.wire_codec,
         )
         self.expected_trunk, self.trunk_source = expected_trunk(config, ckpt, self.plan)
         self.eos_token_ids = generation_stop_ids(config.model_dir, ckpt.config)
@@ -248,6 +254,10 @@ class SplitClient:
             if not isinstance(welcome, Welcome):
                 raise UnexpectedMessage(f"expected a Welcome, got {welcome.TYPE!r}")
             check_trunk(self.expected_trunk, welcome.trunk, self.trunk_source)
+            if welcome.wire_codec != self.hello.wire_codec:
+                raise HandshakeMismatch(
+                    f"wire codec: edge sends {self.hello.wire_codec!r}, trunk answered {welcome.wire_codec!r}"
+                )
             self._welcome = welcome
             opened, _ = await self._channel.request(OpenSession(request_id=0), cfg.request_timeout_s)
             if not isinstance(opened, SessionOpened):
@@ -296,8 +306,9 @@ class SplitClient:
         if self._welcome is None:
             raise TransportError("not connected")
         cap = min(self._welcome.max_message_bytes, self.config.max_message_bytes)
-        # per token: hidden state, int32 position, int32 parent, and up to 8 header bytes of keep_last
-        per_token = self.model.hidden_size * self.dtype.itemsize + 16
+        # per token: hidden state in the wire codec (both ways: the reply's raw one is the trunk's dtype, which
+        # the handshake made ours), int32 position, int32 parent, and up to 8 header bytes of keep_last
+        per_token = wire_bytes_per_token(self.hello.wire_codec, self.model.hidden_size, self.dtype) + 16
         return max(1, min(self._welcome.max_query_tokens, (cap - _HEADER_RESERVE) // per_token))
 
     # -- the verifier interface ------------------------------------------------------------------
@@ -458,9 +469,10 @@ class SplitClient:
             host_hidden = self._staging.to_host(hidden)  # the step's one wait for the device
             t2 = time.perf_counter()
             self._seq += 1
-            step = Step(self._session_id, self._seq, host_hidden, positions, parent_t, self._command)
+            codec = self.hello.wire_codec  # encodes host_hidden in encode_message, decodes the reply's
+            step = Step(self._session_id, self._seq, host_hidden, positions, parent_t, self._command, codec)
             raw_reply, exchange = await self._send_step(self._channel, step)
-            reply = _checked_reply(raw_reply, step)
+            reply = _checked_reply(raw_reply, step, self.dtype)
             t3 = time.perf_counter()
             trunk_out = self._staging.to_device(reply.hidden)  # (1, q, H)
             t4 = time.perf_counter()
@@ -645,12 +657,17 @@ def expected_trunk(config: EdgeConfig, ckpt: Checkpoint, plan: SplitPlan) -> tup
     return own, f"the edge's copy of the checkpoint ({ckpt.directory})"
 
 
-def _checked_reply(reply: object, step: Step) -> StepResult:
-    """The cloud is untrusted too: its reply must answer this step, with matching tensors."""
+def _checked_reply(reply: object, step: Step, dtype: torch.dtype) -> StepResult:
+    """The cloud is untrusted too: its reply must answer this step, with matching tensors in the step's
+    codec; returned with its hidden state in the edge's compute ``dtype``."""
     if not isinstance(reply, StepResult):
         raise UnexpectedMessage(f"expected a StepResult, got {getattr(reply, 'TYPE', reply)!r}")
     if reply.session_id != step.session_id or reply.seq != step.seq:
         raise UnexpectedMessage(f"reply for {reply.session_id}/{reply.seq}, sent {step.session_id}/{step.seq}")
-    if reply.hidden.shape != step.hidden.shape or reply.hidden.dtype != step.hidden.dtype:
+    if reply.codec != step.codec:
+        raise BadTensor(f"reply hidden state in the {reply.codec!r} codec, the step's is {step.codec!r}")
+    if reply.hidden.shape != step.hidden.shape or (step.codec == "raw" and reply.hidden.dtype != step.hidden.dtype):
         raise BadTensor(f"reply hidden {tuple(reply.hidden.shape)} {reply.hidden.dtype} does not match the step")
-    return reply
+    if reply.hidden.dtype == dtype:
+        return reply
+    return dataclasses.replace(reply, hidden=reply.hidden.to(dtype))  # a bf16 or int8 wire's bfloat16 or float32

@@ -12,7 +12,10 @@ class EdgeConfig:
     cloud_url: str  # trunk server, e.g. ws://127.0.0.1:8765, or wss://host:port for TLS
     tls_ca_file: Path | None = None  # PEM CA bundle to verify a wss:// server; None = system store
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
-    dtype: str | None = None  # compute and wire dtype; None = the checkpoint's; must equal the server's
+    dtype: str | None = None  # compute dtype; None = the checkpoint's; must equal the server's with wire_codec raw
+    wire_codec: str = (
+        "raw"  # how hidden states travel both ways: raw (the compute dtype), bf16 or int8 (protocol.codec)
+    )
     device: str = "auto"  # compute device of the edge and the draft model: auto, cpu, cuda, cuda:N or mps
     auth_token: str | None = None  # shared secret, if the server requires one
     max_message_bytes: int = 16 * 1024 * 1024  # our own frame cap, bytes (the server's may be lower)
