@@ -34,8 +34,8 @@ def add_wire_codec(parser: argparse.ArgumentParser) -> None:
         choices=WIRE_CODECS,
         default="raw",
         help="how hidden states cross the link, both ways: raw (the compute dtype as is; both sides must "
-        "compute in one dtype), bf16 (2 bytes per channel), int8 (per 32 channels one bfloat16 scale, plus "
-        "each token's 8 largest values as bfloat16: about 1.06*H + 32 bytes per token against 2*H for bf16). "
+        "compute in one dtype), bf16 (2 bytes per channel), int8 (per 16 channels one bfloat16 scale, plus "
+        "each token's 8 largest values as bfloat16: 1.125*H + 32 bytes per token against 2*H for bf16). "
         "The trunk must accept it (cloud serve --wire-codecs). Default raw",
     )
 
