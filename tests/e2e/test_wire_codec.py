@@ -7,15 +7,19 @@ identical on >= 15 of 16 prompts. benchmarks/wire_codec.py prints them with the 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from splitspec.arguments import wire_codecs
+from splitspec.bench.prompts import TokenizerLike
 from splitspec.bench.scenario import ASSETS_DIR, DEFAULT_CORPUS_DIR
 from splitspec.bench.wire_quality import (
     codec_wire,
@@ -28,7 +32,7 @@ from splitspec.bench.wire_quality import (
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
-from splitspec.exceptions import HandshakeMismatch
+from splitspec.exceptions import ConfigError, HandshakeMismatch
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.stack import FullModel, load_full
@@ -45,7 +49,7 @@ def shipped(name: str) -> tuple[FullModel, list[list[int]], list[list[int]]]:
     """A shipped model in float32, the first 256 tokens of every held-out document that has them (41
     documents, 10,496 tokens), and 16 prompts (the first 64 tokens of 16 documents, code and prose in turn)."""
     directory = ASSETS_DIR / "models" / name
-    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer = cast(TokenizerLike, AutoTokenizer.from_pretrained(directory, local_files_only=True))
     model = load_full(Checkpoint(directory), torch.float32)
     return (
         model,
@@ -177,8 +181,13 @@ async def test_prefill_chunks_count_the_codecs_bytes() -> None:
     assert chunks == {"raw": 5, "int8": 2}
 
 
-def test_edge_config_refuses_an_unknown_codec() -> None:
-    from splitspec.exceptions import ConfigError
-
+def test_unknown_codecs_are_refused_in_the_configs_and_on_the_command_line() -> None:
     with pytest.raises(ConfigError, match="--wire-codec must be one of raw, bf16, int8"):
         SplitClient(dataclasses.replace(edge_config("ws://127.0.0.1:1"), wire_codec="int4"))
+    for codecs in ((), ("raw", "int4")):
+        with pytest.raises(ConfigError, match="--wire-codecs must name one or more of raw, bf16, int8"):
+            TrunkServer(CloudConfig(model_dir=BASE, port=0, wire_codecs=codecs))
+    assert wire_codecs("int8, bf16,int8") == ("int8", "bf16")
+    for text in ("", "raw,int4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected codecs among raw,bf16,int8"):
+            wire_codecs(text)
