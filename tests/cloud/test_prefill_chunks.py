@@ -14,10 +14,10 @@ import torch
 
 from splitspec.cloud.batcher import StepBatcher
 from splitspec.cloud.metrics import TrunkMetrics
-from splitspec.cloud.prefill_chunks import DECODE_LIVE_S, ChunkSizer
 from splitspec.cloud.sessions import SessionStore
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.prefill_chunks import DECODE_LIVE_S, ChunkSizer
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import LayerStack, load_trunk
 

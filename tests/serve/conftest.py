@@ -58,7 +58,9 @@ def chat_model(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Te
 class Stack:
     """Trunk server -> WAN emulator -> ``splitspec serve`` app, all on one background loop."""
 
-    def __init__(self, model: Path, rtt_ms: float = 0.0, **serve: Any) -> None:
+    def __init__(
+        self, model: Path, rtt_ms: float = 0.0, edge_options: dict[str, Any] | None = None, **serve: Any
+    ) -> None:
         self.model = model
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -68,9 +70,9 @@ class Stack:
         self.call(self.start_trunk())
         self.emulator = self.call(WanEmulator(NetemConfig(upstream_port=self.trunk_port, rtt_ms=rtt_ms)).start())
         serve.setdefault("served_model_name", MODEL_NAME)
+        edge = {"allow_stock_edge_weights": True, "reconnect_timeout_s": 1.0, **(edge_options or {})}
         serve.setdefault("edge", EdgeConfig(
-            model_dir=model, cloud_url=f"ws://127.0.0.1:{self.emulator.port}", allow_stock_edge_weights=True,
-            reconnect_timeout_s=1.0,
+            model_dir=model, cloud_url=f"ws://127.0.0.1:{self.emulator.port}", **edge,
         ))  # fmt: skip
         self.server = RunningServer(ServeConfig(port=0, **serve))
         self.call(self.server.__aenter__())

@@ -1,80 +1,23 @@
-"""Continuous batching of trunk steps across sessions.
+"""The trunk's continuous batcher: steps of many sessions through the trunk layers in one forward.
 
-Steps of different sessions that are waiting when the compute worker comes free run together.
-One iteration runs every waiting small step (at most ``small_step_tokens`` query tokens: decode
-steps and draft trees) in one padded batched forward
-(:func:`~splitspec.models.batched.forward_batch`) and hands their results back at once; then one
-chunk of the oldest big step (a prefill) in a forward of its own, sized by
-:class:`~splitspec.cloud.prefill_chunks.ChunkSizer` (at most ``prefill_chunk_tokens``; about one
-decode batch's time while decode traffic is live). Small steps that arrive during a chunk run
-before the next chunk, so a big prefill is spread over iterations and a decode step waits for at
-most one chunk. Each session has at most one step in flight (a connection handles its messages
-in order), so rows of a batch always belong to different sessions.
-
-Gathering: sessions that decode together send their next steps within a few milliseconds of each
-other, and a worker that started on the first arrival would run a batch of one or two rows (on a
-CPU nearly the price of a full batch) while the rest queue behind it. So a free worker waits for
-the sessions active in the last :data:`ACTIVE_S` second to send their steps, for at most
-``gather`` times a decode batch's measured forward time, then runs whatever has come. A lone
-session never waits (it is the only active one). The forwards run on one
-worker thread, off the event loop.
+The batching policy (gathering, small steps first, big prefills in chunks between them) is
+:class:`splitspec.models.batcher.RowBatcher`; here a forward is the trunk stack's batched forward
+with its outputs copied to the host (they go on the wire), and each batch is recorded in the
+trunk's metrics.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-import weakref
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-
 import torch
 
 from splitspec.cloud.metrics import TrunkMetrics
-from splitspec.cloud.prefill_chunks import ChunkSizer
 from splitspec.models.batched import BatchRow, forward_batch
-from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import is_chain
+from splitspec.models.batcher import RowBatcher
 from splitspec.models.stack import LayerStack
 
-log = logging.getLogger(__name__)
 
-ACTIVE_S = 1.0  # a session whose step was delivered this recently counts as one whose next step is coming
-
-
-@dataclass(eq=False)  # identity: its fields hold tensors
-class _Pending:
-    """A submitted step and how far it has got."""
-
-    hidden: torch.Tensor  # (1, q, H) on the host
-    positions: torch.Tensor  # (q,)
-    parents: torch.Tensor  # (q,)
-    cache: KVCache
-    future: asyncio.Future[tuple[torch.Tensor, float, float]]
-    queued: float  # time.perf_counter() at submission
-    started: float | None = None  # when its first forward began
-    done: int = 0  # query tokens computed so far
-    compute_ms: float = 0.0  # forwards it took part in, milliseconds
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    error: Exception | None = None  # its forward failed
-
-    @property
-    def tokens(self) -> int:
-        return int(self.positions.shape[0])
-
-    def next_row(self, chunk: int) -> BatchRow:
-        """The row for its next ``chunk`` tokens (all of them for a small step)."""
-        end = min(self.tokens, self.done + chunk)
-        if self.done == 0 and end == self.tokens:
-            return BatchRow(self.hidden, self.positions, self.parents, self.cache)
-        # a chain cut into chunks: each chunk's first token hangs off what is now the committed prefix
-        parents = torch.arange(-1, end - self.done - 1, dtype=self.parents.dtype)
-        return BatchRow(self.hidden[:, self.done : end], self.positions[self.done : end], parents, self.cache)
-
-
-class StepBatcher:
-    """Queues steps from all sessions and runs them in batched forwards on one worker thread."""
+class StepBatcher(RowBatcher):
+    """Queues steps from all sessions and runs them through ``stack`` in batched forwards."""
 
     def __init__(
         self,
@@ -85,134 +28,12 @@ class StepBatcher:
         prefill_chunk_tokens: int = 256,
         gather: float = 0.5,
     ) -> None:
-        if gather < 0:
-            raise ValueError(f"the gathering window is a non-negative fraction of a batch's time, got {gather}")
+        super().__init__(max_batch_steps, small_step_tokens, prefill_chunk_tokens, gather, thread_name="trunk-batch")
         self.stack = stack
-        self.gather = gather
         self.metrics = metrics
-        self.max_batch_steps = max_batch_steps
-        self.small_step_tokens = small_step_tokens
-        self.chunks = ChunkSizer(prefill_chunk_tokens)
-        self._pending: list[_Pending] = []
-        # each session's cache -> when its last step was delivered (weak: a closed session's cache is freed)
-        self._delivered: weakref.WeakKeyDictionary[KVCache, float] = weakref.WeakKeyDictionary()
-        self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trunk-batch")
-        self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run_forever())
-        self._task.add_done_callback(_report_crash)
+    def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        return [out.to("cpu") for out in forward_batch(self.stack, rows)]
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-        self._executor.shutdown(wait=True)
-
-    async def submit(
-        self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
-    ) -> tuple[torch.Tensor, float, float]:
-        """Queue one session's step -> its output (1, q, H) on the host, compute ms and queue wait ms."""
-        future: asyncio.Future[tuple[torch.Tensor, float, float]] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(hidden, positions, parents, cache, future, time.perf_counter()))
-        self._wake.set()
-        return await future
-
-    def _plan(self) -> tuple[list[_Pending], _Pending | None]:
-        """This iteration's small steps (oldest first) and the big step that gets a chunk."""
-        small = [p for p in self._pending if p.tokens <= self.small_step_tokens][: self.max_batch_steps]
-        big = next((p for p in self._pending if p.tokens > self.small_step_tokens), None)
-        return small, big
-
-    async def _run_forever(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                await self._gather()
-                small, big = self._plan()
-                if small:  # first, and delivered before any chunk runs
-                    await self._run(small, None)
-                if big is not None:
-                    chunk = self.chunks.next_chunk(time.perf_counter()) if is_chain(big.parents) else big.tokens
-                    await self._run([big], chunk)  # trees cannot be cut: they go whole
-
-    def _active(self, now: float) -> int:
-        """Sessions with a step waiting or delivered within :data:`ACTIVE_S` (older entries are dropped)."""
-        for cache in [c for c, at in self._delivered.items() if now - at > ACTIVE_S]:
-            del self._delivered[cache]
-        return len(set(self._delivered.keys()) | {p.cache for p in self._pending})
-
-    async def _gather(self) -> None:
-        """Wait (at most ``gather`` decode batches' time) for the active sessions' next steps."""
-        window = None if self.chunks.decode_ms is None else self.gather * self.chunks.decode_ms / 1e3
-        if not window:
-            return
-        deadline = time.perf_counter() + window
-        while (now := time.perf_counter()) < deadline and len(self._pending) < self._active(now):
-            self._wake.clear()
-            try:
-                async with asyncio.timeout(deadline - now):
-                    await self._wake.wait()
-            except TimeoutError:
-                return
-
-    async def _run(self, group: list[_Pending], chunk: int | None) -> None:
-        """One forward on the worker thread (``chunk`` tokens of a big step, or whole small steps),
-        then deliver the steps it finished."""
-        try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._forward, group, chunk)
-        except Exception as exc:  # a bug of ours outside the forward: fail its steps
-            log.exception("batching iteration failed")
-            for p in group:
-                p.done, p.error = p.tokens, exc
-        for p in group:
-            if p.done == p.tokens:
-                self._pending.remove(p)
-                self._deliver(p)
-
-    def _forward(self, group: list[_Pending], chunk: int | None) -> None:
-        """Run ``group`` (on the worker thread): its steps' next rows in one forward."""
-        rows = [p.next_row(chunk or p.tokens) for p in group]
-        t0 = time.perf_counter()
-        try:
-            outs = forward_batch(self.stack, rows)
-            host = [out.to("cpu") for out in outs]
-        except Exception as exc:  # every step of the failed forward fails; the server drops their sessions
-            for p in group:
-                p.done, p.error = p.tokens, exc
-            return
-        end = time.perf_counter()
-        ms = (end - t0) * 1e3
-        tokens = sum(r.positions.shape[0] for r in rows)
-        self.metrics.observe_batch(len(rows), tokens, ms)
-        if chunk is None:
-            self.chunks.observe_decode(ms, end)
-        else:
-            self.chunks.observe_chunk(tokens, ms)
-        for p, row, out in zip(group, rows, host, strict=True):
-            p.started = t0 if p.started is None else p.started
-            p.done += row.positions.shape[0]
-            p.compute_ms += ms
-            p.outputs.append(out)
-        if chunk is not None and group[0].done == group[0].tokens and len(group[0].outputs) > 1:
-            group[0].cache.last_step = group[0].tokens  # a keep_last on the next step indexes the whole step
-            # joined here, not on the event loop: 8 MB for 2,000 x 1024 float32 stalled every session's I/O
-            group[0].outputs = [torch.cat(group[0].outputs, dim=1)]  # (1, q, H)
-
-    def _deliver(self, p: _Pending) -> None:
-        self._delivered[p.cache] = time.perf_counter()
-        if p.future.done():  # its connection went away meanwhile
-            return
-        if p.error is not None:
-            p.future.set_exception(p.error)
-            return
-        out = p.outputs[0]  # (1, q, H): a chunked step's outputs were joined on the worker thread
-        queue_ms = ((p.started or p.queued) - p.queued) * 1e3
-        p.future.set_result((out, p.compute_ms, queue_ms))
-
-
-def _report_crash(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("the batching loop stopped", exc_info=task.exception())
+    def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
+        self.metrics.observe_batch(steps, tokens, compute_ms)

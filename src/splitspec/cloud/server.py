@@ -151,8 +151,8 @@ class TrunkServer:
             if config.batching
             else None
         )
-        # each connection handles its messages in order, so one session never runs two steps at
-        # once; different sessions compute in parallel (torch releases the GIL in its kernels)
+        # a session runs one step at a time (run_step refuses a second while one is in flight);
+        # different sessions compute in parallel (torch releases the GIL in its kernels)
         self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")
         tls = None
         if (config.tls_cert_file is None) != (config.tls_key_file is None):
@@ -321,6 +321,8 @@ class TrunkServer:
 
     async def run_step(self, step: Step, owner: int) -> StepResult:
         session = self.sessions.get(step.session_id, owner)
+        if session.busy:  # a connection's frames are served concurrently, but a session's steps go one by one
+            raise UnexpectedMessage(f"session {step.session_id} already has a step in flight: send one at a time")
         cache = session.cache
         length = self.validate_step(step, len(cache), cache.last_step)
         # may evict idle sessions, or refuse before anything changed (the edge sends the step again)
@@ -359,7 +361,11 @@ class TrunkServer:
 
 
 class _TrunkPeer(MessagePeer[Message]):
-    """One connection's protocol handling on the server."""
+    """One connection's protocol handling on the server. Past the handshake its frames are served
+    concurrently: an edge engine multiplexes many sessions' steps over one connection, and every
+    reply names its session and sequence number."""
+
+    concurrent = True
 
     def __init__(self, server: TrunkServer, conn_id: int, remote: str) -> None:
         self.state = ServerConnection(server.identity, server.config.auth_token)

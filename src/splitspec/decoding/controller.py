@@ -76,33 +76,22 @@ class FixedPolicy:
         return None
 
 
-class SpeculationController:
-    """Online estimates of step time and acceptance; chooses each step's drafter and budget."""
+class StepTimes:
+    """Measured seconds of a step of q query tokens, per q: what the link and the trunk cost.
 
-    def __init__(
-        self,
-        drafters: Sequence[str],
-        budgets: Sequence[int] = DEFAULT_BUDGETS,
-        prior_alpha: float = 0.7,  # optimistic acceptance prior: untried drafters get tried
-        prior_weight: float = 2.0,  # pseudo-observations behind that prior
-        decay: float = 0.97,  # per-observation decay of every estimate
-        probe_every: int = 24,  # sequential steps before a drafter is re-tried with a short draft
-    ) -> None:
-        self.drafters = list(drafters)
-        self.budgets = sorted(set(budgets))
-        self.prior_alpha = prior_alpha
-        self.prior_weight = prior_weight
-        self.decay = decay
-        self.probe_every = probe_every
-        self._step_time: dict[int, _Ema] = {}  # query tokens -> seconds
-        self._stats = {name: _DrafterStats() for name in self.drafters}
-        self._since_speculation = 0
+    Every sequence on one link shares them (a sequence's own acceptance estimates are its own).
+    """
 
-    # -- estimates ---------------------------------------------------------------------------------
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay  # per-observation decay of every estimate
+        self._times: dict[int, _Ema] = {}  # query tokens -> seconds
 
-    def step_time(self, q: int) -> float:
+    def observe(self, query_tokens: int, seconds: float) -> None:
+        self._times.setdefault(query_tokens, _Ema()).update(seconds, self.decay)
+
+    def predict(self, q: int) -> float:
         """Predicted seconds for a step of q query tokens (linear interpolation between measured q)."""
-        known = sorted((k, e.value) for k, e in self._step_time.items() if not math.isnan(e.value))
+        known = sorted((k, e.value) for k, e in self._times.items() if not math.isnan(e.value))
         if not known:
             return 1.0
         if len(known) == 1:
@@ -116,6 +105,36 @@ class SpeculationController:
         (k0, t0), (k1, t1) = (known[-2], known[-1]) if not above else (known[0], known[1])
         slope = max(0.0, (t1 - t0) / (k1 - k0))
         return max(1e-6, t0 + slope * (q - k0))
+
+
+class SpeculationController:
+    """Online estimates of step time and acceptance; chooses each step's drafter and budget."""
+
+    def __init__(
+        self,
+        drafters: Sequence[str],
+        budgets: Sequence[int] = DEFAULT_BUDGETS,
+        prior_alpha: float = 0.7,  # optimistic acceptance prior: untried drafters get tried
+        prior_weight: float = 2.0,  # pseudo-observations behind that prior
+        decay: float = 0.97,  # per-observation decay of every estimate
+        probe_every: int = 24,  # sequential steps before a drafter is re-tried with a short draft
+        step_times: StepTimes | None = None,  # shared with other sequences on the same link; None = its own
+    ) -> None:
+        self.drafters = list(drafters)
+        self.budgets = sorted(set(budgets))
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self.probe_every = probe_every
+        self.step_times = step_times if step_times is not None else StepTimes(decay)
+        self._stats = {name: _DrafterStats() for name in self.drafters}
+        self._since_speculation = 0
+
+    # -- estimates ---------------------------------------------------------------------------------
+
+    def step_time(self, q: int) -> float:
+        """Predicted seconds for a step of q query tokens."""
+        return self.step_times.predict(q)
 
     def alphas(self, drafter: str, depth: int) -> list[float]:
         stats = self._stats[drafter]
@@ -160,7 +179,7 @@ class SpeculationController:
     # -- observations ------------------------------------------------------------------------------
 
     def observe_step(self, query_tokens: int, seconds: float) -> None:
-        self._step_time.setdefault(query_tokens, _Ema()).update(seconds, self.decay)
+        self.step_times.observe(query_tokens, seconds)
         if query_tokens == 1:
             self._since_speculation += 1
         else:

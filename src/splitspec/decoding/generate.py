@@ -1,7 +1,8 @@
-"""The generation loop over a :class:`Verifier` (anything that turns tokens into next-token logits).
+"""Sequential generation over a :class:`Verifier` (anything that turns tokens into next-token logits).
 
 ``decode_sequential`` is the baseline: one token per forward step, i.e. one round trip per token
-when the verifier is the split client.
+when the verifier is the split client. It is the one decode loop (:mod:`splitspec.decoding.loop`)
+without drafters.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Protocol
 
 import torch
 
-from splitspec.decoding.sampling import SamplingParams, choose_token
+from splitspec.decoding.loop import decode
+from splitspec.decoding.sampling import SamplingParams
 
 
 class Verifier(Protocol):
@@ -35,19 +37,29 @@ async def decode_sequential(
     stop_token_ids: Collection[int] = (),
     fresh: bool = True,
 ) -> AsyncIterator[int]:
-    """Prefill the prompt, then yield up to ``max_new_tokens`` tokens, one forward step each.
+    """Prefill the prompt, then yield up to ``max_new_tokens`` tokens, one forward step each: the one
+    decode loop (:func:`splitspec.decoding.loop.decode`) with no drafters.
 
     ``fresh=False`` continues the verifier's sequence: ``prompt_ids`` are appended to what its
     cache already holds (multi-turn chat).
     """
-    if not prompt_ids:
-        raise ValueError("the prompt must hold at least one token")
-    if fresh:
-        verifier.reset()
-    logits = await verifier.forward(prompt_ids)  # prefill: (len(prompt), V)
-    for produced in range(1, max_new_tokens + 1):
-        token = choose_token(logits[-1], params, generator)
-        yield token
-        if token in stop_token_ids or produced == max_new_tokens:
-            return
-        logits = await verifier.forward([token])  # decode_one_token: (1, V)
+    history = None if fresh else ()  # the loop only needs to know not to reset; the drafters are off
+    async for emitted in decode(_Chain(verifier), prompt_ids, max_new_tokens, params, generator,
+                                stop_token_ids=stop_token_ids, history=history):  # fmt: skip
+        yield emitted.token
+
+
+class _Chain:
+    """A plain :class:`Verifier` as a tree verifier: without drafts, every step is one token and nothing is pruned."""
+
+    def __init__(self, verifier: Verifier) -> None:
+        self.verifier = verifier
+
+    async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
+        return await self.verifier.forward(tokens, parents)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        raise RuntimeError("a sequential step keeps all of its one token")
+
+    def reset(self) -> None:
+        self.verifier.reset()

@@ -34,3 +34,7 @@ class EdgeConfig:
     max_cache_tokens: int | None = None  # with compile: the static KV buffers' size, tokens; None = max positions
     compile_backend: str = "inductor"  # torch.compile backend of compile; tests pass "eager" (graph capture only)
     trunk_fingerprint: str | None = None  # pinned trunk content fingerprint; None = hash model_dir's own trunk
+    # sessions one trunk connection carries at once (their steps multiplexed); the trunk's
+    # --max-sessions-per-connection (default 4) caps it, and the engine opens more connections as needed
+    sessions_per_connection: int = 4
+    batch_gather: float = 0.5  # engine: how long a free worker waits for the other sequences' steps, in batch times

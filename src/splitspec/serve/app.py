@@ -37,7 +37,7 @@ def create_app(state: ServeState) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        await state.pool.close()
+        await state.close()
 
     app = FastAPI(title="splitspec serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     created = schemas.now()

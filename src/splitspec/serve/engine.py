@@ -72,7 +72,7 @@ class Generation:
             self.max_tokens,
             self.params,
             stop_token_ids=self.stop_token_ids,
-            generator=self.params.generator()[0],
+            generator=lease.client.runtime.generator(self.params)[0],  # where the edge's logits live
             speculate=self.state.config.speculate,
             fresh=lease.reused == 0,
         )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-from splitspec.edge.client import StepStats
+from splitspec.edge.engine import BatchLog, EdgeEngine
+from splitspec.edge.sequence import StepStats
 
 _MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560)
 _S_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
@@ -57,5 +60,29 @@ class ServeMetrics:
             for part in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms"):
                 self.step_ms.labels(part.removesuffix("_ms")).observe(getattr(s, part))
 
+    def watch_engine(self, engine: EdgeEngine) -> None:
+        """Also expose the engine's batched forwards: per part (head, tail) and batch size (rows)."""
+        self.registry.register(_EngineCollector(engine))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCollector(Collector):
+    """``splitspec_serve_edge_forwards_total`` and ``..._edge_forward_milliseconds_total`` by part and rows:
+    the edge compute per forward (and per sequence: divide by rows) against the batch size."""
+
+    def __init__(self, engine: EdgeEngine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        p = "splitspec_serve_edge_"
+        forwards = CounterMetricFamily(p + "forwards", "batched edge forwards", labels=["part", "rows"])
+        ms = CounterMetricFamily(p + "forward_milliseconds", "their compute, milliseconds", labels=["part", "rows"])
+        logs: dict[str, BatchLog] = {"head": self.engine.head_batches, "tail": self.engine.tail_batches}
+        for part, log in logs.items():
+            for rows, (count, mean_ms) in log.snapshot().items():
+                forwards.add_metric([part, str(rows)], count)
+                ms.add_metric([part, str(rows)], count * mean_ms)
+        yield forwards
+        yield ms

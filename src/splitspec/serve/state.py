@@ -1,5 +1,6 @@
-"""What every request shares: tokenizer, edge (and draft) weights, the speculation controller,
-the session pool and the metrics. Built once when the server starts."""
+"""What every request shares: tokenizer, the edge runtime (weights, loaded and checked once), the
+edge engine (batched head and tail, multiplexed trunk connections), the link's step-time
+estimates, the session pool and the metrics. Built once when the server starts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from splitspec.decoding.controller import SpeculationController
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import make_drafters
 from splitspec.edge.client import SplitClient
+from splitspec.edge.engine import EdgeEngine
+from splitspec.edge.runtime import EdgeRuntime
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.serve.config import ServeConfig
 from splitspec.serve.metrics import ServeMetrics
@@ -33,17 +36,20 @@ class ServeState:
         model_config = Checkpoint(edge.model_dir).config
         self.max_positions = int(model_config.max_position_embeddings)  # prompt + completion, tokens
         self.vocab_size = int(model_config.vocab_size)
-        # the first client loads (and checks the provenance of) the edge and draft weights; every
-        # later one shares them, and shares one controller: link and acceptance estimates describe
-        # the link and the model pair, so each request starts from what earlier ones measured
-        first = SplitClient(edge)
-        self.edge_model, self.draft_model = first.model, first.draft_model
+        # the runtime loads (and checks the provenance of) the edge and draft weights once; every
+        # request's sequence is one more sequence of the one engine: its head, tail and trunk steps are
+        # batched with the others'. Each sequence learns its own acceptance; step times describe the
+        # link, so they are the engine's, shared (``controller`` is the server-wide view of them)
+        self.runtime = EdgeRuntime(edge)
+        self.engine = EdgeEngine(self.runtime)
+        self.edge_model, self.draft_model = self.runtime.model, self.runtime.draft_model
         drafters = list(make_drafters(config.speculate, SamplingParams(), self.draft_model))
-        self.controller = SpeculationController(drafters) if drafters else None
-        self.eos_token_ids = first.eos_token_ids
+        self.controller = SpeculationController(drafters, step_times=self.engine.step_times) if drafters else None
+        self.eos_token_ids = self.runtime.eos_token_ids
         # a chat reply also ends at the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)
         self.chat_stop_ids = self.eos_token_ids | (end_of_turn_ids(self.tokenizer) if self.templated else frozenset())
         self.metrics = ServeMetrics()
+        self.metrics.watch_engine(self.engine)
         self.pool = SessionPool(
             self.new_client,
             config.max_active,
@@ -53,7 +59,13 @@ class ServeState:
         )
 
     def new_client(self) -> SplitClient:
-        return SplitClient(self.config.edge, self.edge_model, self.draft_model, self.controller)
+        """A new sequence of the engine (no weights loaded, no connection of its own)."""
+        return SplitClient(self.config.edge, engine=self.engine)
+
+    async def close(self) -> None:
+        """Close every pooled session, then the engine's connections and workers."""
+        await self.pool.close()
+        await self.engine.close()
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))

@@ -1,8 +1,17 @@
-"""Client side: one WebSocket connection carrying splitspec frames, request by request."""
+"""Client side: one WebSocket connection carrying splitspec frames.
+
+A :class:`Channel` starts request by request: each request waits for the next frame. After
+:meth:`Channel.multiplex` (the edge engine's trunk connections) many requests may be in flight at
+once: a reader task takes every reply off the socket and hands it to the request it answers. A
+step's reply names its session and sequence number; every other request (handshake, opening and
+closing sessions) goes one at a time and takes the reply that names no step in flight, since a
+refusal of it names nothing. A broken connection fails every request in flight.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 from collections.abc import Callable
@@ -14,8 +23,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidURI
 from websockets.frames import CloseCode
 
-from splitspec.exceptions import ConfigError, MessageTooLarge, TransportError, error_from_code
-from splitspec.protocol.messages import Error, Message, decode_message, encode_message
+from splitspec.exceptions import ConfigError, MessageTooLarge, ProtocolError, TransportError, error_from_code
+from splitspec.protocol.messages import Error, Message, Step, StepResult, decode_message, encode_message
 
 Request = TypeVar("Request")
 Reply = TypeVar("Reply")
@@ -59,6 +68,10 @@ class Channel:
     def __init__(self, ws: ClientConnection, max_message_bytes: int) -> None:
         self._ws = ws
         self.max_message_bytes = max_message_bytes
+        self._reader: asyncio.Task[None] | None = None  # see multiplex
+        self._waiting: dict[tuple[str, int] | None, asyncio.Future[_Arrival]] = {}  # None: the control request
+        self._control = asyncio.Lock()  # requests that are not steps go one at a time
+        self._broken: TransportError | None = None  # why a multiplexed connection is gone, once it is
 
     @classmethod
     async def connect(
@@ -110,19 +123,92 @@ class Channel:
         except ConnectionClosed as exc:
             raise _closed_error(exc) from exc
 
-    async def recv_raw(self, timeout_s: float) -> bytes:
+    async def recv_raw(self, timeout_s: float | None) -> bytes:
+        """The next frame; ``timeout_s`` None waits for ever (a reader that owns the socket)."""
         try:
             async with asyncio.timeout(timeout_s):  # no task per frame, unlike wait_for
                 data = await self._ws.recv()
         except ConnectionClosed as exc:
             raise _closed_error(exc) from exc
         except TimeoutError as exc:
-            raise TransportError(f"no reply within {timeout_s:.1f} s") from exc
+            raise TransportError(f"no reply within {timeout_s or 0.0:.1f} s") from exc
         return data if isinstance(data, bytes) else data.encode()
 
     async def request(self, message: Message, timeout_s: float) -> tuple[Message, Exchange]:
         """Send ``message``, wait for the reply; raise the typed error if the reply is an Error."""
-        return await self.exchange(message, timeout_s, encode_message, decode_message)
+        if self._reader is None:
+            return await self.exchange(message, timeout_s, encode_message, decode_message)
+        if isinstance(message, Step):
+            return await self._multiplexed(message, (message.session_id, message.seq), timeout_s)
+        async with self._control:
+            return await self._multiplexed(message, None, timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """False once a multiplexed connection broke (its reader saw the end)."""
+        return self._broken is None
+
+    def multiplex(self) -> None:
+        """Let requests be in flight together from now on (see the module docstring)."""
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+
+    async def _read_forever(self) -> None:
+        cap = websocket_max_size(self.max_message_bytes)
+        try:
+            while True:
+                raw = await self.recv_raw(None)
+                at = time.perf_counter()
+                reply = decode_message(raw, max_bytes=cap)
+                arrival = _Arrival(reply, at, (time.perf_counter() - at) * 1e3, len(raw))
+                key = _answers(reply)
+                future = self._waiting.pop(key if key in self._waiting else None, None)
+                if future is not None and not future.done():
+                    future.set_result(arrival)
+        except (TransportError, ProtocolError) as exc:  # the socket broke, or a frame we refuse
+            self._fail(exc if isinstance(exc, TransportError) else TransportError(f"bad frame from the server: {exc}"))
+        except asyncio.CancelledError:
+            self._fail(TransportError("connection closed"))
+            raise
+
+    def _fail(self, exc: TransportError) -> None:
+        self._broken = exc
+        waiting, self._waiting = self._waiting, {}
+        for future in waiting.values():
+            if not future.done():
+                future.set_exception(TransportError(str(exc)))
+
+    async def _multiplexed(
+        self, message: Message, key: tuple[str, int] | None, timeout_s: float
+    ) -> tuple[Message, Exchange]:
+        if self._broken is not None:
+            raise TransportError(str(self._broken))
+        if key in self._waiting:
+            raise RuntimeError(f"a request for {key} is already in flight")
+        future: asyncio.Future[_Arrival] = asyncio.get_running_loop().create_future()
+        self._waiting[key] = future
+        t0 = time.perf_counter()
+        try:
+            data = encode_message(message)
+            t1 = time.perf_counter()
+            await self.send_raw(data)
+            async with asyncio.timeout(timeout_s):
+                arrival = await future
+        except TimeoutError:
+            raise TransportError(f"no reply within {timeout_s:.1f} s") from None
+        finally:
+            if self._waiting.get(key) is future:
+                del self._waiting[key]
+        reply = arrival.reply
+        if isinstance(reply, Error):
+            raise error_from_code(reply.code, reply.message, reply.retry_after_s)
+        return reply, Exchange(
+            roundtrip_ms=(arrival.at - t1) * 1e3,
+            encode_ms=(t1 - t0) * 1e3,
+            decode_ms=arrival.decode_ms,
+            bytes_up=len(data),
+            bytes_down=arrival.nbytes,
+        )
 
     async def exchange(
         self,
@@ -165,6 +251,29 @@ class Channel:
 
     async def close(self) -> None:
         await self._ws.close()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+
+
+@dataclass(frozen=True)
+class _Arrival:
+    """A reply the reader took off a multiplexed connection, with what reading it cost."""
+
+    reply: Message
+    at: float  # time.perf_counter() when its frame was received
+    decode_ms: float  # parsing it, milliseconds
+    nbytes: int  # its frame, bytes
+
+
+def _answers(reply: Message) -> tuple[str, int] | None:
+    """The step (session, seq) a reply answers; None for a reply to a control request."""
+    if isinstance(reply, StepResult):
+        return (reply.session_id, reply.seq)
+    if isinstance(reply, Error) and reply.session_id is not None and reply.seq is not None:
+        return (reply.session_id, reply.seq)
+    return None
 
 
 def _closed_error(exc: ConnectionClosed) -> Exception:

@@ -26,6 +26,7 @@ class MessagePeer(ABC, Generic[M]):
     """A :class:`~splitspec.transport.server.Peer` for one message family, with the shared refusal policy."""
 
     label: ClassVar[str] = "connection"  # names the connection in logs
+    concurrent: ClassVar[bool] = False  # past the handshake, frames may be served concurrently (see Peer)
 
     def __init__(self, gate: HandshakeGate, conn_id: int, remote: str) -> None:
         self.gate = gate

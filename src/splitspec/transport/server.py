@@ -43,10 +43,15 @@ log = logging.getLogger(__name__)
 
 class Peer(Protocol):
     """Per-connection logic. ``handle`` returns the reply frame and whether to close afterwards;
-    ``ready`` turns true once the peer has accepted the connection's handshake."""
+    ``ready`` turns true once the peer has accepted the connection's handshake; ``concurrent``:
+    past the handshake, frames may be handled concurrently (replies then go out as they are ready,
+    and carry what the peer needs to match them, e.g. a session id and a sequence number)."""
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def concurrent(self) -> bool: ...
 
     async def handle(self, data: bytes) -> tuple[bytes, bool]: ...
 
@@ -84,11 +89,12 @@ class ConnectionLimits:
     max_unauthenticated: int = 64  # connections still in their handshake, all addresses together
     max_per_address: int = 32  # open connections from one IP address
     idle_timeout_s: float | None = None  # close a connection past its handshake silent this long; None = never
+    max_in_flight: int = 16  # frames of one (concurrent) connection handled at once; more wait unread
 
     def __post_init__(self) -> None:
         if self.handshake_max_bytes < PREFIX_SIZE or self.handshake_timeout_s <= 0:
             raise ConfigError("the handshake frame cap and deadline must be positive")
-        if self.max_unauthenticated < 1 or self.max_per_address < 1:
+        if self.max_unauthenticated < 1 or self.max_per_address < 1 or self.max_in_flight < 1:
             raise ConfigError("connection limits must be at least 1")
         if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
             raise ConfigError("the idle timeout must be positive (or None)")
@@ -202,7 +208,8 @@ class _WebsocketsSocket:
 
 
 class ConnectionGuard:
-    """Serves connections one frame at a time under :class:`ConnectionLimits`.
+    """Serves connections under :class:`ConnectionLimits`: one frame at a time, or, past the handshake
+    of a peer that allows it (``Peer.concurrent``), up to ``max_in_flight`` frames at once.
 
     It counts, across the connections it serves, those open from each address and those still in
     their handshake; each connection gets its handshake deadline, its frame caps (a Hello's size
@@ -238,6 +245,8 @@ class ConnectionGuard:
         peer = peer_factory(remote)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.handshake_timeout_s
+        in_flight: set[asyncio.Task[None]] = set()  # frames being handled concurrently
+        slots = asyncio.Semaphore(limits.max_in_flight)  # a connection's frames in flight, at most
         try:
             while True:
                 if not authenticated and peer.ready:
@@ -253,6 +262,12 @@ class ConnectionGuard:
                     log.info("closing connection %s: %s within %.1f s", remote, why, timeout or 0.0)
                     await socket.close(CloseCode.POLICY_VIOLATION, f"{why} within the deadline")
                     break
+                if authenticated and peer.concurrent:
+                    await slots.acquire()  # backpressure: the next frame stays unread while all slots are taken
+                    task = loop.create_task(_handle_one(peer, socket, data, slots))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+                    continue
                 reply, close = await peer.handle(data)
                 await socket.send(reply)
                 if close:
@@ -261,12 +276,29 @@ class ConnectionGuard:
         except SocketClosed:
             pass
         finally:
+            for task in in_flight:  # the connection is gone: nobody can receive their replies
+                task.cancel()
+            if in_flight:
+                await asyncio.gather(*in_flight, return_exceptions=True)
             if not authenticated:
                 self.unauthenticated -= 1
             self._per_address[address] -= 1
             if not self._per_address[address]:
                 del self._per_address[address]
             await peer.closed()
+
+
+async def _handle_one(peer: Peer, socket: FrameSocket, data: bytes, slots: asyncio.Semaphore) -> None:
+    """Handle one frame of a concurrent connection and send its reply (whenever it is ready)."""
+    try:
+        reply, close = await peer.handle(data)
+        await socket.send(reply)
+        if close:
+            await socket.close(CloseCode.POLICY_VIOLATION, "refused")
+    except SocketClosed:
+        pass  # the connection loop sees it too, and cleans up
+    finally:
+        slots.release()
 
 
 class LogBudget:

@@ -1,0 +1,365 @@
+"""Gateway load: ``splitspec serve`` (the edge engine) under concurrent OpenAI streams through an 80 ms WAN.
+
+Processes on loopback, as a deployment has them: ``splitspec cloud serve`` (the demo base model,
+float32), the WAN emulator (``splitspec netem``, 80 ms RTT), and ``splitspec serve`` with the
+draft model and ``--speculate auto`` (float32). With ``--baseline REF`` a second ``splitspec
+serve`` runs the code of commit REF (a git worktree of it, same venv) against the same trunk and
+link, for the lone-stream comparison side by side.
+
+The load is the official ``openai`` client: N concurrent streams (N = 1, 4, 8, 16, 32), each
+running ``--requests`` streamed completions back to back: 128-token prompts cut from held-out
+documents, 64 tokens out, greedy. Per level: aggregate output tok/s (completion tokens / wall
+time), time to first token p50/p99, inter-token latency p50/p99 (the gaps between a stream's
+content chunks; a speculative step delivers several tokens in one chunk), and the edge compute
+per forward and per sequence against the batch size (the server's ``/metrics``). Then, at 16
+streams, one extra request with a long prompt: the other streams' inter-token p99 while it
+prefills, against their p50.
+
+Repeats are interleaved (levels alternate direction, servers alternate order); medians and
+ratios are reported. Writes ``gateway_load.json``, ``gateway_load.md`` and ``gateway_load.png``.
+
+    python benchmarks/gateway_load.py [--repeats 3] [--baseline 2499b7e] [--out benchmarks/results/gateway]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+from transformers import AutoTokenizer
+
+from splitspec.demo import ASSETS, _free_port, _stop, _wait_for_port, embedded_model
+from splitspec.run_info import run_environment
+
+LEVELS = (1, 4, 8, 16, 32)
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def spawn(args: list[str], src: Path | None = None) -> subprocess.Popen[bytes]:
+    """A ``splitspec`` command in a child process; ``src``: run that checkout's code instead."""
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
+    cmd = [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", *args]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+
+
+def start_stack(rtt_ms: float, baseline_src: Path | None) -> tuple[list[Any], dict[str, str]]:
+    base, draft = embedded_model("base"), embedded_model("draft")
+    trunk_port, link_port = _free_port(), _free_port()
+    procs = [spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--dtype", "float32",
+                    "--threads", "1", "--max-sessions", "256", "--max-sessions-per-connection", "8"])]  # fmt: skip
+    _wait_for_port(trunk_port, procs[0], 120)
+    procs.append(spawn(["netem", "--listen", f"127.0.0.1:{link_port}", "--upstream", f"127.0.0.1:{trunk_port}",
+                        "--rtt-ms", str(rtt_ms)]))  # fmt: skip
+    _wait_for_port(link_port, procs[1], 60)
+    urls = {}
+    servers: list[tuple[str, Path | None]] = [("engine", None)]
+    if baseline_src is not None:
+        servers.append(("baseline", baseline_src))
+    for label, src in servers:
+        port = _free_port()
+        procs.append(spawn([
+            "serve", "--model", str(base), "--draft-model", str(draft), "--cloud", f"ws://127.0.0.1:{link_port}",
+            "--served-model-name", "demo", "--port", str(port), "--dtype", "float32", "--threads", "1",
+            "--max-active", "64", "--speculate", "auto", "--allow-stock-edge-weights",
+        ], src))  # fmt: skip
+        _wait_for_port(port, procs[-1], 180)
+        urls[label] = f"http://127.0.0.1:{port}"
+    return procs, urls
+
+
+def prompts(count: int, tokens: int) -> list[str]:
+    """``count`` distinct prompts of about ``tokens`` tokens: disjoint windows of the held-out documents."""
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model("base"), local_files_only=True)
+    docs = sorted((ASSETS / "corpus" / "heldout").glob("*/*.txt"))
+    ids: list[int] = []
+    for doc in docs:
+        ids += tokenizer(doc.read_text(encoding="utf-8"))["input_ids"]
+        if len(ids) >= count * tokens:
+            break
+    if len(ids) < count * tokens:
+        raise SystemExit(f"the held-out documents hold {len(ids)} tokens, fewer than {count} x {tokens}")
+    return [tokenizer.decode(ids[i * tokens : (i + 1) * tokens], skip_special_tokens=True) for i in range(count)]
+
+
+async def stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    chunks: list[float] = []
+    tokens = 0
+    stream = await client.completions.create(
+        model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    async for chunk in stream:
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if chunk.choices and chunk.choices[0].text:
+            chunks.append(time.perf_counter())
+    return {"start": t0, "chunks": chunks, "tokens": tokens, "end": time.perf_counter()}
+
+
+async def stream_worker(
+    client: openai.AsyncOpenAI, prompts_: list[str], index: int, requests: int, max_tokens: int
+) -> list[dict[str, Any]]:
+    return [
+        await stream_one(client, prompts_[(index * requests + r) % len(prompts_)], max_tokens) for r in range(requests)
+    ]
+
+
+def edge_forwards(text: str) -> dict[tuple[str, int], tuple[float, float]]:
+    """(part, rows) -> (forwards, total ms) from a /metrics page."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for line in text.splitlines():
+        for name, slot in (
+            ("splitspec_serve_edge_forwards_total", 0),
+            ("splitspec_serve_edge_forward_milliseconds_total", 1),
+        ):
+            if line.startswith(name + "{"):
+                labels = dict(kv.split("=") for kv in line[line.index("{") + 1 : line.index("}")].split(","))
+                key = (labels["part"].strip('"'), int(labels["rows"].strip('"')))
+                out.setdefault(key, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+async def run_level(url: str, n: int, prompts_: list[str], requests: int, max_tokens: int) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient() as http:
+        before = edge_forwards((await http.get(f"{url}/metrics")).text)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    t0 = time.perf_counter()
+    per_stream = await asyncio.gather(*(stream_worker(client, prompts_, i, requests, max_tokens) for i in range(n)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    async with httpx.AsyncClient() as http:
+        after = edge_forwards((await http.get(f"{url}/metrics")).text)
+    results = [r for stream in per_stream for r in stream]
+    ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
+    gaps = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:], strict=False)]
+    batches = {}
+    for key, (count, ms) in after.items():
+        c0, m0 = before.get(key, (0.0, 0.0))
+        if count > c0:
+            part, rows = key
+            batches[f"{part}:{rows}"] = {"forwards": count - c0, "ms_per_forward": (ms - m0) / (count - c0),
+                                         "ms_per_sequence": (ms - m0) / (count - c0) / rows}  # fmt: skip
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "streams": n, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+        "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
+        "itl_p50_s": quantile(gaps, 0.5), "itl_p99_s": quantile(gaps, 0.99), "edge_batches": batches,
+    }  # fmt: skip
+
+
+async def run_prefill_interference(url: str, prompts_: list[str], long_prompt: str, max_tokens: int) -> dict[str, Any]:
+    """16 streams decode; one long prompt arrives in the middle: their gaps while it prefills, against their p50."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
+    workers = [asyncio.ensure_future(stream_worker(client, prompts_, i, 1, max_tokens)) for i in range(16)]
+    await asyncio.sleep(1.5)  # every stream is decoding
+    long = await stream_one(client, long_prompt, 4)
+    results = [r for stream in await asyncio.gather(*workers) for r in stream]
+    await client.close()
+    window = (long["start"], long["chunks"][0] if long["chunks"] else long["end"])
+    all_gaps, during = [], []
+    for r in results:
+        for a, b in zip(r["chunks"], r["chunks"][1:], strict=False):
+            all_gaps.append(b - a)
+            if b > window[0] and a < window[1]:
+                during.append(b - a)
+    p50 = quantile(all_gaps, 0.5)
+    return {"prefill_s": window[1] - window[0], "itl_p50_s": p50, "itl_p99_during_s": quantile(during, 0.99),
+            "ratio": quantile(during, 0.99) / p50, "gaps_during": len(during)}  # fmt: skip
+
+
+async def run_all(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    texts = prompts(65, 128)[1:]  # the first window starts the long prompt
+    long_text = prompts(1, args.long_prompt)[0]
+    for url in urls.values():  # warm-up: connections, the controller's step times
+        await run_level(url, 2, texts, 1, 16)
+    raw: dict[str, list[dict[str, Any]]] = {label: [] for label in urls}
+    prefill: list[dict[str, Any]] = []
+    for rep in range(args.repeats):
+        levels = list(LEVELS) if rep % 2 == 0 else list(reversed(LEVELS))
+        for n in levels:
+            labels = list(urls) if (rep + n) % 2 == 0 else list(reversed(urls))
+            for label in labels:
+                if label != "engine" and n not in (1, 16):  # the baseline is measured where it is compared
+                    continue
+                level = await run_level(urls[label], n, texts, args.requests, args.max_tokens)
+                raw[label].append({**level, "repeat": rep})
+                print(f"  repeat {rep} {label} {n:>2} streams: {level['tokens_per_s']:.1f} tok/s, "
+                      f"itl p99 {level['itl_p99_s'] * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
+        prefill.append({**await run_prefill_interference(urls["engine"], texts, long_text, args.max_tokens),
+                        "repeat": rep})  # fmt: skip
+        print(f"  repeat {rep} prefill interference: {prefill[-1]['ratio']:.2f}x", file=sys.stderr)
+    return {"levels": raw, "prefill": prefill}
+
+
+def summarise(raw: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, runs in raw["levels"].items():
+        rows = []
+        for n in LEVELS:
+            mine = [r for r in runs if r["streams"] == n]
+            if not mine:
+                continue
+            row = {"streams": n, "runs": len(mine)}
+            for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+                row[key] = statistics.median(r[key] for r in mine)
+            row["per_repeat_tokens_per_s"] = [r["tokens_per_s"] for r in mine]
+            rows.append(row)
+        for row in rows:
+            row["vs_1_stream"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+        out[label] = rows
+    engine = out["engine"]
+    by_n = {r["streams"]: r for r in engine}
+    checks: dict[str, Any] = {
+        "x16 (target >= 10)": by_n[16]["vs_1_stream"] if 16 in by_n else None,
+        "x32 (target >= 16)": by_n[32]["vs_1_stream"] if 32 in by_n else None,
+        "itl p99 16 / 1 (target <= 2)": by_n[16]["itl_p99_s"] / by_n[1]["itl_p99_s"] if 16 in by_n else None,
+        "prefill p99 / p50 (target <= 3)": statistics.median(p["ratio"] for p in raw["prefill"]),
+    }
+    if "baseline" in out:
+        # lone stream, paired by repeat: engine / baseline
+        pairs = [
+            e["tokens_per_s"] / b["tokens_per_s"]
+            for e in raw["levels"]["engine"] for b in raw["levels"]["baseline"]
+            if e["streams"] == b["streams"] == 1 and e["repeat"] == b["repeat"]
+        ]  # fmt: skip
+        checks["lone stream engine / baseline (target >= 0.95)"] = statistics.median(pairs)
+        checks["lone stream per repeat"] = pairs
+        base16 = [r for r in out["baseline"] if r["streams"] == 16]
+        if base16:
+            checks["16 streams engine / baseline"] = by_n[16]["tokens_per_s"] / base16[0]["tokens_per_s"]
+    out["checks"] = checks
+    batches: dict[str, list[float]] = {}
+    for r in raw["levels"]["engine"]:
+        for key, b in r["edge_batches"].items():
+            batches.setdefault(key, []).append(b["ms_per_sequence"])
+    out["edge_ms_per_sequence"] = {k: statistics.median(v) for k, v in sorted(batches.items(), key=_batch_key)}
+    return out
+
+
+def _batch_key(item: tuple[str, Any]) -> tuple[str, int]:
+    part, rows = item[0].split(":")
+    return part, int(rows)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results["summary"]
+    lines = [
+        "# Gateway load: `splitspec serve` on the edge engine, 80 ms WAN, demo models in float32",
+        "",
+        f"Commit `{results['commit'][:12]}`"
+        + (f", baseline `{results['baseline']}`" if results["baseline"] else "")
+        + f"; {results['repeats']} interleaved repeats, medians; {results['requests']} requests per stream, "
+        f"128-token prompts, {results['max_tokens']} tokens out, greedy, `--speculate auto` with the draft model.",
+        f"Reproduce: `{results['command']}`.",
+        "",
+        "| server | streams | aggregate tok/s | vs 1 stream | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label in ("engine", "baseline"):
+        for r in s.get(label, []):
+            lines.append(
+                f"| {label} | {r['streams']} | {r['tokens_per_s']:.1f} | {r['vs_1_stream']:.2f}x | {r['ttft_p50_s']:.3f} | "
+                f"{r['ttft_p99_s']:.3f} | {r['itl_p50_s'] * 1e3:.0f} | {r['itl_p99_s'] * 1e3:.0f} |"
+            )
+    lines += ["", "## Targets", "", "| check | value |", "|---|---|"]
+    for key, value in s["checks"].items():
+        shown = ", ".join(f"{v:.2f}" for v in value) if isinstance(value, list) else f"{value:.2f}"
+        lines.append(f"| {key} | {shown} |")
+    lines += ["", "## Edge compute per sequence against the batch size (engine, medians over levels)", "",
+              "| part | rows | ms per sequence |", "|---|---:|---:|"]  # fmt: skip
+    for key, ms in s["edge_ms_per_sequence"].items():
+        part, rows = key.split(":")
+        lines.append(f"| {part} | {rows} | {ms:.3f} |")
+    lines += ["", f"Machine: {results['platform']}, {results['cpu_count']} CPUs shared by the trunk, the link, the "
+              "edge server(s) and the load. Read the ratios, not lone absolute times.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for label, colour in (("engine", "tab:blue"), ("baseline", "tab:orange")):
+        rows = results["summary"].get(label, [])
+        if rows:
+            axes[0].plot(
+                [r["streams"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", label=label, color=colour
+            )
+            axes[1].plot([r["streams"] for r in rows], [r["itl_p99_s"] * 1e3 for r in rows], "o-", label=label,
+                         color=colour)  # fmt: skip
+    axes[0].set_xlabel("concurrent streams")
+    axes[0].set_ylabel("aggregate output tok/s (median)")
+    axes[1].set_xlabel("concurrent streams")
+    axes[1].set_ylabel("inter-token latency p99 (ms)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle("splitspec serve through an 80 ms link")
+    fig.tight_layout()
+    fig.savefig(out / "gateway_load.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=2, help="streamed requests per stream and level")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--long-prompt", type=int, default=900, help="tokens of the prefill-interference prompt")
+    parser.add_argument("--rtt-ms", type=float, default=80.0)
+    parser.add_argument(
+        "--baseline", default=None, help="a commit whose `splitspec serve` runs beside, for the lone stream"
+    )
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gateway")
+    args = parser.parse_args()
+    results: dict[str, Any] = {**run_environment(), "repeats": args.repeats, "requests": args.requests,
+                               "max_tokens": args.max_tokens, "baseline": args.baseline,
+                               "command": "python benchmarks/gateway_load.py " + " ".join(sys.argv[1:])}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        src = None
+        if args.baseline is not None:
+            tree = Path(tmp) / "baseline"
+            subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], check=True,
+                           capture_output=True)  # fmt: skip
+            src = tree / "src"
+        procs, urls = start_stack(args.rtt_ms, src)
+        try:
+            raw = asyncio.run(run_all(urls, args))
+        finally:
+            _stop(procs)
+            if src is not None:
+                subprocess.run(["git", "worktree", "remove", "--force", str(src.parent)], check=False)
+    results["raw"] = raw
+    results["summary"] = summarise(raw)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gateway_load.json").write_text(json.dumps(results, indent=1))
+    (args.out / "gateway_load.md").write_text(markdown(results))
+    plot(results, args.out)
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""The one decode loop: prefill, then steps of (draft, verify, emit) over any tree verifier.
+
+``decode`` serves sequential decoding (no drafters: every step is the pending token alone) and
+speculative decoding alike. One step: the pending token t (chosen but not yet in the caches) and a
+draft tree continuing it go to the verifier together: q = 1 + len(draft) query tokens, t first,
+every draft root a child of t. Row 0 of the logits scores the roots, row i + 1 the children of
+node i. The acceptance rule picks a path through the tree and the next token; the caches keep t
+and that path (the cloud learns it on the next step, at no extra round trip), and the next token
+becomes the new pending one. With an empty draft the step is a plain sequential step, so sampled
+output with no drafters draws exactly what one-token sampling draws.
+
+Each emitted token comes out as an :class:`Emitted`: the token, and when asked its logprob and
+the top alternatives, taken from the model's own distribution at that position (log-softmax of
+the raw logits, before logits processors and before temperature, top-k and top-p, as vLLM
+reports them). Under speculation a token's row is the one its verification read, so logprobs are
+those of one-token decoding.
+
+Logits processors (:class:`~splitspec.decoding.processors.LogitsProcessor`: a grammar, say) see
+every row before a token is chosen from it, in verification as in the prefill. A draft is cut
+before it is sent at the first token a processor forbids (no round trip is spent on it), and with
+processors a draft is a single chain (its first branch). Output under processors is then what
+one-token constrained decoding gives: identical tokens when greedy; when sampling, the drafts are
+deterministic (q one-hot: n-grams, prompt lookup, the draft model's greedy chain), so the
+acceptance rule stays exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from splitspec.decoding.acceptance import greedy_verify_tree, sample_verify_tree
+from splitspec.decoding.controller import Choice, SpeculationPolicy
+from splitspec.decoding.drafters import Draft, Drafter
+from splitspec.decoding.processors import LogitsProcessor
+from splitspec.decoding.sampling import SamplingParams
+
+MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
+
+
+class TreeVerifier(Protocol):
+    async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor: ...
+
+    def keep(self, indices: Sequence[int]) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """One generated token, with its logprob and alternatives when they were asked for."""
+
+    token: int
+    logprob: float | None = None  # log-softmax of the model's raw logits at this position; None unless asked
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there and their logprobs, best first
+
+
+@dataclass(frozen=True)
+class SpecStep:
+    """What one step of the loop did."""
+
+    drafter: str | None  # None: sequential step
+    draft_tokens: int  # tokens drafted (tree nodes)
+    accepted: int  # drafted tokens accepted
+    emitted: int  # tokens this step added to the output (accepted + 1, less any cut at the end)
+    step_s: float  # verifier forward, seconds
+    draft_s: float  # drafting, seconds
+
+
+class SequentialPolicy:
+    """No drafting: every step is the pending token alone."""
+
+    def ranked(self) -> list[Choice]:
+        return [Choice(None, 0, 0.0)]
+
+    def observe_step(self, query_tokens: int, seconds: float) -> None:
+        return None
+
+    def observe_draft(
+        self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
+    ) -> None:
+        return None
+
+
+def draft_depth(draft: Draft) -> int:
+    depth: list[int] = []
+    for p in draft.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
+
+
+def first_chain(draft: Draft) -> Draft:
+    """The draft's first branch (root, its first child, ...) as a chain."""
+    tokens: list[int] = []
+    rows: list[int] = []
+    node = -1
+    while True:
+        child = next((i for i, p in enumerate(draft.parents) if p == node), None)
+        if child is None:
+            break
+        tokens.append(draft.tokens[child])
+        rows.append(child)
+        node = child
+    probs = None if draft.probs is None else draft.probs[rows]
+    return Draft(tokens, list(range(-1, len(tokens) - 1)), probs)
+
+
+def cut_draft(draft: Draft, processors: Sequence[LogitsProcessor]) -> Draft:
+    """The draft as one chain, cut at the first token a processor forbids."""
+    chain_draft = first_chain(draft)
+    allowed = min((p.validate_draft(chain_draft.tokens) for p in processors), default=len(chain_draft))
+    if allowed >= len(chain_draft):
+        return chain_draft
+    probs = None if chain_draft.probs is None else chain_draft.probs[:allowed]
+    return Draft(chain_draft.tokens[:allowed], chain_draft.parents[:allowed], probs)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[Emitted]:
+    """logits (n, V), row i scoring ``tokens[i]`` -> each token with its logprob and ``top`` alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
+    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])[:, 0].tolist()
+    if top <= 0:
+        return [Emitted(t, lp) for t, lp in zip(tokens, chosen, strict=True)]
+    values, ids = logprobs.topk(top, dim=-1)  # (n, top)
+    return [
+        Emitted(t, lp, tuple(zip(i, v, strict=True)))
+        for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)
+    ]
+
+
+def _emit(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int], logprobs: int | None) -> list[Emitted]:
+    if logprobs is None:
+        return [Emitted(t) for t in tokens]
+    return token_logprobs(logits[list(rows)], tokens, logprobs)
+
+
+def _process(
+    logits: torch.Tensor, processors: Sequence[LogitsProcessor], context: Sequence[int], draft: Sequence[int]
+) -> torch.Tensor:
+    if not processors:
+        return logits
+    out = logits.clone()
+    for processor in processors:
+        out = processor.process(out, context, draft)
+    return out
+
+
+def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The first token, from the prefill's last row (V,): argmax, or a draw from the warped distribution."""
+    if params.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(params.probabilities(logits), 1, generator=generator))
+
+
+async def decode(
+    verifier: TreeVerifier,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    drafters: Mapping[str, Drafter] | None = None,
+    controller: SpeculationPolicy | None = None,
+    stop_token_ids: Collection[int] = (),
+    trace: list[SpecStep] | None = None,
+    history: Sequence[int] | None = None,
+    processors: Sequence[LogitsProcessor] = (),
+    logprobs: int | None = None,
+    draft_executor: Executor | None = None,
+) -> AsyncIterator[Emitted]:
+    """Yield up to ``max_new_tokens`` tokens; identical in law (greedy: identical) to sequential decoding.
+
+    ``history`` (tokens already in the verifier's cache) continues that sequence instead of
+    starting a new one; the drafters see history + prompt. ``logprobs``: None for none, else how
+    many alternatives each token carries (0 for the chosen token's logprob alone).
+    ``draft_executor``: where drafters run (None: inline); a sequence's drafts are made one at a time.
+    """
+    if not prompt_ids:
+        raise ValueError("the prompt must hold at least one token")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
+    drafters = drafters or {}
+    controller = controller if controller is not None and drafters else SequentialPolicy()
+    if history is None:
+        verifier.reset()
+    context = [*(history or ()), *prompt_ids]
+    logits = await verifier.forward(prompt_ids)  # prefill: (len(prompt), V)
+    last = logits[-1:]  # (1, V)
+    pending = _choose(_process(last, processors, context, ())[0], params, generator)
+    (first,) = _emit(last, [0], [pending], logprobs)
+    for processor in processors:
+        processor.accept([pending])
+    context.append(pending)
+    produced = 1
+    yield first
+    if pending in stop_token_ids:
+        return
+    while produced < max_new_tokens:
+        if any(p.finished for p in processors):
+            return
+        # choose and build the draft; a drafter with nothing to offer yields to the next option
+        draft, used, draft_s = Draft.empty(), None, 0.0
+        for choice in controller.ranked():
+            if choice.drafter is None:
+                break
+            budget = min(choice.budget, max_new_tokens - produced - 1)
+            if budget < 1:
+                break
+            t0 = time.perf_counter()
+            drafter = drafters[choice.drafter]
+            if draft_executor is None:
+                draft = drafter.propose(context, budget)
+            else:  # a draft model's forwards: off the event loop, which other sequences' I/O needs
+                loop = asyncio.get_running_loop()
+                draft = await loop.run_in_executor(draft_executor, drafter.propose, context, budget)
+            if processors and draft:
+                draft = cut_draft(draft, processors)
+            draft_s += time.perf_counter() - t0
+            if draft:
+                used = choice.drafter
+                break
+            controller.observe_draft(choice.drafter, 0, 0, 0, 0.0)  # asked, nothing to offer
+        tokens = [pending, *draft.tokens]
+        parents = [-1, *[p + 1 for p in draft.parents]]  # draft roots hang off the pending token
+        t0 = time.perf_counter()
+        raw = await verifier.forward(tokens, parents)  # (1 + n, V)
+        step_s = time.perf_counter() - t0
+        logits = _process(raw, processors, context, draft.tokens)  # a chain when processors are given
+        if params.greedy:
+            verdict = greedy_verify_tree(draft.tokens, draft.parents, logits)
+        else:
+            target = params.probabilities(logits)
+            verdict = sample_verify_tree(draft.tokens, draft.parents, draft.probs, target, generator)
+        if len(verdict.path) < len(draft):
+            verifier.keep([0, *[i + 1 for i in verdict.path]])  # t and the accepted path
+        new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
+        rows = [0, *[i + 1 for i in verdict.path]]  # row r scored new[r]: the pending token's, then each node's
+        new = new[: max_new_tokens - produced]
+        for i, token in enumerate(new):
+            if token in stop_token_ids:
+                new = new[: i + 1]
+                break
+        controller.observe_step(len(tokens), step_s)
+        if used is not None:
+            controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), draft_s)
+        if trace is not None:
+            trace.append(SpecStep(used, len(draft), len(verdict.path), len(new), step_s, draft_s))
+        for processor in processors:
+            processor.accept(new)
+        for emitted in _emit(raw, rows[: len(new)], new, logprobs):
+            yield emitted
+        produced += len(new)
+        context += new
+        pending = verdict.next_token
+        if new[-1] in stop_token_ids:
+            return

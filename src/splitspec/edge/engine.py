@@ -1,0 +1,367 @@
+"""The edge engine: many sequences' steps through one edge model and one link to the trunk.
+
+One step of a sequence (``EdgeEngine.forward``) is: embed its query tokens, run the head layers,
+add the send noise, send the hidden state to the trunk, run the tail layers on the reply, return
+logits. The head and tail forwards of every sequence that steps at the same time run as *one*
+batched forward each (:class:`~splitspec.models.batcher.RowBatcher` over
+:func:`~splitspec.models.batched.forward_batch`: ragged rows, each with its own positions,
+parents and cache), on a worker thread of each, off the event loop; the trunk exchanges of all
+sequences are multiplexed over a few connections (:class:`~splitspec.edge.link.TrunkLink`). Each
+sequence's decode loop (drafting, verification, its logits processors) runs as its own coroutine
+over ``forward``, so sequences with different prompts, speculation modes and sampling share every
+forward without waiting for each other's rounds.
+
+A forward is all or nothing on the edge: if any of its chunks fails, the sequence forgets the
+chunks that went through before recovering, so the retry never sends a token twice. A sequence
+whose cloud session is lost (an eviction, an expired TTL, a broken connection, a failed trunk
+step) recovers alone: a new session on a connection with room, then a replay of its committed
+tokens; other sequences, on the same connection or not, are not disturbed unless their
+connection broke too. A step the trunk refuses for ``capacity`` is sent again after the
+refusal's retry-after hint, backing off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from splitspec.decoding.controller import SpeculationController, StepTimes
+from splitspec.edge.link import TrunkLink
+from splitspec.edge.runtime import EdgeRuntime
+from splitspec.edge.sequence import EdgeSequence, StepStats
+from splitspec.exceptions import (
+    BadTensor,
+    CapacityExceeded,
+    ServerError,
+    TransportError,
+    UnexpectedMessage,
+    UnknownSession,
+)
+from splitspec.models.batched import BatchRow, forward_batch
+from splitspec.models.batcher import RowBatcher
+from splitspec.models.masks import chain, depths
+from splitspec.models.stack import EdgeModel
+from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
+from splitspec.protocol.codec import wire_bytes_per_token
+from splitspec.protocol.messages import Message, Step, StepResult
+from splitspec.transport.client import Exchange
+
+log = logging.getLogger(__name__)
+
+_HEADER_RESERVE = 2048  # bytes kept free in every step frame for the prefix and JSON header
+MAX_CAPACITY_BACKOFF_S = 5.0  # longest wait between two tries of a step the trunk refused for capacity, seconds
+
+
+class BatchLog:
+    """The forwards one of the engine's workers ran: per batch size (rows), how many and their total time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the worker thread writes, the event loop reads
+        self.forwards: Counter[int] = Counter()  # rows -> forwards of that many rows
+        self.total_ms: dict[int, float] = {}  # rows -> their total compute, milliseconds
+
+    def observe(self, rows: int, ms: float) -> None:
+        with self._lock:
+            self.forwards[rows] += 1
+            self.total_ms[rows] = self.total_ms.get(rows, 0.0) + ms
+
+    def snapshot(self) -> dict[int, tuple[int, float]]:
+        """rows -> (forwards, mean compute ms per forward), sorted by rows."""
+        with self._lock:
+            return {rows: (n, self.total_ms[rows] / n) for rows, n in sorted(self.forwards.items())}
+
+
+class _HeadBatcher(RowBatcher):
+    """The head layers over many sequences' embedded query tokens -> hidden states (1, q, H), on the device."""
+
+    def __init__(self, model: EdgeModel, max_batch_steps: int, gather: float) -> None:
+        super().__init__(max_batch_steps, gather=gather, thread_name="edge-head")
+        self.model = model
+        self.log = BatchLog()
+
+    def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
+        self.log.observe(steps, compute_ms)
+
+    def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        return forward_batch(self.model.head, rows)
+
+
+class _TailBatcher(RowBatcher):
+    """The tail layers, final norm and LM head over many sequences' trunk outputs -> logits (1, q, V) float32."""
+
+    def __init__(self, model: EdgeModel, max_batch_steps: int, gather: float) -> None:
+        super().__init__(max_batch_steps, gather=gather, thread_name="edge-tail")
+        self.model = model
+        self.log = BatchLog()
+
+    def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
+        self.log.observe(steps, compute_ms)
+
+    @torch.inference_mode()
+    def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
+        return [self.model.logits(out) for out in forward_batch(self.model.tail, rows)]
+
+
+class EdgeEngine:
+    """Runs every sequence's steps for one :class:`EdgeRuntime` against one trunk."""
+
+    def __init__(self, runtime: EdgeRuntime) -> None:
+        self.runtime = runtime
+        self.config = runtime.config
+        self.link = TrunkLink(self.config, runtime.hello, runtime.expected_trunk, runtime.trunk_source)
+        # static KV buffers (--compile) run each sequence's fixed-shape step alone
+        rows = 1 if runtime.cache_size is not None else 64
+        self._head = _HeadBatcher(runtime.model, rows, self.config.batch_gather)
+        self._tail = _TailBatcher(runtime.model, rows, self.config.batch_gather)
+        # step-time estimates describe the link and the trunk, so every sequence's controller shares them
+        self.step_times = StepTimes()
+        # drafting (a draft model's forwards) runs here, off the event loop, one draft at a time
+        self.draft_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-draft")
+
+    # -- sequences -----------------------------------------------------------------------------
+
+    @property
+    def head_batches(self) -> BatchLog:
+        """The head worker's forwards by batch size."""
+        return self._head.log
+
+    @property
+    def tail_batches(self) -> BatchLog:
+        """The tail worker's forwards by batch size."""
+        return self._tail.log
+
+    def new_sequence(self) -> EdgeSequence:
+        return EdgeSequence(self.runtime)
+
+    def controller(self, sequence: EdgeSequence, drafters: Sequence[str]) -> SpeculationController:
+        """The sequence's speculation controller: its own acceptance estimates, the engine's step times."""
+        if sequence.controller is None or sequence.controller.drafters != list(drafters):
+            sequence.controller = SpeculationController(list(drafters), step_times=self.step_times)
+        return sequence.controller
+
+    def _start(self) -> None:
+        for batcher in (self._head, self._tail):
+            if not batcher.running:
+                batcher.start()
+
+    async def open(self, sequence: EdgeSequence) -> None:
+        """Open a cloud session for ``sequence`` (on a connection with room)."""
+        self._start()
+        sequence.connection, sequence.session_id = await self.link.open_session()
+        log.debug("session %s opened on %s", sequence.session_id, self.config.cloud_url)
+        if self.runtime.provenance.stock:
+            log.warning(
+                "session %s runs STOCK public edge weights (%s): the cloud can invert what it sees",
+                sequence.session_id,
+                self.runtime.provenance.reason,
+            )
+
+    async def release(self, sequence: EdgeSequence) -> None:
+        """Close ``sequence``'s cloud session (best effort)."""
+        conn, session_id = sequence.connection, sequence.session_id
+        sequence.connection = sequence.session_id = None
+        if conn is not None and session_id is not None:
+            await self.link.close_session(conn, session_id)
+
+    async def close(self) -> None:
+        """Close every connection and stop the workers (sequences must be released first)."""
+        await self.link.close()
+        for batcher in (self._head, self._tail):
+            await batcher.stop()
+        self.draft_executor.shutdown(wait=False)
+        self.draft_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-draft")  # reusable
+
+    def chunk_tokens(self, sequence: EdgeSequence) -> int:
+        """Most query tokens one step may carry without hitting either side's caps."""
+        conn = sequence.connection
+        if conn is None:
+            raise TransportError("not connected")
+        # per token: hidden state in the wire codec (both ways: the reply's raw one is the trunk's dtype, which
+        # the handshake made ours), int32 position, int32 parent, and up to 8 header bytes of keep_last
+        runtime = self.runtime
+        per_token = wire_bytes_per_token(runtime.hello.wire_codec, runtime.model.hidden_size, runtime.dtype) + 16
+        return max(1, min(conn.welcome.max_query_tokens, (conn.max_message_bytes - _HEADER_RESERVE) // per_token))
+
+    # -- the verifier interface ------------------------------------------------------------------
+
+    async def forward(
+        self, sequence: EdgeSequence, tokens: Sequence[int], parents: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Run ``tokens`` (a chain unless ``parents`` says otherwise) of ``sequence`` -> logits (q, V) float32."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        parents = chain(len(tokens)) if parents is None else list(parents)
+        if len(parents) != len(tokens):
+            raise ValueError("tokens and parents must have the same length")
+        kind = "prefill" if len(tokens) > 1 and not sequence.tokens else "decode"
+        base = len(sequence.tokens)
+        for attempt in range(self.config.max_recoveries + 1):
+            try:
+                if sequence.lost:
+                    await self._recover(sequence)
+                return await self._forward_chunked(sequence, tokens, parents, kind)
+            except (UnknownSession, TransportError, ServerError) as exc:
+                # the chunks of this forward that went through are forgotten: the retry sends them
+                # again, after the recovery replayed only what was committed before this forward.
+                # A server error leaves the cloud's cache unknown (its cache command may have been
+                # applied), so it too is recovered from on a fresh session.
+                sequence.tokens = sequence.tokens[:base]
+                sequence.lost = True  # this attempt, or the next forward, starts with a recovery
+                if attempt == self.config.max_recoveries:
+                    raise
+                log.warning("lost the cloud session (%s); recovering by replaying %d tokens", exc, base)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _forward_chunked(
+        self, sequence: EdgeSequence, tokens: list[int], parents: list[int], kind: str
+    ) -> torch.Tensor:
+        size = self.chunk_tokens(sequence)
+        if len(tokens) <= size:
+            return await self._forward_once(sequence, tokens, parents, kind)
+        if parents != chain(len(tokens)):
+            raise ValueError(f"a draft tree of {len(tokens)} tokens exceeds one step's {size}-token limit")
+        out = [
+            await self._forward_once(sequence, tokens[i : i + size], chain(len(tokens[i : i + size])), kind)
+            for i in range(0, len(tokens), size)
+        ]
+        return torch.cat(out, dim=0)
+
+    async def _forward_once(
+        self, sequence: EdgeSequence, tokens: list[int], parents: list[int], kind: str
+    ) -> torch.Tensor:
+        conn, session_id = sequence.connection, sequence.session_id
+        if conn is None or session_id is None:
+            raise TransportError("not connected")
+        runtime = self.runtime
+        base = len(sequence.tokens)
+        parent_t = torch.tensor(parents, dtype=torch.int32)
+        positions = (base + depths(parent_t)).to(torch.int32)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        try:
+            t0 = time.perf_counter()
+            with torch.inference_mode():  # as the head's own forward (a compiled step guards on it)
+                embedded = runtime.model.embed(ids[None])  # (1, q, H) on the device
+            hidden, _, _ = await self._head.submit(embedded, positions, parent_t, sequence.head_cache)  # (1, q, H)
+            digests: list[bytes] = []
+            noise = runtime.send_noise
+            if noise.scale > 0:
+                base_digest = sequence.digests[-1] if sequence.digests else b""
+                digests = prefix_digests(noise.key, tokens, parents, base_digest)
+                eps = noise_for_tokens(digests, hidden.shape[-1])[None].to(hidden.device)  # (1, q, H)
+                hidden = add_send_noise(hidden, noise.scale, eps)
+            t1 = time.perf_counter()
+            host_hidden = runtime.staging.to_host(hidden)  # the step's one wait for the device
+            t2 = time.perf_counter()
+            sequence.seq += 1
+            codec = runtime.hello.wire_codec  # encodes host_hidden in encode_message, decodes the reply's
+            step = Step(session_id, sequence.seq, host_hidden, positions, parent_t, sequence.command, codec)
+            raw_reply, exchange = await self._send_step(sequence, step)
+            reply = _checked_reply(raw_reply, step, runtime.dtype)
+            t3 = time.perf_counter()
+            trunk_out = runtime.staging.to_device(reply.hidden)  # (1, q, H)
+            t4 = time.perf_counter()
+            logits, _, _ = await self._tail.submit(trunk_out, positions, parent_t, sequence.tail_cache)  # (1, q, V)
+            t5 = time.perf_counter()
+        except BaseException:
+            for cache in (sequence.head_cache, sequence.tail_cache):  # leave no half-run step behind
+                if len(cache) > base:
+                    cache.truncate(base)
+            raise
+        sequence.command = None
+        sequence.tokens.extend(tokens)
+        sequence.digests.extend(digests)
+        sequence.steps.append(
+            StepStats(
+                kind=kind,
+                query_tokens=len(tokens),
+                network_ms=max(0.0, exchange.roundtrip_ms - reply.cloud_ms),
+                edge_ms=((t1 - t0) + (t5 - t4)) * 1e3,
+                cloud_ms=reply.cloud_ms,
+                serialize_ms=exchange.encode_ms + exchange.decode_ms + ((t2 - t1) + (t4 - t3)) * 1e3,
+                bytes_up=exchange.bytes_up,
+                bytes_down=exchange.bytes_down,
+            )
+        )
+        return logits[0]
+
+    async def _send_step(self, sequence: EdgeSequence, step: Step) -> tuple[Message, Exchange]:
+        """Send ``step`` and return its reply, waiting out the trunk's capacity refusals.
+
+        A refusal with a retry-after hint is retried after the hint, the wait doubling on each new
+        refusal (at most :data:`MAX_CAPACITY_BACKOFF_S`), for at most ``capacity_wait_s`` in all; a
+        refusal without a hint (the step can never fit) is raised at once. The trunk refuses before
+        applying the step's cache command, so sending it again is safe.
+        """
+        conn = sequence.connection
+        if conn is None:
+            raise TransportError("not connected")
+        deadline = time.monotonic() + self.config.capacity_wait_s
+        delay = 0.0
+        while True:
+            try:
+                return await conn.channel.request(step, self.config.request_timeout_s)
+            except CapacityExceeded as exc:
+                if exc.retry_after_s is None:
+                    raise
+                delay = min(max(exc.retry_after_s, 2 * delay), MAX_CAPACITY_BACKOFF_S)
+                if time.monotonic() + delay > deadline:
+                    raise
+                sequence.capacity_waits += 1
+                log.info("the trunk is at capacity (%s); retrying in %.2f s", exc, delay)
+                await asyncio.sleep(delay)
+
+    async def _recover(self, sequence: EdgeSequence) -> None:
+        """Open a fresh session (reconnecting if needed) and replay every committed token of ``sequence``.
+
+        The history is kept whole until the replay succeeds: a replay that fails leaves the
+        sequence lost with its full history, so the next attempt replays all of it again.
+        """
+        sequence.recoveries += 1
+        conn, session_id = sequence.connection, sequence.session_id
+        sequence.connection = sequence.session_id = None
+        if conn is not None and session_id is not None:
+            await self.link.forget(conn, session_id)
+        deadline = time.monotonic() + self.config.reconnect_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                await self.open(sequence)
+                break
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+        history = sequence.forget_caches()
+        if history:
+            try:
+                await self._forward_chunked(sequence, history, chain(len(history)), "replay")
+            except BaseException:
+                sequence.tokens = history
+                raise
+        sequence.lost = False
+
+
+def _checked_reply(reply: object, step: Step, dtype: torch.dtype) -> StepResult:
+    """The cloud is untrusted too: its reply must answer this step, with matching tensors in the step's
+    codec; returned with its hidden state in the edge's compute ``dtype``."""
+    if not isinstance(reply, StepResult):
+        raise UnexpectedMessage(f"expected a StepResult, got {getattr(reply, 'TYPE', reply)!r}")
+    if reply.session_id != step.session_id or reply.seq != step.seq:
+        raise UnexpectedMessage(f"reply for {reply.session_id}/{reply.seq}, sent {step.session_id}/{step.seq}")
+    if reply.codec != step.codec:
+        raise BadTensor(f"reply hidden state in the {reply.codec!r} codec, the step's is {step.codec!r}")
+    if reply.hidden.shape != step.hidden.shape or (step.codec == "raw" and reply.hidden.dtype != step.hidden.dtype):
+        raise BadTensor(f"reply hidden {tuple(reply.hidden.shape)} {reply.hidden.dtype} does not match the step")
+    if reply.hidden.dtype == dtype:
+        return reply
+    return dataclasses.replace(reply, hidden=reply.hidden.to(dtype))  # a bf16 or int8 wire's bfloat16 or float32

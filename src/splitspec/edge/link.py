@@ -1,0 +1,158 @@
+"""The edge's link to one trunk: a few WebSocket connections, each carrying many sessions at once.
+
+A :class:`TrunkConnection` is one connection after its handshake, multiplexed
+(:meth:`splitspec.transport.client.Channel.multiplex`): any number of its sessions' steps may be in
+flight together, each reply matched to its step by session id and sequence number.
+
+A :class:`TrunkLink` is the pool an engine uses: it opens a session on a live connection with room
+(at most ``sessions_per_connection`` each, the trunk's per-connection quota) and opens another
+connection when all are full. A connection that breaks fails every exchange in flight on it with
+:class:`~splitspec.exceptions.TransportError`; each affected sequence then recovers on its own
+(a new session, on whatever connection has room), and sequences on other connections see nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+
+from splitspec.edge.config import EdgeConfig
+from splitspec.exceptions import (
+    HandshakeMismatch,
+    ProtocolError,
+    SessionQuotaExceeded,
+    TransportError,
+    UnexpectedMessage,
+)
+from splitspec.protocol.messages import CloseSession, Hello, OpenSession, SessionOpened, Welcome
+from splitspec.protocol.trunk_fingerprint import TrunkFingerprint, check_trunk
+from splitspec.transport.client import Channel
+
+log = logging.getLogger(__name__)
+
+
+class TrunkConnection:
+    """One multiplexed connection to the trunk past its handshake, and the sessions it holds."""
+
+    def __init__(self, channel: Channel, welcome: Welcome, config: EdgeConfig, conn_id: int) -> None:
+        self.channel = channel
+        self.welcome = welcome
+        self.config = config
+        self.conn_id = conn_id
+        self.sessions: set[str] = set()  # sessions this connection holds
+        self.full = False  # the trunk refused another session here (its per-connection quota)
+        self._request_ids = itertools.count(1)
+        channel.multiplex()
+
+    @property
+    def alive(self) -> bool:
+        return self.channel.alive
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The smaller of the two sides' frame caps, bytes."""
+        return min(self.welcome.max_message_bytes, self.config.max_message_bytes)
+
+    async def open_session(self) -> str:
+        opened, _ = await self.channel.request(
+            OpenSession(request_id=next(self._request_ids)), self.config.request_timeout_s
+        )
+        if not isinstance(opened, SessionOpened):
+            raise UnexpectedMessage(f"expected SessionOpened, got {opened.TYPE!r}")
+        self.sessions.add(opened.session_id)
+        return opened.session_id
+
+    async def close_session(self, session_id: str, timeout_s: float = 5.0) -> None:
+        self.sessions.discard(session_id)
+        self.full = False
+        await self.channel.request(CloseSession(session_id), timeout_s)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class TrunkLink:
+    """The pool of connections an engine's sequences share to one trunk."""
+
+    def __init__(self, config: EdgeConfig, hello: Hello, expected: TrunkFingerprint, source: str) -> None:
+        self.config = config
+        self.hello = hello
+        self.expected = expected  # the trunk fingerprint every connection's Welcome must carry
+        self.source = source  # where ``expected`` comes from, for the refusal's message
+        self.connections: list[TrunkConnection] = []
+        self._opening = asyncio.Lock()  # one new connection at a time: a burst of sessions shares it
+        self._ids = itertools.count()
+
+    async def connect(self) -> TrunkConnection:
+        """A new connection past its handshake (the trunk fingerprint checked)."""
+        cfg = self.config
+        channel = await Channel.connect(
+            cfg.cloud_url,
+            max_message_bytes=cfg.max_message_bytes,
+            timeout_s=cfg.connect_timeout_s,
+            ca_file=cfg.tls_ca_file,
+        )
+        try:
+            welcome, _ = await channel.request(self.hello, cfg.request_timeout_s)
+            if not isinstance(welcome, Welcome):
+                raise UnexpectedMessage(f"expected a Welcome, got {welcome.TYPE!r}")
+            check_trunk(self.expected, welcome.trunk, self.source)
+            if welcome.wire_codec != self.hello.wire_codec:
+                raise HandshakeMismatch(
+                    f"wire codec: edge sends {self.hello.wire_codec!r}, trunk answered {welcome.wire_codec!r}"
+                )
+        except BaseException:
+            await channel.close()
+            raise
+        conn = TrunkConnection(channel, welcome, cfg, next(self._ids))
+        self.connections.append(conn)
+        log.debug("connection %d to %s open", conn.conn_id, cfg.cloud_url)
+        return conn
+
+    def _with_room(self) -> TrunkConnection | None:
+        self.connections = [c for c in self.connections if c.alive or c.sessions]
+        room = [
+            c
+            for c in self.connections
+            if c.alive and not c.full and len(c.sessions) < self.config.sessions_per_connection
+        ]
+        return min(room, key=lambda c: len(c.sessions), default=None)
+
+    async def open_session(self) -> tuple[TrunkConnection, str]:
+        """A new session, on a connection with room (a new connection when none has)."""
+        while True:
+            async with self._opening:
+                conn = self._with_room() or await self.connect()
+            try:
+                return conn, await conn.open_session()
+            except SessionQuotaExceeded:
+                if not conn.sessions:
+                    raise  # even an empty connection may not open one: the trunk's address quota
+                conn.full = True  # the trunk's quota is below ours: use another connection
+
+    async def close_session(self, conn: TrunkConnection, session_id: str) -> None:
+        """Close a session (best effort: a lost connection has lost it already), and the connection once idle."""
+        if conn.alive:
+            try:
+                await conn.close_session(session_id)
+            except (ProtocolError, TransportError) as exc:
+                log.debug("closing session %s: %s", session_id, exc)
+        conn.sessions.discard(session_id)
+        if not conn.sessions and (not conn.alive or len(self.connections) > 1):
+            await self._drop(conn)
+
+    async def forget(self, conn: TrunkConnection, session_id: str) -> None:
+        """A session the trunk lost (or a connection that broke): drop it without asking the trunk."""
+        conn.sessions.discard(session_id)
+        if not conn.alive and not conn.sessions:
+            await self._drop(conn)
+
+    async def _drop(self, conn: TrunkConnection) -> None:
+        if conn in self.connections:
+            self.connections.remove(conn)
+        await conn.close()
+
+    async def close(self) -> None:
+        for conn in list(self.connections):
+            await self._drop(conn)

@@ -1,0 +1,166 @@
+"""What an edge process loads once, whatever number of sequences it serves.
+
+:class:`EdgeRuntime` reads the checkpoint's edge weights, the draft model and the tokenizer-side
+facts (stop tokens, published sampling) once; checks the edge weights' provenance once (with a
+divergence record that hashes every edge tensor, so doing it per session would rehash them each
+time); works out the trunk fingerprint the cloud must present once; and fixes the device and the
+compute dtype. Every :class:`~splitspec.edge.sequence.EdgeSequence` of an engine shares it; none of
+it changes while sequences run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitspec.decoding.published import published_sampling, sampling_settings
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.devices import HostStaging, resolve_device
+from splitspec.edge.config import EdgeConfig
+from splitspec.edge.provenance import check_edge_weights, send_noise
+from splitspec.exceptions import CheckpointError, ConfigError
+from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop_ids
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.split import SplitPlan
+from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
+from splitspec.models.static_kv import StaticKVCache, static_cache_size
+from splitspec.models.trunk_fingerprint import trunk_fingerprint
+from splitspec.protocol.codec import WIRE_CODECS
+from splitspec.protocol.messages import Hello
+from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
+
+log = logging.getLogger(__name__)
+
+
+class EdgeRuntime:
+    """The edge's weights, device, dtype and handshake, loaded and checked once per process.
+
+    ``edge`` and ``draft_model`` may be passed in already loaded (a benchmark that loads once for
+    many configurations); they hold no per-sequence state.
+    """
+
+    def __init__(self, config: EdgeConfig, edge: EdgeModel | None = None, draft_model: FullModel | None = None) -> None:
+        self.config = config
+        ckpt = Checkpoint(config.model_dir)
+        self.checkpoint = ckpt
+        self.plan = SplitPlan(ckpt.config.num_hidden_layers, *config.edge_layers)
+        self.provenance = check_edge_weights(
+            config.model_dir, self.plan, config.published_model_dir, config.allow_stock_edge_weights
+        )
+        self.send_noise = send_noise(config.model_dir)  # the defence the edge layers were trained with
+        self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype)
+        if config.wire_codec not in WIRE_CODECS:
+            raise ConfigError(f"--wire-codec must be one of {', '.join(WIRE_CODECS)}, got {config.wire_codec!r}")
+        self.device = edge.device if edge is not None else resolve_device(config.device)
+        self.model = (
+            edge
+            if edge is not None
+            else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation, self.device)
+        )
+        self.staging = HostStaging(self.device)
+        self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
+        self.vocab_size = int(ckpt.config.vocab_size)
+        self.cache_size = self._compile_fixed_decode()  # static KV entries with --compile, else None
+        self.hello = Hello(
+            fingerprint=fingerprint(ckpt.config),
+            layer_start=self.plan.trunk_layers.start,
+            layer_end=self.plan.trunk_layers.stop,
+            dtype=dtype_name,
+            hidden_size=self.model.hidden_size,
+            auth_token=config.auth_token,
+            client="splitspec-edge",
+            wire_codec=config.wire_codec,
+        )
+        self.expected_trunk, self.trunk_source = expected_trunk(config, ckpt, self.plan)
+        self.eos_token_ids = generation_stop_ids(config.model_dir, ckpt.config)
+        self.published_sampling = published_sampling(config.model_dir)  # generation_config.json's
+        self.default_sampling = self.sampling()
+        self.draft_model: FullModel | None = draft_model
+        if draft_model is None and config.draft_model_dir is not None:
+            draft_ckpt = Checkpoint(config.draft_model_dir)
+            if draft_ckpt.config.vocab_size != ckpt.config.vocab_size:
+                raise ConfigError(
+                    f"draft model vocabulary ({draft_ckpt.config.vocab_size}) differs from the model's "
+                    f"({ckpt.config.vocab_size}): they must share one tokenizer"
+                )
+            draft_dtype = None if config.dtype is None else self.dtype  # the draft's own unless --dtype
+            self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation, self.device)
+        if self.provenance.stock:
+            log.warning(
+                "the edge runs STOCK public edge weights (%s): the cloud can invert what it sees",
+                self.provenance.reason,
+            )
+
+    def _compile_fixed_decode(self) -> int | None:
+        """With ``compile``: the head's and tail's fixed-shape decode steps, compiled now (once per
+        shared model); return the static KV size. None without (growable caches)."""
+        config = self.config
+        size = static_cache_size(config.compile, config.max_cache_tokens, self.max_positions)
+        if config.compile is None or size is None:
+            return None
+        for stack in (self.model.head, self.model.tail):
+            if len(stack.layers) and stack.fixed_decode is None:
+                stack.enable_fixed_decode(config.compile, config.compile_backend).warm_up(size)
+        return size
+
+    def new_cache(self) -> KVCache:
+        """A sequence's cache on the edge: static buffers with ``compile``, else growable."""
+        return KVCache() if self.cache_size is None else StaticKVCache(self.cache_size)
+
+    def sampling(
+        self,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+    ) -> SamplingParams:
+        """Sampling as the checkpoint publishes it (generation_config.json), overridden by the values given."""
+        return sampling_settings(self.published_sampling, temperature, top_p, top_k, seed)
+
+    def check_length(self, prompt_tokens: int, max_new_tokens: int, context_tokens: int = 0) -> None:
+        """Refuse a generation that could pass the model's maximum positions: context + prompt + max new tokens.
+
+        The one length policy: the CLI calls it before connecting, a generation before sending
+        anything, so a request either fits whole or fails at once, never midway.
+        """
+        total = context_tokens + prompt_tokens + max_new_tokens
+        if self.cache_size is not None and total > self.cache_size:
+            raise ConfigError(
+                f"prompt + max new tokens + context = {total} exceeds the edge's static KV size of "
+                f"{self.cache_size} (--max-cache-tokens)"
+            )
+        if total > self.max_positions:
+            raise ConfigError(
+                f"prompt ({prompt_tokens} tokens) + max new tokens ({max_new_tokens})"
+                + (f" + context ({context_tokens})" if context_tokens else "")
+                + f" = {total} exceeds the model's {self.max_positions} positions: shorten the prompt or "
+                "lower --max-new-tokens"
+            )
+
+    def generator(self, params: SamplingParams) -> tuple[torch.Generator, int]:
+        """A seeded generator where this edge's logits live (a CUDA edge samples on CUDA), and its seed."""
+        return params.generator(self.device)
+
+
+def expected_trunk(config: EdgeConfig, ckpt: Checkpoint, plan: SplitPlan) -> tuple[TrunkFingerprint, str]:
+    """The trunk fingerprint the cloud must send, and where it comes from: the pin, else the edge's own copy."""
+    if config.trunk_fingerprint is not None:
+        try:
+            pinned = TrunkFingerprint.parse(config.trunk_fingerprint)
+        except ValueError as exc:
+            raise ConfigError(f"--trunk-fingerprint: {exc}") from None
+        if (pinned.layer_start, pinned.layer_end) != (plan.trunk_layers.start, plan.trunk_layers.stop):
+            raise ConfigError(
+                f"--trunk-fingerprint is for {pinned.layers}, but --edge-layers {plan.head},{plan.tail} "
+                f"leave layers {plan.trunk_layers.start}..{plan.trunk_layers.stop - 1} to the trunk"
+            )
+        return pinned, "the pinned --trunk-fingerprint"
+    try:
+        own = trunk_fingerprint(ckpt, plan)
+    except CheckpointError as exc:
+        raise CheckpointError(
+            f"{exc}: the edge checks the cloud's trunk against its own copy; without one, pin the trunk with "
+            "--trunk-fingerprint (the trunk server logs it at start)"
+        ) from None
+    return own, f"the edge's copy of the checkpoint ({ckpt.directory})"

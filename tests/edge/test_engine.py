@@ -1,0 +1,157 @@
+"""The edge engine: many sequences through one runtime, one engine and one trunk server on loopback.
+
+Each claim is checked against the same request run alone (or the local whole model): batching the
+edge's head and tail across sequences, multiplexing their steps over shared connections, and
+recovering one sequence must change nobody's output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.server import TrunkServer
+from splitspec.decoding.loop import SpecStep
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.edge.engine import EdgeEngine
+from splitspec.edge.runtime import EdgeRuntime
+from tests.conftest import local_model
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_new_tokens: int
+    speculate: str
+    params: SamplingParams
+
+
+def _requests() -> list[Request]:
+    """16 different requests: prompt lengths 3-1,000, every speculation mode (greedy), and sampled ones."""
+    rng = random.Random(7)
+    modes = ["off", "ngram", "prompt-lookup", "draft", "mix", "auto"]
+    requests = []
+    for i in range(16):
+        length = 1000 if i == 5 else rng.choice([3, 9, 17, 40, 90])
+        pattern = rng.choices(range(3, 96), k=6)
+        prompt = (pattern * (length // 6 + 1))[:length] if i % 3 == 0 else rng.choices(range(3, 96), k=length)
+        sampled = i % 4 == 3
+        params = SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i) if sampled else SamplingParams()
+        # a sampled speculative run draws as many numbers as its drafts need, and the adaptive controller
+        # sizes drafts from measured times: only its law is the same run to run, not its draws
+        mode = "off" if sampled else modes[i % len(modes)]
+        requests.append(Request(prompt, rng.choice([8, 16, 24]), mode, params))
+    return requests
+
+
+async def _run(client: SplitClient, request: Request) -> list[int]:
+    result = await client.generate(request.prompt, request.max_new_tokens, request.params, speculate=request.speculate)
+    return result.token_ids
+
+
+@pytest.fixture
+def models(make_checkpoint: Callable[..., Path]) -> tuple[Path, Path]:
+    return make_checkpoint("llama"), make_checkpoint("llama", layers=2, seed=99)
+
+
+async def test_sixteen_mixed_sequences_through_one_engine_equal_each_run_alone(models: tuple[Path, Path]) -> None:
+    model, draft = models
+    requests = _requests()
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, max_sessions_per_connection=4)) as server:
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, draft_model_dir=draft)
+        runtime = EdgeRuntime(config)
+        alone = []
+        for request in requests:  # each alone: an engine of its own, nothing else running
+            async with SplitClient(config, runtime=runtime) as client:
+                alone.append(await _run(client, request))
+        engine = EdgeEngine(runtime)
+        clients = [SplitClient(config, engine=engine) for _ in requests]
+        try:
+            for client in clients:
+                await client.connect()
+            together = await asyncio.gather(*(_run(c, r) for c, r in zip(clients, requests, strict=True)))
+            connections = len(engine.link.connections)
+        finally:
+            for client in clients:
+                await client.close()
+            await engine.close()
+    assert together == alone
+    assert connections == 4  # 16 sessions multiplexed, 4 per connection
+    batched = max(engine.head_batches.snapshot()), max(engine.tail_batches.snapshot())
+    assert min(batched) >= 4, batched  # rows of several sequences really shared forwards
+    assert any(request.params.temperature > 0 for request in requests)  # sampled requests were among them
+
+
+async def test_one_evicted_session_replays_alone(models: tuple[Path, Path]) -> None:
+    model, _ = models
+    rng = random.Random(3)
+    prompts = [rng.choices(range(3, 96), k=20) for _ in range(4)]
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        runtime = EdgeRuntime(config)
+        alone = []
+        for prompt in prompts:
+            async with SplitClient(config, runtime=runtime) as client:
+                alone.append((await client.generate(prompt, 24, speculate="off")).token_ids)
+        engine = EdgeEngine(runtime)
+        clients = [SplitClient(config, engine=engine) for _ in prompts]
+        victim = clients[1]
+
+        async def evict_midway() -> None:
+            while len(victim.steps) < 6:
+                await asyncio.sleep(0.001)
+            assert victim.session_id is not None
+            server.sessions.close(victim.session_id, "evicted by the test")
+
+        try:
+            for client in clients:
+                await client.connect()
+            results = await asyncio.gather(
+                *(c.generate(p, 24, speculate="off") for c, p in zip(clients, prompts, strict=True)), evict_midway()
+            )
+        finally:
+            for client in clients:
+                await client.close()
+            await engine.close()
+    generated = [r.token_ids for r in results[:4]]  # type: ignore[union-attr]
+    recoveries = [r.recoveries for r in results[:4]]  # type: ignore[union-attr]
+    assert generated == alone
+    assert recoveries == [0, 1, 0, 0]
+    assert [s.kind for s in victim.steps].count("replay") == 1
+
+
+@pytest.mark.parametrize("speculate", ["off", "prompt-lookup", "ngram"])
+async def test_logprobs_equal_the_local_models_log_softmax(models: tuple[Path, Path], speculate: str) -> None:
+    model, _ = models
+    prompt = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9, 17, 3, 44]
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        async with SplitClient(config) as client:
+            trace: list[SpecStep] = []
+            emitted = [
+                e
+                async for e in client.stream_tokens(
+                    prompt, 32, SamplingParams(), speculate=speculate, trace=trace, logprobs=5
+                )
+            ]
+    tokens = [e.token for e in emitted]
+    with torch.no_grad():
+        logits = local_model(model)(torch.tensor([prompt + tokens])).logits[0].float()  # (T, V)
+    expected = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]  # row i scores tokens[i]
+    got = torch.tensor([e.logprob for e in emitted])
+    torch.testing.assert_close(got, expected[torch.arange(len(tokens)), torch.tensor(tokens)], atol=1e-4, rtol=0)
+    for e, row in zip(emitted, expected, strict=True):
+        top_ids = [t for t, _ in e.top]
+        assert top_ids[0] == e.token  # greedy: the chosen token is the most likely
+        torch.testing.assert_close(torch.tensor([lp for _, lp in e.top]), row[top_ids], atol=1e-4, rtol=0)
+        assert len(e.top) == 5
+    if speculate != "off":
+        assert any(step.accepted > 0 for step in trace)  # drafts were accepted: rows came from verification
