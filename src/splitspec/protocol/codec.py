@@ -93,19 +93,28 @@ def encode_hidden(codec: str, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     return _encode_int8(hidden)
 
 
+def _blocked(x: torch.Tensor, blocks: int) -> torch.Tensor:
+    """(1, q, H) -> (1, q, blocks, INT8_BLOCK), zero-padded at the end when H is not a multiple of the block."""
+    batch, q, h = x.shape
+    pad = blocks * INT8_BLOCK - h
+    return (F.pad(x, (0, pad)) if pad else x).view(batch, q, blocks, INT8_BLOCK)
+
+
 def _encode_int8(hidden: torch.Tensor) -> dict[str, torch.Tensor]:
-    x = hidden.detach().to(device="cpu", dtype=torch.float32)  # (1, q, H)
+    x = hidden.detach().to(device="cpu", dtype=torch.float32)  # (1, q, H), maybe the caller's own tensor
     batch, q, h = x.shape
     k, nb = _outliers(h), _blocks(h)
-    index = x.abs().topk(k, dim=-1).indices  # (1, q, k)
+    magnitude = x.abs()  # (1, q, H), ours
+    index = magnitude.topk(k, dim=-1).indices  # (1, q, k)
     value = x.gather(-1, index).to(torch.bfloat16)  # (1, q, k)
-    rest = x.scatter(-1, index, 0.0)  # (1, q, H): the outliers leave their blocks
-    blocks = F.pad(rest, (0, nb * INT8_BLOCK - h)).view(batch, q, nb, INT8_BLOCK)  # (1, q, nb, 16)
-    scale = (blocks.abs().amax(dim=-1) / _INT8_MAX).to(torch.bfloat16)  # (1, q, nb)
-    step = scale.float().unsqueeze(-1)  # (1, q, nb, 1): the scale as the decoder will read it
-    quantized = torch.where(step > 0, blocks / step, 0.0).round().clamp(-_INT8_MAX, _INT8_MAX)
+    magnitude.scatter_(-1, index, 0.0)  # the outliers leave their blocks' scales
+    scale = (_blocked(magnitude, nb).amax(dim=-1) / _INT8_MAX).to(torch.bfloat16)  # (1, q, nb)
+    step = scale.float()  # (1, q, nb): the scale as the decoder will read it
+    inverse = torch.where(step > 0, 1.0 / step, 0.0).unsqueeze(-1)  # (1, q, nb, 1); an all-zero block stays 0
+    quantized = (_blocked(x, nb) * inverse).round_().clamp_(-_INT8_MAX, _INT8_MAX)  # (1, q, nb, 16)
+    ints = quantized.to(torch.int8).view(batch, q, nb * INT8_BLOCK)[..., :h].contiguous()  # (1, q, H)
     return {
-        HIDDEN: quantized.to(torch.int8).view(batch, q, nb * INT8_BLOCK)[..., :h].contiguous(),
+        HIDDEN: ints.scatter_(-1, index, 0),  # the outliers' slots carry nothing
         SCALE: scale,
         OUTLIER_INDEX: index.to(torch.int16),
         OUTLIER_VALUE: value,
@@ -154,6 +163,6 @@ def _decode_int8(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     ordered = index.sort(dim=-1).values  # (1, q, k)
     if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
         raise BadEncoding("int8 outlier indices repeat within a token")
-    blocks = F.pad(quantized.float(), (0, nb * INT8_BLOCK - h)).view(batch, q, nb, INT8_BLOCK)  # (1, q, nb, 16)
+    blocks = _blocked(quantized.float(), nb)  # (1, q, nb, 16)
     out = (blocks * scale.unsqueeze(-1)).view(batch, q, nb * INT8_BLOCK)[..., :h].contiguous()  # (1, q, H)
     return out.scatter_(-1, index, value)
