@@ -17,7 +17,7 @@ $(BIN)/python:
 
 install: $(BIN)/python
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test]'
 
 demo: install
 	$(BIN)/splitspec demo

@@ -38,7 +38,7 @@ from typing import Any
 import openai
 from transformers import AutoTokenizer
 
-from splitspec.demo import ASSETS, _free_port, _stop, _wait_for_port, embedded_model
+from splitspec.demo import ASSETS, _stop, _wait_for_port, embedded_model, free_port
 from splitspec.run_info import run_environment
 
 LEVELS = (1, 4, 8, 16, 32)
@@ -62,7 +62,7 @@ def spawn(args: list[str], src: Path | None = None) -> subprocess.Popen[bytes]:
 
 def start_stack(rtt_ms: float, baseline_src: Path | None) -> tuple[list[Any], dict[str, str]]:
     base, draft = embedded_model("base"), embedded_model("draft")
-    trunk_port, link_port = _free_port(), _free_port()
+    trunk_port, link_port = free_port(), free_port()
     procs = [spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--dtype", "float32",
                     "--threads", "1", "--max-sessions", "256", "--max-sessions-per-connection", "8"])]  # fmt: skip
     _wait_for_port(trunk_port, procs[0], 120)
@@ -74,7 +74,7 @@ def start_stack(rtt_ms: float, baseline_src: Path | None) -> tuple[list[Any], di
     if baseline_src is not None:
         servers.append(("baseline", baseline_src))
     for label, src in servers:
-        port = _free_port()
+        port = free_port()
         procs.append(spawn([
             "serve", "--model", str(base), "--draft-model", str(draft), "--cloud", f"ws://127.0.0.1:{link_port}",
             "--served-model-name", "demo", "--port", str(port), "--dtype", "float32", "--threads", "1",

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from splitspec.demo import _free_port, _spawn, _stop, _wait_for_port, embedded_model
+from splitspec.demo import _spawn, _stop, _wait_for_port, embedded_model, free_port
 from splitspec.run_info import run_environment
 
 CHAT_TEMPLATE = (
@@ -118,7 +118,7 @@ async def concurrent_batch(http: httpx.AsyncClient, base: str, n: int, rep: int,
 
 def start_stack(rtt_ms: float, bandwidth_mbit: float | None, template: Path) -> tuple[list[Any], dict[str, str]]:
     base, draft = embedded_model("base"), embedded_model("draft")
-    trunk_port, link_port = _free_port(), _free_port()
+    trunk_port, link_port = free_port(), free_port()
     procs = [_spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--threads", "1"])]
     _wait_for_port(trunk_port, procs[0], 120)
     netem = ["netem", "--listen", f"127.0.0.1:{link_port}", "--upstream", f"127.0.0.1:{trunk_port}",
@@ -129,7 +129,7 @@ def start_stack(rtt_ms: float, bandwidth_mbit: float | None, template: Path) -> 
     _wait_for_port(link_port, procs[1], 60)
     urls = {}
     for label, extra in (("reuse", []), ("re-prefill", ["--no-prefix-reuse"])):
-        port = _free_port()
+        port = free_port()
         procs.append(_spawn([
             "serve", "--model", str(base), "--draft-model", str(draft), "--cloud", f"ws://127.0.0.1:{link_port}",
             "--served-model-name", "demo", "--port", str(port), "--chat-template", str(template), "--threads", "1",

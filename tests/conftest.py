@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -196,11 +195,3 @@ def local_greedy(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
     return list(out[0, len(prompt) :].tolist())
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a server that cannot be told to pick its own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port

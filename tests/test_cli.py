@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from splitspec.demo import free_port
 from splitspec.models import trunk_fingerprint as tf
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.split import SplitPlan
@@ -23,13 +24,6 @@ from tests.conftest import local_greedy
 
 CLI = [sys.executable, "-m", "splitspec.cli"]
 pytestmark = pytest.mark.slow  # every test here runs the command in a subprocess
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[str], timeout: float = 60) -> None:

@@ -64,7 +64,9 @@ class DemoConfig:
     startup_timeout_s: float = 120.0  # waiting for the children to listen, seconds
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a server that cannot be told to pick its own):
+    the one such helper of the demo, the benchmarks and the tests."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -196,7 +198,7 @@ async def _generate(config: DemoConfig, url: str, console: Console) -> list[tupl
 def run_demo(config: DemoConfig, console: Console | None = None) -> int:
     console = console or Console()
     resolve_device(config.device)  # an unavailable device fails here, in one line, before any child starts
-    cloud_port, link_port = _free_port(), _free_port()
+    cloud_port, link_port = free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         console.print(

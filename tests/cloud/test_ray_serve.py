@@ -20,9 +20,10 @@ import pytest
 
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.ray_serve import APP_NAME, REPLICA_HEADER, build_app, trunk_application
+from splitspec.demo import free_port
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
-from tests.conftest import free_port, local_greedy
+from tests.conftest import local_greedy
 
 ray = pytest.importorskip("ray", reason="Ray is the optional 'cluster' extra: pip install 'splitspec[cluster]'")
 serve = pytest.importorskip("ray.serve")

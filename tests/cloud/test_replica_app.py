@@ -23,8 +23,9 @@ from websockets.exceptions import ConnectionClosed
 
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.ray_serve import REPLICA_HEADER, TrunkReplica, trunk_asgi_app
+from splitspec.demo import free_port
 from splitspec.edge import EdgeConfig, SplitClient
-from tests.conftest import free_port, local_greedy
+from tests.conftest import local_greedy
 
 NAME = "replica-under-test"
 

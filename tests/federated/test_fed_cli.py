@@ -13,20 +13,14 @@ from pathlib import Path
 import pytest
 
 from splitspec.cli import main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from splitspec.demo import free_port
 
 
 @pytest.fixture(scope="module")
 def worker_url(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     token = tmp_path_factory.mktemp("tok") / "token"
     token.write_text("s3cret\n")
-    port = _free_port()
+    port = free_port()
     model = make_checkpoint("llama", layers=2, logit_scale=6.0)
     cmd = [sys.executable, "-m", "splitspec.cli", "fed", "worker", "--model", str(model)]
     proc = subprocess.Popen(

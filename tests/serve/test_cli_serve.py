@@ -7,7 +7,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,11 @@ import httpx
 import pytest
 
 from splitspec.cli import main
+from splitspec.demo import free_port
 from tests.serve.conftest import Stack
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "http://127.0.0.1:8000"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def readme_blocks() -> tuple[str, str]:

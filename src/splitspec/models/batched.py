@@ -4,11 +4,10 @@ Each row of the batch is one session's step: its own query tokens (ragged length
 longest), positions, parents and KV cache. The rows are padded into one (B, q_max, H) batch; the
 layers see, through :class:`BatchedCaches`, each session's committed keys and values padded to
 the longest prefix, followed by the step's own keys. Row b's additive mask (B, 1, q_max,
-past_max + q_max) applies that session's step-mask rule (that of
-:func:`~splitspec.models.masks.step_mask`, built for the whole batch at once) to its real columns
-and masks everything else, so a padded key gets exactly zero weight and every row computes what
-the session's step computes alone. Padded query rows attend to nothing real; their outputs are
-dropped.
+past_max + q_max) applies that session's step-mask rule (:func:`~splitspec.models.masks.ragged_masks`,
+the builder a lone step uses too) to its real columns and masks everything else, so a padded key
+gets exactly zero weight and every row computes what the session's step computes alone. Padded
+query rows attend to nothing real; their outputs are dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import ancestor_matrix
+from splitspec.models.masks import ragged_masks
 from splitspec.models.stack import LayerStack
 
 
@@ -80,36 +79,11 @@ def batch_masks(
     dtype: torch.dtype,
     device: torch.device,
 ) -> dict[int | None, torch.Tensor]:
-    """Additive masks (B, 1, q_max, past_max + q_max), one per sliding window of the stack's layers.
-
-    Row b's query i (i < q_b) may see the row's committed prefix (columns < past_b) and, among the
-    step's columns, itself and its ancestors (:func:`~splitspec.models.masks.ancestor_matrix`); a
-    sliding window w also hides keys at positions <= p - w. Everything else, padding included, is
-    masked. Built for the whole batch at once; only the rows' tree blocks are placed one by one.
-    """
-    batch = len(rows)
-    lengths = torch.tensor([row.positions.shape[0] for row in rows])  # (B,)
-    past = torch.tensor([len(row.cache) for row in rows])  # (B,)
-    tree = torch.zeros(batch, q_max, q_max, dtype=torch.bool)  # (B, q_max, q_max)
-    query_pos = torch.zeros(batch, q_max, dtype=torch.long)  # (B, q_max)
-    for b, row in enumerate(rows):
-        q = row.positions.shape[0]
-        tree[b, :q, :q] = ancestor_matrix(row.parents)
-        query_pos[b, :q] = row.positions.to(torch.long)
-    real_query = torch.arange(q_max)[None, :] < lengths[:, None]  # (B, q_max)
-    prefix = torch.arange(past_max)[None, :] < past[:, None]  # (B, past_max)
-    allowed = torch.cat([prefix[:, None, :].expand(batch, q_max, past_max), tree], dim=2) & real_query[:, :, None]
-    allowed = allowed.to(device, non_blocking=True)  # (B, q_max, past_max + q_max)
-    query_pos = query_pos.to(device, non_blocking=True)
-    # key positions: the prefix's column j holds position j; the step's columns hold the step's positions
-    key_pos = torch.cat([torch.arange(past_max, device=device).expand(batch, past_max), query_pos], dim=1)
-    floor = torch.finfo(dtype).min
-    masks: dict[int | None, torch.Tensor] = {}
-    for window in windows:
-        seen = allowed if window is None else allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window)
-        mask = torch.zeros(batch, 1, q_max, past_max + q_max, dtype=dtype, device=device)
-        masks[window] = mask.masked_fill_(~seen[:, None], floor)
-    return masks
+    """Additive masks (B, 1, q_max, past_max + q_max) for the rows, one per sliding window of the
+    stack's layers (:func:`~splitspec.models.masks.ragged_masks`, the one mask builder)."""
+    parents = [row.parents for row in rows]
+    positions = [row.positions for row in rows]
+    return ragged_masks(parents, positions, [len(row.cache) for row in rows], windows, past_max, q_max, dtype, device)
 
 
 @torch.inference_mode()

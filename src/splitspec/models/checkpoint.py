@@ -192,10 +192,3 @@ class Checkpoint:
         self.read_names.update(names)
         log.debug("read %d tensors from %s", len(names), self.directory)
         return out
-
-    def read_prefix(self, prefix: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """Read every tensor under ``prefix``, returned with the prefix stripped."""
-        names = [n for n in self._files if n.startswith(prefix)]
-        if not names:
-            raise CheckpointError(f"{self.directory} has no tensors under {prefix!r}")
-        return {n[len(prefix) :]: t for n, t in self.read(names, dtype).items()}

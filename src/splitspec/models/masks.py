@@ -9,6 +9,8 @@ drafted tokens see what they must not, silently.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -58,18 +60,53 @@ def step_mask(
 ) -> torch.Tensor:
     """Additive mask (1, 1, q, past_length + q) on ``device``: 0 where attention is allowed, dtype-min elsewhere.
 
-    The committed prefix holds positions 0 .. past_length-1 in order. With ``sliding_window`` w,
-    a query at position p also stops seeing keys at positions <= p - w. ``parents`` and
-    ``positions`` are host tensors (they came off the wire); the tree part is built on the host
-    (q x q) and copied once, the rest is built on ``device``.
+    The one-step case of :func:`ragged_masks` (one row, no padding). The committed prefix holds
+    positions 0 .. past_length-1 in order. With ``sliding_window`` w, a query at position p also
+    stops seeing keys at positions <= p - w.
     """
     q = parents.shape[0]
-    tree = ancestor_matrix(parents).to(device, non_blocking=True)  # (q, q)
-    allowed = torch.cat([torch.ones(q, past_length, dtype=torch.bool, device=device), tree], dim=1)
-    if sliding_window is not None:
-        query_positions = positions.to(device, torch.long, non_blocking=True)  # (q,)
-        key_positions = torch.cat([torch.arange(past_length, device=device), query_positions])  # (past+q,)
-        allowed &= key_positions[None, :] > query_positions[:, None] - sliding_window
-    mask = torch.zeros(q, past_length + q, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    masks = ragged_masks([parents], [positions], [past_length], {sliding_window}, past_length, q, dtype, device)
+    return masks[sliding_window]
+
+
+def ragged_masks(
+    parents: Sequence[torch.Tensor],
+    positions: Sequence[torch.Tensor],
+    past: Sequence[int],
+    windows: set[int | None],
+    past_max: int,
+    q_max: int,
+    dtype: torch.dtype,
+    device: torch.device | None,
+) -> dict[int | None, torch.Tensor]:
+    """Additive masks (B, 1, q_max, past_max + q_max) for B rows, one per sliding window: the one mask builder.
+
+    Row b's query i (i < q_b) may see the row's committed prefix (columns < past[b]) and, among the
+    step's columns (past_max onwards), itself and its ancestors (:func:`ancestor_matrix`); a
+    sliding window w also hides keys at positions <= p - w. Everything else, padding included, is
+    masked. ``parents`` and ``positions`` (each (q_b,)) are host tensors (they came off the wire);
+    the masks are built on the host and copied once.
+    """
+    batch = len(parents)
+    lengths = torch.tensor([p.shape[0] for p in parents])  # (B,)
+    committed = torch.tensor(list(past))  # (B,)
+    tree = torch.zeros(batch, q_max, q_max, dtype=torch.bool)  # (B, q_max, q_max)
+    query_pos = torch.zeros(batch, q_max, dtype=torch.long)  # (B, q_max)
+    for b, (row_parents, row_positions) in enumerate(zip(parents, positions, strict=True)):
+        q = row_parents.shape[0]
+        tree[b, :q, :q] = ancestor_matrix(row_parents)
+        query_pos[b, :q] = row_positions.to(torch.long)
+    real_query = torch.arange(q_max)[None, :] < lengths[:, None]  # (B, q_max)
+    prefix = torch.arange(past_max)[None, :] < committed[:, None]  # (B, past_max)
+    allowed = torch.cat([prefix[:, None, :].expand(batch, q_max, past_max), tree], dim=2) & real_query[:, :, None]
+    allowed = allowed.to(device, non_blocking=True)  # (B, q_max, past_max + q_max)
+    query_pos = query_pos.to(device, non_blocking=True)
+    # key positions: the prefix's column j holds position j; the step's columns hold the step's positions
+    key_pos = torch.cat([torch.arange(past_max, device=device).expand(batch, past_max), query_pos], dim=1)
+    floor = torch.finfo(dtype).min
+    masks: dict[int | None, torch.Tensor] = {}
+    for window in windows:
+        seen = allowed if window is None else allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window)
+        mask = torch.zeros(batch, 1, q_max, past_max + q_max, dtype=dtype, device=device)
+        masks[window] = mask.masked_fill_(~seen[:, None], floor)
+    return masks

@@ -1,0 +1,270 @@
+"""Gateway soak with faults: ``splitspec serve`` under steady load while the trunk dies and the link drops.
+
+Processes on loopback: ``splitspec cloud serve`` (demo base model, float32) on a fixed port, the
+WAN emulator in front of it, and ``splitspec serve`` (the edge engine, ``--speculate auto`` with
+the draft model) behind it. ``--streams`` clients each send completions back to back (greedy,
+prompts from the held-out documents) for ``--seconds``. Meanwhile the trunk server is SIGKILLed
+and restarted on the same port ``--kills`` times, and the emulator is SIGKILLed and restarted after
+``--cut-s`` seconds ``--cuts`` times (the link is down meanwhile).
+
+Checks (exit status 1 when one fails, with the reason):
+
+* every request either completes with exactly the text of a fault-free run of the same prompt
+  (taken before the faults start), or gets a typed HTTP error (503 or 429 with OpenAI's error
+  JSON); none hangs past ``--request-timeout-s``;
+* the gateway's resident memory and open file descriptors stay flat: at most 10 % above their
+  values after the warm-up (the first fifth of the run).
+
+Writes ``gateway_soak.json``, ``gateway_soak.md`` and ``gateway_soak.log`` (one line per event).
+
+    python benchmarks/gateway_soak.py [--seconds 600 --kills 2 --cuts 1] [--out benchmarks/results/gateway_soak]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from transformers import AutoTokenizer
+
+from splitspec.demo import ASSETS, _stop, _wait_for_port, embedded_model, free_port
+from splitspec.run_info import run_environment
+
+MAX_GROWTH = 0.10  # RSS and open descriptors may grow at most this much after the warm-up
+
+
+def spawn(args: list[str]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", *args]
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+
+
+def prompts(count: int, tokens: int) -> list[str]:
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model("base"), local_files_only=True)
+    ids: list[int] = []
+    for doc in sorted((ASSETS / "corpus" / "heldout").glob("*/*.txt")):
+        ids += tokenizer(doc.read_text(encoding="utf-8"))["input_ids"]
+        if len(ids) >= count * tokens:
+            break
+    return [tokenizer.decode(ids[i * tokens : (i + 1) * tokens], skip_special_tokens=True) for i in range(count)]
+
+
+def process_footprint(pid: int) -> tuple[int, int]:
+    """(resident bytes, open file descriptors) of process ``pid``."""
+    rss = 0
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            rss = int(line.split()[1]) * 1024
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.base, self.draft = embedded_model("base"), embedded_model("draft")
+        self.trunk_port, self.link_port, self.serve_port = free_port(), free_port(), free_port()
+        self.events: list[str] = []
+        self.t0 = time.monotonic()
+        self.trunk: subprocess.Popen[bytes] | None = None
+        self.netem: subprocess.Popen[bytes] | None = None
+        self.serve: subprocess.Popen[bytes] | None = None
+
+    def log(self, text: str) -> None:
+        line = f"{time.monotonic() - self.t0:8.2f} s  {text}"
+        self.events.append(line)
+        print(line, file=sys.stderr, flush=True)
+
+    def start_trunk(self) -> None:
+        self.trunk = spawn(["cloud", "serve", "--model", str(self.base), "--port", str(self.trunk_port),
+                            "--dtype", "float32", "--threads", "1"])  # fmt: skip
+        _wait_for_port(self.trunk_port, self.trunk, 120)
+
+    def start_netem(self) -> None:
+        self.netem = spawn(["netem", "--listen", f"127.0.0.1:{self.link_port}", "--upstream",
+                            f"127.0.0.1:{self.trunk_port}", "--rtt-ms", str(self.args.rtt_ms)])  # fmt: skip
+        _wait_for_port(self.link_port, self.netem, 60)
+
+    def start(self) -> None:
+        self.start_trunk()
+        self.start_netem()
+        self.serve = spawn([
+            "serve", "--model", str(self.base), "--draft-model", str(self.draft), "--cloud",
+            f"ws://127.0.0.1:{self.link_port}", "--served-model-name", "demo", "--port", str(self.serve_port),
+            "--dtype", "float32", "--threads", "1", "--max-active", str(2 * self.args.streams),
+            "--allow-stock-edge-weights",
+        ])  # fmt: skip
+        _wait_for_port(self.serve_port, self.serve, 180)
+
+    def stop(self) -> None:
+        _stop([p for p in (self.serve, self.netem, self.trunk) if p is not None])
+
+    async def faults(self) -> None:
+        """SIGKILL the trunk (restarted at once) and cut the link (restarted after cut_s), spread over the run."""
+        args = self.args
+        plan = [("kill", k) for k in range(args.kills)] + [("cut", c) for c in range(args.cuts)]
+        random.Random(0).shuffle(plan)
+        for i, (kind, _) in enumerate(plan):
+            at = args.seconds * (i + 1) / (len(plan) + 1)
+            await asyncio.sleep(max(0.0, at - (time.monotonic() - self.started)))
+            if kind == "kill":
+                assert self.trunk is not None
+                self.trunk.send_signal(signal.SIGKILL)
+                self.trunk.wait()
+                self.log("trunk SIGKILLed")
+                await asyncio.to_thread(self.start_trunk)
+                self.log("trunk restarted")
+            else:
+                assert self.netem is not None
+                self.netem.send_signal(signal.SIGKILL)
+                self.netem.wait()
+                self.log(f"link cut for {args.cut_s:g} s")
+                await asyncio.sleep(args.cut_s)
+                await asyncio.to_thread(self.start_netem)
+                self.log("link back")
+
+    async def request(self, http: httpx.AsyncClient, prompt: str) -> tuple[str, str | None]:
+        """(outcome, text): "ok", "typed-503", "typed-429", or what went wrong."""
+        body = {"model": "demo", "prompt": prompt, "max_tokens": self.args.max_tokens, "temperature": 0}
+        try:
+            r = await http.post(f"http://127.0.0.1:{self.serve_port}/v1/completions", json=body,
+                                timeout=self.args.request_timeout_s)  # fmt: skip
+        except httpx.TimeoutException:
+            return "hung past its timeout", None
+        except httpx.HTTPError as exc:
+            return f"transport error {type(exc).__name__}", None
+        if r.status_code == 200:
+            return "ok", str(r.json()["choices"][0]["text"])
+        try:
+            typed = isinstance(r.json()["error"]["message"], str)
+        except (ValueError, KeyError, TypeError):
+            typed = False
+        return (f"typed-{r.status_code}" if typed and r.status_code in (429, 503) else f"HTTP {r.status_code}"), None
+
+    async def client(self, http: httpx.AsyncClient, index: int, texts: list[str], reference: list[str]) -> list[str]:
+        outcomes = []
+        i = index
+        while time.monotonic() - self.started < self.args.seconds:
+            outcome, text = await self.request(http, texts[i % len(texts)])
+            if outcome == "ok" and text != reference[i % len(texts)]:
+                outcome = "completed with other text"
+                self.log(f"stream {index}: prompt {i % len(texts)} came back different")
+            elif outcome != "ok":
+                self.log(f"stream {index}: {outcome}")
+                if outcome.startswith("typed"):
+                    await asyncio.sleep(0.5)  # as a client honouring the error would
+            outcomes.append(outcome)
+            i += self.args.streams
+        return outcomes
+
+    async def sample(self, samples: list[dict[str, float]]) -> None:
+        assert self.serve is not None
+        while time.monotonic() - self.started < self.args.seconds:
+            rss, fds = process_footprint(self.serve.pid)
+            samples.append({"t": time.monotonic() - self.started, "rss": rss, "fds": fds})
+            await asyncio.sleep(self.args.seconds / 60)
+
+    async def run(self) -> dict[str, Any]:
+        texts = prompts(2 * self.args.streams, 64)
+        async with httpx.AsyncClient() as http:
+            # fault-free greedy texts, a few at a time (the engine makes concurrency change no output)
+            reference = []
+            for start in range(0, len(texts), 4):
+                for outcome, out in await asyncio.gather(*(self.request(http, t) for t in texts[start : start + 4])):
+                    if outcome != "ok" or out is None:
+                        raise SystemExit(f"the fault-free reference run failed: {outcome}")
+                    reference.append(out)
+            self.log(f"reference texts of {len(texts)} prompts taken")
+            self.started = time.monotonic()
+            samples: list[dict[str, float]] = []
+            results = await asyncio.gather(
+                *(self.client(http, i, texts, reference) for i in range(self.args.streams)),
+                self.faults(),
+                self.sample(samples),
+            )
+        outcomes = [o for per_stream in results[: self.args.streams] for o in per_stream]  # type: ignore[union-attr]
+        return {"outcomes": outcomes, "samples": samples}
+
+
+def judge(raw: dict[str, Any]) -> dict[str, Any]:
+    outcomes: list[str] = raw["outcomes"]
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o] = counts.get(o, 0) + 1
+    bad = {o: n for o, n in counts.items() if o != "ok" and not o.startswith("typed-")}
+    samples = raw["samples"]
+    warm = [s for s in samples if s["t"] >= samples[-1]["t"] / 5] if samples else []
+    growth = {}
+    for key in ("rss", "fds"):
+        if warm:
+            growth[key] = max(s[key] for s in warm) / warm[0][key] - 1
+    failures = [f"{n} request(s): {o}" for o, n in bad.items()]
+    failures += [f"gateway {k} grew {g:.0%} after warm-up" for k, g in growth.items() if g > MAX_GROWTH]
+    return {"counts": counts, "growth_after_warmup": growth, "failures": failures, "passed": not failures}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    v = results["verdict"]
+    lines = [
+        "# Gateway soak with faults",
+        "",
+        f"Commit `{results['commit'][:12]}`; {results['seconds']} s at {results['streams']} streams, "
+        f"{results['kills']} trunk SIGKILL(s), {results['cuts']} link cut(s) of {results['cut_s']} s, "
+        f"{results['rtt_ms']:g} ms RTT, {results['max_tokens']} tokens per request. "
+        f"Reproduce: `{results['command']}`.",
+        "",
+        "| outcome | requests |",
+        "|---|---:|",
+        *(f"| {o} | {n} |" for o, n in sorted(v["counts"].items())),
+        "",
+        "| after warm-up | growth |",
+        "|---|---:|",
+        *(f"| {k} | {g:+.1%} |" for k, g in v["growth_after_warmup"].items()),
+        "",
+        "Passed." if v["passed"] else "FAILED: " + "; ".join(v["failures"]),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--seconds", type=float, default=600.0, help="length of the load, seconds")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--kills", type=int, default=2, help="times the trunk server is SIGKILLed and restarted")
+    parser.add_argument("--cuts", type=int, default=1, help="times the link is cut")
+    parser.add_argument("--cut-s", type=float, default=5.0, help="how long a cut lasts, seconds")
+    parser.add_argument("--rtt-ms", type=float, default=80.0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gateway_soak")
+    args = parser.parse_args()
+    soak = Soak(args)
+    soak.start()
+    try:
+        raw = asyncio.run(soak.run())
+    finally:
+        soak.stop()
+    results: dict[str, Any] = {
+        **run_environment(), **{k: v for k, v in vars(args).items() if k != "out"},
+        "command": "python benchmarks/gateway_soak.py " + " ".join(sys.argv[1:]), "raw": raw, "verdict": judge(raw),
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gateway_soak.json").write_text(json.dumps(results, indent=1))
+    (args.out / "gateway_soak.md").write_text(markdown(results))
+    (args.out / "gateway_soak.log").write_text("\n".join(soak.events) + "\n")
+    print(markdown(results))
+    if not results["verdict"]["passed"]:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
