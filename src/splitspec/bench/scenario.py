@@ -11,6 +11,7 @@ of one benchmark. Example (``splitspec/bench/scenarios/default.toml``)::
     repeats = 3
     max_new_tokens = 48
     torch_threads = 1                  # torch intra-op threads during the run
+    # wire_codec = "int8"              # hidden states on the link: raw (default), bf16 or int8
 
     [prompts]
     sets = ["code", "prose", "structured"]

@@ -272,7 +272,8 @@ class FullModel(ModelEnds):
 
 
 def resolve_dtype(ckpt: Checkpoint, name: str | None) -> tuple[torch.dtype, str]:
-    """The compute/wire dtype: ``name`` when given, else the checkpoint's published dtype."""
+    """The compute dtype: ``name`` when given, else the checkpoint's published dtype (the raw wire codec
+    carries it; protocol.codec's bf16 and int8 carry their own)."""
     dtype = published_dtype(ckpt.config) if name is None else dtype_from_name(name)
     return dtype, str(dtype).removeprefix("torch.")
 
