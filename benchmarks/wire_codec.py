@@ -97,6 +97,11 @@ async def link_run(model: Path, codec: str, prompt: list[int], rtt_ms: float, mb
         "prompt_tokens": len(prompt),
         "ttft_s": ttft,
         "prefill_chunks": len(prefill),
+        # the TTFT's parts: the link (round trips minus the trunk's compute), edge and trunk compute, serialization
+        "prefill_network_s": sum(s.network_ms for s in prefill) / 1e3,
+        "prefill_edge_s": sum(s.edge_ms for s in prefill) / 1e3,
+        "prefill_cloud_s": sum(s.cloud_ms for s in prefill) / 1e3,
+        "prefill_serialize_ms": sum(s.serialize_ms for s in prefill),
         "prefill_bytes_up": sum(s.bytes_up for s in prefill),
         "prefill_bytes_down": sum(s.bytes_down for s in prefill),
         "decode_tok_s": len(steps) / decode_s,
@@ -156,9 +161,9 @@ def markdown(link: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict[s
         "",
         "## Link: random Llama H=1024, split 2,2, float32, WAN emulator 80 ms RTT, 20 Mbit/s each way",
         "",
-        "| codec | bytes/token (H=1024) | bytes/token (H=4096) | TTFT 2,000 tokens, s | prefill MB up / down "
-        "| decode tok/s | decode step bytes up / down |",
-        "|---|---|---|---|---|---|---|",
+        "| codec | bytes/token (H=1024) | bytes/token (H=4096) | TTFT, s | of which link, s | edge / trunk "
+        "compute, s | serialization, ms | prefill MB up / down | decode tok/s | decode step bytes up / down |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for codec in CODECS:
         runs = [r for r in link if r["codec"] == codec]
@@ -166,14 +171,17 @@ def markdown(link: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict[s
         lines.append(
             f"| {codec} | {wire_bytes_per_token(codec, 1024, torch.float32)} | "
             f"{wire_bytes_per_token(codec, 4096, torch.bfloat16)} (bf16 compute) | {med['ttft_s']:.2f} | "
+            f"{med['prefill_network_s']:.2f} | {med['prefill_edge_s']:.2f} / {med['prefill_cloud_s']:.2f} | "
+            f"{med['prefill_serialize_ms']:.0f} | "
             f"{med['prefill_bytes_up'] / 1e6:.2f} / {med['prefill_bytes_down'] / 1e6:.2f} | "
             f"{med['decode_tok_s']:.2f} | "
             f"{med['decode_step_bytes_up']:.0f} / {med['decode_step_bytes_down']:.0f} |"
         )
     lines += [
         "",
-        f"Medians of {len(link) // len(CODECS)} repeats, codecs interleaved; "
-        f"a {link[0]['prompt_tokens']}-token prompt.",
+        f"Medians of {len(link) // len(CODECS)} repeats, codecs interleaved; a {link[0]['prompt_tokens']}-token "
+        "prompt. The link part is the codec's effect; compute on this shared 2-core machine varies 2x between runs "
+        "with other processes' load, so compare the link column across codecs.",
         "",
         "## Output quality against the raw wire (teacher-forced over held-out text; greedy, 32 tokens)",
         "",
