@@ -17,6 +17,7 @@ from typing import cast
 import pytest
 import torch
 from transformers import AutoTokenizer
+from websockets.asyncio.server import ServerConnection, serve
 
 from splitspec.arguments import wire_codecs
 from splitspec.bench.prompts import TokenizerLike
@@ -32,11 +33,13 @@ from splitspec.bench.wire_quality import (
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
-from splitspec.exceptions import ConfigError, HandshakeMismatch
+from splitspec.edge.engine import _checked_reply as checked_reply
+from splitspec.exceptions import BadTensor, ConfigError, HandshakeMismatch
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.stack import FullModel, load_full
 from splitspec.protocol.codec import wire_bytes_per_token
+from splitspec.protocol.messages import Hello, Step, StepResult, Welcome, decode_message, encode_message
 
 BASE = ASSETS_DIR / "models" / "base"
 # where the hidden state crosses the wire (head end, tail start): base as the demo splits it (2, 2);
@@ -191,3 +194,45 @@ def test_unknown_codecs_are_refused_in_the_configs_and_on_the_command_line() -> 
     for text in ("", "raw,int4"):
         with pytest.raises(argparse.ArgumentTypeError, match="expected codecs among raw,bf16,int8"):
             wire_codecs(text)
+
+
+async def test_a_trunk_answering_in_another_codec_is_refused() -> None:
+    """A (fake) trunk whose Welcome names another codec than the Hello's: the edge refuses the handshake."""
+    client = SplitClient(edge_config("ws://127.0.0.1:1", wire_codec="int8"))
+
+    async def handler(ws: ServerConnection) -> None:
+        hello = decode_message(await ws.recv(decode=False))
+        assert isinstance(hello, Hello)
+        assert hello.wire_codec == "int8"
+        await ws.send(encode_message(Welcome("fake", 1 << 24, 64, 60.0, client.expected_trunk, wire_codec="bf16")))
+        await ws.wait_closed()
+
+    async with serve(handler, "127.0.0.1", 0) as server:
+        port = next(iter(server.sockets)).getsockname()[1]
+        fake = SplitClient(edge_config(f"ws://127.0.0.1:{port}", wire_codec="int8"), edge=client.model)
+        with pytest.raises(HandshakeMismatch, match="wire codec: edge sends 'int8', trunk answered 'bf16'"):
+            await fake.connect()
+        await fake.close()
+
+
+def reply_to(step: Step, **changes: object) -> StepResult:
+    return dataclasses.replace(StepResult(step.session_id, step.seq, step.hidden, 1.0, step.codec), **changes)  # type: ignore[arg-type]
+
+
+def test_the_edge_checks_the_replys_codec_and_casts_it_to_its_dtype() -> None:
+    hidden = torch.randn(1, 2, 32)
+    step = Step(
+        "s", 3, hidden, torch.arange(2, dtype=torch.int32), torch.tensor([-1, 0], dtype=torch.int32), None, "int8"
+    )
+    decoded = decode_message(encode_message(reply_to(step)))  # as the edge receives it: float32
+    assert isinstance(decoded, StepResult)
+    cast_reply = checked_reply(decoded, step, torch.bfloat16)
+    assert cast_reply.hidden.dtype == torch.bfloat16
+    assert checked_reply(decoded, step, torch.float32) is decoded  # already the edge's dtype: no copy
+    with pytest.raises(BadTensor, match="reply hidden state in the 'bf16' codec, the step's is 'int8'"):
+        checked_reply(reply_to(step, codec="bf16"), step, torch.float32)
+    with pytest.raises(BadTensor, match="does not match the step"):
+        checked_reply(reply_to(step, hidden=torch.zeros(1, 3, 32)), step, torch.float32)
+    raw = dataclasses.replace(step, codec="raw")
+    with pytest.raises(BadTensor, match="does not match the step"):  # the raw wire carries the agreed dtype
+        checked_reply(reply_to(raw, hidden=hidden.to(torch.bfloat16)), raw, torch.float32)
