@@ -16,6 +16,11 @@
 #      tests/test_devices.py);
 #   3b. runs the --compile tests with the real compiler (inductor, CUDA graphs): greedy identity with
 #      the trunk and the edge compiled, one graph each;
+#   3c. runs the quantized-trunk checks on the GPU (tests/e2e/test_quantized_cuda.py): NF4 trunk and
+#      edge (bitsandbytes' CUDA kernels) == transformers' NF4 model; a compressed-tensors FP8 trunk
+#      kept in FP8 (scaled_mm, compute capability >= 8.9) == transformers' use_optimized_inference
+#      model; a transformers fp8 checkpoint loaded dequantized == transformers' dequantized load; then
+#      the trunk's load time and memory per quantization on the GPU host (benchmarks/quant_load.py);
 #   4. runs the benchmarks on the GPU: benchmarks/device_targets.py (split vs whole at zero RTT on a
 #      random Llama-3.2-1B-shaped checkpoint in bfloat16, framework overhead for a 4096-wide bf16
 #      hidden state, trunk step vs bare transformers with growable KV, static KV and --compile),
@@ -23,8 +28,8 @@
 #      per-session (benchmarks/trunk_load.py, issue 15's >= 4x at 16 sessions on an accelerator);
 #   5. writes everything under $OUT when set (the device tool's folder), else benchmarks/results/gpu/:
 #      gpu_check.log, targets/device_targets.{json,md,png}, speculative/summary.{json,md} and its
-#      two plots, trunk_load/{trunk_load.json,trunk_load.md,trunk_load.png,runs.jsonl.gz}
-#      (12 files: what the device tool brings back).
+#      two plots, trunk_load/{trunk_load.json,trunk_load.md,trunk_load.png,runs.jsonl.gz},
+#      quant_load/{quant_load.json,quant_load.md} (14 files: what the device tool brings back).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -37,7 +42,8 @@ if [[ "${1:-}" == "prepare" ]]; then
     "$PY" -m pip download --no-deps -d "$WHEELS" --only-binary=:all: \
         --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
         --implementation cp \
-        "websockets>=14,<18" "pytest-asyncio>=0.24" "transformers==5.23.0" "prometheus-client>=0.20"
+        "websockets>=14,<18" "pytest-asyncio>=0.24" "transformers==5.23.0" "prometheus-client>=0.20" \
+        "bitsandbytes==0.50.2" "accelerate==1.15.0" "compressed-tensors==0.20.0" "loguru>=0.7"
     ls -l "$WHEELS"
     exit 0
 fi
@@ -65,6 +71,11 @@ need=()
 "$PY" -c 'import websockets' 2>/dev/null || need+=("websockets>=14,<18")
 "$PY" -c 'import pytest_asyncio' 2>/dev/null || need+=("pytest-asyncio>=0.24")
 "$PY" -c 'import prometheus_client' 2>/dev/null || need+=("prometheus-client>=0.20")  # the trunk's /metrics
+# --quantize and the published quantized checkpoints (3c): bitsandbytes, accelerate, compressed-tensors
+"$PY" -c 'import bitsandbytes' 2>/dev/null || need+=("bitsandbytes==0.50.2")
+"$PY" -c 'import accelerate' 2>/dev/null || need+=("accelerate==1.15.0")
+"$PY" -c 'import compressed_tensors' 2>/dev/null || need+=("compressed-tensors==0.20.0")
+"$PY" -c 'import loguru' 2>/dev/null || need+=("loguru>=0.7")  # compressed-tensors' logger
 "$PY" - <<'EOF' || need+=("transformers==5.23.0")
 import sys
 from importlib.metadata import version
@@ -92,6 +103,9 @@ echo "== device tests exit status $status"
 "$PY" -m pytest -q -p no:cacheprovider --device cuda --compile-backend inductor -o timeout=300 \
     tests/e2e/test_compile_e2e.py || status=$?
 echo "== compile tests exit status $status"
+# 3c. quantized trunks on the GPU: NF4, compressed-tensors FP8 kept in FP8, transformers' fp8 dequantized
+"$PY" -m pytest -q -p no:cacheprovider --device cuda -o timeout=240 tests/e2e/test_quantized_cuda.py || status=$?
+echo "== quantized trunk tests exit status $status"
 
 # 4. benchmarks on the GPU
 # trunk step: transformers vs ours with growable KV, static KV (fixed-shape, eager) and compiled
@@ -103,5 +117,7 @@ echo "== compile tests exit status $status"
 # continuous batching on the GPU: batched vs per-session steps/s at 1, 16 and 32 sessions, and the prefill mix
 "$PY" benchmarks/trunk_load.py --device cuda --repeats 3 --seconds 1 --sessions 1 16 32 \
     --out "$RESULTS/trunk_load" || status=$?
+# the trunk's load time, weight memory and peak host RSS per quantization (the host-side figures)
+"$PY" benchmarks/quant_load.py --repeats 1 --out "$RESULTS/quant_load" || status=$?
 echo "== gpu_check done, exit status $status; results in $RESULTS"
 exit $status

@@ -195,3 +195,11 @@ def local_greedy(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
     return list(out[0, len(prompt) :].tolist())
+
+
+@pytest.fixture(scope="session")
+def tool_model(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 with a byte-level tokenizer and a Qwen2.5-style tools chat template."""
+    from tests.tool_model import TOOL_VOCAB, build_tool_model
+
+    return build_tool_model(make_checkpoint("qwen2", vocab=TOOL_VOCAB), tmp_path_factory.mktemp("tool-qwen2"))

@@ -51,6 +51,7 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
     truncated = copy_of(model, tmp_path, "truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 3])
+    gptq = with_config(copy_of(model, tmp_path, "gptq"), quantization_config={"quant_method": "gptq", "bits": 4})
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -67,6 +68,17 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
         "safetensors": ["cloud", "serve", "--model", str(truncated), "--port", "0"],
         f"cannot listen on 127.0.0.1:{port}": ["cloud", "serve", "--model", str(model), "--port", str(port)],
         "--batch-gather must be between 0 and 10": ["cloud", "serve", "--model", str(model), "--batch-gather", "-1"],
+        "--trunk-sessions-per-connection must be at least 1": [
+            "serve",
+            "--model",
+            str(model),
+            "--cloud",
+            "ws://127.0.0.1:9",
+            "--allow-stock-edge-weights",
+            "--trunk-sessions-per-connection",
+            "0",
+        ],
+        "checkpoints quantized with gptq are not supported": ["cloud", "serve", "--model", str(gptq), "--port", "0"],
     }
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
     env.pop("HF_HUB_OFFLINE", None)  # our code must not rely on it

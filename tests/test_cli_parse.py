@@ -80,3 +80,27 @@ def test_the_python_api_speculates_like_the_cli_by_default() -> None:
     args = build_parser().parse_args(["generate", "--model", "m", "--cloud", "ws://h:1", "--prompt", "p"])
     for method in (SplitClient.generate, SplitClient.stream):
         assert inspect.signature(method).parameters["speculate"].default == args.speculate == "auto"
+
+
+def test_quantize_is_offered_to_the_trunk_and_every_edge_role() -> None:
+    options = {" ".join(path): p for path, p in leaves()}
+    for command in ("cloud serve", "generate", "chat", "serve"):
+        action = next(a for a in options[command]._actions if "--quantize" in a.option_strings)
+        assert tuple(action.choices or ()) == ("nf4", "int8"), command
+    args = build_parser().parse_args(["cloud", "serve", "--model", "m", "--quantize", "nf4"])
+    assert args.quantize == "nf4"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["cloud", "serve", "--model", "m", "--quantize", "gptq"])
+
+
+# the commands that load model weights; each computes in --dtype auto unless told otherwise
+DTYPE_ROLES = ("cloud serve", "generate", "chat", "serve", "demo", "probe", "fed worker", "fed generate")
+
+
+def test_every_role_that_loads_weights_takes_dtype_auto_by_default() -> None:
+    by_path = {" ".join(path): p for path, p in leaves()}
+    for role in (*DTYPE_ROLES, "bench"):
+        action = next((a for a in by_path[role]._actions if "--dtype" in a.option_strings), None)
+        assert action is not None, f"splitspec {role} has no --dtype"
+        assert action.choices == ("auto", "float32", "bfloat16", "float16"), role
+        assert action.default == ("auto" if role != "bench" else None), role  # bench: the scenario's, else auto

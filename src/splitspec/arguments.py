@@ -11,17 +11,22 @@ from pathlib import Path
 
 from splitspec.exceptions import ConfigError
 from splitspec.models.compile_modes import COMPILE_MODES
+from splitspec.models.precision import AUTO, DTYPE_CHOICES
 from splitspec.models.split import parse_edge_layers
 from splitspec.protocol.codec import WIRE_CODECS
 
 __all__ = [
+    "DTYPE_HELP",
+    "MODEL_HELP",
     "add_compile_args",
     "add_connection_limit_args",
+    "add_dtype_arg",
     "add_tls_ca",
     "add_token_file",
     "add_wire_codec",
     "add_wire_codecs",
     "edge_layers",
+    "model_dir",
     "read_token_file",
     "wire_codecs",
 ]
@@ -81,6 +86,33 @@ def add_compile_args(p: argparse.ArgumentParser, whose: str) -> None:
         help="with --compile: the static KV buffers' size per sequence, tokens (default: the model's maximum "
         "positions; smaller saves memory and attention time, and bounds prompt + output)",
     )
+
+
+DTYPE_HELP = (
+    "compute dtype: auto (the default) computes in the checkpoint's own dtype (config.json's) on an accelerator; "
+    "on a CPU a float16/bfloat16 checkpoint computes in float32 unless the CPU has native matrix instructions "
+    "for it (AMX-BF16 or AVX512-BF16 for bfloat16, AMX-FP16 or AVX512-FP16 for float16); the choice is logged"
+)
+
+
+def add_dtype_arg(p: argparse.ArgumentParser, extra: str = "", default: str | None = AUTO) -> None:
+    """``--dtype {auto,float32,bfloat16,float16}`` (default auto, see :mod:`splitspec.models.precision`)."""
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=default, help=DTYPE_HELP + extra)
+
+
+MODEL_HELP = (
+    "a checkpoint directory (config.json + safetensors), or a Hugging Face model id org/name[@revision] found in "
+    "the local cache (HF_HUB_CACHE / HF_HOME; never downloaded)"
+)
+
+
+def model_dir(text: str) -> Path:
+    """argparse type of every option naming a model: a directory as given, or a model id resolved from the
+    local Hugging Face cache (:func:`splitspec.models.hub.resolve_model`; a missing one raises
+    :class:`~splitspec.exceptions.ModelNotFound`, which the command reports in one line)."""
+    from splitspec.models.hub import resolve_model  # imports transformers: not at the CLI's start-up
+
+    return resolve_model(text)
 
 
 def read_token_file(path: Path | None) -> str | None:

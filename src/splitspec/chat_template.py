@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant", "content": text}
+Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": text, ...}
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -21,11 +22,21 @@ def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 
 def render(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], add_generation_prompt: bool = True
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of ``messages`` under the tokenizer's chat template (with the assistant's cue)."""
+    """Token ids of ``messages`` under the tokenizer's chat template (with the assistant's cue).
+
+    ``tools``: OpenAI tool definitions, for templates that describe them to the model.
+    """
     ids = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        [dict(m) for m in messages],
+        tools=[dict(t) for t in tools] if tools else None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        return_dict=False,
     )
     out = [t for t in ids if isinstance(t, int)] if isinstance(ids, list) else []
     if len(out) != len(ids):

@@ -1,7 +1,9 @@
 """The splitspec command: one entry point, one subcommand per job.
 
-    splitspec cloud serve --model DIR [--edge-layers 2,2] [--port 8765] ...
-    splitspec generate --model DIR --cloud ws://HOST:PORT --prompt TEXT [--max-new-tokens N] ...
+    splitspec cloud serve --model DIR|ORG/NAME[@REV] [--edge-layers 2,2] [--port 8765] [--dtype auto] ...
+    splitspec generate --model DIR|ORG/NAME[@REV] --cloud ws://HOST:PORT --prompt TEXT [--max-new-tokens N] ...
+
+A model id is read from the local Hugging Face cache only (never downloaded).
 
 Each subcommand builds its frozen config once from the arguments and hands it to the library.
 """
@@ -19,17 +21,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from splitspec.arguments import (
+    MODEL_HELP,
     add_compile_args,
     add_connection_limit_args,
+    add_dtype_arg,
     add_tls_ca,
     add_token_file,
     add_wire_codec,
     add_wire_codecs,
     edge_layers,
+    model_dir,
     read_token_file,
 )
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError, SplitspecError
+from splitspec.models.quantize_choices import QUANTIZE_CHOICES, QUANTIZE_HELP
 
 if TYPE_CHECKING:
     from splitspec.decoding.sampling import SamplingParams
@@ -52,7 +58,7 @@ def set_threads(threads: int | None) -> None:
 
 
 def _add_split_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, required=True, help="checkpoint directory (config.json + safetensors)")
+    p.add_argument("--model", type=model_dir, required=True, help=MODEL_HELP)
     p.add_argument(
         "--edge-layers",
         type=edge_layers,
@@ -60,12 +66,12 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
         metavar="HEAD,TAIL",
         help="decoder layers kept on the edge before and after the trunk (default 2,2)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="compute dtype (default: the checkpoint's own, config.json's dtype); both sides must agree when "
-        "the wire codec is raw",
+    add_dtype_arg(
+        p,
+        ". With the raw wire codec it is the wire's dtype too: an auto edge follows the trunk's (stated at the "
+        "handshake); a pinned one must equal it (--wire-codec bf16 and int8 carry their own)",
     )
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_token_file(p)
     p.add_argument("--threads", type=int, help="CPU threads for this side's compute (default: torch's choice)")
@@ -82,7 +88,12 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         "and draft length from measured RTT, step cost and acceptance, and falls back to one token "
         "per trip when speculation would not pay",
     )
-    p.add_argument("--draft-model", type=Path, help="small local model sharing the tokenizer, for --speculate draft")
+    p.add_argument(
+        "--draft-model",
+        type=model_dir,
+        help="small local model sharing the tokenizer, for --speculate draft (a "
+        "directory or a cached org/name[@revision])",
+    )
 
 
 # -- cloud serve ---------------------------------------------------------------------------------
@@ -115,6 +126,7 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         dtype=args.dtype,
         wire_codecs=args.wire_codecs,
+        quantize=args.quantize,
         device=args.device,
         devices=tuple(args.devices.split(",")) if args.devices else (),
         torch_threads=args.threads,
@@ -305,7 +317,11 @@ def _add_edge_link_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the published edge weights anyway (the cloud can invert its hidden states; warned every session)",
     )
-    p.add_argument("--published-model", type=Path, help="published checkpoint to compare the edge weights with")
+    p.add_argument(
+        "--published-model",
+        type=model_dir,
+        help="published checkpoint to compare the edge weights with (a directory or a cached org/name[@revision])",
+    )
     p.add_argument(
         "--trunk-fingerprint",
         metavar="START-END:DTYPE:DIGEST",
@@ -347,6 +363,7 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         edge_layers=args.edge_layers,
         dtype=args.dtype,
         wire_codec=args.wire_codec,
+        quantize=args.quantize,
         device=args.device,
         auth_token=read_token_file(args.token_file),
         draft_model_dir=args.draft_model,
@@ -427,6 +444,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         edge_layers=args.edge_layers,
         device=args.device,
         wire_codec=args.wire_codec,
+        dtype=args.dtype,
     )
     return run_demo(config)
 
@@ -440,12 +458,15 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--rtt-ms", type=float, default=80.0, help="emulated round-trip time, ms (default 80)")
     p.add_argument("--mode", choices=SPECULATE_MODES, default="auto", help="speculation mode (default auto)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--model", type=Path, help="checkpoint to split (default: the embedded base model)")
-    p.add_argument("--draft-model", type=Path, help="drafter (default: the embedded draft model)")
+    p.add_argument("--model", type=model_dir, help=MODEL_HELP + ", to split (default: the embedded base model)")
+    p.add_argument(
+        "--draft-model", type=model_dir, help="drafter, a directory or model id (default: the embedded draft model)"
+    )
     p.add_argument("--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for the edge (default 1: small models)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + "; the trunk server child uses it too")
     add_wire_codec(p)
+    add_dtype_arg(p, "; the trunk server child uses it too")
     p.set_defaults(run=_run_demo)
 
 
@@ -474,13 +495,22 @@ def _register_privacy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from splitspec.models.hub import model_label
     from splitspec.serve.config import ServeConfig
     from splitspec.serve.server import serve_forever
 
-    edge = dataclasses.replace(_edge_config(args), reconnect_timeout_s=args.reconnect_timeout)
+    if args.trunk_sessions_per_connection < 1:
+        raise ConfigError(
+            f"--trunk-sessions-per-connection must be at least 1, got {args.trunk_sessions_per_connection}"
+        )
+    edge = dataclasses.replace(
+        _edge_config(args),
+        reconnect_timeout_s=args.reconnect_timeout,
+        sessions_per_connection=args.trunk_sessions_per_connection,
+    )
     config = ServeConfig(
         edge=edge,
-        served_model_name=args.served_model_name or args.model.resolve().name,
+        served_model_name=args.served_model_name or model_label(args.model),
         host=args.host,
         port=args.port,
         api_key=read_token_file(args.api_key_file),
@@ -491,6 +521,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefix_cache_bytes=args.prefix_cache_mb * 1024 * 1024,
         prefix_reuse=not args.no_prefix_reuse,
         chat_template=_read_text(args.chat_template),
+        tool_call_parser=args.tool_call_parser,
     )
     asyncio.run(serve_forever(config, args.log_level.lower()))
     return 0
@@ -510,15 +541,31 @@ def _register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_edge_link_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--served-model-name", help="model id clients send (default: the model directory's name)")
+    p.add_argument(
+        "--served-model-name", help="model id clients send (default: the --model id, or the model directory's name)"
+    )
     p.add_argument("--api-key-file", type=Path, help="file holding the bearer key clients must send")
     p.add_argument("--chat-template", type=Path, help="Jinja chat template for a tokenizer that has none")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=("auto", "hermes", "llama3_json"),
+        default="auto",
+        help="how tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
+        'Hermes), llama3_json ({"name", "parameters"}: Llama 3.1+), or auto (the chat template says which)',
+    )
     p.add_argument("--max-active", type=int, default=8, help="requests generating at once, one cloud session each")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request waits for a session, then 429")
     p.add_argument("--prefix-cache-size", type=int, default=16, help="idle conversations kept for reuse (default 16)")
     p.add_argument("--prefix-cache-mb", type=int, default=512, help="edge KV memory of kept conversations, MiB")
     p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every prompt (for comparison)")
     p.add_argument("--reconnect-timeout", type=float, default=10.0, help="seconds to retry a lost trunk before 503")
+    p.add_argument(
+        "--trunk-sessions-per-connection",
+        type=int,
+        default=4,
+        help="requests' cloud sessions multiplexed on one trunk connection; more connections open as needed "
+        "(at most the trunk's --max-sessions-per-connection, default 4)",
+    )
     p.set_defaults(run=_run_serve)
 
 
@@ -577,16 +624,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _log_cached_models(args: argparse.Namespace) -> None:
+    """Say which cached snapshot each model id resolved to (resolved while parsing, before logging was set)."""
+    from splitspec.models.hub import model_label, snapshot_repo
+
+    for name, value in sorted(vars(args).items()):
+        if isinstance(value, Path) and snapshot_repo(value) is not None:
+            log.info("--%s %s: the cached snapshot %s", name.replace("_", "-"), model_label(value), value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SplitspecError as exc:  # from an option's type: a --model id that is not in the local cache
+        logging.basicConfig(level="INFO", format=LOG_FORMAT)
+        log.error("%s: %s", type(exc).__name__, exc)
+        return 2
     args.log_level = getattr(args, "log_level", "INFO")
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLevelName(args.log_level)))
     if args.log_level != "DEBUG":  # transformers' per-load progress bars are noise around our log lines
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    _log_cached_models(args)
     run: Runner = args.run
     try:
         return run(args)

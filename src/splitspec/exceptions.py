@@ -5,7 +5,9 @@ Every error raised on purpose by splitspec derives from :class:`SplitspecError`:
     SplitspecError
     ├── ConfigError                 bad local configuration (split plan, checkpoint dir, CLI values)
     │   ├── CheckpointError         a checkpoint directory is missing files or tensors
-    │   └── DeviceUnavailable       the requested device (cuda, cuda:N, mps) is not on this machine
+    │   │   └── ModelNotFound       a --model id is not in the local Hugging Face cache (never downloaded)
+    │   ├── DeviceUnavailable       the requested device (cuda, cuda:N, mps) is not on this machine
+    │   └── InvalidGrammar          a JSON schema or grammar the grammar engine cannot compile
     ├── ProtocolError               a peer sent something we refuse; carries a wire ``code``
     │   ├── MalformedFrame          not a frame: too short, bad header JSON, trailing bytes
     │   ├── BadMagic                wrong magic bytes
@@ -47,8 +49,16 @@ class CheckpointError(ConfigError):
     """A checkpoint directory lacks a file or a tensor that the requested role needs."""
 
 
+class ModelNotFound(CheckpointError):
+    """A model id (``org/name[@revision]``) names no directory and no snapshot in the local Hugging Face cache."""
+
+
 class DeviceUnavailable(ConfigError):
     """A device was requested (``--device cuda``, ``cuda:N``, ``mps``) that this machine does not have."""
+
+
+class InvalidGrammar(ConfigError):
+    """A JSON schema, Lark grammar or tool definition that llguidance refuses to compile."""
 
 
 class CompileFailed(ConfigError):

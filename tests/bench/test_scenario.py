@@ -31,6 +31,9 @@ def test_minimal_scenario_and_relative_model(tmp_path: Path, make_checkpoint: Ca
     assert sc.modes == ("sequential",)
     assert sc.rtt_ms == (0.0, 5.0, 20.0, 80.0, 150.0)
     assert sc.prompts.corpus_dir == DEFAULT_CORPUS_DIR
+    assert sc.dtype == "auto"  # --dtype auto is every role's default: models.precision fits it to the device
+    assert load_scenario(write(tmp_path, 'name = "x"\nmodel = "m"\ndtype = "bfloat16"\n')).dtype == "bfloat16"
+    assert load_scenario(write(tmp_path, 'name = "x"\nmodel = "m"\n'), dtype="float16").dtype == "float16"
     quick = sc.quick()
     assert quick.repeats == 1
     assert quick.prompts.per_set == 1
@@ -52,6 +55,7 @@ def test_minimal_scenario_and_relative_model(tmp_path: Path, make_checkpoint: Ca
         ('name = "x"\nmodel = "M"\nmax_new_tokens = 1.5\n', "max_new_tokens"),
         ('name = "a/b"\nmodel = "M"\n', "'name' may only"),
         ('name = "x"\nmodel = "/nonexistent/model"\n', "no checkpoint"),
+        ('name = "x"\nmodel = "M"\ndtype = "float64"\n', "'dtype' must be one of"),
         ("name = [\n", "not valid TOML"),
     ],
 )

@@ -19,7 +19,7 @@ from splitspec.cloud.server import TrunkServer
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.devices import resolve_device
 from splitspec.edge import EdgeConfig, SplitClient
-from splitspec.models.stack import dtype_from_name
+from splitspec.models.precision import dtype_from_name
 from tests.conftest import local_greedy
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9]

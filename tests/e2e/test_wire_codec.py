@@ -118,7 +118,8 @@ def test_outliers_travel_exact_where_per_token_int8_fails(make_checkpoint: Calla
 
 
 def edge_config(url: str, **kw: object) -> EdgeConfig:
-    return EdgeConfig(model_dir=BASE, cloud_url=url, allow_stock_edge_weights=True, dtype="float32", **kw)  # type: ignore[arg-type]
+    kw.setdefault("dtype", "float32")
+    return EdgeConfig(model_dir=BASE, cloud_url=url, allow_stock_edge_weights=True, **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("codec", ["int8", "bf16"])
@@ -150,11 +151,18 @@ async def test_split_generation_over_the_codec_is_the_in_process_codec_run(codec
 
 
 async def test_a_float32_edge_and_a_bfloat16_trunk_meet_over_bf16() -> None:
-    """The compute dtypes differ; the bf16 wire carries its own, so the handshake accepts them (raw refuses)."""
+    """The compute dtypes differ; the bf16 and int8 wires carry their own, so the handshake accepts them (raw
+    refuses), and an auto edge keeps its own dtype instead of following the trunk's."""
     async with TrunkServer(CloudConfig(model_dir=BASE, port=0, dtype="bfloat16")) as server:
         async with SplitClient(edge_config(server.url, wire_codec="bf16")) as client:
             result = await client.generate([0, 5, 9, 17], 4, speculate="off", stop_token_ids=())
         assert len(result.token_ids) == 4
+        async with SplitClient(edge_config(server.url, wire_codec="int8", dtype="auto")) as auto:
+            await auto.generate([0, 5, 9, 17], 2, speculate="off", stop_token_ids=())
+            assert (
+                auto.dtype != torch.bfloat16
+            )  # auto keeps its own (for a float16 checkpoint on a CPU), not the trunk's
+            assert auto.hello.dtype == str(auto.dtype).removeprefix("torch.")
         with pytest.raises(HandshakeMismatch, match="dtype: edge expects 'float32', trunk is 'bfloat16'"):
             async with SplitClient(edge_config(server.url)):
                 pass
@@ -204,7 +212,9 @@ async def test_a_trunk_answering_in_another_codec_is_refused() -> None:
         hello = decode_message(await ws.recv(decode=False))
         assert isinstance(hello, Hello)
         assert hello.wire_codec == "int8"
-        await ws.send(encode_message(Welcome("fake", 1 << 24, 64, 60.0, client.expected_trunk, wire_codec="bf16")))
+        await ws.send(
+            encode_message(Welcome("fake", 1 << 24, 64, 60.0, client.expected_trunk, "float32", wire_codec="bf16"))
+        )
         await ws.wait_closed()
 
     async with serve(handler, "127.0.0.1", 0) as server:

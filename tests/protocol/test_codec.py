@@ -214,7 +214,7 @@ TRUNK = TrunkFingerprint(2, 4, "bfloat16", "0123456789abcdef" * 2)
 
 def test_hello_and_welcome_carry_the_codecs() -> None:
     assert decode_message(encode_message(HELLO)) == HELLO
-    welcome = Welcome("x", 10, 4, 1.0, TRUNK, wire_codec="bf16", wire_codecs=("raw", "bf16"))
+    welcome = Welcome("x", 10, 4, 1.0, TRUNK, "float32", wire_codec="bf16", wire_codecs=("raw", "bf16"))
     assert decode_message(encode_message(welcome)) == welcome
     header, _ = HELLO.to_wire()
     del header["wire_codec"]
@@ -251,6 +251,7 @@ def test_compute_dtypes_may_differ_except_on_the_raw_wire() -> None:
     with pytest.raises(HandshakeMismatch, match="dtype: edge expects 'float32', trunk is 'bfloat16'"):
         raw.accept_hello(dataclasses.replace(HELLO, wire_codec="raw"))
     ServerConnection(identity(dtype="float32"), None).accept_hello(dataclasses.replace(HELLO, wire_codec="raw"))
+    ServerConnection(identity(), None).accept_hello(dataclasses.replace(HELLO, wire_codec="raw", dtype="auto"))
 
 
 def test_every_codec_round_trips_a_step_and_its_reply() -> None:

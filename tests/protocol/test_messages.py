@@ -60,6 +60,7 @@ def step(q: int = 3, **kw: object) -> Step:
             max_query_tokens=4,
             session_ttl_s=1.5,
             trunk=TrunkFingerprint(2, 6, "bfloat16", "0123456789abcdef" * 2),
+            dtype="bfloat16",
         ),
         OpenSession(request_id=3),
         SessionOpened(request_id=3, session_id="abc"),
@@ -187,6 +188,28 @@ def test_hello_pins_identity_and_auth(field: str, value: Any, error: type[Except
     with pytest.raises(error):
         conn.accept_hello(dataclasses.replace(HELLO, **{field: value}))
     assert not conn.ready
+
+
+def test_an_auto_hello_takes_the_trunks_dtype_and_a_pinned_one_must_equal_it() -> None:
+    import dataclasses
+
+    for dtype in ("auto", "float32"):
+        conn = ServerConnection(IDENTITY, auth_token="t")
+        conn.accept_hello(dataclasses.replace(HELLO, dtype=dtype))
+        assert conn.ready
+    conn = ServerConnection(IDENTITY, auth_token="t")
+    with pytest.raises(HandshakeMismatch, match="dtype: edge expects 'bfloat16', trunk is 'float32'"):
+        conn.accept_hello(dataclasses.replace(HELLO, dtype="bfloat16"))
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float64", "int8", 16, None])
+def test_a_welcome_states_one_of_the_wire_dtypes(dtype: object) -> None:
+    """The trunk's dtype is what an auto edge computes in: only a wire dtype is taken."""
+    welcome = Welcome("x", 10, 4, 1.5, TrunkFingerprint(2, 6, "bfloat16", "ab" * 16), "float16")
+    header, _ = welcome.to_wire()
+    assert decode_message(encode_message(welcome)) == welcome
+    with pytest.raises(MalformedFrame):
+        decode_message(encode_frame({"type": Welcome.TYPE, **header, "dtype": dtype}))
 
 
 def test_protocol_package_is_sans_io() -> None:

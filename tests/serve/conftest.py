@@ -116,6 +116,14 @@ def stack(chat_model: Path) -> Iterator[Stack]:
     s.close()
 
 
+@pytest.fixture(scope="session")
+def tool_stack(tool_model: Path) -> Iterator[Stack]:
+    """A stack serving the tiny tool-calling checkpoint (byte-level tokenizer, Qwen2.5-style template)."""
+    s = Stack(tool_model)
+    yield s
+    s.close()
+
+
 @pytest.fixture
 def make_stack(chat_model: Path) -> Iterator[Callable[..., Stack]]:
     """A private stack per test (killed trunks, a slow link, small pools); closed afterwards."""

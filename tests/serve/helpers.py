@@ -47,3 +47,13 @@ def generate_cli(
     out["finish_reason"] = "stop" if cut < len(ids) or (ids and ids[-1] in stops) else "length"
     out["visible_text"] = tokenizer.decode(ids[:cut], skip_special_tokens=True)
     return dict(out)
+
+
+def chat(client: Any, **kw: Any) -> Any:
+    """``client.chat.completions.create(**kw)`` for fields the SDK's overloads do not type (extensions)."""
+    return client.chat.completions.create(**kw)
+
+
+def complete(client: Any, **kw: Any) -> Any:
+    """``client.completions.create(**kw)``, as :func:`chat`."""
+    return client.completions.create(**kw)

@@ -56,8 +56,20 @@ def test_unknown_model(stack: Stack) -> None:
         ("/chat/completions", {"messages": []}, "messages"),
         ("/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
         ("/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ("/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+        ("/chat/completions", {"n": 0}, "n"),
+        ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/chat/completions", {"logit_bias": {"to": 1}}, "logit_bias"),
+        ("/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("/chat/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
+        ("/chat/completions", {"min_tokens": -1}, "min_tokens"),
+        ("/chat/completions", {"stop_token_ids": [99999]}, "stop_token_ids"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+        ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
         ("/completions", {"prompt": [1, 2, 9999]}, "prompt"),
+        ("/completions", {"prompt": [[1, 2], [9999]]}, "prompt"),
+        ("/completions", {"prompt": []}, "prompt"),
+        ("/completions", {"prompt": "to be", "logprobs": 21}, "logprobs"),
     ],
 )
 def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: str) -> None:
@@ -70,15 +82,14 @@ def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: 
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/chat/completions", {"n": 2}, "n"),
-        ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/chat/completions", {"logprobs": True}, "logprobs"),
         ("/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-        ("/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-        ("/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-        ("/completions", {"echo": True}, "echo"),
+        ("/chat/completions", {"min_p": 0.1}, "min_p"),
+        ("/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+        ("/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+        ("/completions", {"logprobs": 2}, "logprobs"),
         ("/completions", {"best_of": 3}, "best_of"),
-        ("/completions", {"prompt": ["a", "b"]}, "prompt"),
+        ("/completions", {"suffix": "x"}, "suffix"),
     ],
 )
 def test_unsupported_parameters_are_named(stack: Stack, path: str, extra: dict[str, Any], param: str) -> None:
@@ -87,6 +98,23 @@ def test_unsupported_parameters_are_named(stack: Stack, path: str, extra: dict[s
     assert err["param"] == param
     assert err["code"] == "unsupported_parameter"
     assert f"'{param}'" in err["message"]
+
+
+def test_a_template_that_ignores_tools_is_named(stack: Stack) -> None:
+    err = error_of(post(stack, "/chat/completions", json={
+        **CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400)  # fmt: skip
+    assert err["param"] == "tools"
+    assert err["code"] == "tools_unsupported"
+    assert "ignores tools" in err["message"]
+
+
+def test_unknown_fields_and_neutral_values_are_accepted(stack: Stack, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("DEBUG", logger="splitspec.serve.schemas"):
+        response = post(stack, "/chat/completions", json={**CHAT, "frobnicate": 1, "store": False, "min_p": 0.0,
+                                                          "metadata": {"a": "b"}})  # fmt: skip
+    assert response.status_code == 200, response.text
+    lines = [r.getMessage() for r in caplog.records if "unknown request fields" in r.getMessage()]
+    assert lines == ["ignoring unknown request fields: frobnicate, metadata, store"]
 
 
 def test_over_long_prompt(stack: Stack) -> None:

@@ -55,9 +55,10 @@ async def test_eight_concurrent_streams_are_correct_and_independent(stack: Stack
     assert peak > 1  # the streams did overlap
 
 
-async def test_disconnect_mid_stream_frees_the_cloud_session(make_stack: Callable[..., Stack]) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+async def test_disconnect_mid_stream_frees_the_cloud_session(make_stack: Callable[..., Stack], n: int) -> None:
     s = make_stack(rtt_ms=20.0, prefix_cache_entries=0)  # 400 tokens at 20 ms each would take > 8 s
-    body = {"model": MODEL_NAME, "prompt": "to be", "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {"model": MODEL_NAME, "prompt": "to be", "max_tokens": 400, "temperature": 0, "stream": True, "n": n}
     async with httpx.AsyncClient(timeout=60) as http:
         async with http.stream("POST", f"{s.base_url}/completions", json=body) as response:
             lines = response.aiter_lines()
@@ -72,6 +73,8 @@ async def test_disconnect_mid_stream_frees_the_cloud_session(make_stack: Callabl
     assert s.trunk_sessions() == 0, "the trunk still holds the abandoned session"
     assert freed_after < 2.0
     assert s.state.pool.active == 0
+    await asyncio.sleep(0.3)
+    assert s.trunk_sessions() == 0  # n > 1: no later choice was started for the client that left
 
 
 def test_trunk_restart_during_a_request_recovers_identically(

@@ -25,7 +25,16 @@ import json
 import logging
 from pathlib import Path
 
-from splitspec.arguments import add_tls_ca, add_token_file, add_wire_codec, edge_layers, read_token_file
+from splitspec.arguments import (
+    MODEL_HELP,
+    add_dtype_arg,
+    add_tls_ca,
+    add_token_file,
+    add_wire_codec,
+    edge_layers,
+    model_dir,
+    read_token_file,
+)
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
@@ -114,14 +123,14 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765")
     p.add_argument(
         "--model",
-        type=Path,
+        type=model_dir,
         default=DEFAULT_MODEL_DIR,
-        help="checkpoint directory; only edge tensors are loaded (default: the demo base model)",
+        help=MODEL_HELP + "; only edge tensors are loaded (default: the demo base model)",
     )
     p.add_argument(
         "--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL", help="edge layers (default 2,2)"
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="compute dtype")
+    add_dtype_arg(p, "; it must equal the server's, which an auto probe follows")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_wire_codec(p)
     add_token_file(p)
@@ -170,7 +179,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from splitspec.bench.harness import run_benchmark
     from splitspec.bench.scenario import load_scenario
 
-    scenario = load_scenario(resolve_scenario(args.scenario), model_dir=args.model, device=args.device)
+    scenario = load_scenario(
+        resolve_scenario(args.scenario), model_dir=args.model, device=args.device, dtype=args.dtype
+    )
     if args.quick:
         scenario = scenario.quick()
     if args.wire_codec is not None:
@@ -189,7 +200,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("scenario", help="scenario TOML file, or the name of a shipped scenario (default, speculative)")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<scenario name>)")
-    p.add_argument("--model", type=Path, help="checkpoint directory, instead of the scenario's model")
+    p.add_argument("--model", type=model_dir, help=MODEL_HELP + ", instead of the scenario's model")
     p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 prompt per set, <= 16 tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-runs", action="store_true", help="skip the per-run records file (runs.jsonl.gz)")
@@ -200,6 +211,7 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="how hidden states cross the emulated link (see generate --wire-codec; default: the scenario's "
         "wire_codec, else raw)",
     )
+    add_dtype_arg(p, " (default: the scenario's dtype, else auto)", default=None)
     p.set_defaults(run=run_bench)
 
 

@@ -62,6 +62,8 @@ from splitspec.devices import resolve_device
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
 from splitspec.measure import median
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.stack import resolve_dtype
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
 from splitspec.run_info import run_environment, write_jsonl_gz
@@ -155,8 +157,8 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
         "local_loop": sc.baselines.local_loop,
     }
     baselines = [m for m in BASELINES if enabled[m]]
-    dtype = getattr(torch, sc.dtype)
     device = resolve_device(sc.device)
+    dtype, _ = resolve_dtype(Checkpoint(sc.model_dir), sc.dtype, device, "local baseline")
     local = LocalBaselines(sc.model_dir, dtype, sc.baselines.prompt_lookup_num_tokens, device) if baselines else None
     reference: dict[str, list[int]] = {}
     if local is not None:

@@ -73,7 +73,7 @@ class ProbeConfig:
     cloud_url: str  # trunk server (or the emulator in front of it), e.g. ws://127.0.0.1:8765
     model_dir: Path  # checkpoint directory; only the edge tensors are loaded
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
-    dtype: str = "float32"  # compute dtype; must equal the server's with wire_codec raw
+    dtype: str = "auto"  # compute dtype: auto follows the server's, a pinned one must equal it (wire_codec raw)
     wire_codec: str = "raw"  # how hidden states cross the link (protocol.codec)
     device: str = "auto"  # the edge's compute device: auto, cpu, cuda, cuda:N or mps
     auth_token: str | None = None  # shared secret, if the server requires one

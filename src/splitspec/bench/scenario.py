@@ -41,6 +41,7 @@ from typing import Any
 import splitspec
 from splitspec.bench.modes import MODES
 from splitspec.exceptions import ConfigError
+from splitspec.models.precision import AUTO, DTYPE_CHOICES
 from splitspec.paths import display_path
 from splitspec.protocol.codec import WIRE_CODECS
 
@@ -94,7 +95,7 @@ class Scenario:
     modes: tuple[str, ...] = ("sequential",)  # split decoding modes (keys of bench.modes.MODES)
     repeats: int = 3  # passes over every (RTT, mode, prompt), count
     max_new_tokens: int = 48  # tokens generated per run, tokens
-    dtype: str = "float32"  # compute dtype of both sides
+    dtype: str = "auto"  # compute dtype: auto (models.precision: per device) or a pinned one
     wire_codec: str = "raw"  # how hidden states cross the emulated link: raw, bf16 or int8 (protocol.codec)
     device: str = "auto"  # compute device of the trunk, the edge and the local baselines (splitspec.devices)
     pings: int = 10  # control round trips per emulated link for its measured RTT, count
@@ -170,7 +171,6 @@ _TOP_KEYS = {
 }
 _PROMPT_KEYS = {"sets", "per_set", "prompt_tokens", "corpus"}
 _BASELINE_KEYS = {"hf_generate", "prompt_lookup", "prompt_lookup_num_tokens", "local_loop"}
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class _Reader:
@@ -246,10 +246,11 @@ def scenario_from_dict(
     where: str = "scenario",
     model_dir: Path | None = None,
     device: str | None = None,
+    dtype: str | None = None,
 ) -> Scenario:
     """Validate a parsed scenario table; relative paths resolve against ``base_dir``.
 
-    ``model_dir`` and ``device``, when given, replace the scenario's (command-line overrides)."""
+    ``model_dir``, ``device`` and ``dtype``, when given, replace the scenario's (command-line overrides)."""
 
     top = _Reader(data, where, _TOP_KEYS)
     name = top.string("name")
@@ -271,9 +272,9 @@ def scenario_from_dict(
         raise ConfigError(f"{where}: 'rtt_ms' must be a non-empty list of numbers >= 0 (ms), got {rtts!r}")
     if len(set(rtts)) != len(rtts):
         raise ConfigError(f"{where}: 'rtt_ms' holds duplicates: {rtts!r}")
-    dtype = top.string("dtype", "float32")
-    if dtype not in _DTYPES:
-        raise ConfigError(f"{where}: 'dtype' must be one of {list(_DTYPES)}, got {dtype!r}")
+    dtype = dtype if dtype is not None else top.string("dtype", AUTO)
+    if dtype not in DTYPE_CHOICES:
+        raise ConfigError(f"{where}: 'dtype' must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
     wire_codec = top.string("wire_codec", "raw")
     if wire_codec not in WIRE_CODECS:
         raise ConfigError(f"{where}: 'wire_codec' must be one of {list(WIRE_CODECS)}, got {wire_codec!r}")
@@ -345,8 +346,10 @@ def _draft_dir(top: _Reader, base_dir: Path, default_model: bool) -> Path | None
     return DEFAULT_DRAFT_DIR if default_model and (DEFAULT_DRAFT_DIR / "config.json").is_file() else None
 
 
-def load_scenario(path: Path, *, model_dir: Path | None = None, device: str | None = None) -> Scenario:
-    """Read and validate a scenario TOML file (``model_dir`` overrides its model, ``device`` its device)."""
+def load_scenario(
+    path: Path, *, model_dir: Path | None = None, device: str | None = None, dtype: str | None = None
+) -> Scenario:
+    """Read and validate a scenario TOML file (``model_dir``, ``device`` and ``dtype`` override its own)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -356,5 +359,10 @@ def load_scenario(path: Path, *, model_dir: Path | None = None, device: str | No
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"scenario file {path} is not valid TOML: {exc}") from None
     return scenario_from_dict(
-        data, base_dir=path.resolve().parent, where=f"scenario {path}", model_dir=model_dir, device=device
+        data,
+        base_dir=path.resolve().parent,
+        where=f"scenario {path}",
+        model_dir=model_dir,
+        device=device,
+        dtype=dtype,
     )

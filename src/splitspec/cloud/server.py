@@ -36,6 +36,7 @@ from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.prepack import prepack_available, prepack_linears
+from splitspec.models.quantization import published_method
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk, resolve_dtype
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
@@ -102,12 +103,15 @@ class TrunkServer:
         self.checkpoint = Checkpoint(config.model_dir)
         model_config = self.checkpoint.config
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
-        self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype)
         devices = parse_devices(",".join(config.devices)) if config.devices else (resolve_device(config.device),)
-        self.trunk = load_trunk(self.checkpoint, self.plan, self.dtype, config.attn_implementation, devices)
+        slowest = next((d for d in devices if d.type == "cpu"), devices[0])  # a CPU share sets auto's choice
+        self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype, slowest, "trunk")
+        self.trunk = load_trunk(
+            self.checkpoint, self.plan, self.dtype, config.attn_implementation, devices, config.quantize
+        )
         if self._should_prepack(devices):
             log.info("trunk: %d linear layers prepacked for oneDNN", prepack_linears(self.trunk))
-        self.trunk_fingerprint = trunk_fingerprint(self.checkpoint, self.plan)  # sent in every Welcome
+        self.trunk_fingerprint = trunk_fingerprint(self.checkpoint, self.plan, config.quantize)  # in every Welcome
         self._into_trunk = HostStaging(self.trunk.input_device)
         self._out_of_trunk = HostStaging(self.trunk.output_device)
         self.identity = TrunkIdentity(
@@ -310,6 +314,8 @@ class TrunkServer:
             why_not = "it applies to a trunk wholly on the CPU"
         elif self.dtype != torch.float32:
             why_not = f"it applies to float32 weights, the trunk computes in {self.dtype}"
+        elif config.quantize is not None or published_method(self.checkpoint.config) is not None:
+            why_not = "it applies to float32 weights, the trunk's are quantized"
         elif config.compile is not None:
             why_not = "--compile builds its own kernels"
         elif not prepack_available():
@@ -399,6 +405,7 @@ class _TrunkPeer(MessagePeer[Message]):
                 trunk=server.trunk_fingerprint,
                 wire_codec=message.wire_codec,
                 wire_codecs=server.identity.wire_codecs,
+                dtype=server.identity.dtype,
             )
         if isinstance(message, OpenSession):
             session = server.sessions.open(self.conn_id, self.address)

@@ -2,7 +2,9 @@
 
 ``decode_sequential`` is the baseline: one token per forward step, i.e. one round trip per token
 when the verifier is the split client. It is the one decode loop (:mod:`splitspec.decoding.loop`)
-without drafters.
+without drafters. An optional
+:class:`LogitsProcessor` (a grammar, ``logit_bias``, penalties) adjusts each position's logits
+before the token is chosen.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Protocol
 import torch
 
 from splitspec.decoding.loop import decode
+from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
 
 
@@ -36,16 +39,19 @@ async def decode_sequential(
     generator: torch.Generator,
     stop_token_ids: Collection[int] = (),
     fresh: bool = True,
+    processor: LogitsProcessor | None = None,
 ) -> AsyncIterator[int]:
     """Prefill the prompt, then yield up to ``max_new_tokens`` tokens, one forward step each: the one
     decode loop (:func:`splitspec.decoding.loop.decode`) with no drafters.
 
     ``fresh=False`` continues the verifier's sequence: ``prompt_ids`` are appended to what its
-    cache already holds (multi-turn chat).
+    cache already holds (multi-turn chat). ``processor`` sees each position's logits (1, V) before
+    the choice and every emitted token; decoding ends early once it is ``finished``.
     """
     history = None if fresh else ()  # the loop only needs to know not to reset; the drafters are off
     async for emitted in decode(_Chain(verifier), prompt_ids, max_new_tokens, params, generator,
-                                stop_token_ids=stop_token_ids, history=history):  # fmt: skip
+                                stop_token_ids=stop_token_ids, history=history,
+                                processors=() if processor is None else (processor,)):  # fmt: skip
         yield emitted.token
 
 

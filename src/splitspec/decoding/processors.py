@@ -5,6 +5,10 @@ A processor (a grammar, a forced tool call, a logit bias) belongs to one sequenc
 prefill's last row, and a verification step's rows, which follow the accepted sequence and then
 each drafted token in turn. It is asked before a draft is sent how much of the draft it allows,
 told which tokens were emitted, and may be asked to forget the last n.
+
+A grammar (:class:`splitspec.decoding.grammar.GrammarProcessor`), ``logit_bias``, ``min_tokens``
+and the OpenAI penalties (:mod:`splitspec.decoding.adjusters`) are processors;
+:class:`ProcessorChain` runs several as one.
 """
 
 from __future__ import annotations
@@ -38,3 +42,30 @@ class LogitsProcessor(Protocol):
     def finished(self) -> bool:
         """Nothing more may be generated (a grammar reached its end)."""
         ...
+
+
+class ProcessorChain:
+    """Several processors applied in order, as one (each sees the previous one's output)."""
+
+    def __init__(self, processors: Sequence[LogitsProcessor]) -> None:
+        self.processors = list(processors)
+
+    def process(self, logits: torch.Tensor, tokens: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+        for p in self.processors:
+            logits = p.process(logits, tokens, draft)
+        return logits
+
+    def validate_draft(self, draft: Sequence[int]) -> int:
+        return min((p.validate_draft(draft) for p in self.processors), default=len(draft))
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        for p in self.processors:
+            p.accept(tokens)
+
+    def rollback(self, n: int) -> None:
+        for p in self.processors:
+            p.rollback(n)
+
+    @property
+    def finished(self) -> bool:
+        return any(p.finished for p in self.processors)

@@ -293,10 +293,16 @@ class SplitClient:
         speculate: str = "auto",
         trace: list[SpecStep] | None = None,
         fresh: bool = True,
+        processor: LogitsProcessor | None = None,
     ) -> AsyncIterator[int]:
-        """Yield new token ids as they are produced (:meth:`stream_tokens` without logprobs)."""
+        """Yield new token ids as they are produced (:meth:`stream_tokens` without logprobs).
+
+        ``processor`` (a grammar, logit_bias, penalties) sees every row of logits before a token is
+        chosen from it; drafts are cut at the first token it forbids, so speculation goes on.
+        """
+        processors = () if processor is None else (processor,)
         async for emitted in self.stream_tokens(
-            prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace, fresh
+            prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace, fresh, processors
         ):
             yield emitted.token
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitspec.exceptions import ConfigError
+
 
 @dataclass(frozen=True)
 class EdgeConfig:
@@ -12,10 +14,12 @@ class EdgeConfig:
     cloud_url: str  # trunk server, e.g. ws://127.0.0.1:8765, or wss://host:port for TLS
     tls_ca_file: Path | None = None  # PEM CA bundle to verify a wss:// server; None = system store
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
-    dtype: str | None = None  # compute dtype; None = the checkpoint's; must equal the server's with wire_codec raw
-    wire_codec: str = (
-        "raw"  # how hidden states travel both ways: raw (the compute dtype), bf16 or int8 (protocol.codec)
-    )
+    # compute dtype; auto follows the trunk's (Welcome), a pinned one must equal it when wire_codec is raw
+    dtype: str = "auto"
+    # how hidden states travel both ways: raw (the compute dtype as is), bf16 or int8 (protocol.codec)
+    wire_codec: str = "raw"
+    # quantize the head and tail layers at load ("nf4", "int8"; bitsandbytes), and expect a trunk quantized so
+    quantize: str | None = None
     device: str = "auto"  # compute device of the edge and the draft model: auto, cpu, cuda, cuda:N or mps
     auth_token: str | None = None  # shared secret, if the server requires one
     max_message_bytes: int = 16 * 1024 * 1024  # our own frame cap, bytes (the server's may be lower)
@@ -38,3 +42,9 @@ class EdgeConfig:
     # --max-sessions-per-connection (default 4) caps it, and the engine opens more connections as needed
     sessions_per_connection: int = 4
     batch_gather: float = 0.5  # engine: how long a free worker waits for the other sequences' steps, in batch times
+
+    def __post_init__(self) -> None:
+        if self.sessions_per_connection < 1:
+            raise ConfigError(f"sessions per trunk connection must be at least 1, got {self.sessions_per_connection}")
+        if not self.batch_gather >= 0:
+            raise ConfigError(f"the batch gathering window must be >= 0, got {self.batch_gather}")

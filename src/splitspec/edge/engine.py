@@ -48,7 +48,6 @@ from splitspec.exceptions import (
 from splitspec.models.batched import BatchRow, forward_batch
 from splitspec.models.batcher import RowBatcher
 from splitspec.models.masks import chain, depths
-from splitspec.models.stack import EdgeModel
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
 from splitspec.protocol.codec import wire_bytes_per_token
 from splitspec.protocol.messages import Message, Step, StepResult
@@ -82,24 +81,24 @@ class BatchLog:
 class _HeadBatcher(RowBatcher):
     """The head layers over many sequences' embedded query tokens -> hidden states (1, q, H), on the device."""
 
-    def __init__(self, model: EdgeModel, max_batch_steps: int, gather: float) -> None:
+    def __init__(self, runtime: EdgeRuntime, max_batch_steps: int, gather: float) -> None:
         super().__init__(max_batch_steps, gather=gather, thread_name="edge-head")
-        self.model = model
+        self.runtime = runtime  # its model is read per batch: an auto edge may load it again at the first Welcome
         self.log = BatchLog()
 
     def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
         self.log.observe(steps, compute_ms)
 
     def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
-        return forward_batch(self.model.head, rows)
+        return forward_batch(self.runtime.model.head, rows)
 
 
 class _TailBatcher(RowBatcher):
     """The tail layers, final norm and LM head over many sequences' trunk outputs -> logits (1, q, V) float32."""
 
-    def __init__(self, model: EdgeModel, max_batch_steps: int, gather: float) -> None:
+    def __init__(self, runtime: EdgeRuntime, max_batch_steps: int, gather: float) -> None:
         super().__init__(max_batch_steps, gather=gather, thread_name="edge-tail")
-        self.model = model
+        self.runtime = runtime  # its model is read per batch, as the head's
         self.log = BatchLog()
 
     def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
@@ -107,7 +106,8 @@ class _TailBatcher(RowBatcher):
 
     @torch.inference_mode()
     def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
-        return [self.model.logits(out) for out in forward_batch(self.model.tail, rows)]
+        model = self.runtime.model
+        return [model.logits(out) for out in forward_batch(model.tail, rows)]
 
 
 class EdgeEngine:
@@ -116,11 +116,13 @@ class EdgeEngine:
     def __init__(self, runtime: EdgeRuntime) -> None:
         self.runtime = runtime
         self.config = runtime.config
-        self.link = TrunkLink(self.config, runtime.hello, runtime.expected_trunk, runtime.trunk_source)
+        self.link = TrunkLink(
+            self.config, runtime.hello, runtime.expected_trunk, runtime.trunk_source, runtime.follow_trunk_dtype
+        )
         # static KV buffers (--compile) run each sequence's fixed-shape step alone
         rows = 1 if runtime.cache_size is not None else 64
-        self._head = _HeadBatcher(runtime.model, rows, self.config.batch_gather)
-        self._tail = _TailBatcher(runtime.model, rows, self.config.batch_gather)
+        self._head = _HeadBatcher(runtime, rows, self.config.batch_gather)
+        self._tail = _TailBatcher(runtime, rows, self.config.batch_gather)
         # step-time estimates describe the link and the trunk, so every sequence's controller shares them
         self.step_times = StepTimes()
         # drafting (a draft model's forwards) runs here, off the event loop, one draft at a time

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 
 from splitspec.edge.config import EdgeConfig
 from splitspec.exceptions import (
@@ -75,9 +76,19 @@ class TrunkConnection:
 class TrunkLink:
     """The pool of connections an engine's sequences share to one trunk."""
 
-    def __init__(self, config: EdgeConfig, hello: Hello, expected: TrunkFingerprint, source: str) -> None:
+    def __init__(
+        self,
+        config: EdgeConfig,
+        hello: Hello,
+        expected: TrunkFingerprint,
+        source: str,
+        follow_dtype: Callable[[str], Hello] | None = None,
+    ) -> None:
+        """``follow_dtype`` gets each Welcome's dtype and returns the Hello for the next connections
+        (:meth:`splitspec.edge.runtime.EdgeRuntime.follow_trunk_dtype`)."""
         self.config = config
         self.hello = hello
+        self._follow_dtype = follow_dtype
         self.expected = expected  # the trunk fingerprint every connection's Welcome must carry
         self.source = source  # where ``expected`` comes from, for the refusal's message
         self.connections: list[TrunkConnection] = []
@@ -102,6 +113,8 @@ class TrunkLink:
                 raise HandshakeMismatch(
                     f"wire codec: edge sends {self.hello.wire_codec!r}, trunk answered {welcome.wire_codec!r}"
                 )
+            if self._follow_dtype is not None:
+                self.hello = self._follow_dtype(welcome.dtype)
         except BaseException:
             await channel.close()
             raise

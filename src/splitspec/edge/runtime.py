@@ -5,11 +5,15 @@ facts (stop tokens, published sampling) once; checks the edge weights' provenanc
 divergence record that hashes every edge tensor, so doing it per session would rehash them each
 time); works out the trunk fingerprint the cloud must present once; and fixes the device and the
 compute dtype. Every :class:`~splitspec.edge.sequence.EdgeSequence` of an engine shares it; none of
-it changes while sequences run.
+it changes while sequences run. The one exception comes before any of them has run a step: under
+``--dtype auto`` the edge computes in the trunk's dtype, which the first Welcome states
+(:meth:`EdgeRuntime.follow_trunk_dtype`); if the edge layers were loaded in another, they are
+loaded again in it, and the dtype is pinned for every later connection.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -19,15 +23,17 @@ from splitspec.decoding.sampling import SamplingParams
 from splitspec.devices import HostStaging, resolve_device
 from splitspec.edge.config import EdgeConfig
 from splitspec.edge.provenance import check_edge_weights, send_noise
-from splitspec.exceptions import CheckpointError, ConfigError
+from splitspec.exceptions import CheckpointError, ConfigError, HandshakeMismatch
 from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop_ids
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.precision import dtype_from_name
+from splitspec.models.precision import dtype_name as dtype_name_of
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.protocol.codec import WIRE_CODECS
-from splitspec.protocol.messages import Hello
+from splitspec.protocol.messages import AUTO_DTYPE, Hello
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 
 log = logging.getLogger(__name__)
@@ -49,14 +55,16 @@ class EdgeRuntime:
             config.model_dir, self.plan, config.published_model_dir, config.allow_stock_edge_weights
         )
         self.send_noise = send_noise(config.model_dir)  # the defence the edge layers were trained with
-        self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype)
         if config.wire_codec not in WIRE_CODECS:
             raise ConfigError(f"--wire-codec must be one of {', '.join(WIRE_CODECS)}, got {config.wire_codec!r}")
         self.device = edge.device if edge is not None else resolve_device(config.device)
+        self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype, self.device, "edge")
+        if edge is not None:  # already loaded: its dtype is the one it computes in
+            self.dtype, dtype_name = edge.dtype, dtype_name_of(edge.dtype)
         self.model = (
             edge
             if edge is not None
-            else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation, self.device)
+            else load_edge(ckpt, self.plan, self.dtype, config.attn_implementation, self.device, config.quantize)
         )
         self.staging = HostStaging(self.device)
         self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
@@ -66,7 +74,7 @@ class EdgeRuntime:
             fingerprint=fingerprint(ckpt.config),
             layer_start=self.plan.trunk_layers.start,
             layer_end=self.plan.trunk_layers.stop,
-            dtype=dtype_name,
+            dtype=AUTO_DTYPE if config.dtype == AUTO_DTYPE else dtype_name,  # auto: the trunk's (Welcome)
             hidden_size=self.model.hidden_size,
             auth_token=config.auth_token,
             client="splitspec-edge",
@@ -84,13 +92,42 @@ class EdgeRuntime:
                     f"draft model vocabulary ({draft_ckpt.config.vocab_size}) differs from the model's "
                     f"({ckpt.config.vocab_size}): they must share one tokenizer"
                 )
-            draft_dtype = None if config.dtype is None else self.dtype  # the draft's own unless --dtype
+            draft_dtype, _ = resolve_dtype(draft_ckpt, config.dtype, self.device, "draft")  # auto: its own, fitted
             self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation, self.device)
-        if self.provenance.stock:
-            log.warning(
-                "the edge runs STOCK public edge weights (%s): the cloud can invert what it sees",
-                self.provenance.reason,
+
+    def follow_trunk_dtype(self, trunk_dtype: str) -> Hello:
+        """Take a Welcome's dtype; return the Hello for the next connections.
+
+        An ``auto`` edge computes in the trunk's dtype: the edge layers are loaded again in it when
+        they were loaded in another (only the first Welcome can do that, before any sequence has run
+        a step), and the dtype is pinned from then on, so a trunk that restarts in another dtype is
+        refused at the handshake rather than followed under sequences' feet. A pinned dtype that the
+        trunk accepted is its own (anything else is refused). All this with the raw wire codec only: bf16
+        and int8 carry their own dtype, so the edge keeps its own compute dtype (auto's: fitted to its device).
+        """
+        if self.hello.wire_codec != "raw":
+            if self.hello.dtype == AUTO_DTYPE:
+                self.hello = dataclasses.replace(self.hello, dtype=dtype_name_of(self.dtype))
+            return self.hello
+        if self.hello.dtype != AUTO_DTYPE:
+            if trunk_dtype != self.hello.dtype:
+                raise HandshakeMismatch(f"dtype: edge expects {self.hello.dtype!r}, trunk is {trunk_dtype!r}")
+            return self.hello
+        if trunk_dtype != dtype_name_of(self.dtype):
+            log.info(
+                "dtype auto: the trunk computes in %s, so the edge does too (its layers loaded again, were %s; "
+                "--dtype pins one instead)",
+                trunk_dtype,
+                dtype_name_of(self.dtype),
             )
+            self.dtype = dtype_from_name(trunk_dtype)
+            config = self.config
+            self.model = load_edge(
+                self.checkpoint, self.plan, self.dtype, config.attn_implementation, self.device, config.quantize
+            )
+            self.cache_size = self._compile_fixed_decode()
+        self.hello = dataclasses.replace(self.hello, dtype=trunk_dtype)
+        return self.hello
 
     def _compile_fixed_decode(self) -> int | None:
         """With ``compile``: the head's and tail's fixed-shape decode steps, compiled now (once per
@@ -157,7 +194,7 @@ def expected_trunk(config: EdgeConfig, ckpt: Checkpoint, plan: SplitPlan) -> tup
             )
         return pinned, "the pinned --trunk-fingerprint"
     try:
-        own = trunk_fingerprint(ckpt, plan)
+        own = trunk_fingerprint(ckpt, plan, config.quantize)  # quantized as this edge expects
     except CheckpointError as exc:
         raise CheckpointError(
             f"{exc}: the edge checks the cloud's trunk against its own copy; without one, pin the trunk with "

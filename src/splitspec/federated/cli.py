@@ -18,9 +18,16 @@ import asyncio
 import json
 import logging
 import sys
-from pathlib import Path
 
-from splitspec.arguments import add_connection_limit_args, add_tls_ca, add_token_file, read_token_file
+from splitspec.arguments import (
+    MODEL_HELP,
+    add_connection_limit_args,
+    add_dtype_arg,
+    add_tls_ca,
+    add_token_file,
+    model_dir,
+    read_token_file,
+)
 from splitspec.devices import DEVICE_HELP, resolve_device
 from splitspec.exceptions import ConfigError
 from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET
@@ -52,6 +59,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         handshake_timeout_s=args.handshake_timeout,
         max_connections_per_address=args.max_connections_per_address,
         device=args.device,
+        dtype=args.dtype,
     )
     asyncio.run(serve_forever(config))
     return 0
@@ -83,9 +91,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         tls_ca_file=args.tls_ca,
         round_timeout_s=args.round_timeout,
         device=args.device,
+        dtype=args.dtype,
     )
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    draft = load_model(config.draft_dir, device=resolve_device(config.device))
+    draft = load_model(config.draft_dir, config.dtype, resolve_device(config.device))
     prompt_ids = list(draft.tokenizer.encode(args.prompt))
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens")
@@ -128,7 +137,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fed_sub = fed.add_subparsers(dest="fed_command", required=True)
 
     w = fed_sub.add_parser("worker", help="serve a whole model that scores draft tokens with top-K replies")
-    w.add_argument("--model", type=Path, required=True, help="checkpoint directory with tokenizer")
+    w.add_argument("--model", type=model_dir, required=True, help=MODEL_HELP + ", with a tokenizer")
     w.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     w.add_argument("--port", type=int, default=8781, help="TCP port (default 8781; 0 picks one)")
     add_token_file(w)
@@ -142,10 +151,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_connection_limit_args(w)
     w.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_dtype_arg(w)
     w.set_defaults(run=_run_worker)
 
     g = fed_sub.add_parser("generate", help="draft locally, verify against the workers' aggregate")
-    g.add_argument("--draft", type=Path, required=True, help="draft model checkpoint directory with tokenizer")
+    g.add_argument("--draft", type=model_dir, required=True, help="draft model: " + MODEL_HELP + ", with a tokenizer")
     g.add_argument("--worker", action="append", required=True, help="worker URL (repeat), e.g. ws://127.0.0.1:8781")
     g.add_argument("--weights", type=_weights, help="aggregation weights, comma-separated (default equal)")
     k = g.add_mutually_exclusive_group()
@@ -185,4 +195,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--json", action="store_true", help="print tokens, text and per-round figures as JSON")
     g.add_argument("--audit", action="store_true", help="workers also send full laws: check the bounds each round")
     g.add_argument("--device", default="auto", help=DEVICE_HELP + " (for the draft model; sampling stays on the host)")
+    add_dtype_arg(g, " (for the draft model)")
     g.set_defaults(run=_run_generate)

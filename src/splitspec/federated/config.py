@@ -40,6 +40,7 @@ class CoordinatorConfig:
     rejoin_interval_s: float = 0.5  # first wait before reconnecting a dropped worker, seconds (doubles, <= 10)
     max_message_bytes: int = 64 * 1024 * 1024  # largest frame sent or accepted, bytes
     device: str = "auto"  # draft model's device: auto, cpu, cuda, cuda:N or mps (sampling stays on the host)
+    dtype: str = "auto"  # draft model's compute dtype: auto (models.precision: per device) or a pinned one
 
     def __post_init__(self) -> None:
         if not self.worker_urls:

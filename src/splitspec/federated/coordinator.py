@@ -113,7 +113,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig, draft: LoadedModel | None = None) -> None:
         self.config = config
         device = resolve_device(config.device) if draft is None else draft.model.device
-        self.draft = draft if draft is not None else load_model(config.draft_dir, device=device)
+        self.draft = draft if draft is not None else load_model(config.draft_dir, config.dtype, device)
         # the target is aggregated on the host from the workers' replies, so drafts are drawn
         # there too: each drafted position's logits cross once
         self._staging = HostStaging(device)

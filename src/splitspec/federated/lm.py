@@ -15,7 +15,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from splitspec.models.checkpoint import Checkpoint, fingerprint, load_tokenizer
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.precision import AUTO
+from splitspec.models.stack import FullModel, load_full, resolve_dtype
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -43,15 +44,14 @@ class LoadedModel:
         return eos if isinstance(eos, int) else None
 
 
-def load_model(
-    directory: str | Path, dtype: torch.dtype | None = None, device: torch.device | None = None
-) -> LoadedModel:
-    """Load a whole checkpoint (at its published dtype unless ``dtype``) onto ``device`` (default CPU)
-    and its tokenizer; never downloads."""
+def load_model(directory: str | Path, dtype: str = AUTO, device: torch.device | None = None) -> LoadedModel:
+    """Load a whole checkpoint onto ``device`` (default CPU), in ``dtype`` (auto: its published dtype
+    fitted to the device, :mod:`splitspec.models.precision`), and its tokenizer; never downloads."""
     path = Path(directory)
     ckpt = Checkpoint(path)
     tokenizer = load_tokenizer(path)
-    model = load_full(ckpt, dtype, device=device or torch.device("cpu"))
+    device = device or torch.device("cpu")
+    model = load_full(ckpt, resolve_dtype(ckpt, dtype, device)[0], device=device)
     config = ckpt.config
     return LoadedModel(
         model=model,

@@ -72,6 +72,7 @@ class WorkerConfig:
     idle_timeout_s: float = 300.0  # a session's connection silent this long is closed, seconds
     delay_s: float = 0.0  # artificial extra compute time per round, seconds (tests, demos)
     device: str = "auto"  # compute device: auto, cpu, cuda, cuda:N or mps
+    dtype: str = "auto"  # compute dtype: auto (models.precision: per device), float32, bfloat16 or float16
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.max_sessions_per_address < 1:
@@ -84,7 +85,7 @@ class FedWorker:
     def __init__(self, config: WorkerConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         device = resolve_device(config.device) if loaded is None else loaded.model.device
-        self.loaded = loaded if loaded is not None else load_model(config.model_dir, device=device)
+        self.loaded = loaded if loaded is not None else load_model(config.model_dir, config.dtype, device)
         self._staging = HostStaging(device)
         self.identity = WorkerIdentity(
             vocab_size=self.loaded.vocab_size, tokenizer_fingerprint=self.loaded.tokenizer_fingerprint

@@ -8,9 +8,11 @@ cloud can prove it never touched the embedding, the LM head or the edge layers.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +194,35 @@ class Checkpoint:
         self.read_names.update(names)
         log.debug("read %d tensors from %s", len(names), self.directory)
         return out
+
+    @contextlib.contextmanager
+    def open_slices(self, names: list[str], device: torch.device, pread: bool = False) -> Iterator[dict[str, Any]]:
+        """Lazy handles on exactly ``names`` (safetensors slices), each read straight onto ``device`` when indexed.
+
+        transformers' loader takes these the way ``from_pretrained`` hands it its own: one tensor is
+        materialized at a time, as it is converted (and quantized), so a role's load never holds more
+        than one unconverted tensor beside what it keeps. The files stay open until the block ends.
+
+        On the host, a tensor read through the file's memory map is a view of it (nothing copied;
+        the pages count in this process's RSS once touched, and stay mapped while any tensor of the
+        file lives). ``pread`` reads each one into its own buffer instead: for tensors that are
+        temporaries (quantized or dequantized at load), so the pages they were read from are not
+        kept mapped by the norms that stay."""
+        missing = [n for n in names if n not in self._files]
+        if missing:
+            raise CheckpointError(f"{self.directory} lacks tensors: {', '.join(missing[:5])}")
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._files[name], []).append(name)
+        with contextlib.ExitStack() as files:
+            out: dict[str, Any] = {}
+            for path, file_names in by_file.items():
+                try:
+                    how = {"backend": "pread"} if pread else {}  # default: the memory map
+                    f = files.enter_context(safe_open(str(path), framework="pt", device=str(device), **how))
+                    out.update((name, f.get_slice(name)) for name in file_names)
+                except (SafetensorError, OSError) as exc:
+                    raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+            self.read_names.update(names)
+            log.debug("opened %d tensors of %s for %s", len(names), self.directory, device)
+            yield out

@@ -29,6 +29,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers import initialization as hf_init
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.quantizers.base import HfQuantizer
 
 from splitspec.exceptions import CheckpointError
 
@@ -124,6 +125,7 @@ class Skeleton:
     rotary: nn.Module  # rotary embedding, shared by every layer
     lm_head: nn.Linear
     embedding_multiplier: float | None  # Granite's, read from the model itself
+    quantizer: HfQuantizer | None = None  # transformers' quantizer its linear layers were converted for
 
     @property
     def config(self) -> PretrainedConfig:
@@ -156,11 +158,18 @@ class Skeleton:
         return logits
 
 
-def skeleton(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None = None) -> Skeleton:
+def skeleton(
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    attn_implementation: str | None = None,
+    quantizer: HfQuantizer | None = None,
+) -> Skeleton:
     """Instantiate the family's causal-LM class on ``meta`` in ``dtype`` and check it can be split.
 
     ``attn_implementation`` None keeps the family's own choice (Gemma 2 picks eager attention for
-    its soft-capping); "sdpa" or "eager" force one.
+    its soft-capping); "sdpa" or "eager" force one. A ``quantizer`` (see
+    :mod:`splitspec.models.quantization`) converts the skeleton's modules the way ``from_pretrained``
+    does, before any weight is read (its ``preprocess_model``, still on ``meta``).
     """
     cls = causal_lm_class(config)
     config = config.__class__.from_dict(config.to_dict())  # never mutate the checkpoint's config
@@ -169,6 +178,8 @@ def skeleton(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: 
         kwargs["attn_implementation"] = attn_implementation
     with hf_init.no_init_weights(), torch.device("meta"):
         lm = cls._from_config(config, **kwargs)
+        if quantizer is not None:  # swaps linear layers for the quantizer's own, weights untouched
+            quantizer.preprocess_model(model=lm, dtype=dtype, device_map=None, checkpoint_files=None, use_kernels=False)
     lm.eval()
     base = lm.base_model
     layers = _module(base, "layers", nn.ModuleList, lm)
@@ -182,6 +193,7 @@ def skeleton(config: PretrainedConfig, dtype: torch.dtype, attn_implementation: 
         rotary=_module(base, "rotary_emb", nn.Module, lm),
         lm_head=_module(lm, "lm_head", nn.Linear, lm),
         embedding_multiplier=None if multiplier is None else float(multiplier),
+        quantizer=quantizer,
     )
 
 

@@ -20,6 +20,8 @@ transformers' own loader (so its renames and fused-expert conversions apply).
 from __future__ import annotations
 
 import copy
+import ctypes
+import ctypes.util
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -38,6 +40,8 @@ from splitspec.models.family import Skeleton, published_dtype, skeleton
 from splitspec.models.fixed_decode import FixedShapeDecode
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import step_mask
+from splitspec.models.precision import dtype_name, resolve_compute_dtype
+from splitspec.models.quantization import plan_quantization
 from splitspec.models.split import SplitPlan
 from splitspec.models.static_kv import StaticKVCache
 
@@ -271,11 +275,12 @@ class FullModel(ModelEnds):
 # -- loading --------------------------------------------------------------------------------------
 
 
-def resolve_dtype(ckpt: Checkpoint, name: str | None) -> tuple[torch.dtype, str]:
-    """The compute dtype: ``name`` when given, else the checkpoint's published dtype (the raw wire codec
-    carries it; protocol.codec's bf16 and int8 carry their own)."""
-    dtype = published_dtype(ckpt.config) if name is None else dtype_from_name(name)
-    return dtype, str(dtype).removeprefix("torch.")
+def resolve_dtype(ckpt: Checkpoint, name: str, device: torch.device, what: str = "model") -> tuple[torch.dtype, str]:
+    """The compute dtype and its name (the raw wire codec carries it; protocol.codec's bf16 and int8 carry their
+    own): ``name`` when pinned, else (``auto``) the checkpoint's published dtype as
+    :func:`~splitspec.models.precision.resolve_compute_dtype` fits it to ``device``."""
+    dtype = resolve_compute_dtype(name, published_dtype(ckpt.config), device, what)
+    return dtype, dtype_name(dtype)
 
 
 def _materialize_buffers(skel: Skeleton, modules: Sequence[nn.Module], device: torch.device) -> None:
@@ -311,20 +316,39 @@ def trunk_tensor_names(ckpt: Checkpoint, plan: SplitPlan) -> list[str]:
 def _load_modules(
     ckpt: Checkpoint, skel: Skeleton, modules: Sequence[nn.Module], dtype: torch.dtype, device: torch.device
 ) -> None:
-    """Read exactly the tensors of ``modules`` onto ``device`` and load them through transformers' own converters."""
+    """Read exactly the tensors of ``modules`` onto ``device`` and load them through transformers' own converters.
+
+    Each tensor is read when it is converted, straight onto ``device`` (a one-device ``device_map``:
+    without one, transformers' loader would move every tensor to the host first), and quantized
+    there by the skeleton's quantizer when it has one."""
     prefixes = _module_prefixes(skel, modules)
-    names = [n for n in ckpt.tensor_names if n.startswith(prefixes)]
-    state = ckpt.read(names, device=device)
     lm = skel.lm
-    conversions: list[Any] = get_model_conversion_mapping(lm)  # transformers' renames and expert fusions
-    load_config = LoadStateDictConfig(dtype=dtype, dtype_plan=lm._get_dtype_plan(dtype), weight_mapping=conversions)
-    info, _ = convert_and_load_state_dict_in_model(lm, state, load_config)
-    problems = [
-        *(f"unexpected tensor {k}" for k in sorted(info.unexpected_keys)),
-        *(f"{k} has shape {tuple(got)}, expected {tuple(want)}" for k, got, want in sorted(info.mismatched_keys)),
-        *(f"{k}: {v}" for k, v in info.conversion_errors.items()),
-        *info.error_msgs,
-    ]
+    quantizer = skel.quantizer
+    conversions: list[Any] = get_model_conversion_mapping(lm, None, quantizer)  # renames, fusions, dequantizers
+    load_config = LoadStateDictConfig(
+        dtype=dtype,
+        dtype_plan=lm._get_dtype_plan(dtype),
+        weight_mapping=conversions,
+        device_map={"": str(device)},
+        hf_quantizer=quantizer,
+    )
+    # quantizing on the host: one module at a time, and the heap its temporaries freed handed back
+    # after each, so the load's peak is what it keeps plus one layer's temporaries
+    on_host = quantizer is not None and device.type == "cpu"
+    groups = [(p,) for p in prefixes] if on_host else [prefixes]
+    problems: list[str] = []
+    for group in groups:
+        names = [n for n in ckpt.tensor_names if n.startswith(group)]
+        with ckpt.open_slices(names, device, pread=on_host) as state:
+            info, _ = convert_and_load_state_dict_in_model(lm, state, load_config)
+        if on_host:
+            _return_freed_host_memory()
+        problems += [
+            *(f"unexpected tensor {k}" for k in sorted(info.unexpected_keys)),
+            *(f"{k} has shape {tuple(got)}, expected {tuple(want)}" for k, got, want in sorted(info.mismatched_keys)),
+            *(f"{k}: {str(v).splitlines()[-1]}" for k, v in info.conversion_errors.items()),
+            *info.error_msgs,
+        ]
     for prefix, module in zip(prefixes, modules, strict=True):
         problems += [f"{prefix}{n} is missing" for n, p in module.named_parameters() if p.is_meta]
     if problems:
@@ -334,6 +358,42 @@ def _load_modules(
     _materialize_buffers(skel, modules, device)
     for module in modules:
         module.to(device)  # a no-op when the converters kept the tensors where they were read
+
+
+def _quantized_skeleton(
+    ckpt: Checkpoint,
+    dtype: torch.dtype,
+    attn_implementation: str | None,
+    quantize: str | None,
+    devices: Sequence[torch.device],
+) -> Skeleton:
+    """The skeleton a role loads into: converted for its quantization (``--quantize`` or as published), if any."""
+    quantization, config = plan_quantization(ckpt.config, quantize, dtype, devices)
+    if quantization is None:
+        return skeleton(ckpt.config, dtype, attn_implementation)
+    skel = skeleton(config, dtype, attn_implementation, quantization.quantizer)
+    log.info("weights quantized: %s%s", quantization.method, " (as published)" if quantization.pre_quantized else "")
+    return skel
+
+
+def _finish(skel: Skeleton) -> None:
+    """The quantizer's ``postprocess_model``, once every piece of the role is loaded."""
+    if skel.quantizer is not None:
+        skel.quantizer.postprocess_model(skel.lm)
+
+
+def _return_freed_host_memory() -> None:
+    """Give the OS back the heap pages a quantizing load freed (glibc's ``malloc_trim``).
+
+    Each tensor quantized on the host was read into a buffer of its own (tens of MB, under glibc's
+    mmap threshold once the first one is freed), so glibc keeps the freed pages in its heap: an NF4
+    trunk's RSS stayed 8x its weights. Not glibc (macOS, musl): no such call, nothing to return."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is None:
+        log.debug("no malloc_trim in this C library: freed host memory stays with the allocator")
+        return
+    trim(0)
 
 
 def _ends_modules(ckpt: Checkpoint, skel: Skeleton) -> list[nn.Module]:
@@ -357,13 +417,15 @@ def _load_ends_and_layers(
     dtype: torch.dtype | None,
     attn_implementation: str | None,
     device: torch.device,
+    quantize: str | None,
 ) -> Skeleton:
     """A skeleton with the embedding, final norm, LM head and the given decoder layers (all when None) on ``device``."""
     dtype = published_dtype(ckpt.config) if dtype is None else dtype
-    skel = skeleton(ckpt.config, dtype, attn_implementation)
+    skel = _quantized_skeleton(ckpt, dtype, attn_implementation, quantize, (device,))
     layers = list(skel.layers) if layer_ids is None else [skel.layers[i] for i in layer_ids]
     _load_modules(ckpt, skel, [*_ends_modules(ckpt, skel), *layers], dtype, device)
     _tie(skel)
+    _finish(skel)
     return skel
 
 
@@ -373,18 +435,21 @@ def load_trunk(
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = None,
     devices: Sequence[torch.device] = (_CPU,),
+    quantize: str | None = None,
 ) -> LayerStack:
     """The cloud's piece: only the trunk layers' tensors are read, each straight onto its device.
 
     Several ``devices`` split the trunk's layer range into contiguous runs, one per device.
+    ``quantize`` ("nf4", "int8") quantizes them at load (see :mod:`splitspec.models.quantization`).
     """
     dtype = published_dtype(ckpt.config) if dtype is None else dtype
-    skel = skeleton(ckpt.config, dtype, attn_implementation)
     placed = spread_layers(plan.trunk_layers, devices)
+    skel = _quantized_skeleton(ckpt, dtype, attn_implementation, quantize, list(dict.fromkeys(placed)))
     for device in dict.fromkeys(placed):
         layers = [skel.layers[i] for i, d in zip(plan.trunk_layers, placed, strict=True) if d == device]
         extra = [skel.rotary] if device == placed[0] else []
         _load_modules(ckpt, skel, [*layers, *extra], dtype, device)
+    _finish(skel)
     log.info(
         "trunk layers %d..%d loaded (%d tensors read, %s) on %s",
         plan.trunk_layers.start,
@@ -402,9 +467,13 @@ def load_edge(
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = None,
     device: torch.device = _CPU,
+    quantize: str | None = None,
 ) -> EdgeModel:
-    """The edge's piece on ``device``: embedding, head and tail layers, final norm, LM head. No trunk tensor is read."""
-    skel = _load_ends_and_layers(ckpt, (*plan.head_layers, *plan.tail_layers), dtype, attn_implementation, device)
+    """The edge's piece on ``device``: embedding, head and tail layers, final norm, LM head. No trunk tensor is read.
+
+    ``quantize`` quantizes its decoder layers at load (the embedding and LM head stay as stored)."""
+    layer_ids = (*plan.head_layers, *plan.tail_layers)
+    skel = _load_ends_and_layers(ckpt, layer_ids, dtype, attn_implementation, device, quantize)
     return EdgeModel(skel, plan).eval()
 
 
@@ -413,16 +482,8 @@ def load_full(
     dtype: torch.dtype | None = None,
     attn_implementation: str | None = None,
     device: torch.device = _CPU,
+    quantize: str | None = None,
 ) -> FullModel:
     """Every piece of a checkpoint on ``device``, for running it whole on one machine."""
-    skel = _load_ends_and_layers(ckpt, None, dtype, attn_implementation, device)
+    skel = _load_ends_and_layers(ckpt, None, dtype, attn_implementation, device, quantize)
     return FullModel(skel).eval()
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Map "float32" / "bfloat16" / "float16" to a torch dtype, with a clear error."""
-    from splitspec.protocol.frames import DTYPES
-
-    if name not in ("float32", "float16", "bfloat16"):
-        raise CheckpointError(f"dtype {name!r} is not one of float32, float16, bfloat16")
-    return DTYPES[name]

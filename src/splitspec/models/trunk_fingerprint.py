@@ -6,10 +6,17 @@ sorted order) fed as ``name NUL dtype NUL shape NUL`` and then the tensor's stor
 file names and tensor order inside the files do not matter; any changed weight, dtype, shape or
 layer does.
 
+It covers what the trunk serves. A checkpoint published quantized is hashed as stored (packed
+weights, scales and quantization state are trunk tensors like any other) and its dtype field names
+the method: ``bnb_nf4(bfloat16+float32+uint8)``. A trunk quantized at load (``--quantize``) is
+hashed from the tensors it quantizes and names its method the same way: ``nf4(bfloat16)``.
+
 Hashing reads every trunk byte once, so the result is cached in ``CACHE_FILE`` in the checkpoint
-directory, keyed by the layer range and the size and modification time of every tensor file (a
-restart does not rehash). A directory we cannot write to only costs the rehash at the next start;
-within one process the result is also kept in memory.
+directory (for a snapshot of the Hugging Face cache, a symlink farm shared by revisions, beside its
+``snapshots/`` folder instead: :func:`splitspec.models.hub.side_file`), keyed by the layer range and
+the size and modification time of every tensor file (a restart does not rehash). A directory we
+cannot write to only costs the rehash at the next start; within one process the result is also
+kept in memory.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from safetensors import SafetensorError, safe_open
 
 from splitspec.exceptions import CheckpointError
 from splitspec.models.checkpoint import INDEX_FILE, Checkpoint
+from splitspec.models.hub import side_file
+from splitspec.models.quantization import published_method, quantized_dtype_label
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import trunk_tensor_names
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
@@ -40,8 +49,17 @@ _CACHE_FORMAT = 1
 FileStats = tuple[tuple[str, int, int], ...]  # (file name, size in bytes, mtime in ns) per tensor file
 
 
-def trunk_fingerprint(ckpt: Checkpoint, plan: SplitPlan) -> TrunkFingerprint:
-    """The fingerprint of ``plan``'s trunk layers in ``ckpt``: from the cache when the files are unchanged."""
+def trunk_fingerprint(ckpt: Checkpoint, plan: SplitPlan, quantize: str | None = None) -> TrunkFingerprint:
+    """The fingerprint of ``plan``'s trunk layers in ``ckpt`` served quantized at load with ``quantize`` (None:
+    as stored), its dtype field naming the quantization method if any."""
+    stored = _stored_fingerprint(ckpt, plan)
+    method = quantize if quantize is not None else published_method(ckpt.config)
+    dtype = quantized_dtype_label(method, stored.dtype)
+    return TrunkFingerprint(stored.layer_start, stored.layer_end, dtype, stored.digest)
+
+
+def _stored_fingerprint(ckpt: Checkpoint, plan: SplitPlan) -> TrunkFingerprint:
+    """The fingerprint of the trunk tensors as stored: from the cache when the files are unchanged."""
     stats = _file_stats(ckpt)
     key = f"{plan.trunk_layers.start}-{plan.trunk_layers.stop}"
     cache = _read_cache(ckpt.directory)
@@ -96,7 +114,7 @@ def _hash_trunk(directory: Path, plan: SplitPlan, stats: FileStats) -> TrunkFing
 
 
 def _read_cache(directory: Path) -> dict[str, Any]:
-    path = directory / CACHE_FILE
+    path = side_file(directory, CACHE_FILE)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
@@ -112,14 +130,14 @@ def _read_cache(directory: Path) -> dict[str, Any]:
 
 def _write_cache(directory: Path, entries: dict[str, Any]) -> None:
     """Write the cache atomically; a read-only directory is logged, not an error."""
-    path = directory / CACHE_FILE
+    path = side_file(directory, CACHE_FILE)
     tmp: str | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=CACHE_FILE, dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=CACHE_FILE, dir=path.parent)
         with os.fdopen(fd, "w") as f:
             json.dump({"format": _CACHE_FORMAT, "entries": entries}, f, indent=1)
         os.replace(tmp, path)
     except OSError as exc:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
-        log.info("cannot cache the trunk fingerprint in %s (%s): it is recomputed at the next start", directory, exc)
+        log.info("cannot cache the trunk fingerprint in %s (%s): it is recomputed at the next start", path, exc)

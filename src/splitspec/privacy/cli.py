@@ -17,6 +17,7 @@ import json
 import logging
 from pathlib import Path
 
+from splitspec.arguments import MODEL_HELP, model_dir
 from splitspec.exceptions import ConfigError
 from splitspec.privacy.defences import DEFAULT_DEFENCE
 
@@ -133,7 +134,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Token-recovery audit of split inference: both directions, several attackers, "
         "paired statistics across depths, stock vs diverged edge weights.",
     )
-    audit.add_argument("--model", type=Path, required=True, help="published checkpoint directory")
+    audit.add_argument("--model", type=model_dir, required=True, help="the published checkpoint: " + MODEL_HELP)
     audit.add_argument("--depths", default="1,2,3,4", help="split depths to audit, e.g. 1,2,3,4")
     audit.add_argument("--out", type=Path, required=True, help="report directory")
     audit.add_argument("--corpus", type=Path, help="directory of <domain>/*.txt documents (default: shipped held-out)")
@@ -164,7 +165,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Write a private edge checkpoint whose edge layers differ from the published ones "
         "while keeping held-out perplexity; prints its fingerprint.",
     )
-    div.add_argument("--model", type=Path, required=True, help="published checkpoint directory")
+    div.add_argument("--model", type=model_dir, required=True, help="the published checkpoint: " + MODEL_HELP)
     div.add_argument("--out", type=Path, required=True, help="output directory (checkpoint/ + edge.json)")
     div.add_argument("--edge-layers", default="2,2", metavar="HEAD,TAIL", help="edge layers (default 2,2)")
     div.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")

@@ -6,8 +6,9 @@ Conversation (edge -> cloud on the left)::
                                                      fingerprint, trunk layer range, dtype, auth
                                                      and the hidden states' wire codec; the
                                                      Welcome carries the trunk's content
-                                                     fingerprint, which the edge checks, and the
-                                                     codecs the trunk accepts
+                                                     fingerprint, which the edge checks, its
+                                                     dtype, which an edge that says "auto"
+                                                     follows, and the codecs the trunk accepts
     OpenSession      ->   <- SessionOpened           a session owns one KV cache on the cloud
     Step             ->   <- StepResult              hidden states in, hidden states out
     CloseSession     ->   <- SessionClosed
@@ -38,6 +39,8 @@ from splitspec.protocol.trunk_fingerprint import MAX_TEXT_LEN as MAX_TRUNK_TEXT_
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 
 MAX_ID_LEN = 128
+AUTO_DTYPE = "auto"  # a Hello's dtype when the edge follows the trunk's (given in the Welcome)
+WIRE_DTYPE_NAMES = ("float32", "bfloat16", "float16")  # a session's hidden-state dtypes
 MAX_ERROR_CHARS = 4096  # longest error message a peer accepts, characters
 MAX_RETRY_AFTER_S = 3600.0  # longest retry-after hint a peer accepts, seconds
 
@@ -50,7 +53,7 @@ class Hello:
     fingerprint: str  # model fingerprint (config hash), see models.checkpoint.fingerprint
     layer_start: int  # first trunk layer index (inclusive)
     layer_end: int  # last trunk layer index (exclusive)
-    dtype: str  # the edge's compute dtype, e.g. "float32" (the raw codec's wire dtype)
+    dtype: str  # the edge's compute dtype, e.g. "float32" (the raw codec's wire dtype); "auto": the trunk's (Welcome)
     hidden_size: int  # width of the hidden states, in elements
     auth_token: str | None = None  # shared secret, when the server requires one
     client: str = "splitspec"  # free-form client name, for logs
@@ -93,6 +96,7 @@ class Welcome:
     max_query_tokens: int  # largest q of one Step, in tokens
     session_ttl_s: float  # idle seconds after which a session is dropped
     trunk: TrunkFingerprint  # what the trunk's weights are; the edge checks it against its own copy
+    dtype: str  # the trunk's compute dtype ("float32", "bfloat16", "float16"), the raw codec's wire dtype
     wire_codec: str = "raw"  # the Hello's codec, which this connection's steps use both ways
     wire_codecs: tuple[str, ...] = WIRE_CODECS  # every codec the trunk accepts (cloud serve --wire-codecs)
 
@@ -105,6 +109,7 @@ class Welcome:
             "trunk_fingerprint": str(self.trunk),
             "wire_codec": self.wire_codec,
             "wire_codecs": list(self.wire_codecs),
+            "dtype": self.dtype,
         }, {}
 
     @classmethod
@@ -116,9 +121,18 @@ class Welcome:
             max_query_tokens=int_field(h, "max_query_tokens", minimum=1),
             session_ttl_s=number_field(h, "session_ttl_s"),
             trunk=_trunk_field(h),
+            dtype=_dtype_field(h),
             wire_codec=choice_field(h, "wire_codec", WIRE_CODECS),
             wire_codecs=_codecs_field(h),
         )
+
+
+def _dtype_field(header: dict[str, Any]) -> str:
+    """A Welcome's dtype: one of the wire's hidden-state dtypes, nothing else."""
+    text: str = str_field(header, "dtype", max_len=32)
+    if text not in WIRE_DTYPE_NAMES:
+        raise MalformedFrame(f"field 'dtype': {text!r:.40} is not one of {', '.join(WIRE_DTYPE_NAMES)}")
+    return text
 
 
 def _codecs_field(header: dict[str, Any]) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from splitspec.exceptions import (
 )
 from splitspec.protocol.codec import WIRE_CODECS, check_codec
 from splitspec.protocol.frames import peek_header
-from splitspec.protocol.messages import Hello
+from splitspec.protocol.messages import AUTO_DTYPE, Hello
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,11 @@ class ServerConnection(HandshakeGate):
         self.wire_codec: str | None = None  # the accepted Hello's codec, which every step must use
 
     def accept_hello(self, hello: Hello) -> None:
-        """Check auth and the pinned identity; raise a typed error on any mismatch."""
+        """Check auth and the pinned identity; raise a typed error on any mismatch.
+
+        A Hello whose dtype is ``auto`` accepts the trunk's (the Welcome states it); any other must equal it
+        when the wire codec is raw (bf16 and int8 carry their own dtype: the compute dtypes may differ).
+        """
         self.begin_hello(hello.auth_token)
         ident = self.identity
         check_codec(hello.wire_codec, ident.wire_codecs)
@@ -106,7 +110,7 @@ class ServerConnection(HandshakeGate):
             ("hidden_size", hello.hidden_size, ident.hidden_size),
         ]
         if hello.wire_codec == "raw":  # another codec carries its own dtype: the compute dtypes may differ
-            pinned.append(("dtype", hello.dtype, ident.dtype))
+            pinned.append(("dtype", ident.dtype if hello.dtype == AUTO_DTYPE else hello.dtype, ident.dtype))
         mismatches = [
             f"{name}: edge expects {theirs!r}, trunk is {ours!r}" for name, theirs, ours in pinned if theirs != ours
         ]

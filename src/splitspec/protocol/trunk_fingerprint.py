@@ -2,10 +2,11 @@
 
 The config hash in :class:`~splitspec.protocol.messages.Hello` says which *architecture* the cloud
 serves; it cannot see weights. A :class:`TrunkFingerprint` names the trunk's *content*: the layer
-range, the dtype the trunk tensors are stored in, and a digest of every trunk tensor's name, dtype,
-shape and bytes (computed by :mod:`splitspec.models.trunk_fingerprint`). Its text form,
-``START-END:DTYPE:DIGEST`` (END exclusive), is what the cloud sends in its ``Welcome`` and what a
-user pins with ``--trunk-fingerprint``.
+range, the dtype the trunk tensors are stored in (wrapped in the quantization method when the trunk
+is quantized: ``nf4(bfloat16)``), and a digest of every trunk tensor's name, dtype, shape and bytes
+(computed by :mod:`splitspec.models.trunk_fingerprint`). Its text form, ``START-END:DTYPE:DIGEST``
+(END exclusive), is what the cloud sends in its ``Welcome`` and what a user pins with
+``--trunk-fingerprint``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 
 from splitspec.exceptions import TrunkMismatch
 
-_TEXT = re.compile(r"(\d{1,6})-(\d{1,6}):([a-z0-9_+]{1,64}):([0-9a-f]{32})")
-MAX_TEXT_LEN = 128  # longest fingerprint text a peer may send, characters
+_DTYPE = r"[a-z0-9_+]{1,64}"
+_TEXT = re.compile(rf"(\d{{1,6}})-(\d{{1,6}}):((?:[a-z0-9_]{{1,16}}\({_DTYPE}\))|{_DTYPE}):([0-9a-f]{{32}})")
+MAX_TEXT_LEN = 160  # longest fingerprint text a peer may send, characters
 
 
 @dataclass(frozen=True)
@@ -25,8 +27,14 @@ class TrunkFingerprint:
 
     layer_start: int  # first trunk layer (inclusive)
     layer_end: int  # last trunk layer (exclusive)
-    dtype: str  # stored dtype of the trunk tensors ("bfloat16"; several joined by "+")
+    dtype: str  # stored dtype of the trunk tensors ("bfloat16"; several joined by "+"), in its method if quantized
     digest: str  # blake2b-128 over every trunk tensor's name, dtype, shape and bytes, hex
+
+    @property
+    def quantization(self) -> str:
+        """The quantization method the trunk is served with ("nf4", "bnb_nf4", ...), or "none"."""
+        method, paren, _ = self.dtype.partition("(")
+        return method if paren else "none"
 
     def __str__(self) -> str:
         return f"{self.layer_start}-{self.layer_end}:{self.dtype}:{self.digest}"
@@ -54,6 +62,8 @@ def check_trunk(expected: TrunkFingerprint, served: TrunkFingerprint, source: st
         return
     if (served.layer_start, served.layer_end) != (expected.layer_start, expected.layer_end):
         what = f"the layer range differs ({source}: {expected.layers}; cloud: {served.layers})"
+    elif served.quantization != expected.quantization:
+        what = f"the quantization differs ({source}: {expected.quantization}; cloud: {served.quantization})"
     elif served.dtype != expected.dtype:
         what = f"the stored dtype differs ({source}: {expected.dtype}; cloud: {served.dtype})"
     else:

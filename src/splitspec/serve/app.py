@@ -1,8 +1,10 @@
-"""The ASGI app (FastAPI): OpenAI's endpoints, ``/health`` and ``/metrics``.
+"""The ASGI app (FastAPI): OpenAI's endpoints, vLLM's tokenizer endpoints, ``/health``, ``/metrics``.
 
 Streaming responses are server-sent events in OpenAI's chunk format, ending with
 ``data: [DONE]``. Every error, including a malformed body, an unknown route and a wrong key, is
-OpenAI's error JSON with the matching status.
+OpenAI's error JSON with the matching status. Requests become :class:`~splitspec.serve.choices.Job`
+lists (one per prompt) run by a :class:`~splitspec.serve.choices.Runner`; this module only
+translates, :mod:`splitspec.serve.chat_request` decides prompts, tool formats and grammars.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -20,13 +22,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from splitspec.chat_template import render
-from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.grammar import GrammarCompiler
+from splitspec.exceptions import ConfigError
 from splitspec.serve import schemas
-from splitspec.serve.engine import Generation
-from splitspec.serve.errors import ApiError, invalid
-from splitspec.serve.schemas import ChatCompletionRequest, CompletionRequest
+from splitspec.serve.chat_request import plan_chat, response_grammar, template_messages
+from splitspec.serve.choices import Job, Runner, processors, sampling, stop_ids
+from splitspec.serve.errors import ApiError, invalid, unsupported
+from splitspec.serve.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    TokenizeRequest,
+)
 from splitspec.serve.state import ServeState
+from splitspec.serve.tokenization import detokenize, tokenize, tokenizer_info
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +53,16 @@ def create_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="splitspec serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     created = schemas.now()
     name = state.config.served_model_name
+    compilers: list[GrammarCompiler] = []
+
+    def compiler() -> GrammarCompiler:
+        """The grammar compiler, made on first use (a tokenizer llguidance cannot wrap: 400)."""
+        if not compilers:
+            try:
+                compilers.append(GrammarCompiler(state.tokenizer, state.vocab_size))
+            except ConfigError as exc:
+                raise invalid(str(exc), "response_format", code="grammar_unsupported") from None
+        return compilers[0]
 
     def count(request: Request, status: int) -> None:
         state.metrics.requests.labels(request.url.path, str(status)).inc()
@@ -73,10 +94,21 @@ def create_app(state: ServeState) -> FastAPI:
         if not secrets.compare_digest(sent.encode(), f"Bearer {key}".encode()):
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
 
-    def check_model(model: str) -> None:
-        if model != name:
+    def check_model(model: str | None) -> None:
+        if model is not None and model != name:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{name}'.",
                            param="model", code="model_not_found")  # fmt: skip
+
+    def check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
+        check_model(body.model)
+        refused = body.refused_field()
+        if refused in ("logprobs", "top_logprobs"):
+            raise unsupported(refused, "logprobs come with the edge engine")
+        if refused is not None:
+            raise unsupported(refused, "it would change the output")
+        body.log_unknown_fields()
+        if body.user:
+            log.debug("request for end user %r", body.user)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -98,10 +130,28 @@ def create_app(state: ServeState) -> FastAPI:
         count(request, 200)
         return schemas.model_card(name, created)
 
+    @app.post("/tokenize", dependencies=[Depends(authorize)])
+    async def tokenize_route(request: Request, body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        messages = None if body.messages is None else template_messages(body.messages)
+        tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in body.tools or []]
+        count(request, 200)
+        return tokenize(state.tokenizer, state.max_positions, body, messages, tools)
+
+    @app.post("/detokenize", dependencies=[Depends(authorize)])
+    async def detokenize_route(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        count(request, 200)
+        return detokenize(state.tokenizer, state.vocab_size, body.tokens)
+
+    @app.get("/tokenizer_info", dependencies=[Depends(authorize)])
+    async def tokenizer_info_route(request: Request) -> dict[str, Any]:
+        count(request, 200)
+        return tokenizer_info(state.tokenizer, state.max_positions)
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        check_model(body.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        check_common(body)
         if not state.templated:
             raise invalid(
                 "this model's tokenizer has no chat template: use /v1/completions, or start the server "
@@ -109,66 +159,87 @@ def create_app(state: ServeState) -> FastAPI:
                 param="messages",
                 code="no_chat_template",
             )
-        try:
-            prompt_ids = render(state.tokenizer, messages)
-        except Exception as exc:  # the template's own Jinja raise_exception (e.g. roles out of order)
-            raise invalid(f"the chat template refused these messages: {exc}", param="messages") from None
-        return await respond(request, body, prompt_ids, "messages", chat=True)
+        plan = plan_chat(body, state.tokenizer, state.config.tool_call_parser, compiler)
+        stops = stop_ids(body, state.chat_stop_ids, state.vocab_size)
+        job = Job(
+            prompt_ids=plan.prompt_ids,
+            max_tokens=token_budget(len(plan.prompt_ids), body.token_limit(), state.max_positions, "messages"),
+            params=sampling(body),
+            stops=body.stop_strings(),
+            stop_ids=stops,
+            make_processor=processors(body, plan.grammar, stops, state.vocab_size, compiler),
+            tool_format=plan.tool_format,
+            tools=plan.tools,
+            parallel=plan.parallel,
+        )
+        return await respond(request, body, [job], chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = list(state.tokenizer.encode(body.prompt))
-        else:
-            prompt_ids = list(body.prompt)
-            bad = [t for t in prompt_ids if not 0 <= t < state.vocab_size]
-            if bad:
-                raise invalid(f"token ids {bad[:5]} are outside the vocabulary (0..{state.vocab_size - 1})", "prompt")
-        return await respond(request, body, prompt_ids, "prompt", chat=False)
+        check_common(body)
+        stops = stop_ids(body, state.eos_token_ids, state.vocab_size)
+        fmt = body.response_format
+        grammar = None
+        if isinstance(fmt, JsonObjectFormat | JsonSchemaResponseFormat):
+            grammar = response_grammar(fmt, compiler)
+        make = processors(body, grammar, stops, state.vocab_size, compiler)
+        jobs = []
+        for prompt in body.prompts():
+            if isinstance(prompt, str):
+                prompt_ids = list(state.tokenizer.encode(prompt))
+            else:  # token ids: sent as they are, no BOS added
+                prompt_ids = prompt
+                bad = [t for t in prompt_ids if not 0 <= t < state.vocab_size]
+                if bad:
+                    last = state.vocab_size - 1
+                    raise invalid(f"token ids {bad[:5]} are outside the vocabulary (0..{last})", "prompt")
+            echo = "" if not body.echo else prompt if isinstance(prompt, str) else state.decode(prompt_ids)
+            budget = token_budget(len(prompt_ids), body.token_limit(), state.max_positions, "prompt")
+            jobs.append(Job(prompt_ids, budget, sampling(body), body.stop_strings(), stops, make, echo=echo))
+        return await respond(request, body, jobs, chat=False)
 
     async def respond(
-        request: Request, body: ChatCompletionRequest | CompletionRequest, prompt_ids: list[int], param: str, chat: bool
+        request: Request, body: ChatCompletionRequest | CompletionRequest, jobs: list[Job], chat: bool
     ) -> Response:
-        if body.stream_options is not None and not body.stream:
-            raise invalid("stream_options is only allowed with stream=true", "stream_options")
-        if body.user:
-            log.debug("request for end user %r", body.user)
-        max_tokens = token_budget(len(prompt_ids), body.token_limit(), state.max_positions, param)
-        params = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-        stop_ids = state.chat_stop_ids if chat else state.eos_token_ids
-        gen = Generation(state, prompt_ids, max_tokens, params, body.stop_strings(), stop_ids, request.is_disconnected)
-        await gen.start()
+        runner = Runner(state, jobs, body.n, request.is_disconnected)
+        await runner.first()
         rid = schemas.new_id("chatcmpl" if chat else "cmpl")
         now = schemas.now()
         if body.stream:
             count(request, 200)
-            events = sse_events(gen, rid, now, name, body.include_usage, chat)
-            return GenerationStream(events, gen)
-        async with aclosing(gen.deltas()) as deltas:
-            content = "".join([d async for d in deltas])
-        out = gen.outcome
-        use = schemas.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+            events = sse_events(runner, rid, now, name, body.include_usage, body.continuous_usage, chat)
+            return RunnerStream(events, runner.close)
+        try:
+            choices = await runner.collect()
+        finally:
+            await runner.close()
+        use = runner.tally.usage()
         count(request, 200)
         if chat:
-            return JSONResponse(schemas.chat_completion(rid, now, name, content, out.finish_reason, use))
-        return JSONResponse(schemas.text_completion(rid, now, name, content, out.finish_reason, use))
+            out = [
+                schemas.chat_choice(c.index, c.text if c.text or not c.calls else None, c.finish,
+                                    [schemas.tool_call_json(t.id, t.name, t.arguments) for t in c.calls])
+                for c in choices
+            ]  # fmt: skip
+            return JSONResponse(schemas.envelope(rid, "chat.completion", now, name, out, use))
+        out = [schemas.text_choice(c.index, c.text, c.finish) for c in choices]
+        return JSONResponse(schemas.envelope(rid, "text_completion", now, name, out, use))
 
     return app
 
 
-class GenerationStream(StreamingResponse):
+class RunnerStream(StreamingResponse):
     """SSE response that gives its session back however the response ends, even unsent."""
 
-    def __init__(self, events: AsyncIterator[str], gen: Generation) -> None:
+    def __init__(self, events: AsyncIterator[str], close: Callable[[], Any]) -> None:
         super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.generation = gen
+        self._close = close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.generation.close()
+            await self._close()
 
 
 def token_budget(prompt_tokens: int, requested: int | None, max_positions: int, param: str) -> int:
@@ -195,11 +266,11 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     kind, msg = first.get("type", ""), str(first.get("msg", "invalid request"))
     if kind == "json_invalid":
         return invalid(f"We could not parse the JSON body of your request: {msg}", code="invalid_json")
-    if kind == "extra_forbidden" or "unsupported:" in msg:
+    if "unsupported:" in msg:
         return ApiError(
             400,
-            f"Unsupported parameter: '{'.'.join(loc)}' is not supported by splitspec serve"
-            + (f" ({msg.split('unsupported:', 1)[1].strip()})." if "unsupported:" in msg else "."),
+            f"Unsupported parameter: '{param}' is not supported by splitspec serve"
+            f" ({msg.split('unsupported:', 1)[1].strip()}).",
             param=param,
             code="unsupported_parameter",
         )
@@ -212,31 +283,47 @@ def _event(payload: dict[str, Any] | str) -> str:
 
 
 async def sse_events(
-    gen: Generation, rid: str, created: int, model: str, include_usage: bool, chat: bool
+    runner: Runner, rid: str, created: int, model: str, include_usage: bool, continuous: bool, chat: bool
 ) -> AsyncIterator[str]:
-    """The SSE stream of one generation: chunks, the closing chunk, the usage chunk, ``[DONE]``."""
+    """The SSE stream of a request's choices: chunks, closing chunks, the usage chunk, ``[DONE]``.
 
-    def chunk(piece: str | None, finish: schemas.FinishReason | None = None, use: dict[str, Any] | None = None) -> str:
-        """``piece=None``: the usage-only chunk; with ``finish``: the closing chunk."""
-        if chat:
-            delta = None if piece is None else ({} if finish else {"content": piece})
-            return _event(schemas.chat_chunk(rid, created, model, delta, finish, use, include_usage))
-        return _event(schemas.text_completion(rid, created, model, piece, finish, use, include_usage))
+    Chat tool calls stream as OpenAI's deltas: index, id, type and name first, then the arguments.
+    ``continuous``: every chunk carries the usage so far (vLLM's ``continuous_usage_stats``).
+    """
+    obj = "chat.completion.chunk" if chat else "text_completion"
 
-    if chat:
-        yield _event(
-            schemas.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, None, include_usage)
-        )
+    def chunk(choices: list[dict[str, Any]]) -> str:
+        use = runner.tally.usage(runner.running()) if continuous else None
+        return _event(schemas.envelope(rid, obj, created, model, choices, use))
+
+    started: set[int] = set()
+    calls: dict[int, int] = {}  # choice index -> tool calls streamed
     try:
-        async with aclosing(gen.deltas()) as deltas:
-            async for delta in deltas:
-                yield chunk(delta)
+        async for index, _, event, finish in runner.events():
+            if chat and index not in started:
+                started.add(index)
+                yield chunk([schemas.chat_delta(index, {"role": "assistant", "content": ""})])
+            if event is not None and event.call is not None:
+                k = calls.get(index, 0)
+                calls[index] = k + 1
+                head = {"index": k, "id": event.call.id, "type": "function",
+                        "function": {"name": event.call.name, "arguments": ""}}  # fmt: skip
+                yield chunk([schemas.chat_delta(index, {"tool_calls": [head]})])
+                args = {"index": k, "function": {"arguments": event.call.arguments}}
+                yield chunk([schemas.chat_delta(index, {"tool_calls": [args]})])
+            elif event is not None and event.content:
+                piece = (
+                    schemas.chat_delta(index, {"content": event.content})
+                    if chat
+                    else schemas.text_choice(index, event.content, None)
+                )
+                yield chunk([piece])
+            if finish is not None:
+                yield chunk([schemas.chat_delta(index, {}, finish) if chat else schemas.text_choice(index, "", finish)])
     except ApiError as err:
         yield _event(err.body())
         yield _event("[DONE]")
         return
-    out = gen.outcome
-    yield chunk("", out.finish_reason)
     if include_usage:
-        yield chunk(None, use=schemas.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens))
+        yield _event(schemas.envelope(rid, obj, created, model, [], runner.tally.usage()))
     yield _event("[DONE]")

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from splitspec.edge.config import EdgeConfig
 from splitspec.exceptions import ConfigError
 
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # the formats of splitspec.serve.tool_parsers
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -22,6 +24,7 @@ class ServeConfig:
     prefix_cache_bytes: int = 512 * 1024 * 1024  # edge KV memory the idle conversations may hold, bytes
     prefix_reuse: bool = True  # False: every request re-prefills its whole prompt (for comparison)
     chat_template: str | None = None  # Jinja chat template overriding the tokenizer's, if any
+    tool_call_parser: str = "auto"  # --tool-call-parser: auto (from the template), hermes, llama3_json
 
     def __post_init__(self) -> None:
         if self.max_active < 1:
@@ -32,5 +35,9 @@ class ServeConfig:
             raise ConfigError(f"--prefix-cache-size must be >= 0, got {self.prefix_cache_entries}")
         if self.prefix_cache_bytes < 0:
             raise ConfigError(f"--prefix-cache-mb must be >= 0, got {self.prefix_cache_bytes}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(
+                f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
         if not self.served_model_name:
             raise ConfigError("the served model name must not be empty")

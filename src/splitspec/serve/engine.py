@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import SplitspecError
 from splitspec.serve.errors import ApiError, api_error_for
@@ -43,7 +44,11 @@ class Generation:
         stops: Sequence[str],
         stop_token_ids: frozenset[int],
         disconnected: Callable[[], Awaitable[bool]],
+        processor: LogitsProcessor | None = None,
+        speculate: str | None = None,
     ) -> None:
+        """``processor``: a grammar, logit_bias, penalties (decodes one token per round trip);
+        ``speculate``: overrides the server's mode for this request (``off`` for a seeded sample)."""
         self.state = state
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
@@ -51,6 +56,8 @@ class Generation:
         self.text = StopTextStream(state.decode, stops)
         self.stop_token_ids = stop_token_ids  # end the reply (finish_reason "stop"), not shown
         self.disconnected = disconnected  # polled between tokens: the HTTP client went away
+        self.processor = processor
+        self.speculate = speculate if speculate is not None else state.config.speculate
         self.outcome = Outcome(prompt_tokens=len(self.prompt_ids))
         self._t0 = time.perf_counter()
         self._t_first = 0.0
@@ -73,8 +80,9 @@ class Generation:
             self.params,
             stop_token_ids=self.stop_token_ids,
             generator=lease.client.runtime.generator(self.params)[0],  # where the edge's logits live
-            speculate=self.state.config.speculate,
+            speculate=self.speculate,
             fresh=lease.reused == 0,
+            processor=self.processor,
         )
         try:
             self._first = await anext(self._tokens)
@@ -98,7 +106,8 @@ class Generation:
                 delta = self.text.push(token)
                 if delta:
                     yield delta
-                if token in self.stop_token_ids or self.text.stopped:
+                done = self.processor is not None and self.processor.finished  # a grammar complete
+                if token in self.stop_token_ids or self.text.stopped or done:
                     self.outcome.finish_reason = "stop"
                     break
                 if self.outcome.completion_tokens >= self.max_tokens:

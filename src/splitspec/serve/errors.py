@@ -53,7 +53,7 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 def unsupported(param: str, detail: str = "") -> ApiError:
     """400 naming a parameter this server does not implement (never silently ignored)."""
-    text = f"Unsupported parameter: '{param}'{': ' + detail if detail else ''} is not supported by splitspec serve."
+    text = f"Unsupported parameter: '{param}' is not supported by splitspec serve{f' ({detail})' if detail else ''}."
     return ApiError(400, text, param=param, code="unsupported_parameter")
 
 

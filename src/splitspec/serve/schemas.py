@@ -1,58 +1,157 @@
 """OpenAI request schemas (pydantic) and the response objects and stream chunks we send back.
 
-Requests forbid unknown fields, and fields we know but do not implement accept only their
-neutral value: anything else is a 400 naming the parameter, never a silent ignore.
+Unknown request fields are ignored with one debug line, as vLLM does. Fields that would change
+the output but are not honoured (:data:`REFUSED`, and ``logprobs`` / ``echo`` until the edge
+engine emits logprobs) accept only their neutral value: anything else is a 400 naming the
+parameter, never a silent ignore.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat top_logprobs, completions logprobs)
+MAX_CHOICES = 128  # OpenAI's limit on n
+
+# fields clients send that we know but do not implement, with the value that changes nothing
+REFUSED: dict[str, object] = {
+    "functions": None,  # the legacy form of tools
+    "function_call": None,
+    "prediction": None,
+    "audio": None,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "use_beam_search": False,
+    "guided_json": None,  # vLLM's older names for response_format
+    "guided_regex": None,
+    "guided_grammar": None,
+    "guided_choice": None,
+}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Part(BaseModel):
+    """Nested objects: unknown keys are dropped (clients echo back fields like ``refusal``)."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Strict):
-    include_usage: bool = False  # one last chunk with the usage and no choices
+class StreamOptions(_Part):
+    include_usage: bool | None = False  # one last chunk with the usage and no choices
+    continuous_usage_stats: bool | None = False  # vLLM: the running usage on every chunk
 
 
-class TextPart(_Strict):
+class TextPart(_Part):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+class FunctionCall(_Part):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Part):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Part):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
-class _Generation(_Strict):
+class FunctionDef(_Part):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Part):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Part):
+    name: str
+
+
+class NamedToolChoice(_Part):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Part):
+    name: str = Field(default="response", pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(_Part):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Part):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(_Part):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+
+
+class GenerationRequest(BaseModel):
     """Fields shared by both completion endpoints."""
 
+    model_config = ConfigDict(extra="allow")
+
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling at T = 1
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling at T = 1
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; 0 or -1 keeps every token
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stop_token_ids: list[int] | None = None  # vLLM's extension: more tokens that end the reply
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    user: str | None = None  # an end-user id; accepted and logged, as OpenAI does not act on it either
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    user: str | None = None  # an end-user id; logged, as OpenAI does not act on it either
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM's extension: go on past end-of-sequence tokens
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no stop token before this many
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop")
     @classmethod
@@ -64,25 +163,14 @@ class _Generation(_Strict):
             raise ValueError("stop strings must not be empty")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("unsupported: only n=1 is supported")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise ValueError("unsupported: penalties would change the model's law; only 0 is supported")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("unsupported: logit_bias is not supported")
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return value
 
     def stop_strings(self) -> list[str]:
@@ -90,79 +178,117 @@ class _Generation(_Strict):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return bool(self.stream_options and (self.stream_options.include_usage or self.continuous_usage))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def refused_field(self) -> str | None:
+        """The first field sent with a value that would change the output but is not honoured."""
+        extra = self.model_extra or {}
+        return next((k for k, neutral in REFUSED.items() if extra.get(k, neutral) not in (neutral, None)), None)
+
+    def log_unknown_fields(self) -> None:
+        unknown = sorted(set(self.model_extra or {}) - set(REFUSED))
+        if unknown:
+            log.debug("ignoring unknown request fields: %s", ", ".join(unknown))
 
 
-class ChatCompletionRequest(_Generation):
+class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("unsupported: logprobs are not supported")
-        return value
+    def refused_field(self) -> str | None:
+        if self.logprobs:
+            return "logprobs"
+        if self.top_logprobs:
+            return "top_logprobs"
+        return super().refused_field()
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(_Generation):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    best_of: int = 1
+class CompletionRequest(GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for this endpoint; 0 with echo
+    echo: bool | None = False
+    best_of: int | None = None
     suffix: str | None = None
-    logprobs: int | None = None
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for this endpoint
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
-        if isinstance(value, str):
-            return value
-        if all(isinstance(v, int) for v in value):
-            if not value:
-                raise ValueError("the prompt must hold at least one token")
-            return [int(v) for v in value]  # type: ignore[arg-type]
-        raise ValueError("unsupported: batched prompts (a list of prompts) are not supported; send one")
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("unsupported: echo is not supported")
+    def _prompts(cls, value: str | list[str] | list[int] | list[list[int]]) -> Any:
+        if isinstance(value, list) and (not value or any(isinstance(v, list) and not v for v in value)):
+            raise ValueError("a prompt must hold at least one token")
         return value
 
     @field_validator("best_of")
     @classmethod
-    def _no_best_of(cls, value: int) -> int:
-        if value != 1:
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
             raise ValueError("unsupported: only best_of=1 is supported")
         return value
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
-        if value is not None:
+        if value:
             raise ValueError("unsupported: suffix (insertion) is not supported")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("unsupported: logprobs are not supported")
-        return value
+    def refused_field(self) -> str | None:
+        return "logprobs" if self.logprobs is not None else super().refused_field()
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one choice group each, in order: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(v, int) for v in p):
+            return [[int(v) for v in p]]  # type: ignore[arg-type]  # one token-id prompt
+        return [v if isinstance(v, str) else [int(t) for t in v] for v in p]  # type: ignore[union-attr]
 
     def token_limit(self) -> int | None:
         return self.max_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a ``prompt`` or chat ``messages``."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
 # -- responses -----------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def new_id(prefix: str) -> str:
@@ -183,16 +309,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def _response(
-    rid: str,
-    obj: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    use: dict[str, Any] | None,
-    with_usage: bool,
+def envelope(
+    rid: str, obj: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The envelope every completion object and stream chunk shares."""
+    """The envelope every completion object and stream chunk shares; ``usage`` only when given."""
     body: dict[str, Any] = {
         "id": rid,
         "object": obj,
@@ -201,45 +321,31 @@ def _response(
         "system_fingerprint": None,
         "choices": choices,
     }
-    if with_usage:
+    if use is not None:
         body["usage"] = use
     return body
 
 
-def chat_completion(
-    rid: str, created: int, model: str, content: str, finish: FinishReason, use: dict[str, Any]
+def tool_call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """One entry of ``message.tool_calls``: ``arguments`` is the JSON text of the arguments."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def chat_choice(
+    index: int, content: str | None, finish: FinishReason, tool_calls: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": content}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-    return _response(rid, "chat.completion", created, model, [choice], use, True)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
 
 
-def chat_chunk(
-    rid: str,
-    created: int,
-    model: str,
-    delta: dict[str, str] | None,
-    finish: FinishReason | None = None,
-    use: dict[str, Any] | None = None,
-    with_usage_field: bool = False,
-) -> dict[str, Any]:
-    """One ``chat.completion.chunk``; ``delta=None`` is the usage-only chunk (no choices)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-    return _response(rid, "chat.completion.chunk", created, model, choices, use, with_usage_field)
+def text_choice(index: int, text: str, finish: FinishReason | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
 
-def text_completion(
-    rid: str,
-    created: int,
-    model: str,
-    text: str | None,
-    finish: FinishReason | None,
-    use: dict[str, Any] | None,
-    with_usage_field: bool = True,
-) -> dict[str, Any]:
-    """A ``text_completion`` response or stream chunk; ``text=None`` is the usage-only chunk."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
-    return _response(rid, "text_completion", created, model, choices, use, with_usage_field)
+def chat_delta(index: int, delta: dict[str, Any], finish: FinishReason | None = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
 def model_card(name: str, created: int) -> dict[str, Any]:

@@ -1,0 +1,54 @@
+"""logit_bias, min_tokens and OpenAI's penalties as logits processors, row by row of a draft chain."""
+
+from __future__ import annotations
+
+import torch
+
+from splitspec.decoding.adjusters import LogitBias, MinTokens, Penalties
+from splitspec.decoding.processors import ProcessorChain
+
+V = 8
+
+
+def test_logit_bias_adds_to_every_row() -> None:
+    out = LogitBias({1: 5.0, 3: -100.0}, V).process(torch.zeros(2, V), [], [4])
+    expected = torch.zeros(2, V)
+    expected[:, 1], expected[:, 3] = 5.0, -100.0
+    assert torch.equal(out, expected)
+
+
+def test_min_tokens_forbids_stops_until_reached() -> None:
+    p = MinTokens(2, {7})
+    p.accept([1])  # one generated: the next row is the second token, still forbidden; the third is free
+    out = p.process(torch.zeros(3, V), [], [2, 3])
+    assert torch.isinf(out[0, 7])
+    assert not torch.isinf(out[1, 7])
+    assert not torch.isinf(out[2, 7])
+    assert not torch.isinf(out[:, :7]).any()
+    assert p.validate_draft([7, 1]) == 0
+    assert p.validate_draft([1, 7]) == 2
+    p.rollback(1)
+    assert p.validate_draft([1, 7]) == 1
+
+
+def test_penalties_follow_openais_formula() -> None:
+    p = Penalties(presence=0.5, frequency=0.25)
+    p.accept([2, 2, 5])
+    out = p.process(torch.zeros(2, V), [], [5])
+    # row 0: c[2] = 2, c[5] = 1; row 1 also sees the draft's 5: c[5] = 2
+    assert out[0, 2] == -(2 * 0.25 + 0.5)
+    assert out[0, 5] == -(0.25 + 0.5)
+    assert out[0, 0] == 0
+    assert out[1, 2] == -(2 * 0.25 + 0.5)
+    assert out[1, 5] == -(2 * 0.25 + 0.5)
+    p.rollback(1)
+    assert p.process(torch.zeros(1, V), [], [])[0, 5] == 0
+
+
+def test_a_chain_applies_all_and_cuts_at_the_strictest() -> None:
+    chain = ProcessorChain([LogitBias({0: 1.0}, V), MinTokens(3, {6})])
+    out = chain.process(torch.zeros(1, V), [], [])
+    assert out[0, 0] == 1.0
+    assert torch.isinf(out[0, 6])
+    assert chain.validate_draft([1, 6]) == 1
+    assert not chain.finished

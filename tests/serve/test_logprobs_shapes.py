@@ -1,0 +1,40 @@
+"""The two OpenAI logprobs shapes built from (token, logprob, alternatives) triples and a real
+byte-level tokenizer, ready for the edge engine to fill."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from splitspec.decoding.grammar import GrammarCompiler
+from splitspec.serve.logprobs import FLOOR, chat_logprobs, completion_logprobs, token_text
+from tests.tool_model import TOOL_VOCAB
+
+
+def test_chat_and_legacy_shapes(tool_model: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tool_model, local_files_only=True)
+    compiler = GrammarCompiler(tokenizer, TOOL_VOCAB)
+    ids = tokenizer.encode("to be é", add_special_tokens=False)
+    pieces = [compiler.token_bytes(t) for t in ids]
+    assert b"".join(pieces) == "to be é".encode()
+    entries = [(t, -0.5 * i, [(t, -0.5 * i), (ids[0], -3.0)]) for i, t in enumerate(ids)]
+    chat = chat_logprobs(entries, compiler.token_bytes)
+    assert chat["refusal"] is None
+    assert [c["bytes"] for c in chat["content"]] == [list(p) for p in pieces]
+    assert [c["token"] for c in chat["content"]] == [token_text(p) for p in pieces]
+    assert chat["content"][1]["logprob"] == -0.5
+    assert chat["content"][1]["top_logprobs"][1] == {"token": "to", "logprob": -3.0, "bytes": list(b"to")}
+    legacy = completion_logprobs([(ids[0], None, []), *entries[1:]], compiler.token_bytes, text_offset=3)
+    assert legacy["token_logprobs"][0] is None
+    assert legacy["top_logprobs"][0] is None
+    assert legacy["tokens"] == [token_text(p) for p in pieces]
+    assert legacy["text_offset"][:2] == [3, 3 + len("to")]
+    assert all(token in top for token, top in zip(legacy["tokens"][1:], legacy["top_logprobs"][1:], strict=True))
+    assert chat_logprobs([(ids[0], -math.inf, [])], compiler.token_bytes)["content"][0]["logprob"] == FLOOR
+
+
+def test_partial_utf8_tokens_show_their_bytes() -> None:
+    assert token_text("é".encode()[:1]) == "bytes:\\xc3"
+    assert token_text(b"ok") == "ok"
