@@ -157,7 +157,7 @@ def markdown(link: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict[s
     lines = [
         "# Wire codecs: bytes, time to first token, decode speed, output quality",
         "",
-        f"`{command}` at commit {env.get('git_commit')}, torch {env.get('torch')}, {env.get('cpu_count')} CPUs.",
+        f"`{command}` at commit {env.get('commit')}, torch {env.get('torch')}, {env.get('cpu_count')} CPUs.",
         "",
         "## Link: random Llama H=1024, split 2,2, float32, WAN emulator 80 ms RTT, 20 Mbit/s each way",
         "",
