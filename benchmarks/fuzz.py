@@ -115,6 +115,7 @@ def split_seeds() -> list[bytes]:
             max_query_tokens=2048,
             session_ttl_s=300.0,
             trunk=TrunkFingerprint(2, 6, "float32", "0123456789abcdef" * 2),
+            dtype="float32",
         ),
         OpenSession(request_id=1),
         SessionOpened(request_id=1, session_id="0123456789abcdef"),

@@ -9,8 +9,9 @@ link, for the lone-stream comparison side by side.
 The load is the official ``openai`` client: N concurrent streams (N = 1, 4, 8, 16, 32), each
 running ``--requests`` streamed completions back to back: 128-token prompts cut from held-out
 documents, 64 tokens out, greedy. Per level: aggregate output tok/s (completion tokens / wall
-time), time to first token p50/p99, inter-token latency p50/p99 (the gaps between a stream's
-content chunks; a speculative step delivers several tokens in one chunk), and the edge compute
+time), time to first token p50/p99, inter-token latency p50/p99 (per token: the gap between a
+stream's deliveries over the tokens delivered, as vLLM counts it; a speculative step delivers
+several tokens at once), and the edge compute
 per forward and per sequence against the batch size (the server's ``/metrics``). Then, at 16
 streams, one extra request with a long prompt: the other streams' inter-token p99 while it
 prefills, against their p50.
@@ -64,7 +65,8 @@ def start_stack(rtt_ms: float, baseline_src: Path | None) -> tuple[list[Any], di
     base, draft = embedded_model("base"), embedded_model("draft")
     trunk_port, link_port = free_port(), free_port()
     procs = [spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--dtype", "float32",
-                    "--threads", "1", "--max-sessions", "256", "--max-sessions-per-connection", "8"])]  # fmt: skip
+                    "--threads", "1", "--max-sessions", "256", "--max-sessions-per-connection", "8",
+                    "--max-sessions-per-address", "256", "--max-connections-per-address", "256"])]  # fmt: skip
     _wait_for_port(trunk_port, procs[0], 120)
     procs.append(spawn(["netem", "--listen", f"127.0.0.1:{link_port}", "--upstream", f"127.0.0.1:{trunk_port}",
                         "--rtt-ms", str(rtt_ms)]))  # fmt: skip
@@ -115,6 +117,26 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -
     return {"start": t0, "chunks": chunks, "tokens": tokens, "end": time.perf_counter()}
 
 
+BURST_S = 0.002  # content chunks closer than this arrived together (one speculative step's tokens)
+
+
+def token_latencies(chunks: list[float]) -> list[tuple[float, float]]:
+    """(arrival, seconds per token) for every token after the first: a delivery of k tokens that came
+    g seconds after the previous delivery gives each of its k tokens g / k (vLLM's inter-token
+    latency, per delivery); chunks closer than :data:`BURST_S` are one delivery."""
+    bursts: list[list[float]] = []
+    for t in chunks:
+        if bursts and t - bursts[-1][-1] < BURST_S:
+            bursts[-1].append(t)
+        else:
+            bursts.append([t])
+    out = []
+    for previous, burst in zip(bursts, bursts[1:], strict=False):
+        gap = burst[-1] - previous[-1]
+        out += [(burst[-1], gap / len(burst))] * len(burst)
+    return out
+
+
 async def stream_worker(
     client: openai.AsyncOpenAI, prompts_: list[str], index: int, requests: int, max_tokens: int
 ) -> list[dict[str, Any]]:
@@ -152,7 +174,7 @@ async def run_level(url: str, n: int, prompts_: list[str], requests: int, max_to
         after = edge_forwards((await http.get(f"{url}/metrics")).text)
     results = [r for stream in per_stream for r in stream]
     ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
-    gaps = [b - a for r in results for a, b in zip(r["chunks"], r["chunks"][1:], strict=False)]
+    gaps = [latency for r in results for _, latency in token_latencies(r["chunks"])]
     batches = {}
     for key, (count, ms) in after.items():
         c0, m0 = before.get(key, (0.0, 0.0))
@@ -179,10 +201,10 @@ async def run_prefill_interference(url: str, prompts_: list[str], long_prompt: s
     window = (long["start"], long["chunks"][0] if long["chunks"] else long["end"])
     all_gaps, during = [], []
     for r in results:
-        for a, b in zip(r["chunks"], r["chunks"][1:], strict=False):
-            all_gaps.append(b - a)
-            if b > window[0] and a < window[1]:
-                during.append(b - a)
+        for at, latency in token_latencies(r["chunks"]):
+            all_gaps.append(latency)
+            if window[0] < at <= window[1] + latency:  # a delivery that waited through part of the prefill
+                during.append(latency)
     p50 = quantile(all_gaps, 0.5)
     return {"prefill_s": window[1] - window[0], "itl_p50_s": p50, "itl_p99_during_s": quantile(during, 0.99),
             "ratio": quantile(during, 0.99) / p50, "gaps_during": len(during)}  # fmt: skip

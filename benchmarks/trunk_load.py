@@ -49,6 +49,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.family import published_dtype
 from splitspec.models.prepack import PackedLinear
 from splitspec.protocol.messages import Hello, OpenSession, SessionOpened, Step
 from splitspec.run_info import run_environment, write_jsonl_gz
@@ -207,10 +209,13 @@ class Session:
 def server_config(
     model: Path, batching: bool, max_sessions: int, threads: int | None, prepack: str = "auto", device: str = "auto"
 ) -> CloudConfig:
+    # the checkpoint's stored dtype, as every recorded run of this benchmark computed (not --dtype auto's choice)
+    stored = str(published_dtype(Checkpoint(model).config)).removeprefix("torch.")
     return CloudConfig(
         model_dir=model, port=0, batching=batching, max_sessions=max_sessions,
         max_sessions_per_address=max_sessions, max_connections_per_address=max_sessions,
         max_query_tokens=2048, kv_budget_mb=4096, torch_threads=threads, prepack=prepack, device=device,
+        dtype=stored,
     )  # fmt: skip
 
 

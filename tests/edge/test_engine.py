@@ -155,3 +155,40 @@ async def test_logprobs_equal_the_local_models_log_softmax(models: tuple[Path, P
         assert len(e.top) == 5
     if speculate != "off":
         assert any(step.accepted > 0 for step in trace)  # drafts were accepted: rows came from verification
+
+
+async def test_a_cancelled_generation_disturbs_nobody(models: tuple[Path, Path]) -> None:
+    """A client that goes away mid-step (its task cancelled while the workers may be computing its row)
+    leaves the other sequences' outputs unchanged, and its own sequence generates correctly again."""
+    model, _ = models
+    rng = random.Random(11)
+    prompts = [rng.choices(range(3, 96), k=30) for _ in range(4)]
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        runtime = EdgeRuntime(config)
+        alone = []
+        for prompt in prompts:
+            async with SplitClient(config, runtime=runtime) as client:
+                alone.append((await client.generate(prompt, 20, speculate="off")).token_ids)
+        engine = EdgeEngine(runtime)
+        clients = [SplitClient(config, engine=engine) for _ in prompts]
+        try:
+            for client in clients:
+                await client.connect()
+            tasks = [
+                asyncio.ensure_future(c.generate(p, 20, speculate="off")) for c, p in zip(clients, prompts, strict=True)
+            ]
+            while len(clients[0].steps) < 5:
+                await asyncio.sleep(0.001)
+            tasks[0].cancel()
+            others = await asyncio.gather(*tasks[1:])
+            with pytest.raises(asyncio.CancelledError):
+                await tasks[0]
+            again = await clients[0].generate(prompts[0], 20, speculate="off")
+        finally:
+            for client in clients:
+                await client.close()
+            await engine.close()
+    assert [r.token_ids for r in others] == alone[1:]
+    assert [r.recoveries for r in others] == [0, 0, 0]
+    assert again.token_ids == alone[0]

@@ -22,8 +22,11 @@ from splitspec.decoding.sampling import SamplingParams
 class Verifier(Protocol):
     """Runs query tokens through the model, appending them to its cache."""
 
-    async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
-        """tokens (q,) with parent indices (default: a chain) -> logits (q, V)."""
+    async def forward(
+        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+    ) -> torch.Tensor:
+        """tokens (q,) with parent indices (default: a chain) -> logits (q - logits_from, V): the rows of
+        query tokens ``logits_from`` onwards (a prefill needs only its last)."""
         ...
 
     def reset(self) -> None:
@@ -61,8 +64,10 @@ class _Chain:
     def __init__(self, verifier: Verifier) -> None:
         self.verifier = verifier
 
-    async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
-        return await self.verifier.forward(tokens, parents)
+    async def forward(
+        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+    ) -> torch.Tensor:
+        return await self.verifier.forward(tokens, parents, logits_from)
 
     def keep(self, indices: Sequence[int]) -> None:
         raise RuntimeError("a sequential step keeps all of its one token")

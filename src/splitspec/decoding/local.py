@@ -37,8 +37,10 @@ class LocalSequence:
         self.tokens.extend(tokens)
         return logits
 
-    async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
-        return self.run(tokens, parents)
+    async def forward(
+        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+    ) -> torch.Tensor:
+        return self.run(tokens, parents)[logits_from:]
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep only ``indices`` of the last step's entries."""

@@ -45,7 +45,9 @@ MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
 
 
 class TreeVerifier(Protocol):
-    async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor: ...
+    async def forward(
+        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+    ) -> torch.Tensor: ...
 
     def keep(self, indices: Sequence[int]) -> None: ...
 
@@ -189,7 +191,7 @@ async def decode(
     if history is None:
         verifier.reset()
     context = [*(history or ()), *prompt_ids]
-    logits = await verifier.forward(prompt_ids)  # prefill: (len(prompt), V)
+    logits = await verifier.forward(prompt_ids, logits_from=len(prompt_ids) - 1)  # prefill: its last row (1, V)
     last = logits[-1:]  # (1, V)
     pending = _choose(_process(last, processors, context, ())[0], params, generator)
     (first,) = _emit(last, [0], [pending], logprobs)

@@ -254,9 +254,11 @@ class SplitClient:
         """Keep only ``indices`` of the last step's entries (the accepted path), on both sides."""
         self.sequence.keep(indices)
 
-    async def forward(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
-        """Run ``tokens`` (a chain unless ``parents`` says otherwise) -> logits (q, V) float32."""
-        return await self.engine.forward(self.sequence, tokens, parents)
+    async def forward(
+        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+    ) -> torch.Tensor:
+        """Run ``tokens`` (a chain unless ``parents`` says otherwise) -> logits (q - logits_from, V) float32."""
+        return await self.engine.forward(self.sequence, tokens, parents, logits_from)
 
     def sampling(
         self,

@@ -94,7 +94,8 @@ class _HeadBatcher(RowBatcher):
 
 
 class _TailBatcher(RowBatcher):
-    """The tail layers, final norm and LM head over many sequences' trunk outputs -> logits (1, q, V) float32."""
+    """The tail layers, final norm and LM head over many sequences' trunk outputs -> logits (1, q - from, V)
+    float32: the LM head runs only on the rows a step wants (a prefill wants its last)."""
 
     def __init__(self, runtime: EdgeRuntime, max_batch_steps: int, gather: float) -> None:
         super().__init__(max_batch_steps, gather=gather, thread_name="edge-tail")
@@ -107,7 +108,8 @@ class _TailBatcher(RowBatcher):
     @torch.inference_mode()
     def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
         model = self.runtime.model
-        return [model.logits(out) for out in forward_batch(model.tail, rows)]
+        outs = forward_batch(model.tail, rows)
+        return [model.logits(out[:, row.outputs_from :]) for out, row in zip(outs, rows, strict=True)]
 
 
 class EdgeEngine:
@@ -195,9 +197,14 @@ class EdgeEngine:
     # -- the verifier interface ------------------------------------------------------------------
 
     async def forward(
-        self, sequence: EdgeSequence, tokens: Sequence[int], parents: Sequence[int] | None = None
+        self,
+        sequence: EdgeSequence,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
     ) -> torch.Tensor:
-        """Run ``tokens`` (a chain unless ``parents`` says otherwise) of ``sequence`` -> logits (q, V) float32."""
+        """Run ``tokens`` (a chain unless ``parents`` says otherwise) of ``sequence`` -> logits (q - logits_from, V)
+        float32: the rows of query tokens ``logits_from`` onwards (a prefill needs only its last)."""
         tokens = list(tokens)
         if not tokens:
             raise ValueError("forward needs at least one token")
@@ -210,7 +217,10 @@ class EdgeEngine:
             try:
                 if sequence.lost:
                     await self._recover(sequence)
-                return await self._forward_chunked(sequence, tokens, parents, kind)
+                return await self._forward_chunked(sequence, tokens, parents, kind, logits_from)
+            except asyncio.CancelledError:
+                sequence.tokens = sequence.tokens[:base]  # the chunks that went through are forgotten too
+                raise
             except (UnknownSession, TransportError, ServerError) as exc:
                 # the chunks of this forward that went through are forgotten: the retry sends them
                 # again, after the recovery replayed only what was committed before this forward.
@@ -224,21 +234,22 @@ class EdgeEngine:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _forward_chunked(
-        self, sequence: EdgeSequence, tokens: list[int], parents: list[int], kind: str
+        self, sequence: EdgeSequence, tokens: list[int], parents: list[int], kind: str, logits_from: int = 0
     ) -> torch.Tensor:
         size = self.chunk_tokens(sequence)
         if len(tokens) <= size:
-            return await self._forward_once(sequence, tokens, parents, kind)
+            return await self._forward_once(sequence, tokens, parents, kind, logits_from)
         if parents != chain(len(tokens)):
             raise ValueError(f"a draft tree of {len(tokens)} tokens exceeds one step's {size}-token limit")
-        out = [
-            await self._forward_once(sequence, tokens[i : i + size], chain(len(tokens[i : i + size])), kind)
-            for i in range(0, len(tokens), size)
-        ]
+        out = []
+        for i in range(0, len(tokens), size):
+            part = tokens[i : i + size]
+            wanted = min(len(part), max(0, logits_from - i))  # this chunk's rows before logits_from get none
+            out.append(await self._forward_once(sequence, part, chain(len(part)), kind, wanted))
         return torch.cat(out, dim=0)
 
     async def _forward_once(
-        self, sequence: EdgeSequence, tokens: list[int], parents: list[int], kind: str
+        self, sequence: EdgeSequence, tokens: list[int], parents: list[int], kind: str, logits_from: int = 0
     ) -> torch.Tensor:
         conn, session_id = sequence.connection, sequence.session_id
         if conn is None or session_id is None:
@@ -271,10 +282,17 @@ class EdgeEngine:
             t3 = time.perf_counter()
             trunk_out = runtime.staging.to_device(reply.hidden)  # (1, q, H)
             t4 = time.perf_counter()
-            logits, _, _ = await self._tail.submit(trunk_out, positions, parent_t, sequence.tail_cache)  # (1, q, V)
+            tail = self._tail.submit(trunk_out, positions, parent_t, sequence.tail_cache, logits_from)
+            logits, _, _ = await tail  # (1, q - logits_from, V)
             t5 = time.perf_counter()
-        except BaseException:
-            for cache in (sequence.head_cache, sequence.tail_cache):  # leave no half-run step behind
+        except asyncio.CancelledError:
+            # a worker may still be computing this step on the caches: leave them to it, and start the
+            # sequence's caches afresh; its next forward replays the committed tokens on a new session
+            sequence.head_cache, sequence.tail_cache = runtime.new_cache(), runtime.new_cache()
+            sequence.lost = True
+            raise
+        except BaseException:  # the workers are done with this step: leave no half-run step behind
+            for cache in (sequence.head_cache, sequence.tail_cache):
                 if len(cache) > base:
                     cache.truncate(base)
             raise
@@ -346,7 +364,7 @@ class EdgeEngine:
         history = sequence.forget_caches()
         if history:
             try:
-                await self._forward_chunked(sequence, history, chain(len(history)), "replay")
+                await self._forward_chunked(sequence, history, chain(len(history)), "replay", len(history))
             except BaseException:
                 sequence.tokens = history
                 raise

@@ -30,6 +30,7 @@ class BatchRow:
     positions: torch.Tensor  # (q,) int
     parents: torch.Tensor  # (q,) int
     cache: KVCache
+    outputs_from: int = 0  # the step's outputs wanted from this query index on (a prefill wants its last), tokens
 
 
 class BatchedCaches:

@@ -62,6 +62,7 @@ class _Pending:
     compute_ms: float = 0.0  # forwards it took part in, milliseconds
     outputs: list[torch.Tensor] = field(default_factory=list)
     error: Exception | None = None  # its forward failed
+    outputs_from: int = 0  # outputs wanted from this query index on (see BatchRow)
 
     @property
     def tokens(self) -> int:
@@ -71,10 +72,11 @@ class _Pending:
         """The row for its next ``chunk`` tokens (all of them for a small step)."""
         end = min(self.tokens, self.done + chunk)
         if self.done == 0 and end == self.tokens:
-            return BatchRow(self.hidden, self.positions, self.parents, self.cache)
+            return BatchRow(self.hidden, self.positions, self.parents, self.cache, self.outputs_from)
         # a chain cut into chunks: each chunk's first token hangs off what is now the committed prefix
         parents = torch.arange(-1, end - self.done - 1, dtype=self.parents.dtype)
-        return BatchRow(self.hidden[:, self.done : end], self.positions[self.done : end], parents, self.cache)
+        wanted = min(end - self.done, max(0, self.outputs_from - self.done))  # within this chunk
+        return BatchRow(self.hidden[:, self.done : end], self.positions[self.done : end], parents, self.cache, wanted)
 
 
 class RowBatcher:
@@ -138,11 +140,20 @@ class RowBatcher:
             self._executor = None
 
     async def submit(
-        self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: torch.Tensor,
+        cache: KVCache,
+        outputs_from: int = 0,
     ) -> tuple[torch.Tensor, float, float]:
-        """Queue one sequence's step -> its output (1, q, ...) from :meth:`run_rows`, compute ms and queue wait ms."""
+        """Queue one sequence's step -> its output (1, q, ...) from :meth:`run_rows`, compute ms and queue wait ms.
+
+        ``outputs_from``: a :meth:`run_rows` that honours it returns only the outputs from that query index on.
+        """
         future: asyncio.Future[tuple[torch.Tensor, float, float]] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(hidden, positions, parents, cache, future, time.perf_counter()))
+        pending = _Pending(hidden, positions, parents, cache, future, time.perf_counter(), outputs_from=outputs_from)
+        self._pending.append(pending)
         self._wake.set()
         return await future
 
