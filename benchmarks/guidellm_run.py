@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from splitspec.demo import _free_port, _spawn, _stop, _wait_for_port, embedded_model
+from splitspec.demo import free_port, _spawn, _stop, _wait_for_port, embedded_model
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}QUESTION.\n{{ m['content'] }}\n"
@@ -79,7 +79,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/guidellm"))
     args = parser.parse_args()
     base = embedded_model("base")
-    trunk_port, port = _free_port(), _free_port()
+    trunk_port, port = free_port(), free_port()
     procs = [_spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--threads", "1"])]
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +89,7 @@ def main() -> int:
             _wait_for_port(trunk_port, procs[0], 120)
             link = trunk_port
             if args.rtt_ms > 0:
-                link = _free_port()
+                link = free_port()
                 procs.append(_spawn(["netem", "--listen", f"127.0.0.1:{link}", "--upstream",
                                      f"127.0.0.1:{trunk_port}", "--rtt-ms", str(args.rtt_ms)]))  # fmt: skip
                 _wait_for_port(link, procs[-1], 60)

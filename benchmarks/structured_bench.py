@@ -33,7 +33,7 @@ import torch
 from transformers import AutoTokenizer
 
 from splitspec.decoding.grammar import GrammarCompiler
-from splitspec.demo import _free_port, _spawn, _stop, _wait_for_port, embedded_model
+from splitspec.demo import free_port, _spawn, _stop, _wait_for_port, embedded_model
 from splitspec.run_info import run_environment
 
 PROMPTS = ["KING HENRY.\nNow, lords, what news", "def main():\n    ", "HAMLET.\nTo be, or not"]
@@ -153,7 +153,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/structured"))
     args = parser.parse_args()
     base_model, draft = embedded_model("base"), embedded_model("draft")
-    trunk_port, link_port, port = _free_port(), _free_port(), _free_port()
+    trunk_port, link_port, port = free_port(), free_port(), free_port()
     procs = [_spawn(["cloud", "serve", "--model", str(base_model), "--port", str(trunk_port), "--threads", "1"])]
     try:
         _wait_for_port(trunk_port, procs[0], 120)

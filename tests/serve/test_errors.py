@@ -82,12 +82,9 @@ def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: 
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/chat/completions", {"logprobs": True}, "logprobs"),
-        ("/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/chat/completions", {"min_p": 0.1}, "min_p"),
         ("/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-        ("/completions", {"logprobs": 2}, "logprobs"),
         ("/completions", {"best_of": 3}, "best_of"),
         ("/completions", {"suffix": "x"}, "suffix"),
     ],

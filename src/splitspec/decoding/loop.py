@@ -13,7 +13,10 @@ Each emitted token comes out as an :class:`Emitted`: the token, and when asked i
 the top alternatives, taken from the model's own distribution at that position (log-softmax of
 the raw logits, before logits processors and before temperature, top-k and top-p, as vLLM
 reports them). Under speculation a token's row is the one its verification read, so logprobs are
-those of one-token decoding.
+those of one-token decoding. A :class:`PromptLogprobs` passed as ``prompt_logprobs`` is filled
+with the prompt's own logprobs (row i of the prefill scores prompt token i + 1), in chunks of
+rows so the extra memory stays bounded, on a worker thread (off the event loop), before the first
+token is yielded.
 
 Logits processors (:class:`~splitspec.decoding.processors.LogitsProcessor`: a grammar, say) see
 every row before a token is chosen from it, in verification as in the prefill. A draft is cut
@@ -30,7 +33,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -42,6 +45,7 @@ from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
+PROMPT_ROWS_PER_CHUNK = 256  # prefill rows turned into logprobs at once: bounds the (rows, V) float32 copies
 
 
 class TreeVerifier(Protocol):
@@ -61,6 +65,29 @@ class Emitted:
     token: int
     logprob: float | None = None  # log-softmax of the model's raw logits at this position; None unless asked
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there and their logprobs, best first
+
+
+@dataclass
+class PromptLogprobs:
+    """Asks :func:`decode` for the prompt's logprobs; it fills ``entries`` after the prefill.
+
+    ``entries[i]`` is prompt token i + 1 with its logprob under the prefill's row i and ``top``
+    alternatives (nothing predicts the first prompt token, so it has no entry).
+    """
+
+    top: int = 0
+    entries: list[Emitted] = field(default_factory=list)
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, prompt_ids: Sequence[int], top: int, rows_per_chunk: int = PROMPT_ROWS_PER_CHUNK
+) -> list[Emitted]:
+    """The prefill's logits (P, V) -> prompt tokens 1..P-1, each scored by the row before it."""
+    out: list[Emitted] = []
+    for start in range(0, len(prompt_ids) - 1, rows_per_chunk):
+        stop = min(start + rows_per_chunk, len(prompt_ids) - 1)
+        out += token_logprobs(logits[start:stop], prompt_ids[start + 1 : stop + 1], top)  # (chunk, V) at a time
+    return out
 
 
 @dataclass(frozen=True)
@@ -174,6 +201,7 @@ async def decode(
     processors: Sequence[LogitsProcessor] = (),
     logprobs: int | None = None,
     draft_executor: Executor | None = None,
+    prompt_logprobs: PromptLogprobs | None = None,
 ) -> AsyncIterator[Emitted]:
     """Yield up to ``max_new_tokens`` tokens; identical in law (greedy: identical) to sequential decoding.
 
@@ -181,17 +209,26 @@ async def decode(
     starting a new one; the drafters see history + prompt. ``logprobs``: None for none, else how
     many alternatives each token carries (0 for the chosen token's logprob alone).
     ``draft_executor``: where drafters run (None: inline); a sequence's drafts are made one at a time.
+    ``prompt_logprobs``: filled with the prompt's own logprobs before the first token is yielded.
     """
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs.top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"prompt logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {prompt_logprobs.top}")
     drafters = drafters or {}
     controller = controller if controller is not None and drafters else SequentialPolicy()
     if history is None:
         verifier.reset()
     context = [*(history or ()), *prompt_ids]
-    logits = await verifier.forward(prompt_ids, logits_from=len(prompt_ids) - 1)  # prefill: its last row (1, V)
+    # prefill: every row when the prompt's own logprobs are wanted, else only its last (1, V)
+    logits_from = 0 if prompt_logprobs is not None else len(prompt_ids) - 1
+    logits = await verifier.forward(prompt_ids, logits_from=logits_from)
+    if prompt_logprobs is not None:  # on a worker thread: a long prompt's rows must not stall the event loop
+        prompt_logprobs.entries = await asyncio.to_thread(
+            prompt_token_logprobs, logits, prompt_ids, prompt_logprobs.top
+        )
     last = logits[-1:]  # (1, V)
     pending = _choose(_process(last, processors, context, ())[0], params, generator)
     (first,) = _emit(last, [0], [pending], logprobs)

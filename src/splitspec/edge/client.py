@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from splitspec.decoding.controller import SpeculationController
-from splitspec.decoding.loop import Emitted, decode
+from splitspec.decoding.loop import Emitted, PromptLogprobs, decode
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import SpecStep, make_drafters
@@ -320,6 +320,7 @@ class SplitClient:
         fresh: bool = True,
         processors: Sequence[LogitsProcessor] = (),
         logprobs: int | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> AsyncIterator[Emitted]:
         """Yield new tokens as they are produced, with their logprobs when ``logprobs`` is not None.
 
@@ -331,7 +332,9 @@ class SplitClient:
         starting over (multi-turn chat); the last token generated before is not in the caches yet,
         so a continuation should start with it. ``processors`` see every row of logits before a
         token is chosen from it (see :mod:`splitspec.decoding.loop`); ``logprobs``: how many
-        alternatives each token carries (0: its own logprob only).
+        alternatives each token carries (0: its own logprob only); ``prompt_logprobs`` is filled
+        with the prompt's own logprobs before the first token comes (give ``fresh=True`` for every
+        prompt token to be scored: a continuation's history is not scored again).
         """
         params = params if params is not None else self.default_sampling
         if generator is None:
@@ -347,7 +350,7 @@ class SplitClient:
         history = None if fresh else list(self.sequence.tokens)
         async for emitted in decode(
             self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace, history,
-            processors, logprobs, self.engine.draft_executor,
+            processors, logprobs, self.engine.draft_executor, prompt_logprobs,
         ):  # fmt: skip
             yield emitted
 

@@ -26,8 +26,9 @@ from splitspec.decoding.grammar import GrammarCompiler
 from splitspec.exceptions import ConfigError
 from splitspec.serve import schemas
 from splitspec.serve.chat_request import plan_chat, response_grammar, template_messages
-from splitspec.serve.choices import Job, Runner, processors, sampling, stop_ids
+from splitspec.serve.choices import Item, Job, Runner, processors, sampling, stop_ids
 from splitspec.serve.errors import ApiError, invalid, unsupported
+from splitspec.serve.logprobs import chat_logprobs, completion_logprobs, text_length, triples
 from splitspec.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -102,8 +103,6 @@ def create_app(state: ServeState) -> FastAPI:
     def check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
         check_model(body.model)
         refused = body.refused_field()
-        if refused in ("logprobs", "top_logprobs"):
-            raise unsupported(refused, "logprobs come with the edge engine")
         if refused is not None:
             raise unsupported(refused, "it would change the output")
         body.log_unknown_fields()
@@ -159,6 +158,8 @@ def create_app(state: ServeState) -> FastAPI:
                 param="messages",
                 code="no_chat_template",
             )
+        if body.top_logprobs and not body.logprobs:  # OpenAI's and vLLM's rule
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         plan = plan_chat(body, state.tokenizer, state.config.tool_call_parser, compiler)
         stops = stop_ids(body, state.chat_stop_ids, state.vocab_size)
         job = Job(
@@ -171,6 +172,7 @@ def create_app(state: ServeState) -> FastAPI:
             tool_format=plan.tool_format,
             tools=plan.tools,
             parallel=plan.parallel,
+            logprobs=body.logprob_alternatives(),
         )
         return await respond(request, body, [job], chat=True)
 
@@ -195,7 +197,8 @@ def create_app(state: ServeState) -> FastAPI:
                     raise invalid(f"token ids {bad[:5]} are outside the vocabulary (0..{last})", "prompt")
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else state.decode(prompt_ids)
             budget = token_budget(len(prompt_ids), body.token_limit(), state.max_positions, "prompt")
-            jobs.append(Job(prompt_ids, budget, sampling(body), body.stop_strings(), stops, make, echo=echo))
+            jobs.append(Job(prompt_ids, budget, sampling(body), body.stop_strings(), stops, make, echo=echo,
+                            logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None))  # fmt: skip
         return await respond(request, body, jobs, chat=False)
 
     async def respond(
@@ -205,9 +208,11 @@ def create_app(state: ServeState) -> FastAPI:
         await runner.first()
         rid = schemas.new_id("chatcmpl" if chat else "cmpl")
         now = schemas.now()
+        wants = body.logprob_alternatives() if isinstance(body, ChatCompletionRequest) else body.logprobs
+        token_bytes = None if wants is None else state.token_bytes
         if body.stream:
             count(request, 200)
-            events = sse_events(runner, rid, now, name, body.include_usage, body.continuous_usage, chat)
+            events = sse_events(runner, rid, now, name, body.include_usage, body.continuous_usage, chat, token_bytes)
             return RunnerStream(events, runner.close)
         try:
             choices = await runner.collect()
@@ -215,14 +220,16 @@ def create_app(state: ServeState) -> FastAPI:
             await runner.close()
         use = runner.tally.usage()
         count(request, 200)
+        shape = chat_logprobs if chat else completion_logprobs
+        lps = [None if token_bytes is None else shape(triples(c.tokens), token_bytes) for c in choices]
         if chat:
             out = [
                 schemas.chat_choice(c.index, c.text if c.text or not c.calls else None, c.finish,
-                                    [schemas.tool_call_json(t.id, t.name, t.arguments) for t in c.calls])
-                for c in choices
+                                    [schemas.tool_call_json(t.id, t.name, t.arguments) for t in c.calls], lp)
+                for c, lp in zip(choices, lps, strict=True)
             ]  # fmt: skip
             return JSONResponse(schemas.envelope(rid, "chat.completion", now, name, out, use))
-        out = [schemas.text_choice(c.index, c.text, c.finish) for c in choices]
+        out = [schemas.text_choice(c.index, c.text, c.finish, lp) for c, lp in zip(choices, lps, strict=True)]
         return JSONResponse(schemas.envelope(rid, "text_completion", now, name, out, use))
 
     return app
@@ -283,12 +290,21 @@ def _event(payload: dict[str, Any] | str) -> str:
 
 
 async def sse_events(
-    runner: Runner, rid: str, created: int, model: str, include_usage: bool, continuous: bool, chat: bool
+    runner: Runner,
+    rid: str,
+    created: int,
+    model: str,
+    include_usage: bool,
+    continuous: bool,
+    chat: bool,
+    token_bytes: Callable[[int], bytes] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE stream of a request's choices: chunks, closing chunks, the usage chunk, ``[DONE]``.
 
     Chat tool calls stream as OpenAI's deltas: index, id, type and name first, then the arguments.
     ``continuous``: every chunk carries the usage so far (vLLM's ``continuous_usage_stats``).
+    ``token_bytes`` (logprobs asked for): each chunk carries the logprobs of the tokens behind it;
+    completions' ``text_offset`` counts on across a choice's chunks.
     """
     obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -296,30 +312,47 @@ async def sse_events(
         use = runner.tally.usage(runner.running()) if continuous else None
         return _event(schemas.envelope(rid, obj, created, model, choices, use))
 
+    offsets: dict[int, int] = {}  # choice index -> characters of its tokens so far (completions)
+
+    def logprobs(item: Item) -> dict[str, Any] | None:
+        if token_bytes is None or not item.tokens:
+            return None
+        entries = triples(item.tokens)
+        if chat:
+            return chat_logprobs(entries, token_bytes)
+        at = offsets.get(item.index, 0)
+        offsets[item.index] = at + text_length(entries, token_bytes)
+        return completion_logprobs(entries, token_bytes, at)
+
     started: set[int] = set()
     calls: dict[int, int] = {}  # choice index -> tool calls streamed
     try:
-        async for index, _, event, finish in runner.events():
+        async for item in runner.events():
+            index, event, finish = item.index, item.event, item.finish
             if chat and index not in started:
                 started.add(index)
                 yield chunk([schemas.chat_delta(index, {"role": "assistant", "content": ""})])
+            lp = logprobs(item)
             if event is not None and event.call is not None:
                 k = calls.get(index, 0)
                 calls[index] = k + 1
                 head = {"index": k, "id": event.call.id, "type": "function",
                         "function": {"name": event.call.name, "arguments": ""}}  # fmt: skip
-                yield chunk([schemas.chat_delta(index, {"tool_calls": [head]})])
+                yield chunk([schemas.chat_delta(index, {"tool_calls": [head]}, logprobs=lp)])
                 args = {"index": k, "function": {"arguments": event.call.arguments}}
                 yield chunk([schemas.chat_delta(index, {"tool_calls": [args]})])
-            elif event is not None and event.content:
+            elif event is not None and (event.content or (lp is not None and finish is None)):
                 piece = (
-                    schemas.chat_delta(index, {"content": event.content})
+                    schemas.chat_delta(index, {"content": event.content}, logprobs=lp)
                     if chat
-                    else schemas.text_choice(index, event.content, None)
+                    else schemas.text_choice(index, event.content, None, lp)
                 )
                 yield chunk([piece])
+                lp = None
             if finish is not None:
-                yield chunk([schemas.chat_delta(index, {}, finish) if chat else schemas.text_choice(index, "", finish)])
+                yield chunk(
+                    [schemas.chat_delta(index, {}, finish, lp) if chat else schemas.text_choice(index, "", finish, lp)]
+                )
     except ApiError as err:
         yield _event(err.body())
         yield _event("[DONE]")

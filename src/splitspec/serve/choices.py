@@ -5,7 +5,10 @@ and a repeated request repeats them; a seeded sample decodes one token per round
 would make the random draws depend on what the link measured before). Logits processors (the
 grammar, ``logit_bias``, ``min_tokens``, penalties) are made afresh for every choice. Replies go
 through :class:`~splitspec.serve.tool_parsers.ToolCallStream` when the request has tools, so a
-streamed reply and a whole one carry the same calls and content.
+streamed reply and a whole one carry the same calls and content. Each :class:`Item` carries the
+tokens behind its text (with their logprobs when asked): an echoed prompt its prompt tokens, a
+piece of content the tokens that released it; tokens that released no content of their own (held
+by the tool-call parser, a stop token) go with the next item, at the latest the choice's last.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from splitspec.decoding.adjusters import LogitBias, MinTokens, Penalties
 from splitspec.decoding.grammar import GrammarCompiler
+from splitspec.decoding.loop import Emitted
 from splitspec.decoding.processors import LogitsProcessor, ProcessorChain
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.serve import schemas
@@ -42,6 +46,20 @@ class Job:
     tool_format: Format | None = None
     tools: dict[str, dict[str, Any]] = field(default_factory=dict)
     parallel: bool = True
+    logprobs: int | None = None  # alternatives per generated token; None: no logprobs
+    prompt_logprobs: int | None = None  # echo with logprobs: the same for the prompt's tokens
+
+
+@dataclass
+class Item:
+    """One thing a choice produces: an event (text or a tool call) and/or, last, its finish reason."""
+
+    index: int
+    job: Job
+    event: Event | None = None
+    finish: FinishReason | None = None
+    tokens: list[Emitted] = field(default_factory=list)  # the tokens behind this item, in order
+    prompt: bool = False  # the echoed prompt (its first token has no logprob)
 
 
 @dataclass
@@ -104,6 +122,7 @@ class Choice:
     text: str
     finish: FinishReason
     calls: list[ToolCall]
+    tokens: list[Emitted] = field(default_factory=list)  # echoed prompt tokens first, then the generated ones
 
 
 class Runner:
@@ -121,42 +140,56 @@ class Runner:
             params = dataclasses.replace(params, seed=params.seed + i)  # type: ignore[operator]
         speculate = "off" if seeded and not params.greedy else None
         return Generation(self.state, job.prompt_ids, job.max_tokens, params, job.stops, job.stop_ids,
-                          self.disconnected, job.make_processor(), speculate)  # fmt: skip
+                          self.disconnected, job.make_processor(), speculate, job.logprobs,
+                          job.prompt_logprobs)  # fmt: skip
+
+    @staticmethod
+    def runs(job: Job) -> bool:
+        """Whether the job needs the model: it generates, or its echoed prompt needs logprobs."""
+        return job.max_tokens > 0 or job.prompt_logprobs is not None
 
     async def first(self) -> None:
         """Start the first generation now, so a full pool or a dead trunk is an HTTP status."""
-        if self.jobs[0].max_tokens > 0:
+        if self.runs(self.jobs[0]):
             self.current = self.generation(self.jobs[0], 0)
             await self.current.start()
 
-    async def events(self) -> AsyncIterator[tuple[int, Job, Event | None, FinishReason | None]]:
-        """(choice index, its job, an event or None, finish reason on the choice's last item)."""
+    async def events(self) -> AsyncIterator[Item]:
+        """Every choice's items in index order, each choice ending with an item carrying its finish reason."""
         for j, job in enumerate(self.jobs):
             for i in range(self.n):
                 index = j * self.n + i
-                if job.echo:
-                    yield index, job, Event(content=job.echo), None
-                if job.max_tokens == 0:
-                    yield index, job, None, "length"
+                if not self.runs(job):  # max_tokens 0: the echoed prompt alone, no model needed
+                    if job.echo:
+                        yield Item(index, job, Event(content=job.echo), prompt=True)
+                    yield Item(index, job, finish="length")
                     continue
                 gen = self.current if index == 0 and self.current is not None else self.generation(job, i)
                 if gen is not self.current:
                     self.current = gen
                     await gen.start()
+                if job.echo or job.prompt_logprobs is not None:
+                    yield Item(index, job, Event(content=job.echo), tokens=gen.prompt_entries, prompt=True)
                 parser = ToolCallStream(job.tool_format, job.tools, job.parallel) if job.tool_format else None
-                async with aclosing(gen.deltas()) as deltas:
-                    async for delta in deltas:
-                        for event in parser.feed(delta) if parser else [Event(content=delta)]:
-                            yield index, job, event, None
+                held: list[Emitted] = []  # tokens whose text produced no item yet
+                async with aclosing(gen.pieces()) as pieces:
+                    async for piece in pieces:
+                        held += piece.tokens
+                        if parser is None and not piece.text:
+                            continue  # tokens without text (the end of a stop string): with the last item
+                        for event in parser.feed(piece.text) if parser else [Event(content=piece.text)]:
+                            yield Item(index, job, event, tokens=held)
+                            held = []
                 for event in parser.finish() if parser else []:
-                    yield index, job, event, None
+                    yield Item(index, job, event, tokens=held)
+                    held = []
                 out = gen.outcome
                 self.tally.completion += out.completion_tokens
                 if i == 0:  # the prompt counts once, so do its reused tokens
                     self.tally.cached += out.cached_tokens
                 self.current = None  # counted: no longer running
                 finish: FinishReason = "tool_calls" if parser and parser.calls else out.finish_reason
-                yield index, job, None, finish
+                yield Item(index, job, finish=finish, tokens=held)
                 if await self.disconnected():  # the generation stopped early: start no more choices
                     return
 
@@ -171,12 +204,13 @@ class Runner:
     async def collect(self) -> list[Choice]:
         """Every choice, whole."""
         choices: dict[int, Choice] = {}
-        async for index, _, event, finish in self.events():
-            choice = choices.setdefault(index, Choice(index, "", "length", []))
-            if event is not None:
-                choice.text += event.content
-                if event.call is not None:
-                    choice.calls.append(event.call)
-            if finish is not None:
-                choice.finish = finish
+        async for item in self.events():
+            choice = choices.setdefault(item.index, Choice(item.index, "", "length", []))
+            choice.tokens += item.tokens
+            if item.event is not None:
+                choice.text += item.event.content
+                if item.event.call is not None:
+                    choice.calls.append(item.event.call)
+            if item.finish is not None:
+                choice.finish = item.finish
         return [choices[i] for i in sorted(choices)]

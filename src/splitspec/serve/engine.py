@@ -1,10 +1,18 @@
-"""One request's generation: take a session, prefill what the cloud lacks, stream text deltas.
+"""One request's generation: take a session, prefill what the cloud lacks, stream text pieces.
 
 ``start`` acquires a session and runs the prefill up to the first token, so that an unreachable
-trunk or a full pool is an HTTP error status, not a broken stream. ``deltas`` then yields text as
+trunk or a full pool is an HTTP error status, not a broken stream. ``pieces`` then yields text as
 it becomes safe to show (see :mod:`splitspec.serve.text`) until a stop token, a stop string or the
 token limit; the session goes back to the pool's prefix cache, or is closed at once if the
 request failed or the HTTP client went away.
+
+Each :class:`Piece` carries the tokens (with their logprobs, when asked) consumed since the last
+piece, so logprobs line up with the text they produced, as vLLM streams them: a token whose text
+the stop-string scanner holds back rides with the piece that releases it, and the tokens that
+release none (a stop token, the end of a stop string) come with the last piece. Every completion
+token counted in ``usage`` has its entry. ``prompt_logprobs`` (echo with logprobs) scores every
+prompt token on a session that reuses no cached prefix, so no row is skipped; with
+``max_tokens`` 0 the generation is the prefill alone (the token it picks is not returned).
 """
 
 from __future__ import annotations
@@ -12,8 +20,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from splitspec.decoding.loop import Emitted, PromptLogprobs
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import SplitspecError
@@ -34,6 +43,14 @@ class Outcome:
     finish_reason: FinishReason = "length"
 
 
+@dataclass
+class Piece:
+    """Text safe to show, and the tokens consumed since the previous piece (in order)."""
+
+    text: str
+    tokens: list[Emitted] = field(default_factory=list)
+
+
 class Generation:
     def __init__(
         self,
@@ -46,9 +63,13 @@ class Generation:
         disconnected: Callable[[], Awaitable[bool]],
         processor: LogitsProcessor | None = None,
         speculate: str | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
-        """``processor``: a grammar, logit_bias, penalties (decodes one token per round trip);
-        ``speculate``: overrides the server's mode for this request (``off`` for a seeded sample)."""
+        """``processor``: a grammar, logit_bias, penalties (drafts are cut where it forbids a token);
+        ``speculate``: overrides the server's mode for this request (``off`` for a seeded sample);
+        ``logprobs``: alternatives per generated token (None: no logprobs); ``prompt_logprobs``: the
+        same for the prompt's tokens (echo), which then runs on a session with no reused prefix."""
         self.state = state
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
@@ -58,31 +79,36 @@ class Generation:
         self.disconnected = disconnected  # polled between tokens: the HTTP client went away
         self.processor = processor
         self.speculate = speculate if speculate is not None else state.config.speculate
+        self.logprobs = logprobs
+        self._prompt = None if prompt_logprobs is None else PromptLogprobs(prompt_logprobs)
+        self.prompt_entries: list[Emitted] = []  # echo with logprobs: the prompt, its first token unscored
         self.outcome = Outcome(prompt_tokens=len(self.prompt_ids))
         self._t0 = time.perf_counter()
         self._t_first = 0.0
         self._lease: Lease | None = None
-        self._tokens: AsyncIterator[int] | None = None
-        self._first = -1
+        self._tokens: AsyncIterator[Emitted] | None = None
+        self._first = Emitted(-1)
 
     async def start(self) -> None:
         """Take a session and run the prefill; raises :class:`ApiError` (429, 503, ...)."""
         try:
-            self._lease = await self.state.pool.acquire(self.prompt_ids)
+            self._lease = await self.state.pool.acquire(self.prompt_ids, reuse=self._prompt is None)
         except SplitspecError as exc:
             raise self._failed(exc) from exc
         lease = self._lease
         self.outcome.cached_tokens = lease.reused
         self.state.metrics.active.set(self.state.pool.active)
-        self._tokens = lease.client.stream(
+        self._tokens = lease.client.stream_tokens(
             self.prompt_ids[lease.reused :],
-            self.max_tokens,
+            max(1, self.max_tokens),  # max_tokens 0 (echo): the prefill alone, its token dropped
             self.params,
             stop_token_ids=self.stop_token_ids,
             generator=lease.client.runtime.generator(self.params)[0],  # where the edge's logits live
             speculate=self.speculate,
             fresh=lease.reused == 0,
-            processor=self.processor,
+            processors=() if self.processor is None else (self.processor,),
+            logprobs=self.logprobs,
+            prompt_logprobs=self._prompt,
         )
         try:
             self._first = await anext(self._tokens)
@@ -91,21 +117,30 @@ class Generation:
             if isinstance(exc, SplitspecError):
                 raise self._failed(exc) from exc
             raise
+        if self._prompt is not None:
+            self.prompt_entries = [Emitted(self.prompt_ids[0]), *self._prompt.entries]
         self._t_first = time.perf_counter()
         self.state.metrics.ttft.observe(self._t_first - self._t0)
 
-    async def deltas(self) -> AsyncGenerator[str, None]:
-        """Text deltas until the generation ends; the session is given back however it ends."""
+    async def pieces(self) -> AsyncGenerator[Piece, None]:
+        """Text pieces until the generation ends; the session is given back however it ends."""
         if self._tokens is None:
             raise RuntimeError("start() first")
         healthy = False
+        if self.max_tokens == 0:  # the prompt alone: its logprobs came with the prefill
+            await self._finish(healthy=True)
+            return
         try:
-            token = self._first
+            emitted = self._first
+            held: list[Emitted] = []  # tokens whose text has not been released yet
             while True:
+                token = emitted.token
                 self.outcome.completion_tokens += 1
+                held.append(emitted)
                 delta = self.text.push(token)
                 if delta:
-                    yield delta
+                    yield Piece(delta, held)
+                    held = []
                 done = self.processor is not None and self.processor.finished  # a grammar complete
                 if token in self.stop_token_ids or self.text.stopped or done:
                     self.outcome.finish_reason = "stop"
@@ -116,18 +151,18 @@ class Generation:
                     log.info("client went away after %d tokens: closing its session", self.outcome.completion_tokens)
                     return
                 try:
-                    token = await anext(self._tokens)
+                    emitted = await anext(self._tokens)
                 except SplitspecError as exc:
                     raise self._failed(exc) from exc
             tail = self.text.flush()
-            if tail:
-                yield tail
+            if tail or held:
+                yield Piece(tail, held)
             healthy = True
         finally:
             await self._finish(healthy)
 
     async def close(self) -> None:
-        """Give the session back as failed if ``deltas`` never ran to its end (a no-op otherwise)."""
+        """Give the session back as failed if ``pieces`` never ran to its end (a no-op otherwise)."""
         await self._finish(healthy=False)
 
     async def _finish(self, healthy: bool) -> None:

@@ -8,16 +8,68 @@ predicts. :func:`chat_logprobs` makes chat's ``choices[].logprobs`` (``content[]
 (``tokens``, ``token_logprobs``, ``top_logprobs`` as dicts that include the chosen token,
 ``text_offset``). ``token_bytes`` is the tokenizer's exact bytes of one token, so a token holding
 part of a UTF-8 character keeps its bytes (its text is then ``bytes:\\xNN...``, as OpenAI shows it).
+:class:`TokenBytes` gives those bytes for a server's tokenizer.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import llguidance.hf
+from transformers import PreTrainedTokenizerFast
+
+from splitspec.decoding.loop import Emitted
+
+log = logging.getLogger(__name__)
+
 TokenLogprob = tuple[int, float | None, Sequence[tuple[int, float]]]
 FLOOR = -9999.0  # what -inf becomes: JSON has no infinities (vLLM's value)
+
+
+class TokenBytes:
+    """One token's exact bytes, for the ``bytes`` and ``token`` of a logprob entry.
+
+    Through llguidance's view of the tokenizer when it has one (byte-level BPE, SentencePiece with
+    byte fallback: a token holding half a UTF-8 character gives that half); for a tokenizer
+    llguidance cannot read (no byte-level decoder), the token decoded alone, as vLLM does, in UTF-8.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._ll: llguidance.LLTokenizer | None = None
+        self._known: dict[int, bytes] = {}
+        if not isinstance(tokenizer, PreTrainedTokenizerFast):
+            log.info(
+                "logprob token bytes: each token decoded alone (%s is not a fast tokenizer)", type(tokenizer).__name__
+            )
+            return
+        try:
+            self._ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)))
+        except ValueError as exc:  # llguidance names a decoder it cannot read
+            log.info("logprob token bytes: each token decoded alone (llguidance cannot read the tokenizer: %s)", exc)
+
+    def __call__(self, token_id: int) -> bytes:
+        data = self._known.get(token_id)
+        if data is None:
+            if self._ll is not None:
+                data = bytes(self._ll.decode_bytes([token_id]))
+            else:
+                data = str(self._tokenizer.decode([token_id], skip_special_tokens=False)).encode("utf-8")
+            self._known[token_id] = data
+        return data
+
+
+def triples(entries: Sequence[Emitted]) -> list[TokenLogprob]:
+    """The edge's :class:`Emitted` tokens as (token_id, logprob, alternatives)."""
+    return [(e.token, e.logprob, e.top) for e in entries]
+
+
+def text_length(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> int:
+    """Characters ``entries`` add to ``text_offset`` (what the next entry's offset starts from)."""
+    return sum(len(token_bytes(t).decode("utf-8", errors="ignore")) for t, _, _ in entries)
 
 
 def _finite(logprob: float) -> float:

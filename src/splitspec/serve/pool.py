@@ -50,15 +50,19 @@ class SessionPool:
         """Requests holding a session now."""
         return self._active
 
-    async def acquire(self, prompt: Sequence[int]) -> Lease:
-        """A connected session for ``prompt``; raises 429 after the queue wait, or the connect error."""
+    async def acquire(self, prompt: Sequence[int], reuse: bool = True) -> Lease:
+        """A connected session for ``prompt``; raises 429 after the queue wait, or the connect error.
+
+        ``reuse=False``: no cached prefix is reused (a request that needs every prompt row computed,
+        such as echo with logprobs); an idle session may still be recycled from scratch.
+        """
         try:
             await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
         except TimeoutError:
             raise server_busy(max(1, round(self.queue_timeout_s))) from None
         self._active += 1
         try:
-            taken = self.cache.take(prompt, self.reuse)
+            taken = self.cache.take(prompt, self.reuse and reuse)
             if taken is not None:
                 return Lease(taken.client, taken.reused)
             client = self._new_client()

@@ -1,9 +1,8 @@
 """OpenAI request schemas (pydantic) and the response objects and stream chunks we send back.
 
 Unknown request fields are ignored with one debug line, as vLLM does. Fields that would change
-the output but are not honoured (:data:`REFUSED`, and ``logprobs`` / ``echo`` until the edge
-engine emits logprobs) accept only their neutral value: anything else is a 400 naming the
-parameter, never a silent ignore.
+the output but are not honoured (:data:`REFUSED`) accept only their neutral value: anything else
+is a 400 naming the parameter, never a silent ignore.
 """
 
 from __future__ import annotations
@@ -205,12 +204,9 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    def refused_field(self) -> str | None:
-        if self.logprobs:
-            return "logprobs"
-        if self.top_logprobs:
-            return "top_logprobs"
-        return super().refused_field()
+    def logprob_alternatives(self) -> int | None:
+        """Alternatives per generated token when logprobs are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -244,9 +240,6 @@ class CompletionRequest(GenerationRequest):
         if value:
             raise ValueError("unsupported: suffix (insertion) is not supported")
         return value
-
-    def refused_field(self) -> str | None:
-        return "logprobs" if self.logprobs is not None else super().refused_field()
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one choice group each, in order: text or token ids."""
@@ -332,20 +325,28 @@ def tool_call_json(call_id: str, name: str, arguments: str) -> dict[str, Any]:
 
 
 def chat_choice(
-    index: int, content: str | None, finish: FinishReason, tool_calls: list[dict[str, Any]] | None = None
+    index: int,
+    content: str | None,
+    finish: FinishReason,
+    tool_calls: list[dict[str, Any]] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
-def text_choice(index: int, text: str, finish: FinishReason | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+def text_choice(
+    index: int, text: str, finish: FinishReason | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def chat_delta(index: int, delta: dict[str, Any], finish: FinishReason | None = None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+def chat_delta(
+    index: int, delta: dict[str, Any], finish: FinishReason | None = None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 def model_card(name: str, created: int) -> dict[str, Any]:

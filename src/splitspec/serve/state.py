@@ -16,6 +16,7 @@ from splitspec.edge.engine import EdgeEngine
 from splitspec.edge.runtime import EdgeRuntime
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.serve.config import ServeConfig
+from splitspec.serve.logprobs import TokenBytes
 from splitspec.serve.metrics import ServeMetrics
 from splitspec.serve.pool import SessionPool
 from splitspec.serve.prefix_cache import PrefixCache
@@ -57,6 +58,15 @@ class ServeState:
             PrefixCache(config.prefix_cache_entries, config.prefix_cache_bytes),
             reuse=config.prefix_reuse,
         )
+
+        self._token_bytes: TokenBytes | None = None
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's exact bytes, for logprobs (made on first use: wrapping the tokenizer takes ~1 s)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer, self.vocab_size)
+        return self._token_bytes
 
     def new_client(self) -> SplitClient:
         """A new sequence of the engine (no weights loaded, no connection of its own)."""
