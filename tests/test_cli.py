@@ -115,6 +115,24 @@ def test_generate_json_matches_local_greedy(cloud: tuple[Path, int, Path, subpro
     assert sorted(opened) == sorted(closed)
 
 
+def test_generate_over_the_int8_and_bf16_wires(shared_cloud: tuple[Path, int, Path]) -> None:
+    """``--wire-codec`` reaches the Hello: the prefill's hidden states shrink to the codec's bytes per token."""
+    model, port, token_file = shared_cloud
+    common = ["--prompt", "to be or not to be " * 8, "--max-new-tokens", "2", "--token-file", str(token_file)]
+    common += ["--allow-stock-edge-weights", "--speculate", "off", "--json"]
+    runs = run_commands(
+        [edge_args("generate", model, port, *common, "--wire-codec", c) for c in ("raw", "bf16", "int8")]
+    )
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    prefill = [json.loads(r.stdout)["steps"][0] for r in runs]
+    q = prefill[0]["query_tokens"]
+    assert [p["query_tokens"] for p in prefill] == [q] * 3
+    # H = 64 float32: raw 256 bytes per token, bf16 128, int8 64 + 8 scales + 8 outliers: 104
+    saved = [prefill[0]["bytes_up"] - p["bytes_up"] for p in prefill[1:]]
+    assert abs(saved[0] - q * 128) < 200  # the headers differ by a few bytes
+    assert abs(saved[1] - q * 152) < 400  # int8 describes three more tensors
+
+
 def test_generate_errors_are_clear(shared_cloud: tuple[Path, int, Path], tmp_path: Path) -> None:
     model, port, token_file = shared_cloud
     wrong = tmp_path / "wrong"

@@ -13,6 +13,7 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.compile_modes import COMPILE_MODES
 from splitspec.models.precision import AUTO, DTYPE_CHOICES
 from splitspec.models.split import parse_edge_layers
+from splitspec.protocol.codec import WIRE_CODECS
 
 __all__ = [
     "DTYPE_HELP",
@@ -22,10 +23,47 @@ __all__ = [
     "add_dtype_arg",
     "add_tls_ca",
     "add_token_file",
+    "add_wire_codec",
+    "add_wire_codecs",
     "edge_layers",
     "model_dir",
     "read_token_file",
+    "wire_codecs",
 ]
+
+
+def add_wire_codec(parser: argparse.ArgumentParser) -> None:
+    """``--wire-codec``: how an edge role's hidden states travel, both ways (:mod:`splitspec.protocol.codec`)."""
+    parser.add_argument(
+        "--wire-codec",
+        choices=WIRE_CODECS,
+        default="raw",
+        help="how hidden states cross the link, both ways: raw (the compute dtype as is; both sides must "
+        "compute in one dtype), bf16 (2 bytes per channel), int8 (per 16 channels one bfloat16 scale, plus "
+        "each token's 8 largest values as bfloat16: 1.125*H + 32 bytes per token against 2*H for bf16). "
+        "The trunk must accept it (cloud serve --wire-codecs). Default raw",
+    )
+
+
+def wire_codecs(text: str) -> tuple[str, ...]:
+    """``raw,bf16,int8`` -> the codec names, each one of WIRE_CODECS, in order, without repeats."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",")))
+    unknown = [n for n in names if n not in WIRE_CODECS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected codecs among {','.join(WIRE_CODECS)}, got {text!r}")
+    return names
+
+
+def add_wire_codecs(parser: argparse.ArgumentParser) -> None:
+    """``--wire-codecs``: the hidden-state codecs a trunk server accepts."""
+    parser.add_argument(
+        "--wire-codecs",
+        type=wire_codecs,
+        default=WIRE_CODECS,
+        metavar="CODEC,...",
+        help=f"hidden-state wire codecs an edge may choose (its --wire-codec), comma-separated among "
+        f"{','.join(WIRE_CODECS)} (default: all); an edge asking for another is refused at the handshake",
+    )
 
 
 def add_compile_args(p: argparse.ArgumentParser, whose: str) -> None:

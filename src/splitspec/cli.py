@@ -27,6 +27,8 @@ from splitspec.arguments import (
     add_dtype_arg,
     add_tls_ca,
     add_token_file,
+    add_wire_codec,
+    add_wire_codecs,
     edge_layers,
     model_dir,
     read_token_file,
@@ -66,8 +68,8 @@ def _add_split_args(p: argparse.ArgumentParser) -> None:
     )
     add_dtype_arg(
         p,
-        ". It is the wire's dtype too: an auto edge follows the trunk's (stated at the handshake); a pinned one "
-        "must equal it",
+        ". With the raw wire codec it is the wire's dtype too: an auto edge follows the trunk's (stated at the "
+        "handshake); a pinned one must equal it (--wire-codec bf16 and int8 carry their own)",
     )
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
@@ -123,6 +125,7 @@ def _run_cloud_serve(args: argparse.Namespace) -> int:
         max_connections_per_address=args.max_connections_per_address,
         max_message_bytes=args.max_message_mb * 1024 * 1024,
         dtype=args.dtype,
+        wire_codecs=args.wire_codecs,
         quantize=args.quantize,
         device=args.device,
         devices=tuple(args.devices.split(",")) if args.devices else (),
@@ -148,6 +151,7 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     cloud_sub = cloud.add_subparsers(dest="cloud_command", required=True)
     p = cloud_sub.add_parser("serve", help="serve the middle layers of a model")
     _add_split_args(p)
+    add_wire_codecs(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks one)")
     p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session is dropped")
@@ -306,6 +310,7 @@ def _add_edge_link_args(p: argparse.ArgumentParser) -> None:
     """Arguments of every edge-side command that talks to a trunk server."""
     _add_split_args(p)
     p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765 or wss://HOST:PORT")
+    add_wire_codec(p)
     add_tls_ca(p)
     p.add_argument(
         "--allow-stock-edge-weights",
@@ -357,6 +362,7 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         cloud_url=args.cloud,
         edge_layers=args.edge_layers,
         dtype=args.dtype,
+        wire_codec=args.wire_codec,
         quantize=args.quantize,
         device=args.device,
         auth_token=read_token_file(args.token_file),
@@ -437,6 +443,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         edge_layers=args.edge_layers,
         device=args.device,
+        wire_codec=args.wire_codec,
         dtype=args.dtype,
     )
     return run_demo(config)
@@ -458,6 +465,7 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for the edge (default 1: small models)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + "; the trunk server child uses it too")
+    add_wire_codec(p)
     add_dtype_arg(p, "; the trunk server child uses it too")
     p.set_defaults(run=_run_demo)
 

@@ -61,6 +61,7 @@ class DemoConfig:
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers on the edge
     device: str = "auto"  # compute device of the edge and of the trunk server child
     dtype: str = "auto"  # compute dtype of both (models.precision)
+    wire_codec: str = "raw"  # how hidden states cross the emulated link (protocol.codec); the trunk accepts all
     startup_timeout_s: float = 120.0  # waiting for the children to listen, seconds
 
 
@@ -142,6 +143,7 @@ async def _generate(config: DemoConfig, url: str, console: Console) -> list[tupl
         edge_layers=config.edge_layers,
         draft_model_dir=config.draft_model_dir,
         device=config.device,
+        wire_codec=config.wire_codec,
         dtype=config.dtype,
         # the demo model is public by construction: say so instead of refusing
         allow_stock_edge_weights=True,

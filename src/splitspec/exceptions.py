@@ -14,10 +14,12 @@ Every error raised on purpose by splitspec derives from :class:`SplitspecError`:
     │   ├── UnsupportedVersion      protocol version we do not speak
     │   ├── BadDtype                tensor dtype outside the whitelist
     │   ├── BadTensor               shape / byte length / hidden size / field mismatch
+    │   │   └── BadEncoding         a wire codec's payload is inconsistent: a missing or misshapen codec
+    │   │                           tensor, a non-finite scale, an outlier index out of range or repeated
     │   ├── PositionOutOfRange      position ids or parents inconsistent with the session
     │   ├── MessageTooLarge         frame above the negotiated cap
     │   ├── UnexpectedMessage       a message type not allowed in the current state
-    │   ├── HandshakeMismatch       model fingerprint, layer range or dtype differ
+    │   ├── HandshakeMismatch       model fingerprint, layer range, dtype or wire codec differ
     │   │   └── TrunkMismatch       the cloud's trunk content fingerprint is not the expected one
     │   ├── AuthenticationFailed    missing or wrong shared secret
     │   ├── UnknownSession          session id unknown, expired, or owned by another connection
@@ -93,6 +95,12 @@ class BadTensor(ProtocolError):
     code = "bad_tensor"
 
 
+class BadEncoding(BadTensor):
+    """A hidden state's codec payload (protocol.codec) does not decode: tensors, scales or indices."""
+
+    code = "bad_encoding"
+
+
 class PositionOutOfRange(ProtocolError):
     code = "position_out_of_range"
 
@@ -155,6 +163,7 @@ _BY_CODE: dict[str, type[ProtocolError]] = {
         UnsupportedVersion,
         BadDtype,
         BadTensor,
+        BadEncoding,
         PositionOutOfRange,
         MessageTooLarge,
         UnexpectedMessage,

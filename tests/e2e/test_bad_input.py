@@ -87,7 +87,7 @@ async def test_each_bad_input_gets_its_typed_error_while_another_session_complet
             good_frame = step_frame(sid)
             cases: list[tuple[str, bytes]] = [
                 ("malformed_frame", b"SPL"),
-                ("malformed_frame", MAGIC + b"\x00\x01" + struct.pack(">I", 5) + b"{not json"),
+                ("malformed_frame", MAGIC + b"\x00\x02" + struct.pack(">I", 5) + b"{not json"),
                 ("malformed_frame", good_frame + b"trailing"),
                 ("malformed_frame", good_frame[:-3]),
                 ("bad_magic", b"XXXX" + good_frame[4:]),

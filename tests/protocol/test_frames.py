@@ -11,14 +11,14 @@ from splitspec.exceptions import BadDtype, BadMagic, BadTensor, MalformedFrame, 
 from splitspec.protocol.frames import DTYPES, decode_frame, encode_frame, peek_type
 
 
-def frame(header: bytes, payload: bytes = b"", *, magic: bytes = b"SPLT", version: int = 1) -> bytes:
+def frame(header: bytes, payload: bytes = b"", *, magic: bytes = b"SPLT", version: int = 2) -> bytes:
     return magic + struct.pack(">HI", version, len(header)) + header + payload
 
 
 def test_encoding_is_exactly_the_documented_layout() -> None:
     data = encode_frame({"type": "t"}, {"x": torch.tensor([1, 2], dtype=torch.int32)})
     header = b'{"type":"t","tensors":[{"name":"x","dtype":"int32","shape":[2],"nbytes":8}]}'
-    assert data == b"SPLT\x00\x01" + struct.pack(">I", len(header)) + header + b"\x01\x00\x00\x00\x02\x00\x00\x00"
+    assert data == b"SPLT\x00\x02" + struct.pack(">I", len(header)) + header + b"\x01\x00\x00\x00\x02\x00\x00\x00"
 
 
 def test_decode_literal_frame() -> None:
@@ -52,9 +52,10 @@ GOOD_DESC = '{"name":"h","dtype":"float32","shape":[2],"nbytes":8}'
         (b"", MalformedFrame),
         (b"SPLT\x00\x01\x00", MalformedFrame),
         (frame(b"{}", magic=b"SPLX"), BadMagic),
-        (frame(b"{}", version=2), UnsupportedVersion),
-        (b"SPLT\x00\x01" + struct.pack(">I", 100) + b"{}", MalformedFrame),  # header longer than frame
-        (b"SPLT\x00\x01" + struct.pack(">I", 1 << 20) + b"{}", MalformedFrame),  # header over the limit
+        (frame(b"{}", version=1), UnsupportedVersion),  # version 1 had no wire codecs
+        (frame(b"{}", version=3), UnsupportedVersion),
+        (b"SPLT\x00\x02" + struct.pack(">I", 100) + b"{}", MalformedFrame),  # header longer than frame
+        (b"SPLT\x00\x02" + struct.pack(">I", 1 << 20) + b"{}", MalformedFrame),  # header over the limit
         (frame(b"\xff\xfe"), MalformedFrame),
         (frame(b"{not json"), MalformedFrame),
         (frame(b"[1,2]"), MalformedFrame),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -29,6 +30,7 @@ from splitspec.arguments import (
     add_dtype_arg,
     add_tls_ca,
     add_token_file,
+    add_wire_codec,
     edge_layers,
     model_dir,
     read_token_file,
@@ -36,6 +38,7 @@ from splitspec.arguments import (
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
+from splitspec.protocol.codec import WIRE_CODECS
 
 __all__ = ["register", "run_bench", "run_probe"]
 
@@ -87,6 +90,7 @@ def run_probe(args: argparse.Namespace) -> int:
         model_dir=args.model,
         edge_layers=args.edge_layers,
         dtype=args.dtype,
+        wire_codec=args.wire_codec,
         device=args.device,
         auth_token=read_token_file(args.token_file),
         query_tokens=args.query_tokens,
@@ -128,6 +132,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_dtype_arg(p, "; it must equal the server's, which an auto probe follows")
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_wire_codec(p)
     add_token_file(p)
     add_tls_ca(p)
     p.add_argument("--dollars-per-hour", type=float, help="cloud rental price, USD/hour (adds $/M tokens)")
@@ -179,6 +184,8 @@ def run_bench(args: argparse.Namespace) -> int:
     )
     if args.quick:
         scenario = scenario.quick()
+    if args.wire_codec is not None:
+        scenario = dataclasses.replace(scenario, wire_codec=args.wire_codec)
     out = args.out if args.out is not None else RESULTS_DIR / scenario.name
     run_benchmark(scenario, out, progress=not args.no_progress, write_runs=not args.no_runs)
     print(f"wrote {out / 'summary.md'}, {out / 'summary.json'} and plots")
@@ -198,6 +205,12 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-runs", action="store_true", help="skip the per-run records file (runs.jsonl.gz)")
     p.add_argument("--device", help=DEVICE_HELP.replace("default auto", "default: the scenario's, else auto"))
+    p.add_argument(
+        "--wire-codec",
+        choices=WIRE_CODECS,
+        help="how hidden states cross the emulated link (see generate --wire-codec; default: the scenario's "
+        "wire_codec, else raw)",
+    )
     add_dtype_arg(p, " (default: the scenario's dtype, else auto)", default=None)
     p.set_defaults(run=run_bench)
 

@@ -194,6 +194,7 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
                         cloud_url=url,
                         edge_layers=sc.edge_layers,
                         dtype=sc.dtype,
+                        wire_codec=sc.wire_codec,
                         device=sc.device,
                         draft_model_dir=sc.draft_model_dir,
                     )

@@ -73,7 +73,8 @@ class ProbeConfig:
     cloud_url: str  # trunk server (or the emulator in front of it), e.g. ws://127.0.0.1:8765
     model_dir: Path  # checkpoint directory; only the edge tensors are loaded
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
-    dtype: str = "auto"  # compute and wire dtype: auto follows the server's, a pinned one must equal it
+    dtype: str = "auto"  # compute dtype: auto follows the server's, a pinned one must equal it (wire_codec raw)
+    wire_codec: str = "raw"  # how hidden states cross the link (protocol.codec)
     device: str = "auto"  # the edge's compute device: auto, cpu, cuda, cuda:N or mps
     auth_token: str | None = None  # shared secret, if the server requires one
     tls_ca_file: Path | None = None  # PEM CA bundle to verify a wss:// server; None = system store
@@ -317,6 +318,7 @@ async def probe(config: ProbeConfig, *, client: SplitClient | None = None) -> Pr
             cloud_url=config.cloud_url,
             edge_layers=config.edge_layers,
             dtype=config.dtype,
+            wire_codec=config.wire_codec,
             device=config.device,
             auth_token=config.auth_token,
             tls_ca_file=config.tls_ca_file,

@@ -11,6 +11,7 @@ of one benchmark. Example (``splitspec/bench/scenarios/default.toml``)::
     repeats = 3
     max_new_tokens = 48
     torch_threads = 1                  # torch intra-op threads during the run
+    # wire_codec = "int8"              # hidden states on the link: raw (default), bf16 or int8
 
     [prompts]
     sets = ["code", "prose", "structured"]
@@ -42,6 +43,7 @@ from splitspec.bench.modes import MODES
 from splitspec.exceptions import ConfigError
 from splitspec.models.precision import AUTO, DTYPE_CHOICES
 from splitspec.paths import display_path
+from splitspec.protocol.codec import WIRE_CODECS
 
 __all__ = [
     "DEFAULT_CORPUS_DIR",
@@ -93,7 +95,8 @@ class Scenario:
     modes: tuple[str, ...] = ("sequential",)  # split decoding modes (keys of bench.modes.MODES)
     repeats: int = 3  # passes over every (RTT, mode, prompt), count
     max_new_tokens: int = 48  # tokens generated per run, tokens
-    dtype: str = "auto"  # compute and wire dtype: auto (models.precision: per device) or a pinned one
+    dtype: str = "auto"  # compute dtype: auto (models.precision: per device) or a pinned one
+    wire_codec: str = "raw"  # how hidden states cross the emulated link: raw, bf16 or int8 (protocol.codec)
     device: str = "auto"  # compute device of the trunk, the edge and the local baselines (splitspec.devices)
     pings: int = 10  # control round trips per emulated link for its measured RTT, count
     jitter_ms: float = 0.0  # emulated jitter per direction, ms
@@ -125,6 +128,7 @@ class Scenario:
             "repeats": self.repeats,
             "max_new_tokens": self.max_new_tokens,
             "dtype": self.dtype,
+            "wire_codec": self.wire_codec,
             "device": self.device,
             "pings": self.pings,
             "jitter_ms": self.jitter_ms,
@@ -156,6 +160,7 @@ _TOP_KEYS = {
     "repeats",
     "max_new_tokens",
     "dtype",
+    "wire_codec",
     "device",
     "pings",
     "jitter_ms",
@@ -270,6 +275,9 @@ def scenario_from_dict(
     dtype = dtype if dtype is not None else top.string("dtype", AUTO)
     if dtype not in DTYPE_CHOICES:
         raise ConfigError(f"{where}: 'dtype' must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+    wire_codec = top.string("wire_codec", "raw")
+    if wire_codec not in WIRE_CODECS:
+        raise ConfigError(f"{where}: 'wire_codec' must be one of {list(WIRE_CODECS)}, got {wire_codec!r}")
     bandwidth = data.get("bandwidth_mbit")
     if bandwidth is not None:
         bandwidth = top.number("bandwidth_mbit", 0.0)
@@ -302,6 +310,7 @@ def scenario_from_dict(
         repeats=top.integer("repeats", 3, 1),
         max_new_tokens=top.integer("max_new_tokens", 48, 1),
         dtype=dtype,
+        wire_codec=wire_codec,
         device=device if device is not None else top.string("device", "auto"),
         pings=top.integer("pings", 10, 1),
         jitter_ms=top.number("jitter_ms", 0.0),

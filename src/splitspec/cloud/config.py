@@ -27,7 +27,8 @@ class CloudConfig:
     max_connections_per_address: int = 32  # open connections from one IP address
     max_message_bytes: int = 16 * 1024 * 1024  # largest accepted frame, bytes
     max_query_tokens: int = 2048  # largest number of query tokens in one step
-    dtype: str = "auto"  # compute and wire dtype: auto (models.precision: per device) or float32, bfloat16, float16
+    dtype: str = "auto"  # compute dtype: auto (models.precision: per device) or float32, bfloat16, float16
+    wire_codecs: tuple[str, ...] = ("raw", "bf16", "int8")  # hidden-state codecs an edge may pick (protocol.codec)
     quantize: str | None = None  # quantize the trunk at load with bitsandbytes: "nf4" or "int8"; None = as stored
     attn_implementation: str | None = None  # transformers attention kernel (sdpa, eager); None = the family's
     device: str = "auto"  # compute device: auto, cpu, cuda, cuda:N or mps (see splitspec.devices)

@@ -204,7 +204,7 @@ def build_app(args: dict[str, Any]) -> Any:
 
     ``args``: ``replicas`` (default 1), ``cpus_per_replica`` (1.0), ``token_file`` (the shared
     secret's file, read where Serve builds the application) and any :class:`CloudConfig` field by
-    name, ``model_dir`` required (``edge_layers`` and ``devices`` as lists). Where the proxies
+    name, ``model_dir`` required (``edge_layers``, ``devices`` and ``wire_codecs`` as lists). Where the proxies
     listen, and their TLS, is the file's ``http_options``. See deploy/ray-serve.yaml.
     """
     options = dict(args)
@@ -218,7 +218,7 @@ def build_app(args: dict[str, Any]) -> Any:
     if "model_dir" not in options:
         raise ConfigError("the Serve config's args need model_dir (the checkpoint directory on every node)")
     options["model_dir"] = Path(options["model_dir"])
-    for name in ("edge_layers", "devices"):
+    for name in ("edge_layers", "devices", "wire_codecs"):
         if name in options:
             options[name] = tuple(options[name])
     config = CloudConfig(**options, auth_token=read_token_file(None if token_file is None else Path(token_file)))

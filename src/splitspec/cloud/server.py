@@ -1,14 +1,15 @@
 """The trunk server: runs the middle decoder layers for many edge sessions.
 
-Each connection handshakes once (protocol version, model fingerprint, layer range, dtype, auth),
-then opens sessions and sends steps. Model compute runs on a worker thread so the event loop keeps
-answering pings and other sessions while a step computes. Every refusal is a typed ``Error``
-reply; only handshake failures close the connection.
+Each connection handshakes once (protocol version, model fingerprint, layer range, dtype, auth,
+the hidden states' wire codec), then opens sessions and sends steps. Model compute runs on a
+worker thread so the event loop keeps answering pings and other sessions while a step computes.
+Every refusal is a typed ``Error`` reply; only handshake failures close the connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -40,6 +41,7 @@ from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk, resolve_dtype
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
+from splitspec.protocol.codec import WIRE_CODECS
 from splitspec.protocol.messages import (
     CloseSession,
     Error,
@@ -89,6 +91,10 @@ class TrunkServer:
             raise ConfigError(
                 f"--batch-gather must be between 0 and 10 (decode batches' time), got {config.batch_gather}"
             )
+        if not config.wire_codecs or any(c not in WIRE_CODECS for c in config.wire_codecs):
+            raise ConfigError(
+                f"--wire-codecs must name one or more of {', '.join(WIRE_CODECS)}, got {config.wire_codecs}"
+            )
         if config.compile is not None and config.batching:
             raise ConfigError(
                 "--compile runs each session's decode step alone over static KV buffers: add --no-batching "
@@ -114,6 +120,7 @@ class TrunkServer:
             layer_end=self.plan.trunk_layers.stop,
             dtype=dtype_name,
             hidden_size=model_config.hidden_size,
+            wire_codecs=config.wire_codecs,
         )
         self.max_positions = int(model_config.max_position_embeddings)
         # entries per session with --compile, else None
@@ -189,12 +196,14 @@ class TrunkServer:
         await self._frames.start()
         self.start_compute()
         log.info(
-            "trunk server on %s: layers %d..%d of %s, dtype %s, on %s, fingerprint %s, trunk fingerprint %s",
+            "trunk server on %s: layers %d..%d of %s, dtype %s, wire codecs %s, on %s, fingerprint %s, "
+            "trunk fingerprint %s",
             self.url,
             self.identity.layer_start,
             self.identity.layer_end - 1,
             self.config.model_dir,
             self.identity.dtype,
+            ",".join(self.identity.wire_codecs),
             ", ".join(str(d) for d in dict.fromkeys(self.trunk.devices)),
             self.identity.fingerprint,
             self.trunk_fingerprint,
@@ -263,8 +272,8 @@ class TrunkServer:
     def validate_step(self, step: Step, cache_length: int, last_step: int) -> int:
         """Check a step against the session; return the committed length after its cache command."""
         hidden = step.hidden
-        if hidden.dtype != self.dtype:
-            raise BadTensor(f"hidden dtype {hidden.dtype} does not match the session dtype {self.dtype}")
+        if step.codec == "raw" and hidden.dtype != self.dtype:  # another codec's is cast to ours in run_step
+            raise BadTensor(f"raw hidden dtype {hidden.dtype} does not match the session dtype {self.dtype}")
         if hidden.shape[2] != self.identity.hidden_size:
             raise BadTensor(f"hidden size {hidden.shape[2]}, the model's is {self.identity.hidden_size}")
         if hidden.shape[1] > self.config.max_query_tokens:
@@ -330,6 +339,8 @@ class TrunkServer:
                 cache.truncate(step.cache.truncate_to)
             if step.cache.keep_last is not None:
                 cache.keep_last(step.cache.keep_last)
+        if step.hidden.dtype != self.dtype:  # a bf16 or int8 wire: decoded to bfloat16 or float32
+            step = dataclasses.replace(step, hidden=step.hidden.to(self.dtype))
         session.busy = True
         try:
             if self.batcher is not None:
@@ -352,7 +363,7 @@ class TrunkServer:
         self.metrics.steps.labels(kind).inc()
         self.metrics.step_tokens.labels(kind).inc(q)
         self.metrics.queue_ms.observe(queue_ms)
-        return StepResult(session_id=step.session_id, seq=step.seq, hidden=out, cloud_ms=cloud_ms)
+        return StepResult(session_id=step.session_id, seq=step.seq, hidden=out, cloud_ms=cloud_ms, codec=step.codec)
 
 
 class _TrunkPeer(MessagePeer[Message]):
@@ -375,7 +386,7 @@ class _TrunkPeer(MessagePeer[Message]):
         return encode_message(message)
 
     async def encode_reply(self, reply: Message) -> bytes:
-        if isinstance(reply, StepResult) and reply.hidden.nbytes > BIG_REPLY_BYTES:
+        if isinstance(reply, StepResult) and reply.hidden.nbytes > BIG_REPLY_BYTES:  # int8 encoding included
             # a big prefill's reply (8 MB for 2,000 x 1024 float32: 6-27 ms) is copied on a thread: the event
             # loop gets the GIL back at every switch interval instead of stalling every other session's steps
             return await asyncio.to_thread(self.encode, reply)
@@ -392,12 +403,15 @@ class _TrunkPeer(MessagePeer[Message]):
                 max_query_tokens=server.config.max_query_tokens,
                 session_ttl_s=server.config.session_ttl_s,
                 trunk=server.trunk_fingerprint,
+                wire_codec=message.wire_codec,
+                wire_codecs=server.identity.wire_codecs,
                 dtype=server.identity.dtype,
             )
         if isinstance(message, OpenSession):
             session = server.sessions.open(self.conn_id, self.address)
             return SessionOpened(request_id=message.request_id, session_id=session.session_id)
         if isinstance(message, Step):
+            self.state.check_step_codec(message.codec)
             return await server.run_step(message, self.conn_id)
         if isinstance(message, CloseSession):
             server.sessions.get(message.session_id, self.conn_id)

@@ -14,7 +14,10 @@ class EdgeConfig:
     cloud_url: str  # trunk server, e.g. ws://127.0.0.1:8765, or wss://host:port for TLS
     tls_ca_file: Path | None = None  # PEM CA bundle to verify a wss:// server; None = system store
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers kept on the edge (head, tail)
-    dtype: str = "auto"  # compute and wire dtype; auto follows the trunk's (Welcome), a pinned one must equal it
+    # compute dtype; auto follows the trunk's (Welcome), a pinned one must equal it when wire_codec is raw
+    dtype: str = "auto"
+    # how hidden states travel both ways: raw (the compute dtype as is), bf16 or int8 (protocol.codec)
+    wire_codec: str = "raw"
     # quantize the head and tail layers at load ("nf4", "int8"; bitsandbytes), and expect a trunk quantized so
     quantize: str | None = None
     device: str = "auto"  # compute device of the edge and the draft model: auto, cpu, cuda, cuda:N or mps

@@ -23,6 +23,7 @@ refusal's retry-after hint, backing off.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -48,6 +49,7 @@ from splitspec.models.batched import BatchRow, forward_batch
 from splitspec.models.batcher import RowBatcher
 from splitspec.models.masks import chain, depths
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
+from splitspec.protocol.codec import wire_bytes_per_token
 from splitspec.protocol.messages import Message, Step, StepResult
 from splitspec.transport.client import Exchange
 
@@ -186,8 +188,10 @@ class EdgeEngine:
         conn = sequence.connection
         if conn is None:
             raise TransportError("not connected")
-        # per token: hidden state, int32 position, int32 parent, and up to 8 header bytes of keep_last
-        per_token = self.runtime.model.hidden_size * self.runtime.dtype.itemsize + 16
+        # per token: hidden state in the wire codec (both ways: the reply's raw one is the trunk's dtype, which
+        # the handshake made ours), int32 position, int32 parent, and up to 8 header bytes of keep_last
+        runtime = self.runtime
+        per_token = wire_bytes_per_token(runtime.hello.wire_codec, runtime.model.hidden_size, runtime.dtype) + 16
         return max(1, min(conn.welcome.max_query_tokens, (conn.max_message_bytes - _HEADER_RESERVE) // per_token))
 
     # -- the verifier interface ------------------------------------------------------------------
@@ -271,9 +275,10 @@ class EdgeEngine:
             host_hidden = runtime.staging.to_host(hidden)  # the step's one wait for the device
             t2 = time.perf_counter()
             sequence.seq += 1
-            step = Step(session_id, sequence.seq, host_hidden, positions, parent_t, sequence.command)
+            codec = runtime.hello.wire_codec  # encodes host_hidden in encode_message, decodes the reply's
+            step = Step(session_id, sequence.seq, host_hidden, positions, parent_t, sequence.command, codec)
             raw_reply, exchange = await self._send_step(sequence, step)
-            reply = _checked_reply(raw_reply, step)
+            reply = _checked_reply(raw_reply, step, runtime.dtype)
             t3 = time.perf_counter()
             trunk_out = runtime.staging.to_device(reply.hidden)  # (1, q, H)
             t4 = time.perf_counter()
@@ -366,12 +371,17 @@ class EdgeEngine:
         sequence.lost = False
 
 
-def _checked_reply(reply: object, step: Step) -> StepResult:
-    """The cloud is untrusted too: its reply must answer this step, with matching tensors."""
+def _checked_reply(reply: object, step: Step, dtype: torch.dtype) -> StepResult:
+    """The cloud is untrusted too: its reply must answer this step, with matching tensors in the step's
+    codec; returned with its hidden state in the edge's compute ``dtype``."""
     if not isinstance(reply, StepResult):
         raise UnexpectedMessage(f"expected a StepResult, got {getattr(reply, 'TYPE', reply)!r}")
     if reply.session_id != step.session_id or reply.seq != step.seq:
         raise UnexpectedMessage(f"reply for {reply.session_id}/{reply.seq}, sent {step.session_id}/{step.seq}")
-    if reply.hidden.shape != step.hidden.shape or reply.hidden.dtype != step.hidden.dtype:
+    if reply.codec != step.codec:
+        raise BadTensor(f"reply hidden state in the {reply.codec!r} codec, the step's is {step.codec!r}")
+    if reply.hidden.shape != step.hidden.shape or (step.codec == "raw" and reply.hidden.dtype != step.hidden.dtype):
         raise BadTensor(f"reply hidden {tuple(reply.hidden.shape)} {reply.hidden.dtype} does not match the step")
-    return reply
+    if reply.hidden.dtype == dtype:
+        return reply
+    return dataclasses.replace(reply, hidden=reply.hidden.to(dtype))  # a bf16 or int8 wire's bfloat16 or float32

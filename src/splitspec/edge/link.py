@@ -19,7 +19,13 @@ import logging
 from collections.abc import Callable
 
 from splitspec.edge.config import EdgeConfig
-from splitspec.exceptions import ProtocolError, SessionQuotaExceeded, TransportError, UnexpectedMessage
+from splitspec.exceptions import (
+    HandshakeMismatch,
+    ProtocolError,
+    SessionQuotaExceeded,
+    TransportError,
+    UnexpectedMessage,
+)
 from splitspec.protocol.messages import CloseSession, Hello, OpenSession, SessionOpened, Welcome
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint, check_trunk
 from splitspec.transport.client import Channel
@@ -103,6 +109,10 @@ class TrunkLink:
             if not isinstance(welcome, Welcome):
                 raise UnexpectedMessage(f"expected a Welcome, got {welcome.TYPE!r}")
             check_trunk(self.expected, welcome.trunk, self.source)
+            if welcome.wire_codec != self.hello.wire_codec:
+                raise HandshakeMismatch(
+                    f"wire codec: edge sends {self.hello.wire_codec!r}, trunk answered {welcome.wire_codec!r}"
+                )
             if self._follow_dtype is not None:
                 self.hello = self._follow_dtype(welcome.dtype)
         except BaseException:

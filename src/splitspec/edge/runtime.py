@@ -35,6 +35,7 @@ from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
+from splitspec.protocol.codec import WIRE_CODECS
 from splitspec.protocol.messages import AUTO_DTYPE, Hello
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 
@@ -59,6 +60,8 @@ class EdgeRuntime:
             config.model_dir, self.plan, config.published_model_dir, config.allow_stock_edge_weights
         )
         self.send_noise = send_noise(config.model_dir)  # the defence the edge layers were trained with
+        if config.wire_codec not in WIRE_CODECS:
+            raise ConfigError(f"--wire-codec must be one of {', '.join(WIRE_CODECS)}, got {config.wire_codec!r}")
         self.device = edge.device if edge is not None else resolve_device(config.device)
         self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype, self.device, "edge")
         if edge is not None:  # already loaded: its dtype is the one it computes in
@@ -81,6 +84,7 @@ class EdgeRuntime:
             hidden_size=self.model.hidden_size,
             auth_token=config.auth_token,
             client="splitspec-edge",
+            wire_codec=config.wire_codec,
         )
         self.expected_trunk, self.trunk_source = expected_trunk(config, ckpt, self.plan)
         self.eos_token_ids = generation_stop_ids(config.model_dir, ckpt.config)
@@ -104,8 +108,13 @@ class EdgeRuntime:
         they were loaded in another (only the first Welcome can do that, before any sequence has run
         a step), and the dtype is pinned from then on, so a trunk that restarts in another dtype is
         refused at the handshake rather than followed under sequences' feet. A pinned dtype that the
-        trunk accepted is its own (anything else is refused).
+        trunk accepted is its own (anything else is refused). All this with the raw wire codec only: bf16
+        and int8 carry their own dtype, so the edge keeps its own compute dtype (auto's: fitted to its device).
         """
+        if self.hello.wire_codec != "raw":
+            if self.hello.dtype == AUTO_DTYPE:
+                self.hello = dataclasses.replace(self.hello, dtype=dtype_name_of(self.dtype))
+            return self.hello
         if self.hello.dtype != AUTO_DTYPE:
             if trunk_dtype != self.hello.dtype:
                 raise HandshakeMismatch(f"dtype: edge expects {self.hello.dtype!r}, trunk is {trunk_dtype!r}")

@@ -276,8 +276,9 @@ class FullModel(ModelEnds):
 
 
 def resolve_dtype(ckpt: Checkpoint, name: str, device: torch.device, what: str = "model") -> tuple[torch.dtype, str]:
-    """The compute/wire dtype and its name: ``name`` when pinned, else (``auto``) the checkpoint's
-    published dtype as :func:`~splitspec.models.precision.resolve_compute_dtype` fits it to ``device``."""
+    """The compute dtype and its name (the raw wire codec carries it; protocol.codec's bf16 and int8 carry their
+    own): ``name`` when pinned, else (``auto``) the checkpoint's published dtype as
+    :func:`~splitspec.models.precision.resolve_compute_dtype` fits it to ``device``."""
     dtype = resolve_compute_dtype(name, published_dtype(ckpt.config), device, what)
     return dtype, dtype_name(dtype)
 

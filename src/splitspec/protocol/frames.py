@@ -42,7 +42,7 @@ from splitspec.exceptions import (
 )
 
 MAGIC = b"SPLT"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: hidden-state wire codecs (protocol.codec), int8 and int16 tensors
 _PREFIX = struct.Struct(">4sHI")  # magic, version, header length
 PREFIX_SIZE = _PREFIX.size  # 10 bytes
 MAX_HEADER_BYTES = 64 * 1024  # a header is metadata only; tensors carry the bulk
@@ -54,6 +54,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "int16": torch.int16,
     "int32": torch.int32,
     "int64": torch.int64,
 }

@@ -3,10 +3,12 @@
 Conversation (edge -> cloud on the left)::
 
     Hello            ->   <- Welcome                 once per connection; pins version, model
-                                                     fingerprint, trunk layer range, dtype, auth;
-                                                     the Welcome carries the trunk's content
-                                                     fingerprint, which the edge checks, and its
-                                                     dtype, which an edge that says "auto" follows
+                                                     fingerprint, trunk layer range, dtype, auth
+                                                     and the hidden states' wire codec; the
+                                                     Welcome carries the trunk's content
+                                                     fingerprint, which the edge checks, its
+                                                     dtype, which an edge that says "auto"
+                                                     follows, and the codecs the trunk accepts
     OpenSession      ->   <- SessionOpened           a session owns one KV cache on the cloud
     Step             ->   <- StepResult              hidden states in, hidden states out
     CloseSession     ->   <- SessionClosed
@@ -30,7 +32,8 @@ from typing import Any, ClassVar
 import torch
 
 from splitspec.exceptions import BadTensor, MalformedFrame, PositionOutOfRange
-from splitspec.protocol.fields import int_field, number_field, str_field, tensor_field
+from splitspec.protocol.codec import WIRE_CODECS, decode_hidden, encode_hidden
+from splitspec.protocol.fields import choice_field, int_field, number_field, str_field, tensor_field
 from splitspec.protocol.frames import Frame, decode_frame, encode_frame
 from splitspec.protocol.trunk_fingerprint import MAX_TEXT_LEN as MAX_TRUNK_TEXT_LEN
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
@@ -50,10 +53,11 @@ class Hello:
     fingerprint: str  # model fingerprint (config hash), see models.checkpoint.fingerprint
     layer_start: int  # first trunk layer index (inclusive)
     layer_end: int  # last trunk layer index (exclusive)
-    dtype: str  # hidden-state dtype on the wire and in compute, e.g. "float32"; "auto": the trunk's (Welcome)
+    dtype: str  # the edge's compute dtype, e.g. "float32" (the raw codec's wire dtype); "auto": the trunk's (Welcome)
     hidden_size: int  # width of the hidden states, in elements
     auth_token: str | None = None  # shared secret, when the server requires one
     client: str = "splitspec"  # free-form client name, for logs
+    wire_codec: str = "raw"  # how hidden states travel both ways (protocol.codec); the trunk must accept it
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return {
@@ -64,6 +68,7 @@ class Hello:
             "hidden_size": self.hidden_size,
             "auth_token": self.auth_token,
             "client": self.client,
+            "wire_codec": self.wire_codec,
         }, {}
 
     @classmethod
@@ -77,6 +82,7 @@ class Hello:
             hidden_size=int_field(h, "hidden_size", minimum=1),
             auth_token=str_field(h, "auth_token", optional=True, max_len=1024),
             client=str_field(h, "client", max_len=256),
+            wire_codec=choice_field(h, "wire_codec", WIRE_CODECS),
         )
 
 
@@ -90,7 +96,9 @@ class Welcome:
     max_query_tokens: int  # largest q of one Step, in tokens
     session_ttl_s: float  # idle seconds after which a session is dropped
     trunk: TrunkFingerprint  # what the trunk's weights are; the edge checks it against its own copy
-    dtype: str  # the trunk's compute and wire dtype ("float32", "bfloat16", "float16")
+    dtype: str  # the trunk's compute dtype ("float32", "bfloat16", "float16"), the raw codec's wire dtype
+    wire_codec: str = "raw"  # the Hello's codec, which this connection's steps use both ways
+    wire_codecs: tuple[str, ...] = WIRE_CODECS  # every codec the trunk accepts (cloud serve --wire-codecs)
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return {
@@ -99,6 +107,8 @@ class Welcome:
             "max_query_tokens": self.max_query_tokens,
             "session_ttl_s": self.session_ttl_s,
             "trunk_fingerprint": str(self.trunk),
+            "wire_codec": self.wire_codec,
+            "wire_codecs": list(self.wire_codecs),
             "dtype": self.dtype,
         }, {}
 
@@ -112,6 +122,8 @@ class Welcome:
             session_ttl_s=number_field(h, "session_ttl_s"),
             trunk=_trunk_field(h),
             dtype=_dtype_field(h),
+            wire_codec=choice_field(h, "wire_codec", WIRE_CODECS),
+            wire_codecs=_codecs_field(h),
         )
 
 
@@ -121,6 +133,26 @@ def _dtype_field(header: dict[str, Any]) -> str:
     if text not in WIRE_DTYPE_NAMES:
         raise MalformedFrame(f"field 'dtype': {text!r:.40} is not one of {', '.join(WIRE_DTYPE_NAMES)}")
     return text
+
+
+def _codecs_field(header: dict[str, Any]) -> tuple[str, ...]:
+    value = header.get("wire_codecs")
+    if not isinstance(value, list) or not value or not all(c in WIRE_CODECS for c in value):
+        raise MalformedFrame(f"field 'wire_codecs' must be a non-empty list of {WIRE_CODECS}, got {value!r:.80}")
+    return tuple(value)
+
+
+def _codec_field(header: dict[str, Any]) -> str:
+    """A step's or a reply's codec: absent means raw."""
+    return "raw" if "codec" not in header else choice_field(header, "codec", WIRE_CODECS)
+
+
+def _hidden_field(frame: Frame, codec: str, *, min_tokens: int) -> torch.Tensor:
+    """The hidden state (1, q >= ``min_tokens``, H) a step or a reply carries in ``codec``, decoded."""
+    hidden = tensor_field(frame, "hidden")
+    if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < min_tokens:
+        raise BadTensor(f"hidden must have shape (1, q>={min_tokens}, H), got {tuple(hidden.shape)}")
+    return decode_hidden(codec, frame.tensors)
 
 
 def _trunk_field(header: dict[str, Any]) -> TrunkFingerprint:
@@ -237,7 +269,8 @@ class CacheCommand:
 class Step:
     """Edge -> cloud: run the trunk over q query tokens of a session.
 
-    ``hidden`` (1, q, H) in the session dtype; ``positions`` (q,) int32 absolute position ids;
+    ``hidden`` (1, q, H), which travels in ``codec`` (protocol.codec; decoded: the raw codec's
+    tensor as sent, else bfloat16 or float32); ``positions`` (q,) int32 absolute position ids;
     ``parents`` (q,) int32, parent index within the step or -1 for the committed prefix.
     """
 
@@ -248,21 +281,21 @@ class Step:
     positions: torch.Tensor  # (q,) int32
     parents: torch.Tensor  # (q,) int32
     cache: CacheCommand | None = None
+    codec: str = "raw"  # the hidden state's wire codec, the connection's (protocol.codec)
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        header: dict[str, Any] = {"session_id": self.session_id, "seq": self.seq}
+        header: dict[str, Any] = {"session_id": self.session_id, "seq": self.seq, "codec": self.codec}
         if self.cache is not None:
             header["cache"] = self.cache.to_header()
-        return header, {"hidden": self.hidden, "positions": self.positions, "parents": self.parents}
+        return header, {**encode_hidden(self.codec, self.hidden), "positions": self.positions, "parents": self.parents}
 
     @classmethod
     def from_wire(cls, frame: Frame) -> Step:
         h = frame.header
-        hidden = tensor_field(frame, "hidden")
+        codec = _codec_field(h)
+        hidden = _hidden_field(frame, codec, min_tokens=1)
         positions = tensor_field(frame, "positions", torch.int32)
         parents = tensor_field(frame, "parents", torch.int32)
-        if hidden.dim() != 3 or hidden.shape[0] != 1 or hidden.shape[1] < 1:
-            raise BadTensor(f"hidden must have shape (1, q>=1, H), got {tuple(hidden.shape)}")
         q = hidden.shape[1]
         if tuple(positions.shape) != (q,) or tuple(parents.shape) != (q,):
             raise BadTensor(f"positions and parents must have shape ({q},)")
@@ -275,6 +308,7 @@ class Step:
             positions=positions,
             parents=parents,
             cache=None if cache is None else CacheCommand.from_header(cache, max_keep=1 << 16),
+            codec=codec,
         )
 
 
@@ -285,23 +319,24 @@ class StepResult:
     TYPE: ClassVar[str] = "step_result"
     session_id: str
     seq: int
-    hidden: torch.Tensor  # (1, q, H)
+    hidden: torch.Tensor  # (1, q, H), travelling in codec like the step's
     cloud_ms: float  # trunk compute on the cloud, with its copies to and from the device, milliseconds
+    codec: str = "raw"  # the hidden state's wire codec: the step's
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        return {"session_id": self.session_id, "seq": self.seq, "cloud_ms": self.cloud_ms}, {"hidden": self.hidden}
+        header = {"session_id": self.session_id, "seq": self.seq, "cloud_ms": self.cloud_ms, "codec": self.codec}
+        return header, encode_hidden(self.codec, self.hidden)
 
     @classmethod
     def from_wire(cls, frame: Frame) -> StepResult:
         h = frame.header
-        hidden = tensor_field(frame, "hidden")
-        if hidden.dim() != 3 or hidden.shape[0] != 1:
-            raise BadTensor(f"hidden must have shape (1, q, H), got {tuple(hidden.shape)}")
+        codec = _codec_field(h)
         return cls(
             session_id=str_field(h, "session_id", max_len=MAX_ID_LEN),
             seq=int_field(h, "seq"),
-            hidden=hidden,
+            hidden=_hidden_field(frame, codec, min_tokens=0),
             cloud_ms=number_field(h, "cloud_ms"),
+            codec=codec,
         )
 
 

@@ -5,7 +5,8 @@ all: before a successful hello (the trunk's :class:`Hello`, the worker's ``FedHe
 a hello is read, and its shared secret is checked from its header before the frame is decoded, so
 a client without the secret is refused before a single tensor byte is parsed; after it, a second
 hello is refused. :class:`ServerConnection` is the trunk server's gate
-with the identity its Hello must match.
+with the identity its Hello must match, and the wire codec the Hello chose (one the trunk accepts;
+with the raw codec, which carries the compute dtype as is, both sides must compute in one dtype).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 
 from splitspec.exceptions import (
     AuthenticationFailed,
+    BadEncoding,
     HandshakeMismatch,
     UnexpectedMessage,
 )
+from splitspec.protocol.codec import WIRE_CODECS, check_codec
 from splitspec.protocol.frames import peek_header
 from splitspec.protocol.messages import AUTO_DTYPE, Hello
 
@@ -29,8 +32,9 @@ class TrunkIdentity:
     fingerprint: str  # model fingerprint, see models.checkpoint.fingerprint
     layer_start: int  # first trunk layer (inclusive)
     layer_end: int  # last trunk layer (exclusive)
-    dtype: str  # compute and wire dtype name
+    dtype: str  # compute dtype name (the raw codec's wire dtype)
     hidden_size: int  # elements per hidden state
+    wire_codecs: tuple[str, ...] = WIRE_CODECS  # the hidden-state codecs the trunk accepts (protocol.codec)
 
 
 def check_secret(presented: object, expected: str | None) -> None:
@@ -88,25 +92,34 @@ class ServerConnection(HandshakeGate):
     def __init__(self, identity: TrunkIdentity, auth_token: str | None) -> None:
         super().__init__(Hello.TYPE, auth_token)
         self.identity = identity
+        self.wire_codec: str | None = None  # the accepted Hello's codec, which every step must use
 
     def accept_hello(self, hello: Hello) -> None:
         """Check auth and the pinned identity; raise a typed error on any mismatch.
 
-        A Hello whose dtype is ``auto`` accepts the trunk's (the Welcome states it); any other must equal it.
+        A Hello whose dtype is ``auto`` accepts the trunk's (the Welcome states it); any other must equal it
+        when the wire codec is raw (bf16 and int8 carry their own dtype: the compute dtypes may differ).
         """
         self.begin_hello(hello.auth_token)
         ident = self.identity
+        check_codec(hello.wire_codec, ident.wire_codecs)
+        pinned = [
+            ("fingerprint", hello.fingerprint, ident.fingerprint),
+            ("layer_start", hello.layer_start, ident.layer_start),
+            ("layer_end", hello.layer_end, ident.layer_end),
+            ("hidden_size", hello.hidden_size, ident.hidden_size),
+        ]
+        if hello.wire_codec == "raw":  # another codec carries its own dtype: the compute dtypes may differ
+            pinned.append(("dtype", ident.dtype if hello.dtype == AUTO_DTYPE else hello.dtype, ident.dtype))
         mismatches = [
-            f"{name}: edge expects {theirs!r}, trunk is {ours!r}"
-            for name, theirs, ours in (
-                ("fingerprint", hello.fingerprint, ident.fingerprint),
-                ("layer_start", hello.layer_start, ident.layer_start),
-                ("layer_end", hello.layer_end, ident.layer_end),
-                ("dtype", ident.dtype if hello.dtype == AUTO_DTYPE else hello.dtype, ident.dtype),
-                ("hidden_size", hello.hidden_size, ident.hidden_size),
-            )
-            if theirs != ours
+            f"{name}: edge expects {theirs!r}, trunk is {ours!r}" for name, theirs, ours in pinned if theirs != ours
         ]
         if mismatches:
             raise HandshakeMismatch("; ".join(mismatches))
+        self.wire_codec = hello.wire_codec
         self.open()
+
+    def check_step_codec(self, codec: str) -> None:
+        """A step must carry its hidden state in the codec its connection's Hello chose."""
+        if codec != self.wire_codec:
+            raise BadEncoding(f"step hidden state in the {codec!r} codec, this connection chose {self.wire_codec!r}")
