@@ -6,12 +6,12 @@ RTT) and ``splitspec serve`` on the demo models (draft model, ``--speculate auto
 1. **tok/s and tokens per round trip** with and without a JSON schema (``response_format``) on the
    same prompts, greedy: decode tok/s of each streamed completion (tokens after the first / time
    after the first), completion tokens per round trip after the prefill (``/metrics``). Repeats
-   interleave the two modes. Under a grammar the server decodes one token per round trip for now
-   (speculation under logits processors comes with the edge engine), which this measures.
+   interleave the two modes. Under a grammar drafts are cut at the first token it forbids before
+   they are sent, and every verified row is masked (speculation goes on under the grammar).
 2. **The grammar's per-token cost on the edge:** ``GrammarProcessor.process`` + ``accept`` over the
    tokens of the constrained completions, on the demo tokenizer (8,192 ids), ms per token.
 
-Prompt-logprob (``echo``) throughput is not measured here: logprobs come with the edge engine.
+Prompt-logprob (``echo``) throughput: ``benchmarks/echo_logprobs_bench.py``.
 
     python benchmarks/structured_bench.py [--repeats 3] [--max-tokens 40] [--out benchmarks/results/structured]
 """
@@ -140,8 +140,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{results['grammar']['ms_per_token_median']:.3f} ms per token (median over "
         f"{results['grammar']['documents']} documents; max {results['grammar']['ms_per_token_max']:.3f}).",
         "",
-        "Under a grammar the server decodes one token per round trip for now; speculation under logits",
-        "processors (drafts cut by `validate_draft` before they are sent) comes with the edge engine.",
+        "Under a grammar, drafts are cut at the first token it forbids (`validate_draft`) before they are",
+        "sent, and every verified row is masked: speculation goes on, with output equal to one-token decoding.",
     ])  # fmt: skip
 
 
