@@ -2,9 +2,10 @@
 
 Processes on loopback, as a deployment has them: ``splitspec cloud serve`` (the demo base model,
 float32), the WAN emulator (``splitspec netem``, 80 ms RTT), and ``splitspec serve`` with the
-draft model and ``--speculate auto`` (float32). With ``--baseline REF`` a second ``splitspec
-serve`` runs the code of commit REF (a git worktree of it, same venv) against the same trunk and
-link, for the lone-stream comparison side by side.
+draft model and ``--speculate auto`` (float32). With ``--baseline REF`` a second trunk, link and
+``splitspec serve`` run the code of commit REF (a git worktree of it, same venv; an older commit
+may speak an older protocol) beside them, for the comparison side by side; the baseline is
+measured at 1 and 16 streams.
 
 The load is the official ``openai`` client: N concurrent streams (N = 1, 4, 8, 16, 32), each
 running ``--requests`` streamed completions back to back: 128-token prompts cut from held-out
@@ -61,21 +62,31 @@ def spawn(args: list[str], src: Path | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
 
 
-def start_stack(rtt_ms: float, baseline_src: Path | None) -> tuple[list[Any], dict[str, str]]:
-    base, draft = embedded_model("base"), embedded_model("draft")
+def start_link(rtt_ms: float, src: Path | None, procs: list[Any]) -> int:
+    """A trunk server (``src``'s code, or this checkout's) behind the WAN emulator; the emulator's port."""
+    base = embedded_model("base")
     trunk_port, link_port = free_port(), free_port()
-    procs = [spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--dtype", "float32",
-                    "--threads", "1", "--max-sessions", "256", "--max-sessions-per-connection", "8",
-                    "--max-sessions-per-address", "256", "--max-connections-per-address", "256"])]  # fmt: skip
-    _wait_for_port(trunk_port, procs[0], 120)
+    procs.append(spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--dtype", "float32",
+                        "--threads", "1", "--max-sessions", "256", "--max-sessions-per-connection", "8",
+                        "--max-sessions-per-address", "256", "--max-connections-per-address", "256"], src))  # fmt: skip
+    _wait_for_port(trunk_port, procs[-1], 120)
     procs.append(spawn(["netem", "--listen", f"127.0.0.1:{link_port}", "--upstream", f"127.0.0.1:{trunk_port}",
                         "--rtt-ms", str(rtt_ms)]))  # fmt: skip
-    _wait_for_port(link_port, procs[1], 60)
+    _wait_for_port(link_port, procs[-1], 60)
+    return link_port
+
+
+def start_stack(rtt_ms: float, baseline_src: Path | None) -> tuple[list[Any], dict[str, str]]:
+    """The engine's server and, with ``baseline_src``, the baseline's, each with its own trunk and link
+    (an older commit may speak an older protocol)."""
+    base, draft = embedded_model("base"), embedded_model("draft")
+    procs: list[Any] = []
     urls = {}
     servers: list[tuple[str, Path | None]] = [("engine", None)]
     if baseline_src is not None:
         servers.append(("baseline", baseline_src))
     for label, src in servers:
+        link_port = start_link(rtt_ms, src, procs)
         port = free_port()
         procs.append(spawn([
             "serve", "--model", str(base), "--draft-model", str(draft), "--cloud", f"ws://127.0.0.1:{link_port}",

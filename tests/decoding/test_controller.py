@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from splitspec.decoding.controller import SpeculationController
+from splitspec.decoding.controller import SpeculationController, StepTimes
 
 
 def trained(rtt_s: float, per_token_s: float, accept_rate: float, steps: int = 200) -> SpeculationController:
@@ -51,3 +51,21 @@ def test_probes_again_after_a_long_sequential_run() -> None:
         ctl.observe_step(1, 0.015)
     assert ctl.ranked()[0].drafter == "ngram"
     assert ctl.ranked()[0].budget == 1
+
+
+def test_step_times_follow_the_load_at_every_size() -> None:
+    """Step times rise for every size under load; once one-token steps are fast again, a big step's
+    prediction comes down with them, though no big step was measured since (it would otherwise
+    keep a lone sequence from drafting long after the load has gone)."""
+    times = StepTimes()
+    times.observe(1, 0.10)
+    times.observe(9, 0.14)
+    for _ in range(30):  # other sequences queue at the trunk: every step is slow
+        times.observe(1, 0.50)
+        times.observe(9, 0.56)
+    assert times.predict(9) > 0.45
+    for _ in range(40):  # alone again, stepping one token at a time
+        times.observe(1, 0.10)
+    assert times.predict(1) < 0.25  # the estimates decay by observation (0.97 each): on its way down
+    assert times.predict(9) < 0.40  # was 0.56 as last measured: it follows the level
+    assert times.predict(1) < times.predict(9) < times.predict(1) + 0.15

@@ -77,34 +77,64 @@ class FixedPolicy:
 
 
 class StepTimes:
-    """Measured seconds of a step of q query tokens, per q: what the link and the trunk cost.
+    """Measured seconds of a step of q query tokens: what the link and the trunk cost.
 
     Every sequence on one link shares them (a sequence's own acceptance estimates are its own).
+    A step of q tokens is modelled as T(1) + extra(q). Load (other sequences queueing at the trunk
+    and at the edge's workers) moves every T(q) together, and a big step measured under load and
+    not tried since would otherwise keep a lone sequence from drafting long after the load has
+    gone. So each step, whatever its size, moves the level T(1): a one-token step directly, a
+    bigger one by half of its surprise (the other half goes to its extra cost). Until a one-token
+    step is measured, the measured T(q) are interpolated as they are.
     """
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay  # per-observation decay of every estimate
-        self._times: dict[int, _Ema] = {}  # query tokens -> seconds
+        self._times: dict[int, _Ema] = {}  # query tokens -> seconds, as measured
+        self._one = _Ema()  # T(1), seconds
+        self._extra: dict[int, _Ema] = {}  # query tokens > 1 -> seconds over T(1)
 
     def observe(self, query_tokens: int, seconds: float) -> None:
         self._times.setdefault(query_tokens, _Ema()).update(seconds, self.decay)
+        one = self._one.value
+        if query_tokens == 1:
+            self._one.update(seconds, self.decay)
+        elif not math.isnan(one):
+            extra = self._extra.get(query_tokens)
+            if extra is None:
+                self._extra[query_tokens] = extra = _Ema()
+                extra.update(seconds - one, self.decay)
+                return
+            surprise = seconds - (one + extra.value)
+            self._one.update(one + surprise / 2, self.decay)
+            extra.update(extra.value + surprise / 2, self.decay)
 
     def predict(self, q: int) -> float:
-        """Predicted seconds for a step of q query tokens (linear interpolation between measured q)."""
+        """Predicted seconds for a step of q query tokens."""
+        one = self._one.value
+        if not math.isnan(one) and self._extra:
+            known = [(1, 0.0), *sorted((k, e.value) for k, e in self._extra.items())]
+            return max(1e-6, one + _interpolate(known, q))
         known = sorted((k, e.value) for k, e in self._times.items() if not math.isnan(e.value))
         if not known:
             return 1.0
         if len(known) == 1:
             k0, t0 = known[0]
             return t0 * (1 + 0.02 * (q - k0))  # before any slope is measured: +2% per extra token
-        below = [(k, t) for k, t in known if k <= q]
-        above = [(k, t) for k, t in known if k >= q]
-        if below and above:
-            (k0, t0), (k1, t1) = below[-1], above[0]
-            return t0 if k1 == k0 else t0 + (t1 - t0) * (q - k0) / (k1 - k0)
-        (k0, t0), (k1, t1) = (known[-2], known[-1]) if not above else (known[0], known[1])
-        slope = max(0.0, (t1 - t0) / (k1 - k0))
-        return max(1e-6, t0 + slope * (q - k0))
+        return max(1e-6, _interpolate(known, q))
+
+
+def _interpolate(known: list[tuple[int, float]], q: int) -> float:
+    """Linear interpolation between the (q, value) points, sorted by q; beyond them, the nearest two's
+    slope (never decreasing)."""
+    below = [(k, t) for k, t in known if k <= q]
+    above = [(k, t) for k, t in known if k >= q]
+    if below and above:
+        (k0, t0), (k1, t1) = below[-1], above[0]
+        return t0 if k1 == k0 else t0 + (t1 - t0) * (q - k0) / (k1 - k0)
+    (k0, t0), (k1, t1) = (known[-2], known[-1]) if not above else (known[0], known[1])
+    slope = max(0.0, (t1 - t0) / (k1 - k0))
+    return t0 + slope * (q - k0)
 
 
 class SpeculationController:
