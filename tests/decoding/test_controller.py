@@ -69,3 +69,23 @@ def test_step_times_follow_the_load_at_every_size() -> None:
     assert times.predict(1) < 0.25  # the estimates decay by observation (0.97 each): on its way down
     assert times.predict(9) < 0.40  # was 0.56 as last measured: it follows the level
     assert times.predict(1) < times.predict(9) < times.predict(1) + 0.15
+
+
+def test_a_new_sequence_starts_from_the_engine_wide_estimates() -> None:
+    """A sequence's controller starts from what every sequence measured (worth POPULATION_WEIGHT
+    observations), not the optimistic prior, and what it measures goes to the population too."""
+    population = SpeculationController(["ngram"])
+    for _ in range(50):  # the population has learned that n-grams are never accepted on this link
+        population.observe_step(1, 0.08)
+        population.observe_step(5, 0.20)
+        population.observe_draft("ngram", 4, 0, 4, 0.0)
+    fresh = SpeculationController(["ngram"], step_times=population.step_times)
+    seeded = SpeculationController(["ngram"], step_times=population.step_times, population=population)
+    assert fresh.ranked()[0].drafter == "ngram"  # the optimistic prior tries it
+    assert seeded.ranked()[0].drafter is None  # the population's estimates say it does not pay
+    assert seeded.alphas("ngram", 1)[0] < 0.3
+    before = population.alphas("ngram", 1)[0]
+    for _ in range(20):  # this sequence's text repeats: its n-grams are accepted
+        seeded.observe_draft("ngram", 4, 4, 4, 0.0)
+    assert seeded.alphas("ngram", 1)[0] > 0.8  # its own observations soon outweigh the prior
+    assert population.alphas("ngram", 1)[0] > before  # and the population learned from them

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
+POPULATION_WEIGHT = 8.0  # observations the engine-wide estimates are worth to a new sequence's controller
 
 
 @dataclass
@@ -37,6 +38,17 @@ class _DrafterStats:
     cost_per_token: _Ema = field(default_factory=_Ema)  # drafting seconds per drafted token
     proposals: float = 0.0  # decayed count of steps where the drafter was asked
     hits: float = 0.0  # ... and proposed something
+
+    def scaled_copy(self, weight: float) -> _DrafterStats:
+        """These estimates as a prior worth at most ``weight`` observations (the same rates, fewer counts)."""
+        factor = min(1.0, weight / max(self.proposals, 1e-9))
+        return _DrafterStats(
+            reached=[r * factor for r in self.reached],
+            accepted=[a * factor for a in self.accepted],
+            cost_per_token=_Ema(self.cost_per_token.value, min(self.cost_per_token.weight, weight)),
+            proposals=self.proposals * factor,
+            hits=self.hits * factor,
+        )
 
 
 @dataclass(frozen=True)
@@ -149,6 +161,9 @@ class SpeculationController:
         decay: float = 0.97,  # per-observation decay of every estimate
         probe_every: int = 24,  # sequential steps before a drafter is re-tried with a short draft
         step_times: StepTimes | None = None,  # shared with other sequences on the same link; None = its own
+        # the engine-wide estimates: a new sequence starts from them (as a prior worth at most
+        # POPULATION_WEIGHT observations, not the optimistic one) and every observation also goes to them
+        population: SpeculationController | None = None,
     ) -> None:
         self.drafters = list(drafters)
         self.budgets = sorted(set(budgets))
@@ -157,10 +172,19 @@ class SpeculationController:
         self.decay = decay
         self.probe_every = probe_every
         self.step_times = step_times if step_times is not None else StepTimes(decay)
-        self._stats = {name: _DrafterStats() for name in self.drafters}
+        self.population = population
+        if population is not None and population.drafters != self.drafters:
+            raise ValueError(f"the population's drafters {population.drafters} are not {self.drafters}")
+        self._stats: dict[str, _DrafterStats] = {
+            name: _DrafterStats() if population is None else population.prior(name) for name in self.drafters
+        }
         self._since_speculation = 0
 
     # -- estimates ---------------------------------------------------------------------------------
+
+    def prior(self, drafter: str) -> _DrafterStats:
+        """This controller's estimates of ``drafter`` as a new sequence's prior (:data:`POPULATION_WEIGHT`)."""
+        return self._stats[drafter].scaled_copy(POPULATION_WEIGHT)
 
     def step_time(self, q: int) -> float:
         """Predicted seconds for a step of q query tokens."""
@@ -219,6 +243,8 @@ class SpeculationController:
         self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
     ) -> None:
         """A drafter proposed a tree ``proposed_depth`` deep; ``accepted`` of its tokens were kept."""
+        if self.population is not None:
+            self.population.observe_draft(drafter, proposed_depth, accepted, draft_tokens, draft_seconds)
         stats = self._stats[drafter]
         stats.proposals = self.decay * stats.proposals + 1.0
         stats.hits = self.decay * stats.hits + (1.0 if draft_tokens else 0.0)

@@ -127,6 +127,7 @@ class EdgeEngine:
         self._tail = _TailBatcher(runtime, rows, self.config.batch_gather)
         # step-time estimates describe the link and the trunk, so every sequence's controller shares them
         self.step_times = StepTimes()
+        self._populations: dict[tuple[str, ...], SpeculationController] = {}
         # drafting (a draft model's forwards) runs here, off the event loop, one draft at a time
         self.draft_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-draft")
 
@@ -145,10 +146,21 @@ class EdgeEngine:
     def new_sequence(self) -> EdgeSequence:
         return EdgeSequence(self.runtime)
 
+    def population(self, drafters: Sequence[str]) -> SpeculationController:
+        """The engine-wide speculation estimates for this set of drafters: every sequence's observations."""
+        key = tuple(drafters)
+        if key not in self._populations:
+            self._populations[key] = SpeculationController(list(drafters), step_times=self.step_times)
+        return self._populations[key]
+
     def controller(self, sequence: EdgeSequence, drafters: Sequence[str]) -> SpeculationController:
-        """The sequence's speculation controller: its own acceptance estimates, the engine's step times."""
+        """The sequence's speculation controller: its own acceptance estimates, starting from the engine-wide
+        ones (so a short request does not spend itself exploring), and the engine's step times."""
         if sequence.controller is None or sequence.controller.drafters != list(drafters):
-            sequence.controller = SpeculationController(list(drafters), step_times=self.step_times)
+            population = self.population(drafters)
+            sequence.controller = SpeculationController(
+                list(drafters), step_times=self.step_times, population=population
+            )
         return sequence.controller
 
     def _start(self) -> None:

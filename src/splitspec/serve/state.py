@@ -8,7 +8,6 @@ import logging
 from typing import Any
 
 from splitspec.chat_template import end_of_turn_ids, has_chat_template
-from splitspec.decoding.controller import SpeculationController
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import make_drafters
 from splitspec.edge.client import SplitClient
@@ -45,7 +44,7 @@ class ServeState:
         self.engine = EdgeEngine(self.runtime)
         self.edge_model, self.draft_model = self.runtime.model, self.runtime.draft_model
         drafters = list(make_drafters(config.speculate, SamplingParams(), self.draft_model))
-        self.controller = SpeculationController(drafters, step_times=self.engine.step_times) if drafters else None
+        self.controller = self.engine.population(drafters) if drafters else None
         self.eos_token_ids = self.runtime.eos_token_ids
         # a chat reply also ends at the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)
         self.chat_stop_ids = self.eos_token_ids | (end_of_turn_ids(self.tokenizer) if self.templated else frozenset())
