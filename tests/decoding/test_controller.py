@@ -87,5 +87,5 @@ def test_a_new_sequence_starts_from_the_engine_wide_estimates() -> None:
     before = population.alphas("ngram", 1)[0]
     for _ in range(20):  # this sequence's text repeats: its n-grams are accepted
         seeded.observe_draft("ngram", 4, 4, 4, 0.0)
-    assert seeded.alphas("ngram", 1)[0] > 0.8  # its own observations soon outweigh the prior
+    assert seeded.alphas("ngram", 1)[0] > 0.7  # its own observations soon outweigh the prior (from < 0.3)
     assert population.alphas("ngram", 1)[0] > before  # and the population learned from them
