@@ -192,3 +192,25 @@ async def test_a_cancelled_generation_disturbs_nobody(models: tuple[Path, Path])
     assert [r.token_ids for r in others] == alone[1:]
     assert [r.recoveries for r in others] == [0, 0, 0]
     assert again.token_ids == alone[0]
+
+
+async def test_a_burst_of_sequences_opens_its_connections_together(models: tuple[Path, Path]) -> None:
+    """16 sequences connecting at once share 4 connections opened at the same time, and open their
+    sessions concurrently (each answered by its request id)."""
+    model, _ = models
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        engine = EdgeEngine(EdgeRuntime(config))
+        clients = [SplitClient(config, engine=engine) for _ in range(16)]
+        try:
+            await asyncio.gather(*(client.connect() for client in clients))
+            connections = [len(c.sessions) for c in engine.link.connections]
+            sessions = {client.session_id for client in clients}
+            results = await asyncio.gather(*(c.generate([5, 9, 17, 3], 4, speculate="off") for c in clients))
+        finally:
+            for client in clients:
+                await client.close()
+            await engine.close()
+    assert connections == [4, 4, 4, 4]
+    assert len(sessions) == 16
+    assert len({tuple(r.token_ids) for r in results}) == 1  # the same prompt, the same greedy tokens

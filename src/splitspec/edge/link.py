@@ -42,6 +42,7 @@ class TrunkConnection:
         self.config = config
         self.conn_id = conn_id
         self.sessions: set[str] = set()  # sessions this connection holds
+        self.opening = 0  # sessions being opened on it now (they count against its room)
         self.full = False  # the trunk refused another session here (its per-connection quota)
         self._request_ids = itertools.count(1)
         channel.multiplex()
@@ -92,7 +93,7 @@ class TrunkLink:
         self.expected = expected  # the trunk fingerprint every connection's Welcome must carry
         self.source = source  # where ``expected`` comes from, for the refusal's message
         self.connections: list[TrunkConnection] = []
-        self._opening = asyncio.Lock()  # one new connection at a time: a burst of sessions shares it
+        self._connecting: dict[asyncio.Task[TrunkConnection], int] = {}  # connections being opened -> sessions waiting
         self._ids = itertools.count()
 
     async def connect(self) -> TrunkConnection:
@@ -125,24 +126,55 @@ class TrunkLink:
 
     def _with_room(self) -> TrunkConnection | None:
         self.connections = [c for c in self.connections if c.alive or c.sessions]
-        room = [
-            c
-            for c in self.connections
-            if c.alive and not c.full and len(c.sessions) < self.config.sessions_per_connection
-        ]
-        return min(room, key=lambda c: len(c.sessions), default=None)
+        cap = self.config.sessions_per_connection
+        room = [c for c in self.connections if c.alive and not c.full and len(c.sessions) + c.opening < cap]
+        return min(room, key=lambda c: len(c.sessions) + c.opening, default=None)
+
+    async def _connection_with_room(self) -> TrunkConnection:
+        """A connection with room for one more session, which is reserved on it (``opening``).
+
+        A burst of new sequences shares the connections being opened: each one that is still
+        connecting takes ``sessions_per_connection`` of them, so a burst of 16 opens 4 connections
+        at once instead of one after another (each handshake costs round trips).
+        """
+        while True:
+            conn = self._with_room()
+            if conn is not None:
+                conn.opening += 1
+                return conn
+            waiting = [
+                t
+                for t in self._connecting
+                if not t.done() and self._connecting[t] < self.config.sessions_per_connection
+            ]
+            if waiting:
+                task = waiting[0]
+                self._connecting[task] += 1
+            else:
+                task = asyncio.get_running_loop().create_task(self.connect())
+                self._connecting[task] = 1
+            try:
+                conn = await asyncio.shield(task)
+            except BaseException:
+                self._connecting.pop(task, None)
+                raise
+            self._connecting.pop(task, None)
+            if conn.alive and not conn.full and len(conn.sessions) + conn.opening < self.config.sessions_per_connection:
+                conn.opening += 1
+                return conn
 
     async def open_session(self) -> tuple[TrunkConnection, str]:
         """A new session, on a connection with room (a new connection when none has)."""
         while True:
-            async with self._opening:
-                conn = self._with_room() or await self.connect()
+            conn = await self._connection_with_room()
             try:
                 return conn, await conn.open_session()
             except SessionQuotaExceeded:
                 if not conn.sessions:
                     raise  # even an empty connection may not open one: the trunk's address quota
                 conn.full = True  # the trunk's quota is below ours: use another connection
+            finally:
+                conn.opening -= 1
 
     async def close_session(self, conn: TrunkConnection, session_id: str) -> None:
         """Close a session (best effort: a lost connection has lost it already), and the connection once idle."""

@@ -5,7 +5,9 @@ A :class:`Channel` starts request by request: each request waits for the next fr
 once: a reader task takes every reply off the socket and hands it to the request it answers. A
 step's reply names its session and sequence number; every other request (handshake, opening and
 closing sessions) goes one at a time and takes the reply that names no step in flight, since a
-refusal of it names nothing. A broken connection fails every request in flight.
+refusal of it names nothing; OpenSession requests go together, answered by their request id (a
+refusal of one, which names nothing, goes to every open in flight). A broken connection fails
+every request in flight.
 """
 
 from __future__ import annotations
@@ -24,9 +26,19 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMes
 from websockets.frames import CloseCode
 
 from splitspec.exceptions import ConfigError, MessageTooLarge, ProtocolError, TransportError, error_from_code
-from splitspec.protocol.messages import Error, Message, Step, StepResult, decode_message, encode_message
+from splitspec.protocol.messages import (
+    Error,
+    Message,
+    OpenSession,
+    SessionOpened,
+    Step,
+    StepResult,
+    decode_message,
+    encode_message,
+)
 
 Request = TypeVar("Request")
+OPEN_KEY = "\x00open"  # the session id half of an OpenSession's key in flight (no real session id has a NUL)
 Reply = TypeVar("Reply")
 
 
@@ -140,6 +152,8 @@ class Channel:
             return await self.exchange(message, timeout_s, encode_message, decode_message)
         if isinstance(message, Step):
             return await self._multiplexed(message, (message.session_id, message.seq), timeout_s)
+        if isinstance(message, OpenSession):  # its answer names its request id (a refusal names nothing)
+            return await self._multiplexed(message, (OPEN_KEY, message.request_id), timeout_s)
         async with self._control:
             return await self._multiplexed(message, None, timeout_s)
 
@@ -162,7 +176,17 @@ class Channel:
                 reply = decode_message(raw, max_bytes=cap)
                 arrival = _Arrival(reply, at, (time.perf_counter() - at) * 1e3, len(raw))
                 key = _answers(reply)
-                future = self._waiting.pop(key if key in self._waiting else None, None)
+                if key not in self._waiting and key is not None:
+                    key = None
+                if key is None and None not in self._waiting and isinstance(reply, Error):
+                    # a refusal that names nothing and no control request waits: it refuses an OpenSession,
+                    # and which one cannot be told; every open in flight gets it (each may try again)
+                    for open_key in [k for k in self._waiting if k is not None and k[0] == OPEN_KEY]:
+                        waiting = self._waiting.pop(open_key)
+                        if not waiting.done():
+                            waiting.set_result(arrival)
+                    continue
+                future = self._waiting.pop(key, None)
                 if future is not None and not future.done():
                     future.set_result(arrival)
         except (TransportError, ProtocolError) as exc:  # the socket broke, or a frame we refuse
@@ -271,6 +295,8 @@ def _answers(reply: Message) -> tuple[str, int] | None:
     """The step (session, seq) a reply answers; None for a reply to a control request."""
     if isinstance(reply, StepResult):
         return (reply.session_id, reply.seq)
+    if isinstance(reply, SessionOpened):
+        return (OPEN_KEY, reply.request_id)
     if isinstance(reply, Error) and reply.session_id is not None and reply.seq is not None:
         return (reply.session_id, reply.seq)
     return None
