@@ -214,3 +214,31 @@ async def test_a_burst_of_sequences_opens_its_connections_together(models: tuple
     assert connections == [4, 4, 4, 4]
     assert len(sessions) == 16
     assert len({tuple(r.token_ids) for r in results}) == 1  # the same prompt, the same greedy tokens
+
+
+async def test_prefills_arriving_together_share_forwards(models: tuple[Path, Path]) -> None:
+    """Big steps (prefills) of several sequences are cut into chunks that run in one forward, and each
+    sequence gets the logits it gets alone."""
+    model, _ = models
+    rng = random.Random(5)
+    prompts = [rng.choices(range(3, 96), k=200) for _ in range(6)]
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)
+        runtime = EdgeRuntime(config)
+        alone = []
+        for prompt in prompts:
+            async with SplitClient(config, runtime=runtime) as client:
+                alone.append(await client.forward(prompt))
+        engine = EdgeEngine(runtime)
+        clients = [SplitClient(config, engine=engine) for _ in prompts]
+        try:
+            await asyncio.gather(*(client.connect() for client in clients))
+            together = await asyncio.gather(*(c.forward(p) for c, p in zip(clients, prompts, strict=True)))
+        finally:
+            for client in clients:
+                await client.close()
+            await engine.close()
+    for got, want in zip(together, alone, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert max(engine.head_batches.snapshot()) >= 2  # prefill chunks of several sequences in one forward
+    assert max(engine.tail_batches.snapshot()) >= 2

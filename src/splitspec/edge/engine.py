@@ -56,6 +56,7 @@ from splitspec.transport.client import Exchange
 log = logging.getLogger(__name__)
 
 _HEADER_RESERVE = 2048  # bytes kept free in every step frame for the prefix and JSON header
+EDGE_BIG_STEPS = 8  # prefills whose chunks share one head (tail) forward: a burst of new requests is batched too
 MAX_CAPACITY_BACKOFF_S = 5.0  # longest wait between two tries of a step the trunk refused for capacity, seconds
 
 
@@ -82,7 +83,7 @@ class _HeadBatcher(RowBatcher):
     """The head layers over many sequences' embedded query tokens -> hidden states (1, q, H), on the device."""
 
     def __init__(self, runtime: EdgeRuntime, max_batch_steps: int, gather: float) -> None:
-        super().__init__(max_batch_steps, gather=gather, thread_name="edge-head")
+        super().__init__(max_batch_steps, gather=gather, thread_name="edge-head", max_big_steps=EDGE_BIG_STEPS)
         self.runtime = runtime  # its model is read per batch: an auto edge may load it again at the first Welcome
         self.log = BatchLog()
 
@@ -98,7 +99,7 @@ class _TailBatcher(RowBatcher):
     float32: the LM head runs only on the rows a step wants (a prefill wants its last)."""
 
     def __init__(self, runtime: EdgeRuntime, max_batch_steps: int, gather: float) -> None:
-        super().__init__(max_batch_steps, gather=gather, thread_name="edge-tail")
+        super().__init__(max_batch_steps, gather=gather, thread_name="edge-tail", max_big_steps=EDGE_BIG_STEPS)
         self.runtime = runtime  # its model is read per batch, as the head's
         self.log = BatchLog()
 

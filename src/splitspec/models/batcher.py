@@ -93,12 +93,14 @@ class RowBatcher:
         prefill_chunk_tokens: int = 256,
         gather: float = 0.5,
         thread_name: str = "batch",
+        max_big_steps: int = 1,  # big steps (prefills) whose chunks share one forward; the trunk runs one at a time
     ) -> None:
         if gather < 0:
             raise ValueError(f"the gathering window is a non-negative fraction of a batch's time, got {gather}")
         self.gather = gather
         self.max_batch_steps = max_batch_steps
         self.small_step_tokens = small_step_tokens
+        self.max_big_steps = max(1, max_big_steps)
         self.chunks = ChunkSizer(prefill_chunk_tokens)
         self._pending: list[_Pending] = []
         # each sequence's cache -> when its last step was delivered (weak: a closed sequence's cache is freed)
@@ -157,11 +159,19 @@ class RowBatcher:
         self._wake.set()
         return await future
 
-    def _plan(self) -> tuple[list[_Pending], _Pending | None]:
-        """This iteration's small steps (oldest first) and the big step that gets a chunk."""
+    def _plan(self) -> tuple[list[_Pending], list[_Pending], int | None]:
+        """This iteration's small steps (oldest first), the big steps that get a chunk each, and the chunk
+        (None: a tree, which cannot be cut, goes whole and alone)."""
         small = [p for p in self._pending if p.tokens <= self.small_step_tokens][: self.max_batch_steps]
-        big = next((p for p in self._pending if p.tokens > self.small_step_tokens), None)
-        return small, big
+        big = [p for p in self._pending if p.tokens > self.small_step_tokens]
+        if not big:
+            return small, [], None
+        if not is_chain(big[0].parents):
+            return small, big[:1], None
+        chains = [p for p in big if is_chain(p.parents)][: self.max_big_steps]
+        # several prefills share the iteration's budget: one forward of all, each cut to its share
+        share = self.chunks.next_chunk(time.perf_counter()) // len(chains)
+        return small, chains, max(self.chunks.min_tokens, share)
 
     async def _run_forever(self) -> None:
         while True:
@@ -169,12 +179,11 @@ class RowBatcher:
             self._wake.clear()
             while self._pending:
                 await self._gather()
-                small, big = self._plan()
+                small, big, chunk = self._plan()
                 if small:  # first, and delivered before any chunk runs
                     await self._run(small, None)
-                if big is not None:
-                    chunk = self.chunks.next_chunk(time.perf_counter()) if is_chain(big.parents) else big.tokens
-                    await self._run([big], chunk)  # trees cannot be cut: they go whole
+                if big:
+                    await self._run(big, chunk if chunk is not None else big[0].tokens)  # a tree goes whole
 
     def _active(self, now: float) -> int:
         """Sequences with a step waiting or delivered within :data:`ACTIVE_S` (older entries are dropped)."""
@@ -235,10 +244,11 @@ class RowBatcher:
             p.done += row.positions.shape[0]
             p.compute_ms += ms
             p.outputs.append(out)
-        if chunk is not None and group[0].done == group[0].tokens and len(group[0].outputs) > 1:
-            group[0].cache.last_step = group[0].tokens  # a keep_last on the next step indexes the whole step
-            # joined here, not on the event loop: 8 MB for 2,000 x 1024 float32 stalled every session's I/O
-            group[0].outputs = [torch.cat(group[0].outputs, dim=1)]  # (1, q, H)
+        for p in group if chunk is not None else ():
+            if p.done == p.tokens and len(p.outputs) > 1:
+                p.cache.last_step = p.tokens  # a keep_last on the next step indexes the whole step
+                # joined here, not on the event loop: 8 MB for 2,000 x 1024 float32 stalled every session's I/O
+                p.outputs = [torch.cat(p.outputs, dim=1)]  # (1, q, H)
 
     def _deliver(self, p: _Pending) -> None:
         self._delivered[p.cache] = time.perf_counter()
