@@ -35,7 +35,7 @@ from splitspec.exceptions import (
 from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
-from splitspec.models.prepack import prepack_available, prepack_linears
+from splitspec.models.prepack import prepack_linears, prepack_obstacle
 from splitspec.models.quantization import published_method
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk, resolve_dtype
@@ -309,17 +309,9 @@ class TrunkServer:
             raise ConfigError(f"--prepack must be auto, on or off, got {config.prepack!r}")
         if config.prepack == "off":
             return False
-        why_not = None
-        if any(device.type != "cpu" for device in devices):
-            why_not = "it applies to a trunk wholly on the CPU"
-        elif self.dtype != torch.float32:
-            why_not = f"it applies to float32 weights, the trunk computes in {self.dtype}"
-        elif config.quantize is not None or published_method(self.checkpoint.config) is not None:
-            why_not = "it applies to float32 weights, the trunk's are quantized"
-        elif config.compile is not None:
-            why_not = "--compile builds its own kernels"
-        elif not prepack_available():
-            why_not = "this torch build lacks oneDNN's packed linear operators"
+        on_cpu = all(device.type == "cpu" for device in devices)
+        quantized = config.quantize is not None or published_method(self.checkpoint.config) is not None
+        why_not = prepack_obstacle("trunk", on_cpu, self.dtype, quantized, config.compile is not None)
         if config.prepack == "on" and why_not is not None:
             raise ConfigError(f"--prepack on: {why_not}")
         # auto: for batched steps only; the per-session pool's concurrent one-row forwards ran ~10 % slower packed

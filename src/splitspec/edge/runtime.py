@@ -29,7 +29,7 @@ from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.precision import dtype_from_name
 from splitspec.models.precision import dtype_name as dtype_name_of
-from splitspec.models.prepack import PackedLinear, prepack_available, prepack_linears
+from splitspec.models.prepack import PackedLinear, prepack_linears, prepack_obstacle
 from splitspec.models.quantization import published_method
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
@@ -143,17 +143,8 @@ class EdgeRuntime:
         config = self.config
         if config.prepack == "off":
             return
-        why_not = None
-        if self.device.type != "cpu":
-            why_not = "it applies to an edge on the CPU"
-        elif self.dtype != torch.float32:
-            why_not = f"it applies to float32 weights, the edge computes in {self.dtype}"
-        elif config.quantize is not None or published_method(self.checkpoint.config) is not None:
-            why_not = "it applies to float32 weights, the edge's are quantized"
-        elif config.compile is not None:
-            why_not = "--compile builds its own kernels"
-        elif not prepack_available():
-            why_not = "this torch build lacks oneDNN's packed-linear operators"
+        quantized = config.quantize is not None or published_method(self.checkpoint.config) is not None
+        why_not = prepack_obstacle("edge", self.device.type == "cpu", self.dtype, quantized, config.compile is not None)
         if why_not is not None:
             if config.prepack == "on":
                 raise ConfigError(f"cannot prepack the edge's linear layers: {why_not}")

@@ -28,6 +28,21 @@ def prepack_available() -> bool:
     )
 
 
+def prepack_obstacle(piece: str, on_cpu: bool, dtype: torch.dtype, quantized: bool, compiled: bool) -> str | None:
+    """Why ``piece``'s ("trunk", "edge") linear layers cannot be prepacked; None when they can."""
+    if not on_cpu:
+        return f"it applies to a {piece} wholly on the CPU"
+    if dtype != torch.float32:
+        return f"it applies to float32 weights, the {piece} computes in {dtype}"
+    if quantized:
+        return f"it applies to float32 weights, the {piece}'s are quantized"
+    if compiled:
+        return "--compile builds its own kernels"
+    if not prepack_available():
+        return "this torch build lacks oneDNN's packed-linear operators"
+    return None
+
+
 class PackedLinear(nn.Module):
     """``y = x W^T + b`` for x (..., in_features), with W reordered once for oneDNN."""
 
