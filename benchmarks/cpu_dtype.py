@@ -83,7 +83,7 @@ def main() -> None:
         f16, f32 = statistics.median(times[("float16", case)]), statistics.median(times[("float32", case)])
         rows.append({"case": case, "float16_ms": f16, "float32_ms": f32, "float16_over_float32": f16 / f32})
     results = {
-        "model": str(base),
+        "model": str(Path(base).resolve().relative_to(Path(__file__).resolve().parents[1])),  # repository-relative
         "auto_on_this_cpu": {"dtype": dtype_name(chosen), "why": why},
         "threads": 1,
         "rounds": args.rounds,

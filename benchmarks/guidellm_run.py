@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from splitspec.demo import free_port, _spawn, _stop, _wait_for_port, embedded_model
+from splitspec.demo import _spawn, _stop, _wait_for_port, embedded_model, free_port
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'user' %}QUESTION.\n{{ m['content'] }}\n"
@@ -33,11 +33,14 @@ CHAT_TEMPLATE = (
 )
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 def guidellm(args: argparse.Namespace, target: str, request_format: str, out: Path) -> dict[str, Any]:
     env = dict(os.environ)
     if args.guidellm_path:
         env["PYTHONPATH"] = os.pathsep.join([str(args.guidellm_path), env.get("PYTHONPATH", "")])
-    model = embedded_model("base")
+    model = os.path.relpath(embedded_model("base"), REPO)  # run from the repository: the report names no machine path
     command = [
         sys.executable, "-m", "guidellm", "run",
         "--backend", f"kind=openai_http,target={target},model=demo,request_format={request_format}",
@@ -48,7 +51,7 @@ def guidellm(args: argparse.Namespace, target: str, request_format: str, out: Pa
         "--output", f"kind=json,path={out}",
         "--disable-console-interactive",
     ]  # fmt: skip
-    subprocess.run(command, env=env, check=True, timeout=args.timeout)
+    subprocess.run(command, env=env, check=True, timeout=args.timeout, cwd=REPO)
     report: dict[str, Any] = json.loads(out.read_text())
     return report
 
