@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from splitspec.models.features import FeatureLog, full_model_step
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
 from splitspec.models.stack import FullModel
@@ -24,16 +25,32 @@ class LocalSequence:
         self.model = model
         self.cache = KVCache()
         self.tokens: list[int] = []  # token id behind every committed cache entry
+        self.features: FeatureLog | None = None  # every committed token's features, when a drafter reads them
+
+    def keep_features(self, layers: Sequence[int]) -> FeatureLog | None:
+        """Keep the features of ``layers`` of every token committed from now on (as
+        :meth:`splitspec.edge.sequence.EdgeSequence.keep_features`: only while the sequence is empty)."""
+        if self.features is not None and self.features.layers == tuple(layers):
+            return self.features
+        self.features = None if self.tokens else FeatureLog(layers)
+        return self.features
 
     def reset(self) -> None:
         self.cache = KVCache()
         self.tokens = []
+        if self.features is not None:
+            self.features.clear()
 
     def run(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
         """tokens (q,) -> logits (q, V); appends them to the cache."""
         parent_t = torch.tensor(chain(len(tokens)) if parents is None else list(parents), dtype=torch.int32)
         positions = (len(self.tokens) + depths(parent_t)).to(torch.int32)
-        logits: torch.Tensor = self.model(torch.tensor(list(tokens), dtype=torch.long), positions, parent_t, self.cache)
+        ids = torch.tensor(list(tokens), dtype=torch.long)
+        if self.features is None:
+            logits: torch.Tensor = self.model(ids, positions, parent_t, self.cache)
+        else:
+            logits, features = full_model_step(self.model, ids, positions, parent_t, self.cache, self.features.layers)
+            self.features.append(features)
         self.tokens.extend(tokens)
         return logits
 
@@ -48,11 +65,15 @@ class LocalSequence:
         start = len(self.tokens) - self.cache.last_step
         self.cache.keep_last(keep)
         self.tokens = self.tokens[:start] + [self.tokens[start + i] for i in keep]
+        if self.features is not None:
+            self.features.keep(start, keep)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` cached tokens."""
         self.cache.truncate(length)
         del self.tokens[length:]
+        if self.features is not None:
+            self.features.truncate(length)
 
     def append(self, tokens: Sequence[int], num_scored: int) -> torch.Tensor:
         """Feed ``tokens`` after the cached ones; (num_scored, V) float32 logits of the last positions."""

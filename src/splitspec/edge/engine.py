@@ -47,6 +47,8 @@ from splitspec.exceptions import (
 )
 from splitspec.models.batched import BatchRow, forward_batch
 from splitspec.models.batcher import RowBatcher
+from splitspec.models.features import edge_feature_sources
+from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
 from splitspec.protocol.codec import wire_bytes_per_token
@@ -102,6 +104,18 @@ class _TailBatcher(RowBatcher):
         super().__init__(max_batch_steps, gather=gather, thread_name="edge-tail", max_big_steps=EDGE_BIG_STEPS)
         self.runtime = runtime  # its model is read per batch, as the head's
         self.log = BatchLog()
+        # tail cache id -> the tail's outputs (q_chunk, H) of that sequence's step in flight, chunk by chunk, for a
+        # sequence that keeps features (see want_stream); written by the worker thread, read once the step is done
+        self._streams: dict[int, list[torch.Tensor]] = {}
+
+    def want_stream(self, cache: KVCache) -> list[torch.Tensor]:
+        """Record the tail's output stream (before the final norm) of the next step on ``cache``."""
+        chunks: list[torch.Tensor] = []
+        self._streams[id(cache)] = chunks
+        return chunks
+
+    def drop_stream(self, cache: KVCache) -> None:
+        self._streams.pop(id(cache), None)
 
     def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
         self.log.observe(steps, compute_ms)
@@ -110,6 +124,10 @@ class _TailBatcher(RowBatcher):
     def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
         model = self.runtime.model
         outs = forward_batch(model.tail, rows)
+        for out, row in zip(outs, rows, strict=True):
+            stream = self._streams.get(id(row.cache))
+            if stream is not None:
+                stream.append(out[0].clone())  # (q, H): the batch's padded tensor is not kept alive
         return [model.logits(out[:, row.outputs_from :]) for out, row in zip(outs, rows, strict=True)]
 
 
@@ -272,11 +290,13 @@ class EdgeEngine:
         parent_t = torch.tensor(parents, dtype=torch.int32)
         positions = (base + depths(parent_t)).to(torch.int32)
         ids = torch.tensor(tokens, dtype=torch.long)
+        features: torch.Tensor | None = None  # (q, F * H) when the sequence keeps features
         try:
             t0 = time.perf_counter()
             with torch.inference_mode():  # as the head's own forward (a compiled step guards on it)
                 embedded = runtime.model.embed(ids[None])  # (1, q, H) on the device
             hidden, _, _ = await self._head.submit(embedded, positions, parent_t, sequence.head_cache)  # (1, q, H)
+            head_out = hidden  # before the send noise: the head's output, as a whole model computes it
             digests: list[bytes] = []
             noise = runtime.send_noise
             if noise.scale > 0:
@@ -295,8 +315,11 @@ class EdgeEngine:
             t3 = time.perf_counter()
             trunk_out = runtime.staging.to_device(reply.hidden)  # (1, q, H)
             t4 = time.perf_counter()
+            stream = None if sequence.features is None else self._tail.want_stream(sequence.tail_cache)
             tail = self._tail.submit(trunk_out, positions, parent_t, sequence.tail_cache, logits_from)
             logits, _, _ = await tail  # (1, q - logits_from, V)
+            if stream is not None and sequence.features is not None:
+                features = self._features(sequence.features.layers, head_out[0], trunk_out[0], stream)
             t5 = time.perf_counter()
         except asyncio.CancelledError:
             # a worker may still be computing this step on the caches: leave them to it, and start the
@@ -309,9 +332,13 @@ class EdgeEngine:
                 if len(cache) > base:
                     cache.truncate(base)
             raise
+        finally:
+            self._tail.drop_stream(sequence.tail_cache)
         sequence.command = None
         sequence.tokens.extend(tokens)
         sequence.digests.extend(digests)
+        if features is not None and sequence.features is not None:
+            sequence.features.append(features)
         sequence.steps.append(
             StepStats(
                 kind=kind,
@@ -325,6 +352,18 @@ class EdgeEngine:
             )
         )
         return logits[0]
+
+    def _features(
+        self, layers: Sequence[int], head_out: torch.Tensor, trunk_out: torch.Tensor, stream: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """The step's features (q, F * H) for feature ``layers``: from the head's output (q, H), the trunk's
+        (q, H) and the tail's (chunks of (q_i, H))."""
+        plan = self.runtime.plan
+        sources = edge_feature_sources(layers, plan.num_layers, plan.head, plan.tail)
+        parts = {"head": head_out, "trunk": trunk_out}
+        if "tail" in sources:
+            parts["tail"] = torch.cat(stream, dim=0) if len(stream) > 1 else stream[0]
+        return torch.cat([parts[s] for s in sources], dim=-1)
 
     async def _send_step(self, sequence: EdgeSequence, step: Step) -> tuple[Message, Exchange]:
         """Send ``step`` and return its reply, waiting out the trunk's capacity refusals.

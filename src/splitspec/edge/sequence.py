@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from splitspec.decoding.controller import SpeculationController
 from splitspec.edge.link import TrunkConnection
 from splitspec.edge.runtime import EdgeRuntime
+from splitspec.models.features import FeatureLog
 from splitspec.protocol.messages import CacheCommand
 
 
@@ -54,6 +55,17 @@ class EdgeSequence:
         self.recoveries = 0
         self.capacity_waits = 0  # steps sent again after a capacity refusal
         self.controller: SpeculationController | None = None  # its own acceptance estimates (see EdgeEngine)
+        # every committed token's hidden states, for a drafter that reads them (an EAGLE head); None: not kept
+        self.features: FeatureLog | None = None
+
+    def keep_features(self, layers: Sequence[int]) -> FeatureLog | None:
+        """Keep the features of ``layers`` (see :mod:`splitspec.models.features`) of every token committed from
+        now on. Only a sequence that holds no tokens yet can start (or change) its log: the tokens already
+        committed have no features, and None is returned (a drafter then has nothing to read)."""
+        if self.features is not None and self.features.layers == tuple(layers):
+            return self.features
+        self.features = None if self.tokens else FeatureLog(layers)
+        return self.features
 
     @property
     def edge_cache_bytes(self) -> int:
@@ -68,6 +80,8 @@ class EdgeSequence:
         self.command = CacheCommand(truncate_to=0) if self.tokens or self.command is not None else None
         self.tokens = []
         self.digests = []
+        if self.features is not None:
+            self.features.clear()
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` committed tokens on both sides (prefix reuse across chat turns).
@@ -89,6 +103,8 @@ class EdgeSequence:
         self.tail_cache.truncate(length)
         del self.tokens[length:]
         del self.digests[length:]
+        if self.features is not None:
+            self.features.truncate(length)
         self.command = command
 
     def keep(self, indices: Sequence[int]) -> None:
@@ -105,6 +121,8 @@ class EdgeSequence:
         self.tokens = self.tokens[:start] + [self.tokens[start + i] for i in keep]
         if self.digests:
             self.digests = self.digests[:start] + [self.digests[start + i] for i in keep]
+        if self.features is not None:
+            self.features.keep(start, keep)
         self.command = CacheCommand(keep_last=keep)
 
     def forget_caches(self) -> list[int]:
@@ -112,4 +130,6 @@ class EdgeSequence:
         history = list(self.tokens)
         self.head_cache, self.tail_cache = self.runtime.new_cache(), self.runtime.new_cache()
         self.tokens, self.command, self.digests = [], None, []
+        if self.features is not None:
+            self.features.clear()  # the replay computes them again
         return history
