@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from splitspec.decoding.drafters import Draft, DraftModel
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, speculative_decode
-from splitspec.decoding.trees import dynamic_tree, gumbel_top_k
+from splitspec.decoding.trees import SiblingStats, dynamic_tree, gumbel_top_k, rank_values
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.stack import FullModel, load_full
 from tests.conftest import law_fit_pvalue, local_greedy
@@ -113,6 +114,57 @@ def test_sampled_tree_draws_without_replacement() -> None:
         for group in siblings.values():
             assert len(group) <= 3
             assert len({draft.tokens[i] for i in group}) == len(group)  # no token twice among siblings
+
+
+def test_sampled_tree_spends_the_budget_on_depth_first() -> None:
+    """The j-th sibling is tried only after the ones before it failed: with rates (.6, .3, ...) the
+    first draws chain deep, and side branches come where they beat the next level."""
+    expand = MarkovExpander(ROOT, NEXT)
+    gen = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=1.0)
+    draft = dynamic_tree(expand, 8, params, gen, top_k=4, depth=8)
+    depth = [0] * len(draft)
+    for i, p in enumerate(draft.parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    assert len(draft) == 8
+    assert max(depth) == 5  # values .6, .36, .22, .13, .078 down the chain, .12 and .072 for the side branches
+    assert draft.parents.count(-1) == 2
+    expand.calls.clear()
+    wide = dynamic_tree(expand, 8, params, gen, top_k=4, depth=8, acceptance=(0.2, 0.6, 0.6, 0.6))
+    assert wide.parents.count(-1) == 4  # siblings worth more than depth: the roots fill up first
+    assert rank_values((0.5, 0.5), 3) == pytest.approx([math.log(0.5), math.log(0.25), math.log(0.125)])
+
+
+def test_sibling_stats_read_the_accepted_rank() -> None:
+    # roots 7 (node 0) and 8 (node 1); node 0's children 3 (node 2) and 4 (node 3)
+    draft = Draft([7, 8, 3, 4], [-1, -1, 0, 0])
+    stats = SiblingStats(prior=(0.5, 0.5, 0.5), prior_weight=0.0, decay=1.0)
+    stats.observe(draft, [7, 4, 9])  # root rank 0 taken, then rank 1 below it, then a bonus token
+    assert stats.tried == [2.0, 1.0, 0.0]
+    assert stats.accepted == [1.0, 1.0, 0.0]
+    stats.observe(draft, [5])  # both roots rejected, a residual token emitted
+    assert stats.tried == [3.0, 2.0, 0.0]
+    assert stats.accepted == [1.0, 1.0, 0.0]
+    assert stats.rates()[:2] == pytest.approx([1 / 3, 1 / 2])
+
+
+async def test_draft_model_measures_its_sibling_ranks(make_checkpoint: Callable[..., Path]) -> None:
+    directory = make_checkpoint("llama", vocab=16, logit_scale=5.0)
+    model = full(directory)
+    params = SamplingParams(temperature=0.9)
+    drafter = DraftModel(model, SamplingParams(temperature=0.5), torch.Generator().manual_seed(0), top_k=3, depth=4)
+    out = speculative_decode(
+        LocalSequence(model),
+        [0, 13, 2, 8],
+        40,
+        params,
+        torch.Generator().manual_seed(0),
+        {"draft": drafter},
+        FixedPolicy("draft", 6),
+    )
+    assert len([t async for t in out]) == 40
+    assert drafter.siblings.tried[0] > 5  # every step's tree was read back from the next context
+    assert drafter.siblings.accepted[0] > 0
 
 
 def gumbel_first_token_counts(p: torch.Tensor, q: torch.Tensor, children: int, n: int) -> Counter[int]:

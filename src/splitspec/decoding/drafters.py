@@ -26,7 +26,7 @@ import torch
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.trees import Draft as Draft
-from splitspec.decoding.trees import TreeExpander, dynamic_tree
+from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree
 from splitspec.models.stack import FullModel
 
 
@@ -161,6 +161,8 @@ class DraftModel:
         self.generator = generator or torch.Generator()
         self.top_k = top_k  # children per expanded node, and nodes expanded per depth
         self.depth = depth  # levels of the tree at most; None: the budget
+        self.siblings = SiblingStats()  # sampling: how often each sibling rank is accepted, measured
+        self._last: tuple[list[int], Draft] | None = None  # the last sampled draft and its context
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits."""
@@ -188,11 +190,17 @@ class DraftModel:
     def propose(self, context: Sequence[int], budget: int) -> Draft:
         if budget < 1 or not context:
             return Draft.empty()
+        if self._last is not None:  # what the verifier made of the last tree, if this context follows it
+            before, last = self._last
+            if len(context) > len(before) and list(context[: len(before)]) == before:
+                self.siblings.observe(last, context[len(before) :])
         root = self._sync(context)  # (V,)
         ran: list[list[int]] = []
         depth = budget if self.depth is None else self.depth
         expand = self._expander(len(context), root, ran)
-        draft = dynamic_tree(expand, budget, self.params, self.generator, self.top_k, depth)
+        rates = self.siblings.rates()
+        draft = dynamic_tree(expand, budget, self.params, self.generator, self.top_k, depth, rates)
+        self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
         if ran:  # keep the first branch of the last tree run: a chain, valid for the next context
             parents = ran[0]
             branch: list[int] = []

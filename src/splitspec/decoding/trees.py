@@ -12,12 +12,14 @@ the tree one depth per expander call and returns a :class:`Draft` (the tree ever
 * **Sampling**: children are *draws* from the drafter's warped distribution q without replacement
   (Gumbel-top-k), so multi-draft verification
   (:func:`~splitspec.decoding.acceptance.sample_verify_tree`) stays lossless. How many children a
-  node gets is decided from what is known before they are drawn (the frontier's cumulative q and
-  its own q rows), never from the children's values, and no drawn node is pruned afterwards: a
-  pruning that looked at the draws would bias them. The budget is spread over the levels by
-  best-first allocation on the expected value of each slot (its parent's cumulative q times the
-  j-th largest q of the parent's row), with the deeper levels forecast from this level's rows so
-  that a wide shallow level does not eat the budget a deep chain would use better.
+  node gets is decided before they are drawn, never from their values, and no drawn node is pruned
+  afterwards (a pruning that looked at the draws would bias them). The budget goes best-first to
+  the slots the verifier is likeliest to reach and accept: the j-th sampled sibling is accepted
+  with a rate that falls fast with j (it is tried only once those before it were rejected), so
+  depth usually beats width; the rates are a prior or measured by the drafter
+  (:class:`SiblingStats`), the deeper levels are forecast from them so a wide level does not take
+  the budget a deeper one would use better, and the ``top_k`` frontier nodes to expand are the
+  likeliest reached (ties: the highest cumulative q).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from typing import Protocol
 import torch
 
 from splitspec.decoding.sampling import SamplingParams
+
+# prior chance that the j-th sampled sibling is accepted once the ones before it were rejected
+SIBLING_ACCEPTANCE = (0.6, 0.3, 0.2, 0.15)
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,50 @@ class TreeExpander(Protocol):
         ...
 
 
+class SiblingStats:
+    """Measured chance that the j-th sampled sibling is accepted once the ones before it were rejected.
+
+    A drafter shows it each sampled draft with the tokens the verifier emitted after the context
+    it drafted for (the accepted path, then the next token: what the next context adds). A rejected
+    sibling's token is never emitted at its place (the residual gives it no mass), so the emitted
+    token names the accepted sibling, or none.
+    """
+
+    def __init__(self, prior: Sequence[float] = SIBLING_ACCEPTANCE, prior_weight: float = 4.0, decay: float = 0.97):
+        self.prior = list(prior)
+        self.prior_weight = prior_weight  # pseudo-observations behind the prior
+        self.decay = decay  # per-observation decay: the rates follow the text
+        self.tried = [0.0] * len(self.prior)  # decayed counts of siblings tried, by rank
+        self.accepted = [0.0] * len(self.prior)  # ... and accepted
+
+    def observe(self, draft: Draft, emitted: Sequence[int]) -> None:
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(draft.parents):
+            children.setdefault(parent, []).append(node)
+        node = -1
+        for token in emitted:
+            kids = children.get(node, [])
+            if not kids:
+                return
+            node = -2  # none accepted, unless a child matches
+            for rank, child in enumerate(kids[: len(self.prior)]):
+                hit = draft.tokens[child] == token
+                self.tried[rank] = self.decay * self.tried[rank] + 1.0
+                self.accepted[rank] = self.decay * self.accepted[rank] + float(hit)
+                if hit:
+                    node = child
+                    break
+            if node == -2:
+                return
+
+    def rates(self) -> list[float]:
+        w = self.prior_weight
+        return [
+            (a + p * w) / (t + w) if t + w > 0 else p
+            for a, p, t in zip(self.accepted, self.prior, self.tried, strict=True)
+        ]
+
+
 def dynamic_tree(
     expand: TreeExpander,
     budget: int,
@@ -70,12 +119,16 @@ def dynamic_tree(
     generator: torch.Generator | None,
     top_k: int = 4,
     depth: int = 6,
+    acceptance: Sequence[float] = SIBLING_ACCEPTANCE,
 ) -> Draft:
     """A draft tree of at most ``budget`` nodes and ``depth`` levels, ``top_k`` children per node at most.
 
     Nodes come parents first. Greedy: ``probs`` is None. Sampling (``params`` not greedy, a
     ``generator`` required): ``probs`` (n, V) holds for every node the q it was drawn from (its
-    parent's row, shared by siblings, which are draws without replacement in node order).
+    parent's row, shared by siblings, which are draws without replacement in node order), and the
+    budget goes where the verifier is likeliest to accept: ``acceptance[j]`` is the chance the j-th
+    sibling is accepted once those before it were rejected (a drafter may measure it: see
+    :class:`SiblingStats`).
     """
     if top_k < 1 or depth < 1:
         raise ValueError(f"top_k ({top_k}) and depth ({depth}) must be >= 1")
@@ -85,7 +138,7 @@ def dynamic_tree(
         return _greedy_tree(expand, budget, top_k, depth)
     if generator is None:
         raise ValueError("a sampled draft tree needs a generator")
-    return _sampled_tree(expand, budget, params, generator, top_k, depth)
+    return _sampled_tree(expand, budget, params, generator, top_k, depth, acceptance)
 
 
 def _rows(expand: TreeExpander, tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -142,54 +195,75 @@ def gumbel_top_k(q: torch.Tensor, count: int, generator: torch.Generator) -> lis
     return [int(i) for i in keys.topk(count).indices.tolist()] if count > 0 else []
 
 
-def _allocate(
-    bases: Sequence[float], sorted_logq: Sequence[list[float]], room: int, levels_after: int, top_k: int
-) -> list[int]:
-    """Children for each expanding node: best-first over slots by expected log value, deeper levels forecast.
+def rank_values(acceptance: Sequence[float], top_k: int) -> list[float]:
+    """log P(the j-th sibling is the one accepted), j < top_k, from each rank's acceptance rate.
 
-    Slot j of node v is worth ``bases[v] + sorted_logq[v][j]`` (its j-th likeliest child). Every
-    slot taken forecasts a subtree below it, each level worth the mean sorted q profile of this
-    level's rows; a forecast node taken reserves budget for a later level. Returns each node's count.
+    ``acceptance[j]``: the chance the j-th drawn sibling is accepted once the ones before it were
+    rejected (the last rate serves the ranks past the end).
     """
-    profile = [
-        math.log(max(1e-30, sum(math.exp(r[j]) for r in sorted_logq if j < len(r)) / len(sorted_logq)))
-        for j in range(top_k)
-    ]
-    counts = [0] * len(bases)
-    # heap entries: (-value, tie, kind, node or parent value, j, levels left below this slot)
-    heap: list[tuple[float, int, int, float, int, int]] = []
+    out: list[float] = []
+    rejected = 1.0
+    for j in range(top_k):
+        a = min(1.0, max(1e-6, acceptance[min(j, len(acceptance) - 1)]))
+        out.append(math.log(max(1e-30, rejected * a)))
+        rejected *= 1 - a
+    return out
+
+
+def _allocate(
+    reach: Sequence[float], support: Sequence[int], ranks: Sequence[float], room: int, levels_after: int
+) -> list[int]:
+    """Children for each expanding node: best-first over slots by the chance they are accepted.
+
+    Slot j of node v is worth ``reach[v] + ranks[j]`` (log chance the verifier reaches v, then
+    takes its j-th child); ``support[v]`` caps v's slots (tokens q can draw). Every slot taken
+    forecasts the tree below it by the same rank values, and a forecast node taken reserves budget
+    for a later level, so a wide level does not take what a deeper one would use better.
+    Returns each node's count.
+    """
+    top_k = len(ranks)
+    counts = [0] * len(reach)
+    # heap entries: (-value, tie, is forecast, node or parent's value, rank j, levels left below)
+    heap: list[tuple[float, int, bool, float, int, int]] = []
     tie = 0
-    for v, row in enumerate(sorted_logq):
-        if row and row[0] > -math.inf:
-            heap.append((-(bases[v] + row[0]), tie, 0, float(v), 0, levels_after))
+    for v in range(len(reach)):
+        if support[v] > 0:
+            heap.append((-(reach[v] + ranks[0]), tie, False, float(v), 0, levels_after))
             tie += 1
     heapq.heapify(heap)
     taken = 0
     while heap and taken < room:
-        neg, _, kind, ref, j, below = heapq.heappop(heap)
-        value = -neg
+        neg, _, forecast, ref, j, below = heapq.heappop(heap)
         taken += 1
-        if kind == 0:  # a real slot of node ref at this level
+        if not forecast:  # a real slot of node ref at this level
             v = int(ref)
             counts[v] += 1
-            if j + 1 < len(sorted_logq[v]) and sorted_logq[v][j + 1] > -math.inf:
-                heapq.heappush(heap, (-(bases[v] + sorted_logq[v][j + 1]), tie, 0, ref, j + 1, below))
+            if j + 1 < min(top_k, support[v]):
+                heapq.heappush(heap, (-(reach[v] + ranks[j + 1]), tie, False, ref, j + 1, below))
                 tie += 1
         elif j + 1 < top_k:  # a forecast node: its next sibling
-            heapq.heappush(heap, (-(ref + profile[j + 1]), tie, 1, ref, j + 1, below))
+            heapq.heappush(heap, (-(ref + ranks[j + 1]), tie, True, ref, j + 1, below))
             tie += 1
         if below > 0:  # its forecast first child, one level down
-            heapq.heappush(heap, (-(value + profile[0]), tie, 1, value, 0, below - 1))
+            heapq.heappush(heap, (neg - ranks[0], tie, True, -neg, 0, below - 1))
             tie += 1
     return counts
 
 
 def _sampled_tree(
-    expand: TreeExpander, budget: int, params: SamplingParams, generator: torch.Generator, top_k: int, depth: int
+    expand: TreeExpander,
+    budget: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    top_k: int,
+    depth: int,
+    acceptance: Sequence[float],
 ) -> Draft:
+    ranks = rank_values(acceptance, top_k)
     tokens: list[int] = []
     parents: list[int] = []
-    scores: list[float] = []  # cumulative log q of each node's path
+    reach: list[float] = []  # log chance the verifier reaches each node (by sibling ranks)
+    scores: list[float] = []  # cumulative log q of each node's path: breaks ties in reach
     rows: list[torch.Tensor] = []  # (V,) the q each node was drawn from
     frontier = [-1]  # the nodes this level may expand (-1: the context), best first
     for level in range(depth):
@@ -198,19 +272,20 @@ def _sampled_tree(
             break
         logits = _rows(expand, tokens, parents)
         qs = [params.probabilities(logits[node + 1]) for node in frontier]  # each (V,)
-        sorted_logq = [q.topk(min(top_k, q.shape[0])).values.log().tolist() for q in qs]
-        bases = [0.0 if node < 0 else scores[node] for node in frontier]
-        # decided before any child is drawn: from the frontier's own scores and rows only
-        counts = _allocate(bases, sorted_logq, room, depth - level - 1, top_k)
+        base = [0.0 if node < 0 else reach[node] for node in frontier]
+        # decided before any child is drawn: from the frontier's own standing and rows only
+        counts = _allocate(base, [int((q > 0).sum()) for q in qs], ranks, room, depth - level - 1)
         added: list[int] = []
-        for node, q, base, count in zip(frontier, qs, bases, counts, strict=True):
-            for token in gumbel_top_k(q, count, generator):  # siblings: draws without replacement
+        for node, q, node_reach, count in zip(frontier, qs, base, counts, strict=True):
+            node_score = 0.0 if node < 0 else scores[node]
+            for rank, token in enumerate(gumbel_top_k(q, count, generator)):  # draws without replacement
                 added.append(len(tokens))
                 tokens.append(token)
                 parents.append(node)
-                scores.append(base + math.log(float(q[token])))
+                reach.append(node_reach + ranks[rank])
+                scores.append(node_score + math.log(float(q[token])))
                 rows.append(q)
-        frontier = _best(added, scores, top_k)
+        frontier = sorted(added, key=lambda i: (-reach[i], -scores[i], i))[:top_k]
     if not tokens:
         return Draft.empty()
     return Draft(tokens, parents, torch.stack(rows))  # probs (n, V)
