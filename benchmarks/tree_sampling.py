@@ -4,11 +4,11 @@ The embedded demo models (base verifies, draft drafts), float32, one thread, tem
 verified locally (a :class:`~splitspec.decoding.local.LocalSequence`: the ratio of tokens per
 step is what a split gains, each step being one round trip there). For each held-out prompt (code
 and prose) and repeat, both shapes decode the same number of tokens with the same fixed budget,
-interleaved. Reported: tokens per verification step, drafting ms per step, the verifier's ms per
+interleaved, at each budget. Reported: tokens per verification step, drafting ms per step, the verifier's ms per
 step here, and the tok/s those give over a link of RTT r, modelled as tokens per step /
 (r + verify + draft) (the trunk's share of a step sits inside "verify" here).
 
-    python benchmarks/tree_sampling.py [--budget 8] [--tokens 64] [--repeats 3] [--out benchmarks/results/trees]
+    python benchmarks/tree_sampling.py [--budgets 8 16] [--tokens 64] [--repeats 3] [--out benchmarks/results/trees]
 
 Writes tree_sampling.json and tree_sampling.md into --out.
 """
@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,8 @@ HELDOUT = REPO / "src" / "splitspec" / "assets" / "corpus" / "heldout"
 PROMPTS = (("code", "code/chunk.txt"), ("code", "code/asyncio.taskgroups.txt"), ("prose", None), ("prose", None))
 PROMPT_CHARS = 400  # of each held-out text
 RTTS_MS = (20.0, 80.0)
-SHAPES = {"chain": (1, None), "tree": (4, 6)}  # (top_k, depth): top_k 1 is one chain as deep as the budget
+# (top_k, depth): top_k 1 is one chain as deep as the budget; the tree is DraftModel's default
+SHAPES = {"chain": (1, None), "tree": (4, 8)}
 
 
 def prompt_texts() -> list[tuple[str, str, str]]:
@@ -93,9 +95,67 @@ def summarise(steps: list[SpecStep]) -> dict[str, float]:
     return out
 
 
+def run_budget(
+    model: FullModel, draft: FullModel, prompts: list[tuple[str, list[int]]], budget: int, tokens: int, repeats: int
+) -> dict[str, Any]:
+    """Both shapes at one budget, interleaved per prompt and repeat: overall and per-prompt figures."""
+    steps: dict[str, list[SpecStep]] = {shape: [] for shape in SHAPES}
+    per_prompt: list[dict[str, Any]] = []
+    for name, ids in prompts:
+        mine: dict[str, list[SpecStep]] = {shape: [] for shape in SHAPES}
+        for repeat in range(repeats):
+            for shape in SHAPES:  # interleaved: both shapes see the machine in the same state
+                trace = asyncio.run(one(model, draft, ids, shape, budget, tokens, seed=repeat))
+                mine[shape] += trace
+                steps[shape] += trace
+        row: dict[str, Any] = {"prompt": name, "prompt_tokens": len(ids)}
+        row.update({shape: summarise(mine[shape]) for shape in SHAPES})
+        row["tree_over_chain_tokens_per_step"] = row["tree"]["tokens_per_step"] / row["chain"]["tokens_per_step"]
+        per_prompt.append(row)
+        print(budget, name, {s: round(row[s]["tokens_per_step"], 2) for s in SHAPES}, flush=True)
+    overall = {shape: summarise(steps[shape]) for shape in SHAPES}
+    ratios = {key: overall["tree"][key] / overall["chain"][key] for key in overall["tree"] if key != "steps"}
+    return {"budget": budget, "overall": overall, "tree_over_chain": ratios, "per_prompt": per_prompt}
+
+
+def table(results: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| budget | shape | tokens/step | accepted/step | draft ms | verify ms | "
+        + " | ".join(f"tok/s @ {r:g} ms" for r in RTTS_MS)
+        + " |",
+        "|---:|---|---:|---:|---:|---:|" + "---:|" * len(RTTS_MS),
+    ]
+    for res in results:
+        b = res["budget"]
+        for shape, s in res["overall"].items():
+            lines.append(
+                f"| {b} | {shape} | {s['tokens_per_step']:.2f} | {s['accepted_per_step']:.2f} | {s['draft_ms']:.1f} | "
+                f"{s['verify_ms']:.1f} | " + " | ".join(f"{s[f'tok_s_at_{r:g}ms']:.1f}" for r in RTTS_MS) + " |"
+            )
+        q = res["tree_over_chain"]
+        lines.append(
+            f"| {b} | **tree / chain** | **{q['tokens_per_step']:.2f}x** | {q['accepted_per_step']:.2f}x | "
+            f"{q['draft_ms']:.2f}x | {q['verify_ms']:.2f}x | "
+            + " | ".join(f"**{q[f'tok_s_at_{r:g}ms']:.2f}x**" for r in RTTS_MS)
+            + " |"
+        )
+    lines += [
+        "",
+        "| budget | prompt | chain tokens/step | tree tokens/step | tree / chain |",
+        "|---:|---|---:|---:|---:|",
+    ]
+    for res in results:
+        for row in res["per_prompt"]:
+            lines.append(
+                f"| {res['budget']} | {row['prompt']} | {row['chain']['tokens_per_step']:.2f} | "
+                f"{row['tree']['tokens_per_step']:.2f} | {row['tree_over_chain_tokens_per_step']:.2f}x |"
+            )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", type=int, default=8, help="draft tokens (tree nodes) per step, both shapes")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16], help="draft tokens (tree nodes) per step")
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt and repeat")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (seeds) per prompt")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/trees"))
@@ -106,28 +166,13 @@ def main() -> None:
     model = load_full(Checkpoint(base_dir), torch.float32)
     draft = load_full(Checkpoint(draft_dir), torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    prompts = prompt_texts()
-    steps: dict[str, list[SpecStep]] = {shape: [] for shape in SHAPES}
-    per_prompt: list[dict[str, Any]] = []
+    prompts = [(f"{name} ({label})", list(tokenizer(text)["input_ids"])) for label, name, text in prompt_texts()]
+    t0 = time.perf_counter()
     with torch.inference_mode():
-        for label, name, text in prompts:
-            ids = list(tokenizer(text)["input_ids"])
-            row: dict[str, Any] = {"prompt": name, "kind": label, "prompt_tokens": len(ids)}
-            mine: dict[str, list[SpecStep]] = {shape: [] for shape in SHAPES}
-            for repeat in range(args.repeats):
-                for shape in SHAPES:  # interleaved: both shapes see the machine in the same state
-                    trace = asyncio.run(one(model, draft, ids, shape, args.budget, args.tokens, seed=repeat))
-                    mine[shape] += trace
-                    steps[shape] += trace
-            for shape in SHAPES:
-                row[shape] = summarise(mine[shape])
-            row["tree_over_chain_tokens_per_step"] = row["tree"]["tokens_per_step"] / row["chain"]["tokens_per_step"]
-            per_prompt.append(row)
-            print(name, {s: round(row[s]["tokens_per_step"], 2) for s in SHAPES}, flush=True)
-    overall = {shape: summarise(steps[shape]) for shape in SHAPES}
-    ratios = {key: overall["tree"][key] / overall["chain"][key] for key in overall["tree"] if key != "steps"}
+        results = [run_budget(model, draft, prompts, b, args.tokens, args.repeats) for b in args.budgets]
     result = {
         "environment": env,
+        "wall_s": time.perf_counter() - t0,
         "models": {
             "verifier": display_path(base_dir, REPO),
             "draft": display_path(draft_dir, REPO),
@@ -135,48 +180,30 @@ def main() -> None:
         },
         "settings": {
             "temperature": 0.8,
-            "budget": args.budget,
             "tokens": args.tokens,
             "repeats": args.repeats,
             "shapes": {k: {"top_k": v[0], "depth": v[1]} for k, v in SHAPES.items()},
             "prompt_chars": PROMPT_CHARS,
+            "rtts_ms": list(RTTS_MS),
         },
-        "overall": overall,
-        "tree_over_chain": ratios,
-        "per_prompt": per_prompt,
+        "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tree_sampling.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         "# Sampled drafting (temperature 0.8): one chain vs a dynamic tree, same budget",
         "",
-        f"Draft model drafting for the base model (demo models, float32, one thread), budget {args.budget} "
-        f"draft tokens a step, {args.tokens} tokens per prompt, {args.repeats} interleaved repeats, "
-        f"commit `{env['commit']}`. Verified locally; tok/s over a link is modelled as tokens per step / "
-        "(RTT + verify + draft), medians of the per-step times.",
+        f"The demo draft model drafting for the demo base model (float32, one thread), {args.tokens} tokens per "
+        f"prompt, {args.repeats} interleaved repeats, commit `{env['commit']}`. chain: top_k 1, as deep as the "
+        "budget; tree: top_k 4, depth 8 (DraftModel's default). Verified locally (LocalSequence); tok/s over a "
+        "link is modelled as tokens per step / (RTT + verify + draft), per-step medians.",
         "",
-        "| shape | tokens/step | accepted/step | draft ms | verify ms | "
-        + " | ".join(f"tok/s @ {r:g} ms" for r in RTTS_MS)
-        + " |",
-        "|---|---:|---:|---:|---:|" + "---:|" * len(RTTS_MS),
+        "    python benchmarks/tree_sampling.py "
+        + " ".join(f"--budgets {' '.join(map(str, args.budgets))}".split())
+        + f" --tokens {args.tokens} --repeats {args.repeats}",
+        "",
+        *table(results),
     ]
-    for shape, s in overall.items():
-        lines.append(
-            f"| {shape} | {s['tokens_per_step']:.2f} | {s['accepted_per_step']:.2f} | {s['draft_ms']:.1f} | "
-            f"{s['verify_ms']:.1f} | " + " | ".join(f"{s[f'tok_s_at_{r:g}ms']:.1f}" for r in RTTS_MS) + " |"
-        )
-    lines.append(
-        f"| **tree / chain** | **{ratios['tokens_per_step']:.2f}x** | {ratios['accepted_per_step']:.2f}x | "
-        f"{ratios['draft_ms']:.2f}x | {ratios['verify_ms']:.2f}x | "
-        + " | ".join(f"**{ratios[f'tok_s_at_{r:g}ms']:.2f}x**" for r in RTTS_MS)
-        + " |"
-    )
-    lines += ["", "| prompt | kind | chain tokens/step | tree tokens/step | tree / chain |", "|---|---|---:|---:|---:|"]
-    for row in per_prompt:
-        lines.append(
-            f"| {row['prompt']} | {row['kind']} | {row['chain']['tokens_per_step']:.2f} | "
-            f"{row['tree']['tokens_per_step']:.2f} | {row['tree_over_chain_tokens_per_step']:.2f}x |"
-        )
     (args.out / "tree_sampling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

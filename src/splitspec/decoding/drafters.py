@@ -150,7 +150,7 @@ class DraftModel:
         params: SamplingParams,
         generator: torch.Generator | None = None,
         top_k: int = 4,
-        depth: int | None = 6,
+        depth: int | None = 8,
     ) -> None:
         self.sequence = LocalSequence(model)
         self.params = params
