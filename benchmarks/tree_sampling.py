@@ -1,6 +1,7 @@
 """Benchmark: sampled drafting with the draft model, a single chain against a dynamic tree, same budget.
 
-The embedded demo models (base verifies, draft drafts), float32, one thread, temperature 0.8,
+The embedded demo models (base verifies, draft drafts), float32, one thread, temperature 0.8 (or
+``--temperature``; 0 is greedy, where the tree is EAGLE-2's top-k expansion and rerank),
 verified locally (a :class:`~splitspec.decoding.local.LocalSequence`: the ratio of tokens per
 step is what a split gains, each step being one round trip there). For each held-out prompt (code
 and prose) and repeat, both shapes decode the same number of tokens with the same fixed budget,
@@ -8,7 +9,8 @@ interleaved, at each budget. Reported: tokens per verification step, drafting ms
 step here, and the tok/s those give over a link of RTT r, modelled as tokens per step /
 (r + verify + draft) (the trunk's share of a step sits inside "verify" here).
 
-    python benchmarks/tree_sampling.py [--budgets 8 16] [--tokens 64] [--repeats 3] [--out benchmarks/results/trees]
+    python benchmarks/tree_sampling.py [--budgets 8 16] [--tokens 64] [--repeats 3] [--temperature 0.8]
+        [--out benchmarks/results/trees]
 
 Writes tree_sampling.json and tree_sampling.md into --out.
 """
@@ -57,9 +59,16 @@ def prompt_texts() -> list[tuple[str, str, str]]:
 
 
 async def one(
-    model: FullModel, draft: FullModel, ids: list[int], shape: str, budget: int, tokens: int, seed: int
+    model: FullModel,
+    draft: FullModel,
+    ids: list[int],
+    shape: str,
+    budget: int,
+    tokens: int,
+    seed: int,
+    temperature: float,
 ) -> list[SpecStep]:
-    params = SamplingParams(temperature=0.8)
+    params = SamplingParams(temperature=temperature)
     top_k, depth = SHAPES[shape]
     drafter = DraftModel(draft, params, torch.Generator().manual_seed(10_000 + seed), top_k=top_k, depth=depth)
     trace: list[SpecStep] = []
@@ -96,7 +105,13 @@ def summarise(steps: list[SpecStep]) -> dict[str, float]:
 
 
 def run_budget(
-    model: FullModel, draft: FullModel, prompts: list[tuple[str, list[int]]], budget: int, tokens: int, repeats: int
+    model: FullModel,
+    draft: FullModel,
+    prompts: list[tuple[str, list[int]]],
+    budget: int,
+    tokens: int,
+    repeats: int,
+    temperature: float,
 ) -> dict[str, Any]:
     """Both shapes at one budget, interleaved per prompt and repeat: overall and per-prompt figures."""
     steps: dict[str, list[SpecStep]] = {shape: [] for shape in SHAPES}
@@ -105,7 +120,7 @@ def run_budget(
         mine: dict[str, list[SpecStep]] = {shape: [] for shape in SHAPES}
         for repeat in range(repeats):
             for shape in SHAPES:  # interleaved: both shapes see the machine in the same state
-                trace = asyncio.run(one(model, draft, ids, shape, budget, tokens, seed=repeat))
+                trace = asyncio.run(one(model, draft, ids, shape, budget, tokens, repeat, temperature))
                 mine[shape] += trace
                 steps[shape] += trace
         row: dict[str, Any] = {"prompt": name, "prompt_tokens": len(ids)}
@@ -158,6 +173,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16], help="draft tokens (tree nodes) per step")
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt and repeat")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats (seeds) per prompt")
+    parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0: greedy)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/trees"))
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -169,7 +185,9 @@ def main() -> None:
     prompts = [(f"{name} ({label})", list(tokenizer(text)["input_ids"])) for label, name, text in prompt_texts()]
     t0 = time.perf_counter()
     with torch.inference_mode():
-        results = [run_budget(model, draft, prompts, b, args.tokens, args.repeats) for b in args.budgets]
+        results = [
+            run_budget(model, draft, prompts, b, args.tokens, args.repeats, args.temperature) for b in args.budgets
+        ]
     result = {
         "environment": env,
         "wall_s": time.perf_counter() - t0,
@@ -179,7 +197,7 @@ def main() -> None:
             "dtype": "float32",
         },
         "settings": {
-            "temperature": 0.8,
+            "temperature": args.temperature,
             "tokens": args.tokens,
             "repeats": args.repeats,
             "shapes": {k: {"top_k": v[0], "depth": v[1]} for k, v in SHAPES.items()},
@@ -191,7 +209,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tree_sampling.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
-        "# Sampled drafting (temperature 0.8): one chain vs a dynamic tree, same budget",
+        f"# Drafting at temperature {args.temperature:g}: one chain vs a dynamic tree, same budget",
         "",
         f"The demo draft model drafting for the demo base model (float32, one thread), {args.tokens} tokens per "
         f"prompt, {args.repeats} interleaved repeats, commit `{env['commit']}`. chain: top_k 1, as deep as the "
@@ -200,7 +218,7 @@ def main() -> None:
         "",
         "    python benchmarks/tree_sampling.py "
         + " ".join(f"--budgets {' '.join(map(str, args.budgets))}".split())
-        + f" --tokens {args.tokens} --repeats {args.repeats}",
+        + f" --tokens {args.tokens} --repeats {args.repeats} --temperature {args.temperature:g}",
         "",
         *table(results),
     ]
