@@ -91,8 +91,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-model",
         type=model_dir,
-        help="small local model sharing the tokenizer, for --speculate draft (a "
-        "directory or a cached org/name[@revision])",
+        help="small local model sharing the tokenizer, for --speculate draft: it drafts a dynamic tree "
+        "(EAGLE-2), greedy or sampled (a directory or a cached org/name[@revision])",
     )
 
 

@@ -91,3 +91,34 @@ def test_greedy_tree_walks_the_matching_branch() -> None:
     verdict = greedy_verify_tree(tokens, parents, logits)
     assert verdict.path == [2, 3]
     assert verdict.next_token == 2
+
+
+def reference_chain_verify(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen: torch.Generator) -> tuple[int, int]:
+    """Leviathan et al.'s rule written out for a chain: (accepted, next token)."""
+    for i, x in enumerate(draft):
+        if torch.rand((), generator=gen).item() < min(1.0, float(p[i, x]) / float(q[i, x])):
+            continue
+        return i, int(torch.multinomial(residual(p[i], q[i]), 1, generator=gen))
+    return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=gen))
+
+
+def test_chain_verification_is_plain_speculative_sampling() -> None:
+    """One child per node: the tree rule makes the very draws of the single-draft rule, seed for seed."""
+    torch.manual_seed(0)
+    for seed in range(200):
+        q = torch.rand(3, 6).softmax(-1)
+        p = (2 * torch.rand(4, 6)).softmax(-1)
+        draft = [int(torch.multinomial(q[i], 1)) for i in range(3)]
+        verdict = speculative_verify(draft, q, p, torch.Generator().manual_seed(seed))
+        assert (verdict.accepted, verdict.next_token) == reference_chain_verify(
+            draft, q, p, torch.Generator().manual_seed(seed)
+        )
+
+
+def test_siblings_must_share_their_q() -> None:
+    from splitspec.decoding.acceptance import sample_verify_tree
+
+    q = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.8, 0.0]])
+    p = torch.tensor([[0.0, 0.0, 1.0]] * 3)  # rejects every draft token: the second sibling is read
+    with pytest.raises(ValueError, match="siblings"):
+        sample_verify_tree([0, 1], [-1, -1], q, p, torch.Generator().manual_seed(0))

@@ -6,7 +6,7 @@ the same family, and three checks against ``generate(do_sample=False)`` of the H
 way its publisher meant (``from_pretrained`` at the published dtype, or float32):
 
 * ``--speculate off`` output equals it token for token;
-* ``--speculate draft`` output equals it (draft tree steps: runner-up branches verified at once);
+* ``--speculate draft`` output equals it (dynamic draft trees, several branches verified at once);
 * one explicit draft-tree step: every node's logits predict what HF predicts after that node's
   own path (siblings invisible to each other, sliding windows applied).
 """

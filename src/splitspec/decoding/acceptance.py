@@ -8,6 +8,11 @@ accepted with probability min(1, p(x) / q(x)); on rejection the replacement is d
 norm(max(0, p - q)). The emitted tokens then follow p exactly. A deterministic drafter (n-gram,
 prompt lookup) has q one-hot on its token: acceptance becomes p(x), and the residual is p with x
 removed. When every drafted token is accepted, a bonus token is drawn from p at the next position.
+
+Trees: at each accepted node its children are tried in order, each rejection replacing p by the
+residual (SpecInfer, SpecTr). Model-drafted siblings are draws without replacement from one q, so
+each rejection also removes the rejected token from q (Yang et al. 2024); the emitted tokens still
+follow p exactly.
 """
 
 from __future__ import annotations
@@ -108,13 +113,14 @@ def sample_verify_tree(
     target_probs: torch.Tensor,
     generator: torch.Generator,
 ) -> TreeVerdict:
-    """Recursive rejection sampling over a draft tree (SpecInfer-style); lossless.
+    """Recursive rejection sampling over a draft tree (SpecInfer / SpecTr style); lossless.
 
-    At each accepted node, try its children in order: child x with proposal q is accepted with
-    probability min(1, p(x) / q(x)); on rejection p becomes norm(max(0, p - q)) and the next child
-    is tried. If every child is rejected, the next token is drawn from the final p. ``draft_probs``
-    None means deterministic drafts (q one-hot), where this is exact sampling from p. With model
-    drafts, siblings must be independent draws (our draft model proposes chains: one child each).
+    At each accepted node, try its children in order. ``draft_probs`` None means deterministic
+    drafts (q one-hot on each child), where this is exact sampling from p. With model drafts
+    (``draft_probs`` (n, V)), a node's children are draws *without replacement* from one q, in
+    node order (:func:`splitspec.decoding.trees.dynamic_tree` draws them so; every sibling carries
+    that same row); a chain is the one-child case, plain speculative sampling. If every child is
+    rejected, the next token is drawn from the final p.
     """
     children = _children(parents)
     path: list[int] = []
@@ -122,19 +128,32 @@ def sample_verify_tree(
     while True:
         p = target_probs[row]
         accepted = None
+        shared: torch.Tensor | None = None  # model drafts: the siblings' q, less the rejected ones
         for child in children.get(node, []):
             x = tokens[child]
             if draft_probs is None:
                 q = torch.zeros_like(p)
                 q[x] = 1.0
+            elif shared is None:
+                q = shared = draft_probs[child].to(p.device)
             else:
-                q = draft_probs[child]
+                if not torch.equal(draft_probs[child].to(p.device), draft_probs[children[node][0]].to(p.device)):
+                    raise ValueError(f"draft node {child}: siblings must be drawn from one q (without replacement)")
+                q = shared
             q_x, p_x = float(q[x]), float(p[x])
             # accept x ~ q with probability min(1, p(x) / q(x))
             if q_x > 0 and torch.rand((), generator=generator, device=generator.device).item() < min(1.0, p_x / q_x):
                 accepted = child
                 break
-            p = residual(p, q)  # rejected: the target law conditioned on not taking x
+            # rejected: p becomes the target law conditioned on not taking x, norm(max(0, p - q))
+            p = residual(p, q)
+            if shared is not None and q_x > 0:
+                # without replacement (Yang et al. 2024, multi-candidate speculative decoding): the
+                # next sibling was drawn from q with x removed, renormalised; p(x) is now 0
+                shared = shared.clone()
+                shared[x] = 0.0
+                total = shared.sum()
+                shared = shared / total if total > 0 else shared
         if accepted is None:
             return TreeVerdict(path=path, next_token=int(torch.multinomial(p, 1, generator=generator)))
         path.append(accepted)

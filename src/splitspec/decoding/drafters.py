@@ -10,38 +10,24 @@ pool, prompt lookup) give no probabilities: their q is one-hot. The draft model 
 * :class:`PromptLookup` copies the continuation of the latest earlier match of the context's last
   n tokens (n from ``max_ngram`` down to ``min_ngram``), like transformers' prompt lookup, but can
   offer several matches as branches.
-* :class:`DraftModel` runs a small local model autoregressively with its own KV cache.
+* :class:`DraftModel` runs a small local model with its own KV cache and grows its tree with the
+  one tree builder (:func:`splitspec.decoding.trees.dynamic_tree`: EAGLE-2 dynamic trees, greedy
+  or sampled).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.models.masks import chain
+from splitspec.decoding.trees import Draft as Draft
+from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree
 from splitspec.models.stack import FullModel
-
-
-@dataclass(frozen=True)
-class Draft:
-    """Drafted tokens as a tree. ``parents[i]`` is an earlier index, or -1 for a root."""
-
-    tokens: list[int]
-    parents: list[int]
-    probs: torch.Tensor | None = None  # (len(tokens), V): q of each token; None = deterministic
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @classmethod
-    def empty(cls) -> Draft:
-        return cls([], [])
 
 
 def build_tree(chains: Sequence[Sequence[int]], budget: int) -> Draft:
@@ -148,11 +134,12 @@ class PromptLookup:
 
 
 class DraftModel:
-    """A small local model drafting with its own KV cache.
+    """A small local model drafting with its own KV cache: a dynamic tree (EAGLE-2) of its guesses.
 
-    Sampling: a chain drawn from q (recorded, for speculative sampling). Greedy: the argmax chain
-    plus ``alternatives`` side branches (the runner-up token at the shallowest depths, each
-    continued greedily), so one verification covers the draft model's likeliest disagreements.
+    Greedy: the ``top_k`` likeliest children of the ``top_k`` best frontier nodes at each depth,
+    then the best ``budget`` nodes by the draft model's path probability. Sampling: children drawn
+    from q without replacement, q recorded for lossless multi-draft verification. ``top_k`` 1 is a
+    single chain; ``depth`` None lets the tree be as deep as the budget.
     """
 
     name = "draft"
@@ -162,14 +149,20 @@ class DraftModel:
         model: FullModel,
         params: SamplingParams,
         generator: torch.Generator | None = None,
-        alternatives: int = 2,
+        top_k: int = 4,
+        depth: int | None = 8,
     ) -> None:
         self.sequence = LocalSequence(model)
         self.params = params
         if generator is None and not params.greedy:
             raise ValueError("a sampling draft model needs its own seeded generator")
+        if top_k < 1 or (depth is not None and depth < 1):
+            raise ValueError(f"top_k ({top_k}) and depth ({depth}) must be >= 1")
         self.generator = generator or torch.Generator()
-        self.alternatives = alternatives  # greedy only: runner-up branches at depths 0, 1, ...
+        self.top_k = top_k  # children per expanded node, and nodes expanded per depth
+        self.depth = depth  # levels of the tree at most; None: the budget
+        self.siblings = SiblingStats()  # sampling: how often each sibling rank is accepted, measured
+        self._last: tuple[list[int], Draft] | None = None  # the last sampled draft and its context
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits."""
@@ -181,40 +174,42 @@ class DraftModel:
         seq.truncate(common)
         return seq.run(context[common:])[-1]
 
-    def _greedy_chain(self, logits: torch.Tensor, length: int) -> tuple[list[int], list[torch.Tensor]]:
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        for i in range(length):
-            rows.append(logits)
-            tokens.append(int(logits.argmax()))
-            if i + 1 < length:
-                logits = self.sequence.run([tokens[-1]])[-1]
-        return tokens, rows
+    def _expander(self, context_len: int, root: torch.Tensor, ran: list[list[int]]) -> TreeExpander:
+        """Scores a tree by running all its nodes after the context (``ran`` gets the parents last run)."""
+
+        def expand(tokens: list[int], parents: list[int]) -> torch.Tensor:
+            if not tokens:
+                return root[None].float()  # (1, V)
+            self.sequence.truncate(context_len)
+            rows = self.sequence.run(tokens, parents)  # (n, V); the tree's own mask: ancestors only
+            ran[:] = [list(parents)]
+            return torch.cat([root[None], rows]).float()  # (1 + n, V)
+
+        return expand
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
         if budget < 1 or not context:
             return Draft.empty()
-        logits = self._sync(context)
-        if not self.params.greedy:
-            tokens: list[int] = []
-            qs: list[torch.Tensor] = []
-            for i in range(budget):
-                q = self.params.probabilities(logits)
-                tokens.append(int(torch.multinomial(q, 1, generator=self.generator)))
-                qs.append(q)
-                if i + 1 < budget:
-                    logits = self.sequence.run([tokens[-1]])[-1]
-            return Draft(tokens, chain(len(tokens)), torch.stack(qs))
-        branches = min(self.alternatives, budget // 4)  # side branches only when the budget allows
-        main_len = budget - 2 * branches if branches else budget
-        main, rows = self._greedy_chain(logits, main_len)
-        chains = [main]
-        for depth in range(min(branches, len(main))):
-            runner_up = int(rows[depth].topk(2).indices[1])
-            self.sequence.truncate(len(context) + depth)
-            follow = self.sequence.run([runner_up])[-1]
-            chains.append([*main[:depth], runner_up, int(follow.argmax())])
-        return build_tree(chains, budget)
+        if self._last is not None:  # what the verifier made of the last tree, if this context follows it
+            before, last = self._last
+            if len(context) > len(before) and list(context[: len(before)]) == before:
+                self.siblings.observe(last, context[len(before) :])
+        root = self._sync(context)  # (V,)
+        ran: list[list[int]] = []
+        depth = budget if self.depth is None else self.depth
+        expand = self._expander(len(context), root, ran)
+        rates = self.siblings.rates()
+        draft = dynamic_tree(expand, budget, self.params, self.generator, self.top_k, depth, rates)
+        self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
+        if ran:  # keep the first branch of the last tree run: a chain, valid for the next context
+            parents = ran[0]
+            branch: list[int] = []
+            node = -1
+            while (child := next((i for i, p in enumerate(parents) if p == node), None)) is not None:
+                branch.append(child)
+                node = child
+            self.sequence.keep(branch)
+        return draft
 
 
 def leaf_chains(draft: Draft) -> list[list[int]]:
