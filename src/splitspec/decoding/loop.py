@@ -43,6 +43,7 @@ from splitspec.decoding.controller import Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.warmup import finish_prepare, start_prepare
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
 PROMPT_ROWS_PER_CHUNK = 256  # prefill rows turned into logprobs at once: bounds the (rows, V) float32 copies
@@ -231,6 +232,8 @@ async def decode(
     context = [*(history or ()), *prompt_ids]
     # prefill: every row when the prompt's own logprobs are wanted, else only its last (1, V)
     logits_from = 0 if prompt_logprobs is not None else len(prompt_ids) - 1
+    # the drafters catch up with the prompt (a draft model's cache) while the prefill is in flight
+    prepared = None if isinstance(controller, SequentialPolicy) else start_prepare(drafters, context, draft_executor)
     logits = await verifier.forward(prompt_ids, logits_from=logits_from)
     if prompt_logprobs is not None:  # on a worker thread: a long prompt's rows must not stall the event loop
         prompt_logprobs.entries = await asyncio.to_thread(
@@ -244,13 +247,14 @@ async def decode(
     context.append(pending)
     produced = 1
     yield first
+    await finish_prepare(prepared)
     if pending in stop_token_ids:
         return
     while produced < max_new_tokens:
         if any(p.finished for p in processors):
             return
         # choose and build the draft; a drafter with nothing to offer yields to the next option
-        draft, used, draft_s = Draft.empty(), None, 0.0
+        draft, used, draft_s, used_s = Draft.empty(), None, 0.0, 0.0
         for choice in controller.ranked():
             if choice.drafter is None:
                 break
@@ -269,9 +273,9 @@ async def decode(
             if processors and draft:
                 draft = cut_draft(draft, processors)
             if draft:
-                used = choice.drafter
+                used, used_s = choice.drafter, seconds
                 break
-            controller.observe_draft(choice.drafter, 0, 0, 0, 0.0)  # asked, nothing to offer
+            controller.observe_draft(choice.drafter, 0, 0, 0, seconds)  # asked, nothing to offer: a miss's cost
         tokens = [pending, *draft.tokens]
         parents = [-1, *[p + 1 for p in draft.parents]]  # draft roots hang off the pending token
         t0 = time.perf_counter()
@@ -294,7 +298,7 @@ async def decode(
                 break
         controller.observe_step(len(tokens), step_s)
         if used is not None:
-            controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), draft_s)
+            controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), used_s)
         if trace is not None:
             trace.append(SpecStep(used, len(draft), len(verdict.path), len(new), step_s, draft_s))
         for processor in processors:
