@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from splitspec.decoding.controller import SpeculationController, StepTimes
 
 
@@ -89,3 +91,74 @@ def test_a_new_sequence_starts_from_the_engine_wide_estimates() -> None:
         seeded.observe_draft("ngram", 4, 4, 4, 0.0)
     assert seeded.alphas("ngram", 1)[0] > 0.7  # its own observations soon outweigh the prior (from < 0.3)
     assert population.alphas("ngram", 1)[0] > before  # and the population learned from them
+
+
+def measured_step_times(one_s: float, per_token_s: float) -> StepTimes:
+    """Step times as a link measured them: T(q) = one_s + per_token_s (q - 1)."""
+    times = StepTimes()
+    for _ in range(20):
+        for q in (1, 2, 5, 9, 17):
+            times.observe(q, one_s + per_token_s * (q - 1))
+    return times
+
+
+@pytest.mark.parametrize(("miss_s", "drafts"), [(0.012, False), (0.0005, True)])
+def test_a_drafter_that_mostly_finds_nothing_pays_only_if_finding_nothing_is_cheap(miss_s: float, drafts: bool) -> None:
+    """Prompt lookup over a long context: 20 of 21 proposals find no match, each scan costing ``miss_s``;
+    its one draft had 2 of 4 tokens accepted. A miss's step is a one-token step plus the scan: at 12 ms a
+    scan (on a 30 ms step) drafting cannot pay, at 0.5 ms it does."""
+    ctl = SpeculationController(["prompt-lookup"], budgets=(1, 2, 4, 8), step_times=measured_step_times(0.03, 0.0005))
+    for _ in range(20):
+        ctl.observe_draft("prompt-lookup", 0, 0, 0, miss_s)
+    ctl.observe_draft("prompt-lookup", 4, 2, 4, 0.0001)
+    best = ctl.ranked()[0]
+    assert (best.drafter == "prompt-lookup") is drafts
+    assert ctl.value("prompt-lookup", 4) < ctl.value(None, 0) or drafts
+
+
+def test_a_drafter_rejected_at_depth_one_is_not_expected_to_go_deep() -> None:
+    """A fresh controller (optimistic prior 0.7) whose drafter was rejected at depth 1 three times: the
+    depths never judged are expected to go as depth 1, so it drafts short (or not) instead of 8-deep."""
+    ctl = SpeculationController(["draft"], budgets=(1, 2, 4, 8, 16), step_times=measured_step_times(0.03, 0.001))
+    for _ in range(3):
+        ctl.observe_draft("draft", 8, 0, 8, 0.0001)
+    alphas = ctl.alphas("draft", 4)
+    assert alphas[0] < 0.3
+    assert all(a <= alphas[0] + 1e-9 for a in alphas)  # not the 0.7 prior past depth 1
+    assert ctl.ranked()[0].budget <= 2
+
+
+def test_a_fresh_controller_prefers_no_draft_when_drafting_costs_more_than_it_can_save() -> None:
+    """Measured: 30 ms one-token steps, 4 ms more per extra token (a long context), and a drafter at
+    20 ms a token: even at the optimistic prior acceptance, sequential steps are faster."""
+    ctl = SpeculationController(["draft"], step_times=measured_step_times(0.03, 0.004))
+    ctl.observe_draft("draft", 1, 1, 1, 0.020)
+    assert ctl.ranked()[0].drafter is None
+    cheap = SpeculationController(["draft"], step_times=measured_step_times(0.03, 0.004))
+    cheap.observe_draft("draft", 1, 1, 1, 0.001)
+    assert cheap.ranked()[0].drafter == "draft"  # the same acceptance at 1 ms a token pays
+
+
+def test_what_is_known_of_an_unused_drafter_ages() -> None:
+    """Prompt lookup found nothing once, early; then the draft model drafted for 60 steps. The text has
+    moved on (it may have begun to repeat itself): prompt lookup's estimate returns towards the
+    prior, so it is asked again instead of being written off for good."""
+    ctl = SpeculationController(["draft", "prompt-lookup"], step_times=measured_step_times(0.03, 0.0005))
+    ctl.observe_draft("prompt-lookup", 0, 0, 0, 0.0001)
+    assert ctl.hit_rate("prompt-lookup") <= 0.5
+    for _ in range(60):
+        ctl.observe_draft("draft", 4, 1, 4, 0.004)
+    assert ctl.hit_rate("prompt-lookup") > 0.8
+    assert ctl.ranked()[0].drafter == "prompt-lookup"
+
+
+def test_a_controller_with_no_step_measured_steps_sequentially_first() -> None:
+    """Nothing measured: every T(q) would read alike and the deepest draft would win blind. The first
+    step is a one-token one (what ``off`` does); once it is measured, drafting is judged against it."""
+    ctl = SpeculationController(["ngram", "prompt-lookup"])
+    assert [c.drafter for c in ctl.ranked()] == [None]
+    ctl.observe_step(1, 0.03)
+    ranked = ctl.ranked()
+    assert ranked[0].drafter is not None
+    assert sorted(str(c.drafter) for c in ranked) == ["None", "ngram", "prompt-lookup"]  # one budget each
+    assert ranked[0].budget < max(ctl.budgets)  # +2 % a token before a wide step is measured: not blind-deep

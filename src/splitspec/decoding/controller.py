@@ -36,8 +36,16 @@ class _DrafterStats:
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     cost_per_token: _Ema = field(default_factory=_Ema)  # drafting seconds per drafted token
+    miss_s: _Ema = field(default_factory=_Ema)  # seconds of a proposal that offered nothing
     proposals: float = 0.0  # decayed count of steps where the drafter was asked
     hits: float = 0.0  # ... and proposed something
+
+    def forget(self, decay: float) -> None:
+        """Age the counts by one step in which this drafter was not used (the costs stay as measured)."""
+        self.reached = [r * decay for r in self.reached]
+        self.accepted = [a * decay for a in self.accepted]
+        self.proposals *= decay
+        self.hits *= decay
 
     def scaled_copy(self, weight: float) -> _DrafterStats:
         """These estimates as a prior worth at most ``weight`` observations (the same rates, fewer counts)."""
@@ -46,6 +54,7 @@ class _DrafterStats:
             reached=[r * factor for r in self.reached],
             accepted=[a * factor for a in self.accepted],
             cost_per_token=_Ema(self.cost_per_token.value, min(self.cost_per_token.weight, weight)),
+            miss_s=_Ema(self.miss_s.value, min(self.miss_s.weight, weight)),
             proposals=self.proposals * factor,
             hits=self.hits * factor,
         )
@@ -121,6 +130,11 @@ class StepTimes:
             self._one.update(one + surprise / 2, self.decay)
             extra.update(extra.value + surprise / 2, self.decay)
 
+    @property
+    def measured(self) -> bool:
+        """Whether any step was measured yet."""
+        return bool(self._times)
+
     def predict(self, q: int) -> float:
         """Predicted seconds for a step of q query tokens."""
         one = self._one.value
@@ -134,6 +148,10 @@ class StepTimes:
             k0, t0 = known[0]
             return t0 * (1 + 0.02 * (q - k0))  # before any slope is measured: +2% per extra token
         return max(1e-6, _interpolate(known, q))
+
+
+def _value(choice: Choice) -> float:
+    return choice.expected_tokens_per_s
 
 
 def _interpolate(known: list[tuple[int, float]], q: int) -> float:
@@ -191,12 +209,17 @@ class SpeculationController:
         return self.step_times.predict(q)
 
     def alphas(self, drafter: str, depth: int) -> list[float]:
+        """Acceptance estimates of depths 1..depth. Depth 1's prior is ``prior_alpha``; each deeper depth's
+        is the estimate of the depth above it, so a drafter rejected at depth 1 is not still expected
+        to go deep (a depth is judged only when the one above it was accepted)."""
         stats = self._stats[drafter]
         out = []
+        prior = self.prior_alpha
         for j in range(depth):
             reached = stats.reached[j] if j < len(stats.reached) else 0.0
             accepted = stats.accepted[j] if j < len(stats.accepted) else 0.0
-            out.append((accepted + self.prior_alpha * self.prior_weight) / (reached + self.prior_weight))
+            prior = (accepted + prior * self.prior_weight) / (reached + self.prior_weight)
+            out.append(prior)
         return out
 
     def expected_accepted(self, drafter: str, budget: int) -> float:
@@ -204,25 +227,45 @@ class SpeculationController:
         for alpha in self.alphas(drafter, budget):
             run *= alpha
             total += run
-        stats = self._stats[drafter]
-        hit_rate = (stats.hits + 1.0) / (stats.proposals + 1.0)
-        return hit_rate * total
+        return self.hit_rate(drafter) * total
 
     def value(self, drafter: str | None, budget: int) -> float:
-        """Expected tokens per second of one step."""
+        """Expected tokens per second of one step.
+
+        Asked for ``budget`` tokens, the drafter offers some with its hit rate h: the step is then
+        budget + 1 tokens wide and costs the drafting too. Otherwise the proposal's time is lost and
+        the step is a one-token one: seconds = h (T(budget + 1) + drafting) + (1 - h) (T(1) + miss).
+        """
         if drafter is None or budget == 0:
             return 1.0 / self.step_time(1)
-        cost = self._stats[drafter].cost_per_token.value
+        stats = self._stats[drafter]
+        cost, miss = stats.cost_per_token.value, stats.miss_s.value
         draft_s = 0.0 if math.isnan(cost) else cost * budget
-        return (1.0 + self.expected_accepted(drafter, budget)) / (self.step_time(budget + 1) + draft_s)
+        miss_s = 0.0 if math.isnan(miss) else miss
+        hit = self.hit_rate(drafter)
+        seconds = hit * (self.step_time(budget + 1) + draft_s) + (1.0 - hit) * (self.step_time(1) + miss_s)
+        return (1.0 + self.expected_accepted(drafter, budget)) / seconds
+
+    def hit_rate(self, drafter: str) -> float:
+        """Estimated share of proposals where ``drafter`` offers something."""
+        stats = self._stats[drafter]
+        return (stats.hits + 1.0) / (stats.proposals + 1.0)
 
     # -- decisions ---------------------------------------------------------------------------------
 
     def ranked(self) -> list[Choice]:
-        """Every option, best first; sequential is always among them."""
+        """Each drafter at its best budget, and sequential, best first (the loop asks them in turn until one
+        offers a draft: a drafter that offered nothing would offer nothing at a smaller budget either).
+
+        Until a step time is measured, only sequential: the first step measures T(1), against which
+        every draft is judged (one-token steps are what ``off`` does; drafting blind at a flat T(q)
+        would draft as deep as the budgets allow).
+        """
         options = [Choice(None, 0, self.value(None, 0))]
+        if not self.step_times.measured:
+            return options
         for name in self.drafters:
-            options += [Choice(name, k, self.value(name, k)) for k in self.budgets]
+            options.append(max((Choice(name, k, self.value(name, k)) for k in self.budgets), key=_value))
         options.sort(key=lambda c: c.expected_tokens_per_s, reverse=True)
         if options[0].drafter is None and self.drafters and self._since_speculation >= self.probe_every:
             # re-probe cheaply: estimates of a drafter we stopped using cannot improve otherwise
@@ -245,11 +288,16 @@ class SpeculationController:
         """A drafter proposed a tree ``proposed_depth`` deep; ``accepted`` of its tokens were kept."""
         if self.population is not None:
             self.population.observe_draft(drafter, proposed_depth, accepted, draft_tokens, draft_seconds)
+        for name, other in self._stats.items():
+            if name != drafter:  # what is known of the others ages too: the text they failed on has moved on
+                other.forget(self.decay)
         stats = self._stats[drafter]
         stats.proposals = self.decay * stats.proposals + 1.0
         stats.hits = self.decay * stats.hits + (1.0 if draft_tokens else 0.0)
         if draft_tokens:
             stats.cost_per_token.update(draft_seconds / draft_tokens, self.decay)
+        else:
+            stats.miss_s.update(draft_seconds, self.decay)
         while len(stats.reached) < proposed_depth:
             stats.reached.append(0.0)
             stats.accepted.append(0.0)
