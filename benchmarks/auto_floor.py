@@ -136,7 +136,7 @@ def start_trunk(model_dir: Path, port: int, dtype: str) -> subprocess.Popen[byte
     raise SystemExit("the trunk server did not start")
 
 
-def run_figures(result: GenerationResult) -> dict[str, float]:
+def run_figures(result: GenerationResult) -> dict[str, Any]:
     n = len(result.token_ids)
     prefill_s = sum(s.network_ms + s.cloud_ms + s.edge_ms + s.serialize_ms for s in result.steps if s.kind == "prefill")
     prefill_s /= 1e3
@@ -149,6 +149,12 @@ def run_figures(result: GenerationResult) -> dict[str, float]:
         "prefill_s": prefill_s,
         "wall_s": result.wall_s,
         "drafted_steps": float(sum(1 for s in result.spec_steps if s.drafter is not None)),
+        "draft_s": sum(s.draft_s for s in result.spec_steps),  # drafting, all steps
+        "first_step_s": result.spec_steps[0].step_s + result.spec_steps[0].draft_s if result.spec_steps else 0.0,
+        "first_draft_s": result.spec_steps[0].draft_s if result.spec_steps else 0.0,
+        "first_drafter": str(result.spec_steps[0].drafter) if result.spec_steps else "",
+        # every decode step: query tokens, verifier seconds, drafting seconds, drafter, accepted
+        "trace": [[1 + s.draft_tokens, s.step_s, s.draft_s, s.drafter, s.accepted] for s in result.spec_steps],
     }
 
 
