@@ -162,3 +162,36 @@ def test_a_controller_with_no_step_measured_steps_sequentially_first() -> None:
     assert ranked[0].drafter is not None
     assert sorted(str(c.drafter) for c in ranked) == ["None", "ngram", "prompt-lookup"]  # one budget each
     assert ranked[0].budget < max(ctl.budgets)  # +2 % a token before a wide step is measured: not blind-deep
+
+
+def test_step_times_are_kept_per_context_length() -> None:
+    """One link, two context lengths: a wide step after 2,000 tokens costs more than after 100 (attention
+    over the context), and each is predicted from its own band. A band with only T(1) measured borrows
+    the extra cost of the nearest band that has one."""
+    times = StepTimes()
+    for _ in range(20):
+        times.observe(1, 0.030, context_tokens=100)
+        times.observe(17, 0.0365, context_tokens=100)
+        times.observe(1, 0.031, context_tokens=2000)
+        times.observe(17, 0.043, context_tokens=2000)
+    assert abs(times.predict(17, 100) - 0.0365) < 1e-3
+    assert abs(times.predict(17, 2000) - 0.043) < 1e-3
+    assert abs(times.predict(17, 3000) - 0.043) < 1e-3  # the nearest band with a wide step measured
+    times.observe(1, 0.040, context_tokens=5000)  # a new band: only T(1), and the 2,000 band's extra cost
+    assert abs(times.predict(17, 5000) - (0.040 + 0.012)) < 2e-3
+
+
+def test_a_long_context_drafts_less_than_a_short_one_on_the_same_link() -> None:
+    """The same drafter and acceptance: at 100 tokens a deep draft pays, at 4,000 (steep wide steps) only a
+    short one or none, from the same shared step times."""
+    times = StepTimes()
+    for _ in range(20):
+        for q in (1, 2, 5, 9, 17):
+            times.observe(q, 0.030 + 0.0003 * (q - 1), context_tokens=100)
+            times.observe(q, 0.031 + 0.004 * (q - 1), context_tokens=4000)
+    ctl = SpeculationController(["ngram"], budgets=(1, 2, 4, 8, 16), step_times=times)
+    for i in range(30):  # accepted about half the time at each depth
+        ctl.observe_draft("ngram", 8, i % 2 + i % 3, 8, 0.0001)
+    short, long = ctl.ranked(100)[0], ctl.ranked(4000)[0]
+    assert short.drafter == "ngram"
+    assert long.drafter is None or long.budget < short.budget

@@ -7,7 +7,9 @@ every draft root a child of t. Row 0 of the logits scores the roots, row i + 1 t
 node i. The acceptance rule picks a path through the tree and the next token; the caches keep t
 and that path (the cloud learns it on the next step, at no extra round trip), and the next token
 becomes the new pending one. With an empty draft the step is a plain sequential step, so sampled
-output with no drafters draws exactly what one-token sampling draws.
+output with no drafters draws exactly what one-token sampling draws. Drafters with state to build
+(a draft model's cache) are prepared for the prompt on the draft executor while the prefill is in
+flight (:mod:`splitspec.decoding.warmup`).
 
 Each emitted token comes out as an :class:`Emitted`: the token, and when asked its logprob and
 the top alternatives, taken from the model's own distribution at that position (log-softmax of
@@ -106,10 +108,10 @@ class SpecStep:
 class SequentialPolicy:
     """No drafting: every step is the pending token alone."""
 
-    def ranked(self) -> list[Choice]:
+    def ranked(self, context_tokens: int = 0) -> list[Choice]:
         return [Choice(None, 0, 0.0)]
 
-    def observe_step(self, query_tokens: int, seconds: float) -> None:
+    def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
         return None
 
     def observe_draft(
@@ -255,7 +257,7 @@ async def decode(
             return
         # choose and build the draft; a drafter with nothing to offer yields to the next option
         draft, used, draft_s, used_s = Draft.empty(), None, 0.0, 0.0
-        for choice in controller.ranked():
+        for choice in controller.ranked(len(context)):  # a long context makes wide steps dearer
             if choice.drafter is None:
                 break
             budget = min(choice.budget, max_new_tokens - produced - 1)
@@ -296,7 +298,7 @@ async def decode(
             if token in stop_token_ids:
                 new = new[: i + 1]
                 break
-        controller.observe_step(len(tokens), step_s)
+        controller.observe_step(len(tokens), step_s, len(context))
         if used is not None:
             controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), used_s)
         if trace is not None:
