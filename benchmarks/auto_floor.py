@@ -321,8 +321,11 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
+    import splitspec
+
     results = {
         "environment": environment,
+        "splitspec_src": str(Path(splitspec.__file__).parent),  # the code measured (a before/after pair may differ)
         "command": "python benchmarks/auto_floor.py " + " ".join(sys.argv[1:]),
         "dtype": args.dtype,
         "repeats": args.repeats,
