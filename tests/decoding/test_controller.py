@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitspec.decoding.controller import SpeculationController, StepTimes
+from splitspec.decoding.controller import PROBE_BUDGET, SpeculationController, StepTimes
 
 
 def trained(rtt_s: float, per_token_s: float, accept_rate: float, steps: int = 200) -> SpeculationController:
@@ -195,3 +195,17 @@ def test_a_long_context_drafts_less_than_a_short_one_on_the_same_link() -> None:
     short, long = ctl.ranked(100)[0], ctl.ranked(4000)[0]
     assert short.drafter == "ngram"
     assert long.drafter is None or long.budget < short.budget
+
+
+def test_a_drafter_not_yet_judged_is_probed_with_a_short_draft() -> None:
+    """Untried, a drafter looks as good as the optimistic prior says, deep drafts best of all; a short
+    answer cannot amortise a deep miss (and a slow drafter's cost is unknown), so it is probed with
+    at most PROBE_BUDGET tokens. Once its drafts are judged, deep drafts are offered when they pay."""
+    ctl = SpeculationController(["draft"], budgets=(1, 2, 4, 8, 16), step_times=measured_step_times(0.03, 0.0003))
+    first = ctl.ranked()[0]
+    assert first.drafter == "draft"
+    assert first.budget <= PROBE_BUDGET
+    for _ in range(2):
+        ctl.observe_draft("draft", 2, 2, 2, 0.0002)  # both tokens accepted, cheaply
+    assert ctl.judged("draft")
+    assert ctl.ranked()[0].budget > PROBE_BUDGET

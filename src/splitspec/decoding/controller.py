@@ -9,9 +9,10 @@ T(1)) whenever no draft beats them: speculation below break-even makes decoding 
 break-even rises as RTT falls. Estimates decay exponentially so they follow the text.
 
 A cold start must not lose to ``off`` either (a short answer cannot amortise exploring): the first
-step is sequential (it measures T(1)); a proposal that offers nothing costs its search plus a
-one-token step; a depth never judged is expected to go as the depth above it (not the optimistic
-prior), and what is known of drafters left unused ages, so one written off early is asked again.
+step is sequential (it measures T(1)); a drafter not yet judged is probed with a short draft; a
+proposal that offers nothing costs its search plus a one-token step; a depth never judged is
+expected to go as the depth above it (not the optimistic prior); and what is known of drafters
+left unused ages, so one written off early is asked again. Step times are kept per context band.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Protocol
 
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
 CONTEXT_BAND_TOKENS = 256  # step times are kept per context band: [0, 256), [256, 512), [512, 1024), ...
+PROBE_BUDGET = 2  # most tokens a drafter is asked for until its acceptance has been judged
 POPULATION_WEIGHT = 8.0  # observations the engine-wide estimates are worth to a new sequence's controller
 
 
@@ -309,6 +311,12 @@ class SpeculationController:
         seconds = hit * (wide + draft_s) + (1.0 - hit) * (one + miss_s)
         return (1.0 + self.expected_accepted(drafter, budget)) / seconds
 
+    def judged(self, drafter: str) -> bool:
+        """Whether the verifier has judged about one of ``drafter``'s drafts, at least (the counts age:
+        a drafter left unused long enough is probed again)."""
+        reached = self._stats[drafter].reached
+        return bool(reached) and reached[0] >= 0.5
+
     def hit_rate(self, drafter: str) -> float:
         """Estimated share of proposals where ``drafter`` offers something."""
         stats = self._stats[drafter]
@@ -322,14 +330,20 @@ class SpeculationController:
 
         Until a step time is measured, only sequential: the first step measures T(1), against which
         every draft is judged (one-token steps are what ``off`` does; drafting blind at a flat T(q)
-        would draft as deep as the budgets allow).
+        would draft as deep as the budgets allow). A drafter none of whose drafts was judged yet is
+        offered at :data:`PROBE_BUDGET` tokens at most: a probe costs little even when the drafter
+        is slow or wrong (a short answer cannot amortise a deep miss), and measures its cost and
+        its first depths, from which the deeper ones are estimated.
         """
         n = context_tokens
         options = [Choice(None, 0, self.value(None, 0, n))]
         if not self.step_times.measured:
             return options
         for name in self.drafters:
-            options.append(max((Choice(name, k, self.value(name, k, n)) for k in self.budgets), key=_value))
+            budgets = self.budgets if self.judged(name) else [k for k in self.budgets if k <= PROBE_BUDGET]
+            options.append(
+                max((Choice(name, k, self.value(name, k, n)) for k in budgets or self.budgets[:1]), key=_value)
+            )
         options.sort(key=lambda c: c.expected_tokens_per_s, reverse=True)
         if options[0].drafter is None and self.drafters and self._since_speculation >= self.probe_every:
             # re-probe cheaply: estimates of a drafter we stopped using cannot improve otherwise
