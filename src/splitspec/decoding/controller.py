@@ -287,11 +287,21 @@ class SpeculationController:
         return out
 
     def expected_accepted(self, drafter: str, budget: int) -> float:
+        return self.hit_rate(drafter) * self._accepted_if_offered(drafter, budget)
+
+    def _accepted_if_offered(self, drafter: str, budget: int) -> float:
         total, run = 0.0, 1.0
         for alpha in self.alphas(drafter, budget):
             run *= alpha
             total += run
-        return self.hit_rate(drafter) * total
+        return total
+
+    def value_if_offered(self, drafter: str, budget: int, context_tokens: int = 0) -> float:
+        """Expected tokens per second of a step with ``drafter``'s draft, given that it offers one."""
+        cost = self._stats[drafter].cost_per_token.value
+        draft_s = 0.0 if math.isnan(cost) else cost * budget
+        wide = self.step_time(budget + 1, context_tokens)
+        return (1.0 + self._accepted_if_offered(drafter, budget)) / (wide + draft_s)
 
     def value(self, drafter: str | None, budget: int, context_tokens: int = 0) -> float:
         """Expected tokens per second of one step.
@@ -345,6 +355,12 @@ class SpeculationController:
                 max((Choice(name, k, self.value(name, k, n)) for k in budgets or self.budgets[:1]), key=_value)
             )
         options.sort(key=lambda c: c.expected_tokens_per_s, reverse=True)
+        # the drafters worth asking (above sequential) are asked in turn until one offers a draft, and a
+        # miss costs only its search: ask first the one whose draft is best when it offers one (prompt
+        # lookup's long matches before a draft model's guesses, which then fill in where it has none)
+        cut = next(i for i, c in enumerate(options) if c.drafter is None)
+        ask = sorted(options[:cut], key=lambda c: self.value_if_offered(str(c.drafter), c.budget, n), reverse=True)
+        options = ask + options[cut:]
         if options[0].drafter is None and self.drafters and self._since_speculation >= self.probe_every:
             # re-probe cheaply: estimates of a drafter we stopped using cannot improve otherwise
             k = self.budgets[0]
