@@ -209,3 +209,24 @@ def test_a_drafter_not_yet_judged_is_probed_with_a_short_draft() -> None:
         ctl.observe_draft("draft", 2, 2, 2, 0.0002)  # both tokens accepted, cheaply
     assert ctl.judged("draft")
     assert ctl.ranked()[0].budget > PROBE_BUDGET
+
+
+def test_a_cheap_drafter_that_sometimes_finds_nothing_is_asked_before_a_dear_one() -> None:
+    """Prompt lookup offers a draft one time in four, and then 2 of its 4 tokens are accepted; the draft
+    model always offers one, at 1.5 ms a token, its first token accepted. The draft model is the
+    better bet per step (prompt lookup's misses make its steps one-token ones), but a miss of prompt
+    lookup costs only its search, the loop then asks the draft model: so prompt lookup, whose drafts
+    are the better ones when it has them, is asked first."""
+    times = measured_step_times(0.03, 0.001)
+    ctl = SpeculationController(["draft", "prompt-lookup"], budgets=(1, 2, 4), step_times=times)
+    for i in range(20):
+        ctl.observe_draft("draft", 2, 1, 2, 0.003)
+        if i % 4 == 0:
+            ctl.observe_draft("prompt-lookup", 4, 2, 4, 0.0001)
+        else:
+            ctl.observe_draft("prompt-lookup", 0, 0, 0, 0.0001)
+    ranked = ctl.ranked()
+    by_drafter = {c.drafter: c for c in ranked}
+    assert by_drafter["draft"].expected_tokens_per_s > by_drafter["prompt-lookup"].expected_tokens_per_s
+    assert by_drafter["prompt-lookup"].expected_tokens_per_s > ctl.value(None, 0)  # both worth asking
+    assert [c.drafter for c in ranked] == ["prompt-lookup", "draft", None]
