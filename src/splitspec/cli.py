@@ -85,8 +85,9 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         choices=SPECULATE_MODES,
         default="auto",
         help="draft tokens locally and verify several per round trip; auto (default) picks the drafter "
-        "and draft length from measured RTT, step cost and acceptance, and falls back to one token "
-        "per trip when speculation would not pay",
+        "and draft length from measured RTT, step cost (per context length) and acceptance, and falls "
+        "back to one token per trip when speculation would not pay; it starts with a one-token step and "
+        "probes each drafter with a short draft, so a short answer is not slower than off",
     )
     p.add_argument(
         "--draft-model",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from splitspec.decoding.controller import SpeculationController, StepTimes
+import pytest
+
+from splitspec.decoding.controller import PROBE_BUDGET, SpeculationController, StepTimes
 
 
 def trained(rtt_s: float, per_token_s: float, accept_rate: float, steps: int = 200) -> SpeculationController:
@@ -89,3 +91,142 @@ def test_a_new_sequence_starts_from_the_engine_wide_estimates() -> None:
         seeded.observe_draft("ngram", 4, 4, 4, 0.0)
     assert seeded.alphas("ngram", 1)[0] > 0.7  # its own observations soon outweigh the prior (from < 0.3)
     assert population.alphas("ngram", 1)[0] > before  # and the population learned from them
+
+
+def measured_step_times(one_s: float, per_token_s: float) -> StepTimes:
+    """Step times as a link measured them: T(q) = one_s + per_token_s (q - 1)."""
+    times = StepTimes()
+    for _ in range(20):
+        for q in (1, 2, 5, 9, 17):
+            times.observe(q, one_s + per_token_s * (q - 1))
+    return times
+
+
+@pytest.mark.parametrize(("miss_s", "drafts"), [(0.012, False), (0.0005, True)])
+def test_a_drafter_that_mostly_finds_nothing_pays_only_if_finding_nothing_is_cheap(miss_s: float, drafts: bool) -> None:
+    """Prompt lookup over a long context: 20 of 21 proposals find no match, each scan costing ``miss_s``;
+    its one draft had 2 of 4 tokens accepted. A miss's step is a one-token step plus the scan: at 12 ms a
+    scan (on a 30 ms step) drafting cannot pay, at 0.5 ms it does."""
+    ctl = SpeculationController(["prompt-lookup"], budgets=(1, 2, 4, 8), step_times=measured_step_times(0.03, 0.0005))
+    for _ in range(20):
+        ctl.observe_draft("prompt-lookup", 0, 0, 0, miss_s)
+    ctl.observe_draft("prompt-lookup", 4, 2, 4, 0.0001)
+    best = ctl.ranked()[0]
+    assert (best.drafter == "prompt-lookup") is drafts
+    assert ctl.value("prompt-lookup", 4) < ctl.value(None, 0) or drafts
+
+
+def test_a_drafter_rejected_at_depth_one_is_not_expected_to_go_deep() -> None:
+    """A fresh controller (optimistic prior 0.7) whose drafter was rejected at depth 1 three times: the
+    depths never judged are expected to go as depth 1, so it drafts short (or not) instead of 8-deep."""
+    ctl = SpeculationController(["draft"], budgets=(1, 2, 4, 8, 16), step_times=measured_step_times(0.03, 0.001))
+    for _ in range(3):
+        ctl.observe_draft("draft", 8, 0, 8, 0.0001)
+    alphas = ctl.alphas("draft", 4)
+    assert alphas[0] < 0.3
+    assert all(a <= alphas[0] + 1e-9 for a in alphas)  # not the 0.7 prior past depth 1
+    assert ctl.ranked()[0].budget <= 2
+
+
+def test_a_fresh_controller_prefers_no_draft_when_drafting_costs_more_than_it_can_save() -> None:
+    """Measured: 30 ms one-token steps, 4 ms more per extra token (a long context), and a drafter at
+    20 ms a token: even at the optimistic prior acceptance, sequential steps are faster."""
+    ctl = SpeculationController(["draft"], step_times=measured_step_times(0.03, 0.004))
+    ctl.observe_draft("draft", 1, 1, 1, 0.020)
+    assert ctl.ranked()[0].drafter is None
+    cheap = SpeculationController(["draft"], step_times=measured_step_times(0.03, 0.004))
+    cheap.observe_draft("draft", 1, 1, 1, 0.001)
+    assert cheap.ranked()[0].drafter == "draft"  # the same acceptance at 1 ms a token pays
+
+
+def test_what_is_known_of_an_unused_drafter_ages() -> None:
+    """Prompt lookup found nothing once, early; then the draft model drafted for 60 steps. The text has
+    moved on (it may have begun to repeat itself): prompt lookup's estimate returns towards the
+    prior, so it is asked again instead of being written off for good."""
+    ctl = SpeculationController(["draft", "prompt-lookup"], step_times=measured_step_times(0.03, 0.0005))
+    ctl.observe_draft("prompt-lookup", 0, 0, 0, 0.0001)
+    assert ctl.hit_rate("prompt-lookup") <= 0.5
+    for _ in range(60):
+        ctl.observe_draft("draft", 4, 1, 4, 0.004)
+    assert ctl.hit_rate("prompt-lookup") > 0.8
+    assert ctl.ranked()[0].drafter == "prompt-lookup"
+
+
+def test_a_controller_with_no_step_measured_steps_sequentially_first() -> None:
+    """Nothing measured: every T(q) would read alike and the deepest draft would win blind. The first
+    step is a one-token one (what ``off`` does); once it is measured, drafting is judged against it."""
+    ctl = SpeculationController(["ngram", "prompt-lookup"])
+    assert [c.drafter for c in ctl.ranked()] == [None]
+    ctl.observe_step(1, 0.03)
+    ranked = ctl.ranked()
+    assert ranked[0].drafter is not None
+    assert sorted(str(c.drafter) for c in ranked) == ["None", "ngram", "prompt-lookup"]  # one budget each
+    assert ranked[0].budget < max(ctl.budgets)  # +2 % a token before a wide step is measured: not blind-deep
+
+
+def test_step_times_are_kept_per_context_length() -> None:
+    """One link, two context lengths: a wide step after 2,000 tokens costs more than after 100 (attention
+    over the context), and each is predicted from its own band. A band with only T(1) measured borrows
+    the extra cost of the nearest band that has one."""
+    times = StepTimes()
+    for _ in range(20):
+        times.observe(1, 0.030, context_tokens=100)
+        times.observe(17, 0.0365, context_tokens=100)
+        times.observe(1, 0.031, context_tokens=2000)
+        times.observe(17, 0.043, context_tokens=2000)
+    assert abs(times.predict(17, 100) - 0.0365) < 1e-3
+    assert abs(times.predict(17, 2000) - 0.043) < 1e-3
+    assert abs(times.predict(17, 3000) - 0.043) < 1e-3  # the nearest band with a wide step measured
+    times.observe(1, 0.040, context_tokens=5000)  # a new band: only T(1), and the 2,000 band's extra cost
+    assert abs(times.predict(17, 5000) - (0.040 + 0.012)) < 2e-3
+
+
+def test_a_long_context_drafts_less_than_a_short_one_on_the_same_link() -> None:
+    """The same drafter and acceptance: at 100 tokens a deep draft pays, at 4,000 (steep wide steps) only a
+    short one or none, from the same shared step times."""
+    times = StepTimes()
+    for _ in range(20):
+        for q in (1, 2, 5, 9, 17):
+            times.observe(q, 0.030 + 0.0003 * (q - 1), context_tokens=100)
+            times.observe(q, 0.031 + 0.004 * (q - 1), context_tokens=4000)
+    ctl = SpeculationController(["ngram"], budgets=(1, 2, 4, 8, 16), step_times=times)
+    for i in range(30):  # accepted about half the time at each depth
+        ctl.observe_draft("ngram", 8, i % 2 + i % 3, 8, 0.0001)
+    short, long = ctl.ranked(100)[0], ctl.ranked(4000)[0]
+    assert short.drafter == "ngram"
+    assert long.drafter is None or long.budget < short.budget
+
+
+def test_a_drafter_not_yet_judged_is_probed_with_a_short_draft() -> None:
+    """Untried, a drafter looks as good as the optimistic prior says, deep drafts best of all; a short
+    answer cannot amortise a deep miss (and a slow drafter's cost is unknown), so it is probed with
+    at most PROBE_BUDGET tokens. Once its drafts are judged, deep drafts are offered when they pay."""
+    ctl = SpeculationController(["draft"], budgets=(1, 2, 4, 8, 16), step_times=measured_step_times(0.03, 0.0003))
+    first = ctl.ranked()[0]
+    assert first.drafter == "draft"
+    assert first.budget <= PROBE_BUDGET
+    for _ in range(2):
+        ctl.observe_draft("draft", 2, 2, 2, 0.0002)  # both tokens accepted, cheaply
+    assert ctl.judged("draft")
+    assert ctl.ranked()[0].budget > PROBE_BUDGET
+
+
+def test_a_cheap_drafter_that_sometimes_finds_nothing_is_asked_before_a_dear_one() -> None:
+    """Prompt lookup offers a draft one time in four, and then 2 of its 4 tokens are accepted; the draft
+    model always offers one, at 1.5 ms a token, its first token accepted. The draft model is the
+    better bet per step (prompt lookup's misses make its steps one-token ones), but a miss of prompt
+    lookup costs only its search, the loop then asks the draft model: so prompt lookup, whose drafts
+    are the better ones when it has them, is asked first."""
+    times = measured_step_times(0.03, 0.001)
+    ctl = SpeculationController(["draft", "prompt-lookup"], budgets=(1, 2, 4), step_times=times)
+    for i in range(20):
+        ctl.observe_draft("draft", 2, 1, 2, 0.003)
+        if i % 4 == 0:
+            ctl.observe_draft("prompt-lookup", 4, 2, 4, 0.0001)
+        else:
+            ctl.observe_draft("prompt-lookup", 0, 0, 0, 0.0001)
+    ranked = ctl.ranked()
+    by_drafter = {c.drafter: c for c in ranked}
+    assert by_drafter["draft"].expected_tokens_per_s > by_drafter["prompt-lookup"].expected_tokens_per_s
+    assert by_drafter["prompt-lookup"].expected_tokens_per_s > ctl.value(None, 0)  # both worth asking
+    assert [c.drafter for c in ranked] == ["prompt-lookup", "draft", None]

@@ -7,6 +7,12 @@ probability of accepting depth j given depth j-1 was accepted. The controller pi
 (drafter, k) with the highest expected tokens per second, and plain sequential steps (1 token in
 T(1)) whenever no draft beats them: speculation below break-even makes decoding slower, and the
 break-even rises as RTT falls. Estimates decay exponentially so they follow the text.
+
+A cold start must not lose to ``off`` either (a short answer cannot amortise exploring): the first
+step is sequential (it measures T(1)); a drafter not yet judged is probed with a short draft; a
+proposal that offers nothing costs its search plus a one-token step; a depth never judged is
+expected to go as the depth above it (not the optimistic prior); and what is known of drafters
+left unused ages, so one written off early is asked again. Step times are kept per context band.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
+CONTEXT_BAND_TOKENS = 256  # step times are kept per context band: [0, 256), [256, 512), [512, 1024), ...
+PROBE_BUDGET = 2  # most tokens a drafter is asked for until its acceptance has been judged
 POPULATION_WEIGHT = 8.0  # observations the engine-wide estimates are worth to a new sequence's controller
 
 
@@ -36,8 +44,16 @@ class _DrafterStats:
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     cost_per_token: _Ema = field(default_factory=_Ema)  # drafting seconds per drafted token
+    miss_s: _Ema = field(default_factory=_Ema)  # seconds of a proposal that offered nothing
     proposals: float = 0.0  # decayed count of steps where the drafter was asked
     hits: float = 0.0  # ... and proposed something
+
+    def forget(self, decay: float) -> None:
+        """Age the counts by one step in which this drafter was not used (the costs stay as measured)."""
+        self.reached = [r * decay for r in self.reached]
+        self.accepted = [a * decay for a in self.accepted]
+        self.proposals *= decay
+        self.hits *= decay
 
     def scaled_copy(self, weight: float) -> _DrafterStats:
         """These estimates as a prior worth at most ``weight`` observations (the same rates, fewer counts)."""
@@ -46,6 +62,7 @@ class _DrafterStats:
             reached=[r * factor for r in self.reached],
             accepted=[a * factor for a in self.accepted],
             cost_per_token=_Ema(self.cost_per_token.value, min(self.cost_per_token.weight, weight)),
+            miss_s=_Ema(self.miss_s.value, min(self.miss_s.weight, weight)),
             proposals=self.proposals * factor,
             hits=self.hits * factor,
         )
@@ -61,9 +78,9 @@ class Choice:
 class SpeculationPolicy(Protocol):
     """Decides each step's drafter and budget; told what happened afterwards."""
 
-    def ranked(self) -> list[Choice]: ...
+    def ranked(self, context_tokens: int = 0) -> list[Choice]: ...
 
-    def observe_step(self, query_tokens: int, seconds: float) -> None: ...
+    def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None: ...
 
     def observe_draft(
         self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
@@ -76,10 +93,10 @@ class FixedPolicy:
     def __init__(self, drafter: str, budget: int) -> None:
         self.choice = Choice(drafter, budget, math.inf)
 
-    def ranked(self) -> list[Choice]:
+    def ranked(self, context_tokens: int = 0) -> list[Choice]:
         return [self.choice, Choice(None, 0, 0.0)]
 
-    def observe_step(self, query_tokens: int, seconds: float) -> None:
+    def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
         return None
 
     def observe_draft(
@@ -88,10 +105,9 @@ class FixedPolicy:
         return None
 
 
-class StepTimes:
-    """Measured seconds of a step of q query tokens: what the link and the trunk cost.
+class _WidthTimes:
+    """Measured seconds of a step of q query tokens at one context band.
 
-    Every sequence on one link shares them (a sequence's own acceptance estimates are its own).
     A step of q tokens is modelled as T(1) + extra(q). Load (other sequences queueing at the trunk
     and at the edge's workers) moves every T(q) together, and a big step measured under load and
     not tried since would otherwise keep a lone sequence from drafting long after the load has
@@ -121,6 +137,17 @@ class StepTimes:
             self._one.update(one + surprise / 2, self.decay)
             extra.update(extra.value + surprise / 2, self.decay)
 
+    @property
+    def level(self) -> float:
+        """T(1), seconds (nan until a one-token step is measured)."""
+        return self._one.value
+
+    def extra(self, q: int) -> float | None:
+        """Seconds a step of q tokens costs over T(1), interpolated; None until a wider step is measured."""
+        if not self._extra:
+            return None
+        return _interpolate([(1, 0.0), *sorted((k, e.value) for k, e in self._extra.items())], q)
+
     def predict(self, q: int) -> float:
         """Predicted seconds for a step of q query tokens."""
         one = self._one.value
@@ -134,6 +161,61 @@ class StepTimes:
             k0, t0 = known[0]
             return t0 * (1 + 0.02 * (q - k0))  # before any slope is measured: +2% per extra token
         return max(1e-6, _interpolate(known, q))
+
+
+class StepTimes:
+    """Measured seconds of a step of q query tokens at a context length: what the link and the trunk cost.
+
+    Every sequence on one link shares them (a sequence's own acceptance estimates are its own).
+    Attention over a long context makes each extra query token cost more (measured on the demo
+    split at 20 ms: a 17-token step cost 12 ms over a one-token one after 2,000 tokens, 6.5 ms after
+    100), so estimates are kept per context band (:func:`context_band`: below 256 tokens, then one
+    band per doubling). A band with no wide step measured yet borrows the extra cost of the nearest
+    band that has one, over its own T(1); a band with no T(1) yet reads the nearest band that has one.
+    """
+
+    def __init__(self, decay: float = 0.97) -> None:
+        self.decay = decay  # per-observation decay of every estimate
+        self._bands: dict[int, _WidthTimes] = {}  # context band -> its estimates
+
+    @property
+    def measured(self) -> bool:
+        """Whether any step was measured yet (at any context length)."""
+        return bool(self._bands)
+
+    def observe(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
+        band = context_band(context_tokens)
+        self._bands.setdefault(band, _WidthTimes(self.decay)).observe(query_tokens, seconds)
+
+    def predict(self, q: int, context_tokens: int = 0) -> float:
+        """Predicted seconds for a step of q query tokens after ``context_tokens`` tokens."""
+        if not self._bands:
+            return 1.0
+        band = context_band(context_tokens)
+        own = self._bands.get(band)
+        if own is None or math.isnan(own.level):  # no T(1) here yet: the nearest band that has one
+            levelled = [b for b, times in self._bands.items() if not math.isnan(times.level)]
+            if not levelled:
+                return (own or self._nearest(band, list(self._bands))).predict(q)
+            own = self._nearest(band, levelled)
+        donors = [b for b, times in self._bands.items() if times.extra(q) is not None]
+        if q == 1 or own.extra(q) is not None or not donors:
+            return own.predict(q)
+        extra = self._nearest(band, donors).extra(q)
+        return own.predict(q) if extra is None else max(1e-6, own.level + extra)
+
+    def _nearest(self, band: int, candidates: list[int]) -> _WidthTimes:
+        """The estimates of the candidate band nearest ``band`` (the longer context on a tie: the dearer)."""
+        return self._bands[min(candidates, key=lambda b: (abs(b - band), -b))]
+
+
+def context_band(context_tokens: int) -> int:
+    """Band of a context length for step times: 0 below CONTEXT_BAND_TOKENS, then one per doubling."""
+    return (max(0, context_tokens) // CONTEXT_BAND_TOKENS).bit_length()
+
+
+def _value(choice: Choice) -> float:
+    return choice.expected_tokens_per_s
 
 
 def _interpolate(known: list[tuple[int, float]], q: int) -> float:
@@ -186,54 +268,110 @@ class SpeculationController:
         """This controller's estimates of ``drafter`` as a new sequence's prior (:data:`POPULATION_WEIGHT`)."""
         return self._stats[drafter].scaled_copy(POPULATION_WEIGHT)
 
-    def step_time(self, q: int) -> float:
-        """Predicted seconds for a step of q query tokens."""
-        return self.step_times.predict(q)
+    def step_time(self, q: int, context_tokens: int = 0) -> float:
+        """Predicted seconds for a step of q query tokens after ``context_tokens`` tokens."""
+        return self.step_times.predict(q, context_tokens)
 
     def alphas(self, drafter: str, depth: int) -> list[float]:
+        """Acceptance estimates of depths 1..depth. Depth 1's prior is ``prior_alpha``; each deeper depth's
+        is the estimate of the depth above it, so a drafter rejected at depth 1 is not still expected
+        to go deep (a depth is judged only when the one above it was accepted)."""
         stats = self._stats[drafter]
         out = []
+        prior = self.prior_alpha
         for j in range(depth):
             reached = stats.reached[j] if j < len(stats.reached) else 0.0
             accepted = stats.accepted[j] if j < len(stats.accepted) else 0.0
-            out.append((accepted + self.prior_alpha * self.prior_weight) / (reached + self.prior_weight))
+            prior = (accepted + prior * self.prior_weight) / (reached + self.prior_weight)
+            out.append(prior)
         return out
 
     def expected_accepted(self, drafter: str, budget: int) -> float:
+        return self.hit_rate(drafter) * self._accepted_if_offered(drafter, budget)
+
+    def _accepted_if_offered(self, drafter: str, budget: int) -> float:
         total, run = 0.0, 1.0
         for alpha in self.alphas(drafter, budget):
             run *= alpha
             total += run
-        stats = self._stats[drafter]
-        hit_rate = (stats.hits + 1.0) / (stats.proposals + 1.0)
-        return hit_rate * total
+        return total
 
-    def value(self, drafter: str | None, budget: int) -> float:
-        """Expected tokens per second of one step."""
-        if drafter is None or budget == 0:
-            return 1.0 / self.step_time(1)
+    def value_if_offered(self, drafter: str, budget: int, context_tokens: int = 0) -> float:
+        """Expected tokens per second of a step with ``drafter``'s draft, given that it offers one."""
         cost = self._stats[drafter].cost_per_token.value
         draft_s = 0.0 if math.isnan(cost) else cost * budget
-        return (1.0 + self.expected_accepted(drafter, budget)) / (self.step_time(budget + 1) + draft_s)
+        wide = self.step_time(budget + 1, context_tokens)
+        return (1.0 + self._accepted_if_offered(drafter, budget)) / (wide + draft_s)
+
+    def value(self, drafter: str | None, budget: int, context_tokens: int = 0) -> float:
+        """Expected tokens per second of one step.
+
+        Asked for ``budget`` tokens, the drafter offers some with its hit rate h: the step is then
+        budget + 1 tokens wide and costs the drafting too. Otherwise the proposal's time is lost and
+        the step is a one-token one: seconds = h (T(budget + 1) + drafting) + (1 - h) (T(1) + miss).
+        """
+        if drafter is None or budget == 0:
+            return 1.0 / self.step_time(1, context_tokens)
+        stats = self._stats[drafter]
+        cost, miss = stats.cost_per_token.value, stats.miss_s.value
+        draft_s = 0.0 if math.isnan(cost) else cost * budget
+        miss_s = 0.0 if math.isnan(miss) else miss
+        hit = self.hit_rate(drafter)
+        wide, one = self.step_time(budget + 1, context_tokens), self.step_time(1, context_tokens)
+        seconds = hit * (wide + draft_s) + (1.0 - hit) * (one + miss_s)
+        return (1.0 + self.expected_accepted(drafter, budget)) / seconds
+
+    def judged(self, drafter: str) -> bool:
+        """Whether the verifier has judged about one of ``drafter``'s drafts, at least (the counts age:
+        a drafter left unused long enough is probed again)."""
+        reached = self._stats[drafter].reached
+        return bool(reached) and reached[0] >= 0.5
+
+    def hit_rate(self, drafter: str) -> float:
+        """Estimated share of proposals where ``drafter`` offers something."""
+        stats = self._stats[drafter]
+        return (stats.hits + 1.0) / (stats.proposals + 1.0)
 
     # -- decisions ---------------------------------------------------------------------------------
 
-    def ranked(self) -> list[Choice]:
-        """Every option, best first; sequential is always among them."""
-        options = [Choice(None, 0, self.value(None, 0))]
+    def ranked(self, context_tokens: int = 0) -> list[Choice]:
+        """Each drafter at its best budget, and sequential, best first (the loop asks them in turn until one
+        offers a draft: a drafter that offered nothing would offer nothing at a smaller budget either).
+
+        Until a step time is measured, only sequential: the first step measures T(1), against which
+        every draft is judged (one-token steps are what ``off`` does; drafting blind at a flat T(q)
+        would draft as deep as the budgets allow). A drafter none of whose drafts was judged yet is
+        offered at :data:`PROBE_BUDGET` tokens at most: a probe costs little even when the drafter
+        is slow or wrong (a short answer cannot amortise a deep miss), and measures its cost and
+        its first depths, from which the deeper ones are estimated.
+        """
+        n = context_tokens
+        options = [Choice(None, 0, self.value(None, 0, n))]
+        if not self.step_times.measured:
+            return options
         for name in self.drafters:
-            options += [Choice(name, k, self.value(name, k)) for k in self.budgets]
+            budgets = self.budgets if self.judged(name) else [k for k in self.budgets if k <= PROBE_BUDGET]
+            options.append(
+                max((Choice(name, k, self.value(name, k, n)) for k in budgets or self.budgets[:1]), key=_value)
+            )
         options.sort(key=lambda c: c.expected_tokens_per_s, reverse=True)
+        # the drafters worth asking (above sequential) are asked in turn until one offers a draft, and a
+        # miss costs only its search: ask first the one whose draft is best when it offers one (prompt
+        # lookup's long matches before a draft model's guesses, which then fill in where it has none)
+        cut = next(i for i, c in enumerate(options) if c.drafter is None)
+        ask = sorted(options[:cut], key=lambda c: self.value_if_offered(str(c.drafter), c.budget, n), reverse=True)
+        options = ask + options[cut:]
         if options[0].drafter is None and self.drafters and self._since_speculation >= self.probe_every:
             # re-probe cheaply: estimates of a drafter we stopped using cannot improve otherwise
-            best_drafter = max(self.drafters, key=lambda n: self.value(n, self.budgets[0]))
-            options.insert(0, Choice(best_drafter, self.budgets[0], self.value(best_drafter, self.budgets[0])))
+            k = self.budgets[0]
+            best_drafter = max(self.drafters, key=lambda name: self.value(name, k, n))
+            options.insert(0, Choice(best_drafter, k, self.value(best_drafter, k, n)))
         return options
 
     # -- observations ------------------------------------------------------------------------------
 
-    def observe_step(self, query_tokens: int, seconds: float) -> None:
-        self.step_times.observe(query_tokens, seconds)
+    def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
+        self.step_times.observe(query_tokens, seconds, context_tokens)
         if query_tokens == 1:
             self._since_speculation += 1
         else:
@@ -245,11 +383,16 @@ class SpeculationController:
         """A drafter proposed a tree ``proposed_depth`` deep; ``accepted`` of its tokens were kept."""
         if self.population is not None:
             self.population.observe_draft(drafter, proposed_depth, accepted, draft_tokens, draft_seconds)
+        for name, other in self._stats.items():
+            if name != drafter:  # what is known of the others ages too: the text they failed on has moved on
+                other.forget(self.decay)
         stats = self._stats[drafter]
         stats.proposals = self.decay * stats.proposals + 1.0
         stats.hits = self.decay * stats.hits + (1.0 if draft_tokens else 0.0)
         if draft_tokens:
             stats.cost_per_token.update(draft_seconds / draft_tokens, self.decay)
+        else:
+            stats.miss_s.update(draft_seconds, self.decay)
         while len(stats.reached) < proposed_depth:
             stats.reached.append(0.0)
             stats.accepted.append(0.0)

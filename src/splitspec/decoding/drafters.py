@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -27,7 +27,10 @@ from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.trees import Draft as Draft
 from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree
+from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
+
+PREPARE_CHUNK = 512  # prompt tokens a draft model's prepare feeds at once: bounds its attention masks
 
 
 def build_tree(chains: Sequence[Sequence[int]], budget: int) -> Draft:
@@ -54,6 +57,27 @@ class Drafter(Protocol):
     name: str
 
     def propose(self, context: Sequence[int], budget: int) -> Draft: ...
+
+
+@runtime_checkable
+class Preparable(Protocol):
+    """A drafter with state to bring up to a context before its first proposal (a draft model's cache).
+
+    ``prepare(context)`` does now what the first ``propose`` on ``context`` and its continuations
+    would otherwise do; it changes no proposal. The decode loop calls it while the prefill's round
+    trip is in flight (:mod:`splitspec.decoding.warmup`).
+    """
+
+    def prepare(self, context: Sequence[int]) -> None: ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (at most ``limit``)."""
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class NgramPool:
@@ -92,6 +116,10 @@ class NgramPool:
             bucket.move_to_end(cont)
             while len(bucket) > self.per_key:
                 bucket.popitem(last=False)  # evict the oldest
+
+    def prepare(self, context: Sequence[int]) -> None:
+        """Index ``context`` now (a long prompt's n-grams), so the first proposal indexes only what follows."""
+        self._index(context)
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
         self._index(context)
@@ -163,6 +191,7 @@ class DraftModel:
         self.depth = depth  # levels of the tree at most; None: the budget
         self.siblings = SiblingStats()  # sampling: how often each sibling rank is accepted, measured
         self._last: tuple[list[int], Draft] | None = None  # the last sampled draft and its context
+        self.prepare_chunk = PREPARE_CHUNK  # prompt tokens prepare feeds at once
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits."""
@@ -173,6 +202,24 @@ class DraftModel:
             common += 1
         seq.truncate(common)
         return seq.run(context[common:])[-1]
+
+    @torch.inference_mode()
+    def prepare(self, context: Sequence[int]) -> None:
+        """Bring the cache to all of ``context`` (the prompt), without computing logits: the first
+        :meth:`propose` on ``context`` plus the first token then runs that token alone."""
+        seq = self.sequence
+        common = common_prefix(seq.tokens, context)
+        seq.truncate(common)
+        model = seq.model
+        for start in range(common, len(context), self.prepare_chunk):
+            part = list(context[start : start + self.prepare_chunk])
+            positions = torch.arange(start, start + len(part), dtype=torch.int32)
+            parents = torch.tensor(chain(len(part)), dtype=torch.int32)
+            ids = torch.tensor(part, dtype=torch.long)[None]  # (1, q)
+            model.layers(
+                model.embed(ids), positions, parents, seq.cache
+            )  # (1, q, H), discarded: the cache is the point
+            seq.tokens.extend(part)
 
     def _expander(self, context_len: int, root: torch.Tensor, ran: list[list[int]]) -> TreeExpander:
         """Scores a tree by running all its nodes after the context (``ran`` gets the parents last run)."""
@@ -238,6 +285,11 @@ class MixedDrafter:
 
     def __init__(self, sources: Sequence[Drafter]) -> None:
         self.sources = list(sources)
+
+    def prepare(self, context: Sequence[int]) -> None:
+        for source in self.sources:
+            if isinstance(source, Preparable):
+                source.prepare(context)
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
         chains: list[list[int]] = []

@@ -7,7 +7,9 @@ every draft root a child of t. Row 0 of the logits scores the roots, row i + 1 t
 node i. The acceptance rule picks a path through the tree and the next token; the caches keep t
 and that path (the cloud learns it on the next step, at no extra round trip), and the next token
 becomes the new pending one. With an empty draft the step is a plain sequential step, so sampled
-output with no drafters draws exactly what one-token sampling draws.
+output with no drafters draws exactly what one-token sampling draws. Drafters with state to build
+(a draft model's cache) are prepared for the prompt on the draft executor while the prefill is in
+flight (:mod:`splitspec.decoding.warmup`).
 
 Each emitted token comes out as an :class:`Emitted`: the token, and when asked its logprob and
 the top alternatives, taken from the model's own distribution at that position (log-softmax of
@@ -43,6 +45,7 @@ from splitspec.decoding.controller import Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.warmup import finish_prepare, start_prepare
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
 PROMPT_ROWS_PER_CHUNK = 256  # prefill rows turned into logprobs at once: bounds the (rows, V) float32 copies
@@ -105,10 +108,10 @@ class SpecStep:
 class SequentialPolicy:
     """No drafting: every step is the pending token alone."""
 
-    def ranked(self) -> list[Choice]:
+    def ranked(self, context_tokens: int = 0) -> list[Choice]:
         return [Choice(None, 0, 0.0)]
 
-    def observe_step(self, query_tokens: int, seconds: float) -> None:
+    def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
         return None
 
     def observe_draft(
@@ -231,6 +234,8 @@ async def decode(
     context = [*(history or ()), *prompt_ids]
     # prefill: every row when the prompt's own logprobs are wanted, else only its last (1, V)
     logits_from = 0 if prompt_logprobs is not None else len(prompt_ids) - 1
+    # the drafters catch up with the prompt (a draft model's cache) while the prefill is in flight
+    prepared = None if isinstance(controller, SequentialPolicy) else start_prepare(drafters, context, draft_executor)
     logits = await verifier.forward(prompt_ids, logits_from=logits_from)
     if prompt_logprobs is not None:  # on a worker thread: a long prompt's rows must not stall the event loop
         prompt_logprobs.entries = await asyncio.to_thread(
@@ -244,14 +249,15 @@ async def decode(
     context.append(pending)
     produced = 1
     yield first
+    await finish_prepare(prepared)
     if pending in stop_token_ids:
         return
     while produced < max_new_tokens:
         if any(p.finished for p in processors):
             return
         # choose and build the draft; a drafter with nothing to offer yields to the next option
-        draft, used, draft_s = Draft.empty(), None, 0.0
-        for choice in controller.ranked():
+        draft, used, draft_s, used_s = Draft.empty(), None, 0.0, 0.0
+        for choice in controller.ranked(len(context)):  # a long context makes wide steps dearer
             if choice.drafter is None:
                 break
             budget = min(choice.budget, max_new_tokens - produced - 1)
@@ -269,9 +275,9 @@ async def decode(
             if processors and draft:
                 draft = cut_draft(draft, processors)
             if draft:
-                used = choice.drafter
+                used, used_s = choice.drafter, seconds
                 break
-            controller.observe_draft(choice.drafter, 0, 0, 0, 0.0)  # asked, nothing to offer
+            controller.observe_draft(choice.drafter, 0, 0, 0, seconds)  # asked, nothing to offer: a miss's cost
         tokens = [pending, *draft.tokens]
         parents = [-1, *[p + 1 for p in draft.parents]]  # draft roots hang off the pending token
         t0 = time.perf_counter()
@@ -292,9 +298,9 @@ async def decode(
             if token in stop_token_ids:
                 new = new[: i + 1]
                 break
-        controller.observe_step(len(tokens), step_s)
+        controller.observe_step(len(tokens), step_s, len(context))
         if used is not None:
-            controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), draft_s)
+            controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), used_s)
         if trace is not None:
             trace.append(SpecStep(used, len(draft), len(verdict.path), len(new), step_s, draft_s))
         for processor in processors:

@@ -78,6 +78,8 @@ def make_drafters(
         # deterministic sources only: the draft model proposes its greedy tree here
         sources: list[Drafter] = [PromptLookup(), NgramPool()]
         if draft_model is not None:
-            sources.append(DraftModel(draft_model, SamplingParams()))
+            # a greedy "draft" drafter is this one already: share it (one cache to fill, not two)
+            shared = drafters.get("draft") if params.greedy else None
+            sources.append(shared if shared is not None else DraftModel(draft_model, SamplingParams()))
         drafters["mix"] = MixedDrafter(sources)
     return drafters

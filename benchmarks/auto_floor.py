@@ -1,0 +1,348 @@
+"""Benchmark: ``--speculate auto`` against ``off`` over the split, at long and short context (issue #27 item 5).
+
+The demo base model split 2+2 over a real trunk server (``splitspec cloud serve`` in another
+process, one torch thread) on loopback, through the WAN emulator at each RTT. Three modes, run in
+turn on every case (repeats interleaved; the RTT order alternates between repeats):
+
+* ``off``: one round trip per token;
+* ``auto``: the adaptive controller with the drafters an edge has without a draft model
+  (n-grams, prompt lookup, their mixed tree);
+* ``auto+draft``: the same with the demo draft model as well.
+
+Cases: a 2,000-token prompt of third-party code (the source of ``tqdm/std.py`` from the installed
+``tqdm`` package, read at run time: a package the demo models never saw) with a 32-token and a
+96-token answer, and short prose (the opening of a held-out document) with 32 and 96 tokens.
+The demo models know 1,024 positions; copies of their configs in a temp dir extend
+``max_position_embeddings`` to 4,096 (weights linked, not copied; default RoPE, so the extension
+changes no logit below 1,024).
+
+Every run is a fresh :class:`SplitClient` (its own engine, controller and step-time estimates, as a
+``splitspec generate`` process): the cold start is what is measured. Greedy; every mode's tokens
+are checked against ``off``'s. Per run: end-to-end tok/s (new tokens / wall time, prefill
+included), decode tok/s ((new tokens - 1) / (wall - prefill steps' time)) and tokens per round trip
+after the prefill. Reported: medians over repeats and the median of the paired per-repeat ratios.
+
+    python benchmarks/auto_floor.py                 # ~8 min on 2 shared CPU cores
+    python benchmarks/auto_floor.py --quick         # 1 repeat, 20 ms, 32-token answers (~1 min)
+
+Writes auto_floor.json, auto_floor.md and auto_floor.png into --out
+(default benchmarks/results/auto_floor/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.demo import embedded_model
+from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.edge.client import GenerationResult
+from splitspec.models.stack import EdgeModel, FullModel
+from splitspec.netem.emulator import NetemConfig, WanEmulator
+from splitspec.run_info import run_environment
+
+log = logging.getLogger("bench.auto_floor")
+
+MODES = ("off", "auto", "auto+draft")
+POSITIONS = 4096  # max_position_embeddings of the extended config copies
+CODE_PACKAGE = "tqdm"  # third-party code the demo models never saw (their code corpus is CPython's stdlib)
+CODE_MODULE = "tqdm.std"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompt: tuple[int, ...]
+    new_tokens: int
+
+
+def extended_copy(source: Path, dest: Path) -> Path:
+    """``source`` checkpoint in ``dest`` with max_position_embeddings = POSITIONS (other files linked)."""
+    dest.mkdir(parents=True)
+    for item in source.iterdir():
+        if item.name != "config.json":
+            (dest / item.name).symlink_to(item.resolve())
+    config = json.loads((source / "config.json").read_text())
+    config["max_position_embeddings"] = POSITIONS
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
+
+
+def code_text() -> tuple[str, str]:
+    """The installed third-party module's source, and where it came from."""
+    import importlib
+    import importlib.metadata
+
+    module = importlib.import_module(CODE_MODULE)
+    path = Path(str(module.__file__))
+    return path.read_text(), f"{CODE_MODULE} ({CODE_PACKAGE} {importlib.metadata.version(CODE_PACKAGE)})"
+
+
+def build_cases(model_dir: Path, long_tokens: int, answers: tuple[int, ...]) -> tuple[list[Case], dict[str, str]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    code, code_source = code_text()
+    code_ids = tokenizer.encode(code, add_special_tokens=False)
+    if len(code_ids) < long_tokens:
+        raise SystemExit(f"{code_source} has only {len(code_ids)} tokens, fewer than {long_tokens}")
+    prose_path = embedded_model("base").parents[1] / "corpus" / "heldout" / "prose" / "lovers_complaint.txt"
+    prose_ids = tokenizer.encode(prose_path.read_text(), add_special_tokens=False)[:64]
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    cases = []
+    for n in answers:
+        cases.append(Case(f"code{long_tokens}/{n}", tuple(bos + code_ids[:long_tokens]), n))
+    for n in answers:
+        cases.append(Case(f"prose{len(prose_ids)}/{n}", tuple(bos + prose_ids), n))
+    sources = {"code": code_source, "prose": f"held-out demo corpus: {prose_path.name}, first 64 tokens"}
+    return cases, sources
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def start_trunk(model_dir: Path, port: int, dtype: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "cloud", "serve",
+           "--model", str(model_dir), "--port", str(port), "--threads", "1", "--dtype", dtype]  # fmt: skip
+    server = subprocess.Popen(cmd)
+    for _ in range(600):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return server
+        except OSError:
+            if server.poll() is not None:
+                raise SystemExit("the trunk server exited") from None
+            time.sleep(0.1)
+    server.terminate()
+    raise SystemExit("the trunk server did not start")
+
+
+def run_figures(result: GenerationResult) -> dict[str, Any]:
+    n = len(result.token_ids)
+    prefill_s = sum(s.network_ms + s.cloud_ms + s.edge_ms + s.serialize_ms for s in result.steps if s.kind == "prefill")
+    prefill_s /= 1e3
+    decode_steps = len(result.decode_steps)
+    decode_s = result.wall_s - prefill_s
+    return {
+        "e2e_tok_s": n / result.wall_s,
+        "decode_tok_s": (n - 1) / decode_s if decode_s > 0 else 0.0,
+        "tokens_per_trip": (n - 1) / decode_steps if decode_steps else 0.0,
+        "prefill_s": prefill_s,
+        "wall_s": result.wall_s,
+        "drafted_steps": float(sum(1 for s in result.spec_steps if s.drafter is not None)),
+        "draft_s": sum(s.draft_s for s in result.spec_steps),  # drafting, all steps
+        "first_step_s": result.spec_steps[0].step_s + result.spec_steps[0].draft_s if result.spec_steps else 0.0,
+        "first_draft_s": result.spec_steps[0].draft_s if result.spec_steps else 0.0,
+        "first_drafter": str(result.spec_steps[0].drafter) if result.spec_steps else "",
+        # every decode step: query tokens, verifier seconds, drafting seconds, drafter, accepted
+        "trace": [[1 + s.draft_tokens, s.step_s, s.draft_s, s.drafter, s.accepted] for s in result.spec_steps],
+    }
+
+
+async def one_run(
+    config: EdgeConfig, edge: EdgeModel, draft: FullModel | None, case: Case, mode: str
+) -> GenerationResult:
+    async with SplitClient(config, edge=edge, draft_model=draft) as client:
+        speculate = "off" if mode == "off" else "auto"
+        return await client.generate(list(case.prompt), case.new_tokens, SamplingParams(), (), speculate)
+
+
+async def measure(
+    args: argparse.Namespace, base: Path, draft_dir: Path, cases: list[Case], port: int
+) -> list[dict[str, Any]]:
+    common = {"allow_stock_edge_weights": True, "model_dir": base, "dtype": args.dtype}
+    loader = SplitClient(EdgeConfig(**common, cloud_url=f"ws://127.0.0.1:{port}", draft_model_dir=draft_dir))
+    edge, draft = loader.model, loader.draft_model
+    records: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        rtts = sorted(args.rtt_ms) if repeat % 2 == 0 else sorted(args.rtt_ms, reverse=True)
+        for rtt in rtts:
+            async with WanEmulator(NetemConfig(upstream_port=port, rtt_ms=rtt, seed=repeat)) as emu:
+                url = f"ws://{emu.host}:{emu.port}"
+                configs = {
+                    "off": (EdgeConfig(**common, cloud_url=url), None),
+                    "auto": (EdgeConfig(**common, cloud_url=url), None),
+                    "auto+draft": (EdgeConfig(**common, cloud_url=url, draft_model_dir=draft_dir), draft),
+                }
+                if repeat == 0:  # warm-up, not recorded
+                    await one_run(configs["auto+draft"][0], edge, draft, Case("warm", cases[0].prompt[:64], 4), "auto")
+                for case in cases:
+                    reference: list[int] | None = None
+                    order = MODES if repeat % 2 == 0 else MODES[::-1]
+                    for mode in order:
+                        config, drafter = configs[mode]
+                        result = await one_run(config, edge, drafter, case, mode)
+                        figures = run_figures(result)
+                        rec = {"repeat": repeat, "rtt_ms": rtt, "case": case.name, "mode": mode, **figures,
+                               "tokens": result.token_ids}  # fmt: skip
+                        records.append(rec)
+                        log.info("r%d %4g ms %-14s %-10s decode %6.1f tok/s  e2e %6.1f  %.2f tok/trip",
+                                 repeat, rtt, case.name, mode, figures["decode_tok_s"], figures["e2e_tok_s"],
+                                 figures["tokens_per_trip"])  # fmt: skip
+                        reference = reference or (result.token_ids if mode == "off" else None)
+                    offs = [
+                        r for r in records if r["repeat"] == repeat and r["rtt_ms"] == rtt and r["case"] == case.name
+                    ]
+                    ref = next(r["tokens"] for r in offs if r["mode"] == "off")
+                    for r in offs:
+                        r["matches_off"] = r["tokens"] == ref
+    return records
+
+
+def ratio(runs: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> float:
+    """Median over repeats of mode a's figure over mode b's in the same repeat."""
+    pairs = zip(runs[a], runs[b], strict=True)  # both in repeat order
+    return statistics.median(x[key] / y[key] for x, y in pairs)
+
+
+def summarize(records: list[dict[str, Any]], rtts: list[float], cases: list[Case]) -> list[dict[str, Any]]:
+    rows = []
+    for rtt in rtts:
+        for case in cases:
+            runs = {
+                m: [r for r in records if r["rtt_ms"] == rtt and r["case"] == case.name and r["mode"] == m]
+                for m in MODES
+            }
+
+            row: dict[str, Any] = {"rtt_ms": rtt, "case": case.name}
+            for m in MODES:
+                for key in ("decode_tok_s", "e2e_tok_s", "tokens_per_trip"):
+                    row[f"{m}:{key}"] = statistics.median(r[key] for r in runs[m])
+            for key in ("decode_tok_s", "e2e_tok_s"):
+                row[f"auto/off:{key}"] = ratio(runs, "auto", "off", key)
+                row[f"auto+draft/off:{key}"] = ratio(runs, "auto+draft", "off", key)
+                row[f"auto+draft/auto:{key}"] = ratio(runs, "auto+draft", "auto", key)
+            row["all_match_off"] = all(r["matches_off"] for m in MODES for r in runs[m])
+            rows.append(row)
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    env = results["environment"]
+    lines = [
+        "# `auto` against `off` over the split, long and short context",
+        "",
+        f"Commit {env['commit']}; demo base model split 2+2, {results['dtype']}, trunk server process on loopback "
+        f"through the WAN emulator; {results['repeats']} interleaved repeats, medians (ratios: median of paired "
+        f"per-repeat ratios); a fresh client per run (cold controller). Load average before/after: "
+        f"{results['load_before']} / {results['load_after']}.",
+        f"Code: {results['sources']['code']}; prose: {results['sources']['prose']}.",
+        "",
+        "| RTT ms | case | off decode | auto decode | auto+draft decode | auto/off decode | auto/off e2e "
+        "| +draft/off decode | +draft/off e2e | +draft/auto decode | tok/trip auto, +draft | greedy = off |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["summary"]:
+        lines.append(
+            f"| {r['rtt_ms']:g} | {r['case']} | {r['off:decode_tok_s']:.1f} | {r['auto:decode_tok_s']:.1f} "
+            f"| {r['auto+draft:decode_tok_s']:.1f} | {r['auto/off:decode_tok_s']:.2f} | {r['auto/off:e2e_tok_s']:.2f} "
+            f"| {r['auto+draft/off:decode_tok_s']:.2f} | {r['auto+draft/off:e2e_tok_s']:.2f} "
+            f"| {r['auto+draft/auto:decode_tok_s']:.2f} "
+            f"| {r['auto:tokens_per_trip']:.2f}, {r['auto+draft:tokens_per_trip']:.2f} | {r['all_match_off']} |"
+        )
+    lines += ["", f"Reproduce: `{results['command']}`", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = results["summary"]
+    fig = Figure(figsize=(10, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    labels = [f"{r['case']}\n{r['rtt_ms']:g} ms" for r in rows]
+    xs = range(len(rows))
+    width = 0.38
+    ax.bar([x - width / 2 for x in xs], [r["auto/off:decode_tok_s"] for r in rows], width, label="auto / off")
+    ax.bar(
+        [x + width / 2 for x in xs], [r["auto+draft/off:decode_tok_s"] for r in rows], width, label="auto+draft / off"
+    )
+    ax.axhline(0.97, color="red", linestyle="--", linewidth=1, label="0.97 floor")
+    ax.axhline(1.0, color="black", linewidth=0.5)
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("decode tok/s ratio to off")
+    ax.set_title(
+        f"auto vs off, demo models split 2+2, {results['dtype']} (commit {results['environment']['commit'][:7]})"
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/auto_floor"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rtt-ms", type=float, nargs="+", default=[20.0, 80.0])
+    parser.add_argument("--answers", type=int, nargs="+", default=[32, 96])
+    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
+    parser.add_argument("--quick", action="store_true", help="1 repeat, 20 ms, 32-token answers")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.rtt_ms, args.answers = 1, [20.0], [32]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    for name in ("splitspec", "websockets"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    torch.set_num_threads(1)  # edge and trunk processes on a shared machine: one thread each
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    work = Path(tempfile.mkdtemp(prefix="auto_floor_"))
+    base = extended_copy(embedded_model("base"), work / "base")
+    draft_dir = extended_copy(embedded_model("draft"), work / "draft")
+    cases, sources = build_cases(base, args.long_tokens, tuple(args.answers))
+    environment = run_environment()
+    port = free_port()
+    server = start_trunk(base, port, args.dtype)
+    try:
+        t0 = time.perf_counter()
+        records = asyncio.run(measure(args, base, draft_dir, cases, port))
+        environment["wall_s"] = time.perf_counter() - t0
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    import splitspec
+
+    results = {
+        "environment": environment,
+        "splitspec_src": str(Path(splitspec.__file__).parent),  # the code measured (a before/after pair may differ)
+        "command": "python benchmarks/auto_floor.py " + " ".join(sys.argv[1:]),
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "rtt_ms": args.rtt_ms,
+        "sources": sources,
+        "load_before": load_before,
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "summary": summarize(records, args.rtt_ms, cases),
+        "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in records],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "auto_floor.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "auto_floor.md").write_text(markdown(results))
+    plot(results, args.out / "auto_floor.png")
+    sys.stdout.write(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,139 @@
+"""Drafters catch up with the prompt during the prefill: a draft model's cache holds the prompt before
+the first draft is asked, proposals are unchanged, and greedy output stays one-token greedy."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from splitspec.decoding.controller import FixedPolicy
+from splitspec.decoding.drafters import Draft, DraftModel, MixedDrafter, NgramPool, Preparable, PromptLookup
+from splitspec.decoding.local import LocalSequence
+from splitspec.decoding.loop import decode
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.speculative import make_drafters
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.stack import FullModel, load_full
+from tests.conftest import local_greedy
+
+PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9, 40, 41, 42, 5, 9, 17]
+
+
+def full(directory: Path) -> FullModel:
+    return load_full(Checkpoint(directory), torch.float32)
+
+
+class RecordingDraftModel(DraftModel):
+    """A draft model that notes how many tokens its cache held when each proposal was asked."""
+
+    def __init__(self, model: FullModel) -> None:
+        super().__init__(model, SamplingParams())
+        self.cached_at_propose: list[int] = []
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        self.cached_at_propose.append(len(self.sequence.tokens))
+        return super().propose(context, budget)
+
+
+class PrefillWaitsForDrafter:
+    """A local verifier whose prefill does not return before the drafter's cache holds the prompt:
+    the prefill can only finish if the drafter was prepared while it was in flight."""
+
+    def __init__(self, model: FullModel, drafter: DraftModel, prompt_len: int, timeout_s: float = 10.0) -> None:
+        self.inner = LocalSequence(model)
+        self.drafter = drafter
+        self.prompt_len = prompt_len
+        self.timeout_s = timeout_s
+        self.cached_when_prefill_returned = -1
+
+    async def forward(
+        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+    ) -> torch.Tensor:
+        if not self.inner.tokens:  # the prefill: the round trip is in flight while the drafter prepares
+            deadline = time.monotonic() + self.timeout_s
+            while len(self.drafter.sequence.tokens) < self.prompt_len:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the drafter was not prepared during the prefill")
+                await asyncio.sleep(0.005)
+            self.cached_when_prefill_returned = len(self.drafter.sequence.tokens)
+        return await self.inner.forward(tokens, parents, logits_from)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        self.inner.keep(indices)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def test_draft_model_prepare_fills_the_cache_and_changes_no_proposal(make_checkpoint: Callable[..., Path]) -> None:
+    model = full(make_checkpoint("llama", layers=2, seed=99))
+    prepared = DraftModel(model, SamplingParams())
+    prepared.prepare(PROMPT)
+    assert prepared.sequence.tokens == PROMPT
+    assert len(prepared.sequence.cache) == len(PROMPT)
+    fresh = DraftModel(model, SamplingParams())
+    for budget in (1, 4, 12):  # chains and trees with runner-up branches
+        context = [*PROMPT, 7]
+        got, want = prepared.propose(context, budget), fresh.propose(context, budget)
+        assert (got.tokens, got.parents) == (want.tokens, want.parents)
+    prepared.prepare([*PROMPT[:5], 33])  # a new prompt sharing a prefix: the cache keeps only that prefix
+    assert prepared.sequence.tokens == [*PROMPT[:5], 33]
+
+
+def test_prepare_keeps_chunks_positions_right(make_checkpoint: Callable[..., Path]) -> None:
+    """A prompt longer than one prepare chunk is fed in chunks with the right positions."""
+    model = full(make_checkpoint("llama", layers=2, seed=99))
+    chunked = DraftModel(model, SamplingParams())
+    chunked.prepare_chunk = 5
+    chunked.prepare(PROMPT)
+    assert chunked.sequence.tokens == PROMPT
+    fresh = DraftModel(model, SamplingParams())
+    context = [*PROMPT, 7]
+    assert chunked.propose(context, 6).tokens == fresh.propose(context, 6).tokens
+
+
+def test_ngram_and_mixed_prepare_change_no_proposal() -> None:
+    context = [*PROMPT, 17, 3]
+    pool = NgramPool()
+    pool.prepare(PROMPT)
+    assert pool.propose(context, 4).tokens == NgramPool().propose(context, 4).tokens
+    mixed = MixedDrafter([PromptLookup(), NgramPool()])
+    assert isinstance(mixed, Preparable)
+    assert not isinstance(PromptLookup(), Preparable)
+    mixed.prepare(PROMPT)
+    assert mixed.propose(context, 6).tokens == MixedDrafter([PromptLookup(), NgramPool()]).propose(context, 6).tokens
+
+
+def test_greedy_auto_shares_one_draft_model_between_draft_and_mix(make_checkpoint: Callable[..., Path]) -> None:
+    draft = full(make_checkpoint("llama", layers=2, seed=99))
+    drafters = make_drafters("auto", SamplingParams(), draft)
+    mixed = drafters["mix"]
+    assert isinstance(mixed, MixedDrafter)
+    assert mixed.sources[-1] is drafters["draft"]  # one cache to fill, not two
+    sampled = make_drafters("auto", SamplingParams(temperature=0.8), draft, torch.Generator().manual_seed(0))
+    assert isinstance(sampled["mix"], MixedDrafter)
+    assert sampled["mix"].sources[-1] is not sampled["draft"]
+
+
+async def test_the_draft_model_is_prepared_during_the_prefill(make_checkpoint: Callable[..., Path]) -> None:
+    directory = make_checkpoint("llama")
+    model = full(directory)
+    drafter = RecordingDraftModel(full(make_checkpoint("llama", layers=2, seed=99)))
+    verifier = PrefillWaitsForDrafter(model, drafter, len(PROMPT))
+    executor = ThreadPoolExecutor(max_workers=1)
+    try:
+        out = decode(
+            verifier, PROMPT, 30, SamplingParams(), torch.Generator(), {"draft": drafter}, FixedPolicy("draft", 4),
+            draft_executor=executor,
+        )  # fmt: skip
+        tokens = [emitted.token async for emitted in out]
+    finally:
+        executor.shutdown()
+    assert verifier.cached_when_prefill_returned == len(PROMPT)  # the prefill waited for it, and it came
+    assert drafter.cached_at_propose[0] == len(PROMPT)  # the first draft found the prompt cached
+    assert tokens == local_greedy(directory, PROMPT, 30)  # and greedy output is one-token greedy
