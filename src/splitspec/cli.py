@@ -495,7 +495,7 @@ def _register_privacy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _register_train_drafter(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from splitspec.models.draft_head_cli import register
+    from splitspec.train_drafter import register
 
     register(sub)
 

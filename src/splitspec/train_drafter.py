@@ -1,4 +1,4 @@
-"""``splitspec train-drafter``: train an EAGLE-style draft head for a model on local text.
+"""The train-drafter command: train an EAGLE-style draft head for a model on local text.
 
     splitspec train-drafter --model DIR --corpus FILE... --out DIR [--steps 600] [--seq-len 128] [--resume]
 
@@ -90,7 +90,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "train-drafter",
         help="train an EAGLE-style draft head (one decoder layer over the model's own features) on local text",
-        description=__doc__.splitlines()[0] if __doc__ else None,
+        description="Train an EAGLE-style draft head for --model on local text: one decoder layer of the model's "
+        "family over the model's own hidden states, sharing its embedding, final norm and LM head. The head in --out "
+        "is what --draft-head DIR loads; it refuses any other model.",
     )
     p.add_argument("--model", type=model_dir, required=True, help=MODEL_HELP + ": the target the head drafts for")
     p.add_argument("--corpus", type=Path, nargs="+", required=True, metavar="FILE", help="UTF-8 text files to train on")
