@@ -70,9 +70,14 @@ def test_forward_shapes_and_cache(target: Path, full: FullModel) -> None:
     assert head.config.feature_layers == (LAYERS,)
 
 
-def test_a_tree_step_equals_its_branches_run_alone(target: Path, full: FullModel) -> None:
-    """A sibling in a tree step sees its parent, not its sibling: the masks come from the shared machinery."""
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_a_tree_step_equals_its_branches_run_alone(make_checkpoint: Callable[..., Path], family: str) -> None:
+    """A sibling in a tree step sees its parent, not its sibling: the masks come from the shared machinery;
+    the layer is each family's own (Qwen2's q/k/v biases, Mistral's sliding window of 8)."""
+    target = make_checkpoint(family, layers=LAYERS)
+    full = load_full(Checkpoint(target), torch.float32)
     head = _new_head(target)
+    assert type(head.layer).__name__ == f"{'Qwen2' if family == 'qwen2' else family.capitalize()}DecoderLayer"
     feats = torch.randn(4, head.config.feature_width)
     prefix, tree_cache = KVCache(), KVCache()
     with torch.inference_mode():

@@ -119,6 +119,19 @@ def test_an_eagle_layout_head_loads_and_runs_as_published(
         assert int(torch.isfinite(logits[0]).sum()) == DRAFT_VOCAB
 
 
+def test_the_layer_may_be_named_midlayer(target: Path, full: FullModel, tmp_path: Path) -> None:
+    state = write_eagle_head(tmp_path / "eagle", reduced_vocab=False)
+    _rewrite(tmp_path / "eagle", _rename_midlayer)
+    head = load_draft_head(tmp_path / "eagle", Checkpoint(target), target_check=False)
+    tokens, feats = torch.tensor([4, 9, 2]), torch.randn(3, 64)
+    with torch.inference_mode():
+        hidden = head(
+            full, tokens, feats, torch.arange(3, dtype=torch.int32), torch.arange(-1, 2, dtype=torch.int32), KVCache()
+        )
+        logits = head.logits(full, hidden)
+    torch.testing.assert_close(logits, reference(full, state, tokens, feats), rtol=1e-4, atol=1e-4)
+
+
 def test_a_published_head_needs_the_target_check_off(target: Path, tmp_path: Path) -> None:
     write_eagle_head(tmp_path / "eagle", reduced_vocab=False)
     with pytest.raises(ConfigError, match="--draft-head-target-check off"):
@@ -135,9 +148,13 @@ def _rewrite(directory: Path, edit: Callable[[dict[str, torch.Tensor]], None]) -
     save_file(state, str(directory / "model.safetensors"))
 
 
-def _eagle3(state: dict[str, torch.Tensor]) -> None:
+def _rename_midlayer(state: dict[str, torch.Tensor]) -> None:
     for name in [n for n in state if n.startswith("layers.0.")]:
         state["midlayer." + name[len("layers.0.") :]] = state.pop(name)
+
+
+def _eagle3(state: dict[str, torch.Tensor]) -> None:
+    _rename_midlayer(state)
     state["midlayer.hidden_norm.weight"] = torch.ones(64)
     state["fc.weight"] = torch.randn(64, 3 * 64)
 
