@@ -35,7 +35,20 @@ CODE_FILES = sorted(CODE.glob("*.txt"))
 HELD_OUT_CODE = [p for i, p in enumerate(CODE_FILES) if i % 4 == 0 or p.name == "pkgutil.txt"]
 HELD_OUT_PROSE = [PROSE / "alls_well_that_ends_well.txt"]
 TRAIN = [p for p in CODE_FILES if p not in HELD_OUT_CODE] + sorted(set(PROSE.glob("*.txt")) - set(HELD_OUT_PROSE))
-TRAIN_ARGS = ["--steps", "1000", "--seq-len", "128", "--batch", "8", "--cls-weight", "1.0", "--threads", "1"]
+TRAIN_ARGS = [
+    "--steps",
+    "1000",
+    "--seq-len",
+    "128",
+    "--batch",
+    "8",
+    "--cls-weight",
+    "1.0",
+    "--threads",
+    "1",
+    "--device",
+    "cpu",
+]
 
 
 def _ints(values: range | list[int]) -> torch.Tensor:

@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 from splitspec.arguments import MODEL_HELP, model_dir
+from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ def _run(args: argparse.Namespace) -> int:
         resume=args.resume,
         save_every=args.save_every,
         save_dtype=args.save_dtype,
+        device=args.device,
         progress=not args.no_progress,
     )
     # the hook for a source through the split (a stripped edge and --cloud URL) goes here: train(config, source)
@@ -145,6 +147,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="float32",
         help="dtype of the saved head (default float32; float16 halves it for shipping)",
     )
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     p.add_argument(

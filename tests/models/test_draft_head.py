@@ -51,7 +51,9 @@ def _new_head(target: Path, seed: int = 0) -> DraftHead:
 @pytest.fixture(scope="module")
 def trained(target: Path, corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[DraftHead, Path]:
     out = tmp_path_factory.mktemp("head")
-    config = TrainConfig(model=target, corpus=(corpus,), out=out, steps=60, seq_len=32, batch=4, progress=False)
+    config = TrainConfig(
+        model=target, corpus=(corpus,), out=out, steps=60, seq_len=32, batch=4, progress=False, device="cpu"
+    )
     head, _ = train_local(config)
     return head, out
 

@@ -27,7 +27,7 @@ def _args(model: Path, corpus: Path, out: Path, steps: int, *extra: str) -> list
     return [
         "-q", "train-drafter", "--model", str(model), "--corpus", str(corpus), "--out", str(out),
         "--steps", str(steps), "--seq-len", "16", "--batch", "2", "--warmup", "10", "--save-every", "2",
-        "--no-progress", "--threads", "1", *extra,
+        "--no-progress", "--threads", "1", "--device", "cpu", *extra,
     ]  # fmt: skip
 
 

@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from splitspec.devices import resolve_device
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint, load_tokenizer
 from splitspec.models.draft_head import DraftHead, check_feature_layers, default_config
@@ -111,6 +112,7 @@ class TrainConfig:
     resume: bool = False
     save_every: int = 100
     save_dtype: str = "float32"  # of model.safetensors; float16 to ship (resume then reads it back)
+    device: str = "auto"  # where the model and the head compute (splitspec.devices.resolve_device)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -168,7 +170,8 @@ def head_loss(
     inputs = feats[:, :-1]  # (B, T-1, F*H): f_i for the queries i = 0..T-2
     if noise > 0:
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()  # (B, T-1, 1)
-        inputs = inputs + (torch.rand(inputs.shape, generator=gen) * 2 - 1) * noise * rms
+        uniform = torch.rand(inputs.shape, generator=gen).to(inputs.device)  # drawn on the host: the same on any device
+        inputs = inputs + (uniform * 2 - 1) * noise * rms
     hidden = head.run_chunks(ends, tokens[:, 1:], inputs)  # (B, T-1, H) = ĥ_{i+1}
     width = hidden.shape[-1]
     predicted = head.logits(ends, hidden.reshape(-1, width))  # (B*(T-1), V)
@@ -196,7 +199,7 @@ def _save(
     moments: dict[str, torch.Tensor] = {}
     for param, state in opt.state.items():
         for key, value in state.items():
-            moments[f"{names[id(param)]}/{key}"] = torch.as_tensor(value).detach().clone()
+            moments[f"{names[id(param)]}/{key}"] = torch.as_tensor(value).detach().cpu().clone()
     save_file(moments, str(config.out / OPTIMIZER_FILE))
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
     args["corpus"] = [str(p) for p in config.corpus]
@@ -215,7 +218,7 @@ def _restore(head: DraftHead, opt: torch.optim.AdamW, out: Path) -> tuple[int, f
     for name, param in head.named_parameters():
         keys = {k.split("/", 1)[1]: v for k, v in moments.items() if k.split("/", 1)[0] == name}
         if keys:
-            opt.state[param] = {k: (v if k != "step" else v.float()) for k, v in keys.items()}
+            opt.state[param] = {k: (v.to(param.device) if k != "step" else v.float()) for k, v in keys.items()}
     return step, wall_s
 
 
@@ -223,7 +226,8 @@ def local_source(config: TrainConfig) -> LocalFeatures:
     """The whole target on this machine, in float32, reading ``config.feature_layers`` (default: the last)."""
     target = Checkpoint(config.model)
     num_layers = int(target.config.num_hidden_layers)
-    return LocalFeatures(load_full(target, torch.float32), config.feature_layers or (num_layers,))
+    model = load_full(target, torch.float32, device=resolve_device(config.device))
+    return LocalFeatures(model, config.feature_layers or (num_layers,))
 
 
 async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
@@ -235,11 +239,11 @@ async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
     if config.resume:
         if not (config.out / WEIGHTS_FILE).is_file():
             raise ConfigError(f"--resume: {config.out} holds no draft head to continue")
-        head = load_draft_head(config.out, target, dtype=torch.float32)
+        head = load_draft_head(config.out, target, device=ends.device, dtype=torch.float32)
         if head.config.feature_layers != source.feature_layers:
             raise ConfigError(f"--resume: {config.out} reads feature layers {list(head.config.feature_layers)}")
     else:
-        head = DraftHead(default_config(target, source.feature_layers), torch.device("cpu"), torch.float32)
+        head = DraftHead(default_config(target, source.feature_layers), ends.device, torch.float32)
     head.train().requires_grad_(True)
     reg_slice = None
     if num_layers in source.feature_layers:
@@ -269,7 +273,7 @@ async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
         gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
         batch = windows(streams, config.batch, config.seq_len, gen)
         pairs = [await source.features(w) for w in batch]
-        tokens = torch.tensor(batch, dtype=torch.long)  # (B, T)
+        tokens = torch.tensor(batch, dtype=torch.long).to(ends.device)  # (B, T)
         feats = torch.stack([p[0] for p in pairs]).float()  # (B, T, F*H)
         logits = torch.stack([p[1] for p in pairs])  # (B, T, V)
         for group in opt.param_groups:
