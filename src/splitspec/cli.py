@@ -495,6 +495,12 @@ def _register_privacy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     register(sub)
 
 
+def _register_train_drafter(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from splitspec.train_drafter import register
+
+    register(sub)
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from splitspec.models.hub import model_label
     from splitspec.serve.config import ServeConfig
@@ -580,6 +586,7 @@ REGISTRARS: list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
     _register_fed,
     _register_privacy,
     _register_serve,
+    _register_train_drafter,
 ]
 
 

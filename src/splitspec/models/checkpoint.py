@@ -226,3 +226,12 @@ class Checkpoint:
             self.read_names.update(names)
             log.debug("opened %d tensors of %s for %s", len(names), self.directory, device)
             yield out
+
+
+def hash_tensors(digest: hashlib._Hash, ckpt: Checkpoint, names: list[str]) -> None:
+    """Feed ``digest`` each tensor's name, shape and float32 bytes, in the order given (one tensor read at a time)."""
+    for name in names:
+        t = ckpt.read([name], torch.float32)[name].contiguous()
+        digest.update(name.encode())
+        digest.update(str(tuple(t.shape)).encode())
+        digest.update(t.numpy().tobytes())

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from splitspec.exceptions import ConfigError
-from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.checkpoint import Checkpoint, hash_tensors
 from splitspec.models.split import SplitPlan
 
 DEFAULT_TOLERANCE = 1e-3  # relative Frobenius difference below which a tensor counts as stock
@@ -38,11 +38,7 @@ def edge_fingerprint(ckpt_dir: str | Path, plan: SplitPlan) -> str:
     """sha256 (hex) over the edge tensors' names, shapes and float32 bytes, in name order."""
     ckpt = Checkpoint(ckpt_dir)
     h = hashlib.sha256()
-    for name in edge_tensor_names(ckpt, plan):
-        t = ckpt.read([name], torch.float32)[name].contiguous()
-        h.update(name.encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.numpy().tobytes())
+    hash_tensors(h, ckpt, edge_tensor_names(ckpt, plan))
     return h.hexdigest()
 
 

@@ -1,0 +1,302 @@
+"""Train an EAGLE-style draft head on local text: ``splitspec train-drafter``.
+
+Features and the target's logits come from a :class:`FeatureSource`: :class:`LocalFeatures`
+runs the whole model on this machine; a source through the split (a stripped edge and a trunk
+server) implements the same protocol and is passed to :func:`train` the same way.
+
+Each step draws ``batch`` random windows of ``seq_len`` tokens from the tokenized corpus. With
+x_0..x_{T-1}, features f and target logits z, the head's query i (token x_{i+1}, feature f_i,
+position i) predicts ĥ_{i+1}; the loss (EAGLE's) is smooth-L1 between ĥ_{i+1} and the target's
+layer-L feature f_{i+1} (when L is one of the feature layers) plus ``cls_weight`` times the
+cross-entropy of ``logits(ĥ_{i+1})`` against the target's softmax at i+1. Input features get
+uniform noise of ``noise`` times each token's RMS. The windows and the noise of step s come from a
+generator seeded with (seed, s), so a resumed run draws what the uninterrupted one would have.
+
+The out directory holds the head (splitspec's layout, :mod:`splitspec.models.draft_head_io`),
+``trainer_state.json`` (the step, the arguments) and ``optimizer.safetensors`` (AdamW's moments):
+``resume`` continues from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from splitspec.devices import resolve_device
+from splitspec.exceptions import ConfigError
+from splitspec.models.checkpoint import Checkpoint, load_tokenizer
+from splitspec.models.draft_head import DraftHead, check_feature_layers, default_config
+from splitspec.models.draft_head_io import WEIGHTS_FILE, load_draft_head, save_draft_head
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.masks import chain
+from splitspec.models.stack import FullModel, ModelEnds, load_full
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+class FeatureSource(Protocol):
+    """Where training reads the target's features and logits for a token sequence."""
+
+    feature_layers: tuple[int, ...]
+
+    @property
+    def ends(self) -> ModelEnds:
+        """The target's embedding, final norm and LM head (the head shares them)."""
+        ...
+
+    async def features(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """token ids (T,) from position 0 -> features (T, F*H) and the target's logits (T, V) float32."""
+        ...
+
+
+class LocalFeatures:
+    """Features from the whole model on this machine (its LayerStack's per-layer outputs)."""
+
+    def __init__(self, model: FullModel, feature_layers: tuple[int, ...]) -> None:
+        self.model = model
+        self.feature_layers = check_feature_layers(feature_layers, len(model.layers.layers))
+
+    @property
+    def ends(self) -> ModelEnds:
+        return self.model
+
+    @torch.no_grad()
+    def step(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_ids (q,) -> features (q, F*H) and logits (q, V) float32; appends q entries to a cache and commits."""
+        outs = self.model.layers.run(self.model.embed(token_ids[None]), positions, parents, cache)  # L x (1, q, H)
+        if cache is not None:
+            cache.commit()
+        feats = torch.cat([outs[k - 1][0] for k in self.feature_layers], dim=-1)  # (q, F*H)
+        return feats, self.model.logits(outs[-1])[0]
+
+    async def features(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        q = len(token_ids)
+        ids = torch.tensor(list(token_ids), dtype=torch.long)
+        return self.step(ids, torch.arange(q, dtype=torch.int32), torch.tensor(chain(q), dtype=torch.int32), None)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run (``splitspec train-drafter``'s options)."""
+
+    model: Path
+    corpus: tuple[Path, ...]
+    out: Path
+    steps: int = 600
+    seq_len: int = 128
+    batch: int = 8
+    lr: float = 1e-3
+    warmup: int = 20
+    cls_weight: float = 0.1
+    noise: float = 0.05
+    feature_layers: tuple[int, ...] | None = None  # None: (L,)
+    seed: int = 0
+    resume: bool = False
+    save_every: int = 100
+    save_dtype: str = "float32"  # of model.safetensors; float16 to ship (resume then reads it back)
+    device: str = "auto"  # where the model and the head compute (splitspec.devices.resolve_device)
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.seq_len < 3 or self.batch < 1 or self.save_every < 1:
+            raise ConfigError("--steps, --batch and --save-every must be at least 1 and --seq-len at least 3")
+        if not self.lr > 0 or self.warmup < 0 or self.cls_weight < 0 or self.noise < 0:
+            raise ConfigError("--lr must be positive; --warmup, --cls-weight and --noise non-negative")
+        if self.save_dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError("--save-dtype must be float32, float16 or bfloat16")
+        if not self.corpus:
+            raise ConfigError("--corpus needs at least one file")
+
+
+def read_corpus(files: Sequence[Path], tokenizer_dir: Path, min_tokens: int) -> list[torch.Tensor]:
+    """Each file's token ids (T_f,) long, as the target's tokenizer encodes it; files shorter than
+    ``min_tokens`` are skipped."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    streams = []
+    for path in files:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"corpus file {path}: {exc}") from None
+        ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+        if ids.numel() >= min_tokens:
+            streams.append(ids)
+    if not streams:
+        raise ConfigError(f"no corpus file holds at least {min_tokens} tokens (--seq-len)")
+    return streams
+
+
+def windows(streams: Sequence[torch.Tensor], count: int, length: int, gen: torch.Generator) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens, a file drawn in proportion to its length and a uniform start."""
+    sizes = torch.tensor([s.numel() - length + 1 for s in streams], dtype=torch.float64)
+    picks = torch.multinomial(sizes, count, replacement=True, generator=gen).tolist()
+    out = []
+    for f in picks:
+        start = int(torch.randint(0, int(sizes[f]), (1,), generator=gen))
+        out.append(streams[f][start : start + length].tolist())
+    return out
+
+
+def head_loss(
+    head: DraftHead,
+    ends: ModelEnds,
+    tokens: torch.Tensor,
+    feats: torch.Tensor,
+    logits: torch.Tensor,
+    reg_slice: slice | None,
+    cls_weight: float,
+    noise: float,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """tokens (B, T), feats (B, T, F*H), target logits (B, T, V) -> EAGLE's loss and its parts (see the module doc)."""
+    inputs = feats[:, :-1]  # (B, T-1, F*H): f_i for the queries i = 0..T-2
+    if noise > 0:
+        rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()  # (B, T-1, 1)
+        uniform = torch.rand(inputs.shape, generator=gen).to(inputs.device)  # drawn on the host: the same on any device
+        inputs = inputs + (uniform * 2 - 1) * noise * rms
+    hidden = head.run_chunks(ends, tokens[:, 1:], inputs)  # (B, T-1, H) = ĥ_{i+1}
+    width = hidden.shape[-1]
+    predicted = head.logits(ends, hidden.reshape(-1, width))  # (B*(T-1), V)
+    wanted = F.softmax(logits[:, 1:].reshape(-1, logits.shape[-1]), dim=-1)  # (B*(T-1), V)
+    cls = -(wanted * F.log_softmax(predicted, dim=-1).clamp_min(-1e4)).sum(-1).mean()
+    reg = F.smooth_l1_loss(hidden, feats[:, 1:, reg_slice].to(hidden.dtype)) if reg_slice else hidden.new_zeros(())
+    top1 = (predicted.argmax(-1) == wanted.argmax(-1)).float().mean()
+    return reg + cls_weight * cls, {"reg": float(reg.detach()), "cls": float(cls.detach()), "top1": float(top1)}
+
+
+def _lr_at(step: int, config: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to 0.1 x peak."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    done = (step - config.warmup) / max(1, config.steps - config.warmup)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
+
+
+def _save(
+    head: DraftHead, opt: torch.optim.AdamW, step: int, config: TrainConfig, wall_s: float, notes: dict[str, object]
+) -> None:
+    dtype = getattr(torch, config.save_dtype)
+    save_draft_head(head, config.out, dtype=dtype, notes={**notes, "steps": step, "train_wall_s": round(wall_s, 1)})
+    names = {id(p): n for n, p in head.named_parameters()}
+    moments: dict[str, torch.Tensor] = {}
+    for param, state in opt.state.items():
+        for key, value in state.items():
+            moments[f"{names[id(param)]}/{key}"] = torch.as_tensor(value).detach().cpu().clone()
+    save_file(moments, str(config.out / OPTIMIZER_FILE))
+    args = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
+    args["corpus"] = [str(p) for p in config.corpus]
+    state_doc = {"step": step, "train_wall_s": wall_s, "args": args}
+    (config.out / STATE_FILE).write_text(json.dumps(state_doc, indent=2) + "\n")
+
+
+def _restore(head: DraftHead, opt: torch.optim.AdamW, out: Path) -> tuple[int, float]:
+    """Load the optimizer's moments saved beside the head; (step, wall seconds so far)."""
+    try:
+        state_doc = json.loads((out / STATE_FILE).read_text())
+        step, wall_s = int(state_doc["step"]), float(state_doc["train_wall_s"])
+        moments = load_file(str(out / OPTIMIZER_FILE))
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
+        raise ConfigError(f"--resume: {out} holds no readable training state ({exc})") from None
+    for name, param in head.named_parameters():
+        keys = {k.split("/", 1)[1]: v for k, v in moments.items() if k.split("/", 1)[0] == name}
+        if keys:
+            opt.state[param] = {k: (v.to(param.device) if k != "step" else v.float()) for k, v in keys.items()}
+    return step, wall_s
+
+
+def local_source(config: TrainConfig) -> LocalFeatures:
+    """The whole target on this machine, in float32, reading ``config.feature_layers`` (default: the last)."""
+    target = Checkpoint(config.model)
+    num_layers = int(target.config.num_hidden_layers)
+    model = load_full(target, torch.float32, device=resolve_device(config.device))
+    return LocalFeatures(model, config.feature_layers or (num_layers,))
+
+
+async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
+    """Train (or, with ``config.resume``, continue training) a head for ``config.model`` on ``source``'s features."""
+    torch.manual_seed(config.seed)
+    target = Checkpoint(config.model)
+    ends = source.ends
+    num_layers = int(target.config.num_hidden_layers)
+    if config.resume:
+        if not (config.out / WEIGHTS_FILE).is_file():
+            raise ConfigError(f"--resume: {config.out} holds no draft head to continue")
+        head = load_draft_head(config.out, target, device=ends.device, dtype=torch.float32)
+        if head.config.feature_layers != source.feature_layers:
+            raise ConfigError(f"--resume: {config.out} reads feature layers {list(head.config.feature_layers)}")
+    else:
+        head = DraftHead(default_config(target, source.feature_layers), ends.device, torch.float32)
+    head.train().requires_grad_(True)
+    reg_slice = None
+    if num_layers in source.feature_layers:
+        j = source.feature_layers.index(num_layers)
+        reg_slice = slice(j * head.config.hidden_size, (j + 1) * head.config.hidden_size)
+    opt = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    start, wall_before = _restore(head, opt, config.out) if config.resume else (0, 0.0)
+    streams = read_corpus(config.corpus, config.model, config.seq_len)
+    notes: dict[str, object] = {
+        "corpus": [Path(p).name for p in config.corpus],
+        "seq_len": config.seq_len,
+        "batch": config.batch,
+        "seed": config.seed,
+    }
+    log.info(
+        "training a draft head for %s: %d parameters, features from layers %s, steps %d..%d",
+        target.directory.name,
+        sum(p.numel() for p in head.parameters()),
+        list(source.feature_layers),
+        start,
+        config.steps,
+    )
+    began = time.perf_counter()
+    bar = tqdm(total=config.steps, initial=start, disable=not config.progress, desc="train-drafter", unit="step")
+    step = start
+    for step in range(start, config.steps):
+        gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+        batch = windows(streams, config.batch, config.seq_len, gen)
+        pairs = [await source.features(w) for w in batch]
+        tokens = torch.tensor(batch, dtype=torch.long).to(ends.device)  # (B, T)
+        feats = torch.stack([p[0] for p in pairs]).float()  # (B, T, F*H)
+        logits = torch.stack([p[1] for p in pairs])  # (B, T, V)
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, config)
+        loss, parts = head_loss(head, ends, tokens, feats, logits, reg_slice, config.cls_weight, config.noise, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+        opt.step()
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{parts['top1']:.2f}")
+        if (step + 1) % config.save_every == 0 and step + 1 < config.steps:
+            _save(head, opt, step + 1, config, wall_before + time.perf_counter() - began, notes)
+        if step % 50 == 0:
+            log.debug("step %d: loss %.4f, reg %.4f, cls %.4f, top1 %.3f", step, float(loss.detach()), *parts.values())
+    bar.close()
+    wall = wall_before + time.perf_counter() - began
+    _save(head, opt, config.steps, config, wall, notes)
+    log.info("draft head saved to %s after %d steps (%.1f s of training)", config.out, config.steps, wall)
+    return head.eval().requires_grad_(False)
+
+
+def train_local(config: TrainConfig) -> tuple[DraftHead, LocalFeatures]:
+    """:func:`train` on the whole model on this machine, from synchronous code (the command): the head, its source."""
+    source = local_source(config)
+    return asyncio.run(train(config, source)), source

@@ -1,0 +1,164 @@
+"""The train-drafter command: train an EAGLE-style draft head for a model on local text.
+
+    splitspec train-drafter --model DIR --corpus FILE... --out DIR [--steps 600] [--seq-len 128] [--resume]
+
+Features come from the whole model on this machine (:class:`~splitspec.models.train_draft_head.LocalFeatures`).
+``--eval-corpus`` measures the head afterwards: greedy chains against the local model on held-out
+text, the mean accepted length written to the out directory's ``trainer_state.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from splitspec.arguments import MODEL_HELP, model_dir
+from splitspec.devices import DEVICE_HELP
+from splitspec.exceptions import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def feature_layers(text: str) -> tuple[int, ...]:
+    """argparse type of ``--feature-layers``: ``8`` or ``2,5,8``."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"--feature-layers must look like 8 or 2,5,8, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from splitspec.models.draft_head_eval import greedy_chains, heldout_prompts
+    from splitspec.models.train_draft_head import STATE_FILE, LocalFeatures, TrainConfig, read_corpus, train_local
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
+    config = TrainConfig(
+        model=args.model,
+        corpus=tuple(args.corpus),
+        out=args.out,
+        steps=args.steps,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        lr=args.lr,
+        warmup=args.warmup,
+        cls_weight=args.cls_weight,
+        noise=args.noise,
+        feature_layers=args.feature_layers,
+        seed=args.seed,
+        resume=args.resume,
+        save_every=args.save_every,
+        save_dtype=args.save_dtype,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    # the hook for a source through the split (a stripped edge and --cloud URL) goes here: train(config, source)
+    head, source = train_local(config)
+    if args.eval_corpus:
+        if not isinstance(source, LocalFeatures):
+            raise ConfigError("--eval-corpus needs the whole model on this machine")
+        streams = read_corpus(args.eval_corpus, args.model, args.eval_prompt_tokens + 1)
+        prompts = heldout_prompts(streams, args.eval_prompts, args.eval_prompt_tokens, args.seed)
+        report = greedy_chains(head, source, prompts, args.eval_new_tokens, args.eval_depth)
+        log.info(
+            "greedy chains of depth %d on %d held-out prompts: mean accepted length %.3f tokens per verification",
+            args.eval_depth,
+            len(prompts),
+            report.mean_accepted_length,
+        )
+        state_path = Path(args.out) / STATE_FILE
+        state = json.loads(state_path.read_text())
+        state["eval"] = {
+            "files": [Path(p).name for p in args.eval_corpus],
+            "prompts": len(prompts),
+            "prompt_tokens": args.eval_prompt_tokens,
+            "new_tokens": args.eval_new_tokens,
+            "depth": args.eval_depth,
+            "verifications": report.verifications,
+            "accepted": report.accepted,
+            "mean_accepted_length": round(report.mean_accepted_length, 4),
+        }
+        state_path.write_text(json.dumps(state, indent=2) + "\n")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "train-drafter",
+        help="train an EAGLE-style draft head (one decoder layer over the model's own features) on local text",
+        description="Train an EAGLE-style draft head for --model on local text: one decoder layer of the model's "
+        "family over the model's own hidden states, sharing its embedding, final norm and LM head. The head in --out "
+        "is what --draft-head DIR loads; it refuses any other model.",
+    )
+    p.add_argument("--model", type=model_dir, required=True, help=MODEL_HELP + ": the target the head drafts for")
+    p.add_argument("--corpus", type=Path, nargs="+", required=True, metavar="FILE", help="UTF-8 text files to train on")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="directory for the head (config.json, model.safetensors) and the training state",
+    )
+    p.add_argument(
+        "--steps", type=int, default=600, help="optimizer steps in all, a resumed run included (default 600)"
+    )
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per training window (default 128)")
+    p.add_argument("--batch", type=int, default=8, help="windows per step (default 8)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate of AdamW (default 1e-3)")
+    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps before the cosine decay (default 20)")
+    p.add_argument(
+        "--cls-weight",
+        type=float,
+        default=0.1,
+        help="weight of the cross-entropy against the target's next-token law (default 0.1, EAGLE's); "
+        "the feature regression weighs 1",
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=0.05,
+        help="uniform noise on the input features, times each token's RMS (default 0.05)",
+    )
+    p.add_argument(
+        "--feature-layers",
+        type=feature_layers,
+        metavar="K[,K...]",
+        help="target layers whose outputs the head reads, concatenated (default: the last, L)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the head's initialisation, the windows and the noise (default 0)"
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in --out from its last saved step (same --steps for the same schedule)",
+    )
+    p.add_argument(
+        "--save-every", type=int, default=100, help="save the head and optimizer state every N steps (default 100)"
+    )
+    p.add_argument(
+        "--save-dtype",
+        choices=("float32", "float16", "bfloat16"),
+        default="float32",
+        help="dtype of the saved head (default float32; float16 halves it for shipping)",
+    )
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    p.add_argument(
+        "--eval-corpus",
+        type=Path,
+        nargs="+",
+        metavar="FILE",
+        help="held-out files: after training, measure greedy chains against the model on them",
+    )
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts to measure (default 16)")
+    p.add_argument("--eval-prompt-tokens", type=int, default=64, help="tokens per held-out prompt (default 64)")
+    p.add_argument("--eval-new-tokens", type=int, default=48, help="tokens generated after each (default 48)")
+    p.add_argument("--eval-depth", type=int, default=4, help="drafted chain length (default 4)")
+    p.set_defaults(run=_run)

@@ -1,0 +1,85 @@
+"""``splitspec train-drafter`` end to end on a tiny model: it trains, saves, measures, and resumes exactly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from splitspec.cli import main
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.draft_head_io import load_draft_head
+from tests.conftest import TOKENIZER_TEXT
+
+
+@pytest.fixture(scope="module")
+def setup(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    corpus = tmp_path_factory.mktemp("corpus") / "text.txt"
+    corpus.write_text((TOKENIZER_TEXT + "\n") * 20)
+    return make_checkpoint("llama", layers=3), corpus
+
+
+def _args(model: Path, corpus: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        "-q", "train-drafter", "--model", str(model), "--corpus", str(corpus), "--out", str(out),
+        "--steps", str(steps), "--seq-len", "16", "--batch", "2", "--warmup", "10", "--save-every", "2",
+        "--no-progress", "--threads", "1", "--device", "cpu", *extra,
+    ]  # fmt: skip
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+def test_train_drafter_trains_saves_and_measures(setup: tuple[Path, Path], tmp_path: Path) -> None:
+    model, corpus = setup
+    out = tmp_path / "head"
+    eval_args = (
+        "--eval-corpus",
+        str(corpus),
+        "--eval-prompts",
+        "2",
+        "--eval-prompt-tokens",
+        "8",
+        "--eval-new-tokens",
+        "6",
+    )
+    assert main(_args(model, corpus, out, 3, *eval_args)) == 0
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["step"] == 3
+    assert state["eval"]["mean_accepted_length"] >= 1.0
+    assert state["eval"]["verifications"] >= 1
+    head = load_draft_head(out, Checkpoint(model))  # loads for its own target
+    assert head.config.feature_layers == (3,)
+    assert head.config.target_name == model.name
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1
+    assert config["splitspec_draft_head"]["notes"]["steps"] == 3
+
+
+def test_resume_continues_from_the_saved_step_exactly(setup: tuple[Path, Path], tmp_path: Path) -> None:
+    model, corpus = setup
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(_args(model, corpus, straight, 4)) == 0
+    assert main(_args(model, corpus, resumed, 2)) == 0
+    halfway = _weights(resumed)
+    assert json.loads((resumed / "trainer_state.json").read_text())["step"] == 2
+    assert main([*_args(model, corpus, resumed, 4), "--resume"]) == 0
+    assert json.loads((resumed / "trainer_state.json").read_text())["step"] == 4
+    done, want = _weights(resumed), _weights(straight)
+    assert any(not torch.equal(done[n], halfway[n]) for n in done)  # it trained on
+    for name in want:  # and it is the run that never stopped, bit for bit
+        assert torch.equal(done[name], want[name]), name
+
+
+def test_bad_uses_fail_in_one_line(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, corpus = setup
+    assert main([*_args(model, corpus, tmp_path / "empty", 2), "--resume"]) == 2
+    assert main(_args(model, corpus, tmp_path / "x", 2, "--feature-layers", "0,9")) == 2
+    assert main(_args(model, corpus, tmp_path / "y", 0)) == 2
