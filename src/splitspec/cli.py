@@ -95,6 +95,24 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         help="small local model sharing the tokenizer, for --speculate draft: it drafts a dynamic tree "
         "(EAGLE-2), greedy or sampled (a directory or a cached org/name[@revision])",
     )
+    add_draft_head_arg(p, "")
+
+
+def add_draft_head_arg(p: argparse.ArgumentParser, default_help: str) -> None:
+    p.add_argument(
+        "--draft-head",
+        type=Path,
+        metavar="DIR",
+        help="EAGLE draft head trained for this model (splitspec train-drafter), for --speculate eagle and auto; "
+        "a head trained for another model is refused" + default_help,
+    )
+    p.add_argument(
+        "--draft-head-target-check",
+        choices=("on", "off"),
+        default="on",
+        help="on (default): refuse a draft head pinned to another model; off: warn instead, and load a published "
+        "EAGLE-layout head (it carries no pin) when its shapes fit this model",
+    )
 
 
 # -- cloud serve ---------------------------------------------------------------------------------
@@ -368,6 +386,8 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         device=args.device,
         auth_token=read_token_file(args.token_file),
         draft_model_dir=args.draft_model,
+        draft_head_dir=args.draft_head,
+        draft_head_target_check=args.draft_head_target_check == "on",
         allow_stock_edge_weights=args.allow_stock_edge_weights,
         published_model_dir=args.published_model,
         trunk_fingerprint=args.trunk_fingerprint,
@@ -434,9 +454,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     model = args.model or embedded_model("base")
     draft = args.draft_model or (embedded_model("draft") if args.model is None else None)
+    head = args.draft_head or (embedded_model("base-eagle") if args.model is None else None)
     config = DemoConfig(
         model_dir=model,
         draft_model_dir=draft,
+        draft_head_dir=head,
+        draft_head_target_check=args.draft_head_target_check == "on",
         prompts=(("prompt", args.prompt),) if args.prompt else SHOWCASE,
         max_new_tokens=args.max_new_tokens,
         rtt_ms=args.rtt_ms,
@@ -463,6 +486,7 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument(
         "--draft-model", type=model_dir, help="drafter, a directory or model id (default: the embedded draft model)"
     )
+    add_draft_head_arg(p, " (default: the embedded base model's head)")
     p.add_argument("--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for the edge (default 1: small models)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + "; the trunk server child uses it too")

@@ -53,11 +53,13 @@ def embedded_model(name: str) -> Path:
 class DemoConfig:
     model_dir: Path  # split model (default: the embedded base model)
     draft_model_dir: Path | None  # drafter for --mode draft/auto (default: the embedded draft model)
+    draft_head_dir: Path | None  # EAGLE head for --mode eagle/auto (default: the embedded base model's head)
     prompts: tuple[tuple[str, str], ...]  # (label, prompt text)
     max_new_tokens: int  # per prompt
     rtt_ms: float  # emulated round-trip time, milliseconds
     mode: str  # --speculate mode
     temperature: float = 0.0  # 0 = greedy
+    draft_head_target_check: bool = True  # refuse a head pinned to another model (False: warn)
     edge_layers: tuple[int, int] = (2, 2)  # decoder layers on the edge
     device: str = "auto"  # compute device of the edge and of the trunk server child
     dtype: str = "auto"  # compute dtype of both (models.precision)
@@ -142,6 +144,8 @@ async def _generate(config: DemoConfig, url: str, console: Console) -> list[tupl
         cloud_url=url,
         edge_layers=config.edge_layers,
         draft_model_dir=config.draft_model_dir,
+        draft_head_dir=config.draft_head_dir,
+        draft_head_target_check=config.draft_head_target_check,
         device=config.device,
         wire_codec=config.wire_codec,
         dtype=config.dtype,

@@ -2,7 +2,9 @@
 
     splitspec train-drafter --model DIR --corpus FILE... --out DIR [--steps 600] [--seq-len 128] [--resume]
 
-Features come from the whole model on this machine (:class:`~splitspec.models.train_draft_head.LocalFeatures`).
+Features come from the whole model on this machine (:class:`~splitspec.models.train_draft_head.LocalFeatures`),
+or, with ``--cloud URL``, through a trunk server for an edge that holds only its own layers
+(:class:`~splitspec.edge.split_features.SplitFeatures`).
 ``--eval-corpus`` measures the head afterwards: greedy chains against the local model on held-out
 text, the mean accepted length written to the out directory's ``trainer_state.json``.
 """
@@ -10,13 +12,18 @@ text, the mean accepted length written to the out directory's ``trainer_state.js
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from splitspec.arguments import MODEL_HELP, model_dir
+from splitspec.arguments import MODEL_HELP, add_tls_ca, add_token_file, edge_layers, model_dir, read_token_file
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from splitspec.models.train_draft_head import TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +34,30 @@ def feature_layers(text: str) -> tuple[int, ...]:
     if not parts or not all(p.isdigit() for p in parts):
         raise ConfigError(f"--feature-layers must look like 8 or 2,5,8, got {text!r}")
     return tuple(int(p) for p in parts)
+
+
+async def _train_through_the_split(config: TrainConfig, args: argparse.Namespace) -> None:
+    """Train on features read through a trunk server: ``--model`` is this edge's checkpoint (it may hold only
+    its own layers); the features are those the edge has without asking (see splitspec.edge.split_features)."""
+    from splitspec.edge import EdgeConfig, SplitClient
+    from splitspec.edge.split_features import SplitFeatures
+    from splitspec.models.checkpoint import Checkpoint
+    from splitspec.models.train_draft_head import train
+
+    edge = EdgeConfig(
+        model_dir=args.model,
+        cloud_url=args.cloud,
+        edge_layers=args.edge_layers,
+        dtype="float32",  # training reads float32 features, as from the whole model
+        device=args.device,
+        auth_token=read_token_file(args.token_file),
+        tls_ca_file=args.tls_ca,
+        allow_stock_edge_weights=args.allow_stock_edge_weights,
+        trunk_fingerprint=args.trunk_fingerprint,
+    )
+    layers = config.feature_layers or (int(Checkpoint(args.model).config.num_hidden_layers),)
+    async with SplitClient(edge) as client:
+        await train(config, SplitFeatures(client, layers))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -58,7 +89,11 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.no_progress,
     )
-    # the hook for a source through the split (a stripped edge and --cloud URL) goes here: train(config, source)
+    if args.cloud is not None:
+        if args.eval_corpus:
+            raise ConfigError("--eval-corpus needs the whole model on this machine, not --cloud")
+        asyncio.run(_train_through_the_split(config, args))
+        return 0
     head, source = train_local(config)
     if args.eval_corpus:
         if not isinstance(source, LocalFeatures):
@@ -148,6 +183,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="dtype of the saved head (default float32; float16 halves it for shipping)",
     )
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    p.add_argument(
+        "--cloud",
+        metavar="URL",
+        help="read the features through this trunk server (ws:// or wss://) instead of running the whole model here: "
+        "--model is then this edge's checkpoint, which may hold only the edge's layers; the features are the ones "
+        "the edge has (its head's output, the trunk's, the last layer's)",
+    )
+    p.add_argument(
+        "--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL", help="with --cloud (default 2,2)"
+    )
+    p.add_argument(
+        "--allow-stock-edge-weights",
+        action="store_true",
+        help="with --cloud: run the published edge weights anyway (the trunk sees the corpus's hidden states)",
+    )
+    p.add_argument(
+        "--trunk-fingerprint",
+        help="with --cloud: the trunk content fingerprint to expect (the trunk server logs it at start); needed when "
+        "--model holds only the edge's layers",
+    )
+    add_token_file(p)
+    add_tls_ca(p)
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     p.add_argument(

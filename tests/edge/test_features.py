@@ -43,7 +43,8 @@ def test_feature_log_mirrors_token_edits() -> None:
     assert log.rows()[:, 0].tolist() == [0, 1, 2, 3, 5, 6]
     log.truncate(4)
     log.append(rows[8:10].repeat(40, 1)[:70])  # grows past its first buffer
-    assert len(log) == 74 and log.rows(0, 4)[:, 0].tolist() == [0, 1, 2, 3]
+    assert len(log) == 74
+    assert log.rows(0, 4)[:, 0].tolist() == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="do not match"):
         log.append(torch.zeros(1, 5))
     with pytest.raises(IndexError):

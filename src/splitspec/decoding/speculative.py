@@ -7,17 +7,19 @@ loop's (:func:`splitspec.decoding.loop.decode`); this module builds the drafters
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 
 import torch
 
 from splitspec.decoding.controller import SpeculationPolicy
 from splitspec.decoding.drafters import Drafter, DraftModel, MixedDrafter, NgramPool, PromptLookup
+from splitspec.decoding.eagle import EagleDrafter, KeepsFeatures
 from splitspec.decoding.loop import SpecStep, TreeVerifier, decode, draft_depth
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.devices import device_generator
 from splitspec.exceptions import ConfigError
-from splitspec.models.stack import FullModel
+from splitspec.models.draft_head import DraftHead
+from splitspec.models.stack import FullModel, ModelEnds
 
 __all__ = ["SPECULATE_MODES", "SpecStep", "TreeVerifier", "draft_depth", "make_drafters", "speculative_decode"]
 
@@ -45,32 +47,48 @@ async def speculative_decode(
         yield emitted.token
 
 
-SPECULATE_MODES = ("off", "ngram", "prompt-lookup", "draft", "mix", "auto")
+SPECULATE_MODES = ("off", "ngram", "prompt-lookup", "draft", "eagle", "mix", "auto")
+
+
+def _seed(generator: torch.Generator | None) -> int | None:
+    if generator is None:
+        return None
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
 
 
 def make_drafters(
-    mode: str, params: SamplingParams, draft_model: FullModel | None, generator: torch.Generator | None = None
+    mode: str,
+    params: SamplingParams,
+    draft_model: FullModel | None,
+    generator: torch.Generator | None = None,
+    draft_head: DraftHead | None = None,
+    ends: Callable[[], ModelEnds] | None = None,
+    features: KeepsFeatures | None = None,
 ) -> dict[str, Drafter]:
     """The drafters a ``--speculate`` mode uses (``auto``: every one available).
 
-    A sampling draft model draws its own seed from ``generator``: drafts must be fresh random
-    draws from q in every run, or speculative sampling is no longer lossless.
+    A sampling draft model (or head) draws its own seed from ``generator``: drafts must be fresh
+    random draws from q in every run, or speculative sampling is no longer lossless. A draft head
+    (``eagle``) drafts from the target's ``ends`` (embedding, final norm, LM head) and the
+    verifier's ``features`` (see :mod:`splitspec.decoding.eagle`); without features it offers nothing.
     """
     if mode not in SPECULATE_MODES:
         raise ConfigError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
     if mode in ("draft",) and draft_model is None:
         raise ConfigError("--speculate draft needs a draft model (--draft-model DIR)")
+    if mode in ("eagle",) and (draft_head is None or ends is None):
+        raise ConfigError("--speculate eagle needs a draft head (--draft-head DIR)")
     drafters: dict[str, Drafter] = {}
+    if mode in ("eagle", "auto") and draft_head is not None and ends is not None:
+        seed = _seed(generator)
+        head_generator = None if seed is None or params.greedy else device_generator(ends().device, seed)
+        drafters["eagle"] = EagleDrafter(draft_head, ends, features, params, head_generator)
     if mode in ("ngram", "auto"):
         drafters["ngram"] = NgramPool()
     if mode in ("prompt-lookup", "auto"):
         drafters["prompt-lookup"] = PromptLookup()
     if mode in ("draft", "auto") and draft_model is not None:
-        seed = (
-            int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
-            if generator is not None
-            else None
-        )
+        seed = _seed(generator)
         drafters["draft"] = DraftModel(
             draft_model, params, None if seed is None else device_generator(draft_model.device, seed)
         )

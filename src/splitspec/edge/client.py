@@ -343,7 +343,13 @@ class SplitClient:
         stops = self.eos_token_ids if stop_token_ids is None else stop_token_ids
         # under processors, sampled drafts must be deterministic (q one-hot) for the acceptance rule to stay exact
         draft_params = SamplingParams() if processors else params
-        drafters = make_drafters(speculate, draft_params, self.draft_model, generator)
+        runtime = self.runtime
+        drafters = make_drafters(
+            speculate, draft_params, self.draft_model, generator, runtime.draft_head, runtime.ends, self.sequence
+        )
+        if "eagle" in drafters and fresh and runtime.draft_head is not None:
+            self.sequence.reset()  # a new sequence keeps its tokens' features from the prefill on
+            self.sequence.keep_features(runtime.draft_head.config.feature_layers)
         # the sequence's controller outlives one generation (a chat's turns): its acceptance estimates
         # are this conversation's; its step times are the engine's, shared by every sequence on the link
         controller = self.engine.controller(self.sequence, list(drafters)) if drafters else None

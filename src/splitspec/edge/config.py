@@ -30,6 +30,10 @@ class EdgeConfig:
     capacity_wait_s: float = 60.0  # how long a step waits out the trunk's "capacity" refusals, seconds
     attn_implementation: str | None = None  # transformers attention kernel (sdpa, eager); None = the family's
     draft_model_dir: Path | None = None  # small local model sharing the tokenizer, for drafting
+    draft_head_dir: Path | None = None  # EAGLE draft head for this model (splitspec train-drafter), for drafting
+    # refuse a draft head pinned to another model (off: warn instead; a published EAGLE-layout head carries no pin,
+    # so it needs off, and is then checked against this model's shapes)
+    draft_head_target_check: bool = True
     allow_stock_edge_weights: bool = False  # run the published edge weights anyway (warned every session)
     published_model_dir: Path | None = None  # published checkpoint to compare the edge weights with
     # torch.compile mode of the edge's fixed-shape decode steps (head and tail) over static KV buffers: auto,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,6 +27,7 @@ from splitspec.edge.config import EdgeConfig
 from splitspec.edge.provenance import check_edge_weights, send_noise
 from splitspec.exceptions import CheckpointError, ConfigError, HandshakeMismatch
 from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop_ids
+from splitspec.models.features import edge_feature_sources
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.precision import dtype_from_name
 from splitspec.models.precision import dtype_name as dtype_name_of
@@ -38,6 +40,9 @@ from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.protocol.codec import WIRE_CODECS
 from splitspec.protocol.messages import AUTO_DTYPE, Hello
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
+
+if TYPE_CHECKING:
+    from splitspec.models.draft_head import DraftHead
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,20 @@ class EdgeRuntime:
                 )
             draft_dtype, _ = resolve_dtype(draft_ckpt, config.dtype, self.device, "draft")  # auto: its own, fitted
             self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation, self.device)
+        # an EAGLE head drafts from this model's features: it computes in the edge's dtype, on its device
+        self.draft_head: DraftHead | None = None
+        if config.draft_head_dir is not None:
+            from splitspec.models.draft_head_io import load_draft_head  # safetensors and a layer class, when asked
+
+            self.draft_head = load_draft_head(
+                config.draft_head_dir, ckpt, self.device, self.dtype, target_check=config.draft_head_target_check
+            )
+            edge_feature_sources(self.draft_head.config.feature_layers, self.plan.num_layers, *config.edge_layers)
+
+    def ends(self) -> EdgeModel:
+        """The edge model's embedding, final norm and LM head, as loaded now (an auto edge may load them again
+        in the trunk's dtype at the first Welcome): what a draft head reads at each draft."""
+        return self.model
 
     def follow_trunk_dtype(self, trunk_dtype: str) -> Hello:
         """Take a Welcome's dtype; return the Hello for the next connections.
@@ -133,6 +152,8 @@ class EdgeRuntime:
             )
             self._prepack()
             self.cache_size = self._compile_fixed_decode()
+            if self.draft_head is not None:
+                self.draft_head.to(self.dtype)  # it reads the features this dtype computes
         self.hello = dataclasses.replace(self.hello, dtype=trunk_dtype)
         return self.hello
 

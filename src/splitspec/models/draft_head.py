@@ -19,6 +19,7 @@ ids map back to the target's through ``d2t`` (target id = draft id + d2t[draft i
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -112,15 +113,20 @@ def default_config(target: Checkpoint, feature_layers: tuple[int, ...] | None = 
 
 
 def target_fingerprint(target: Checkpoint) -> str:
-    """sha256 (hex) of the target: its architecture fields and the float32 values of the embedding, final norm,
-    LM head (when untied) and last decoder layer, the tensors both a whole and a stripped edge checkpoint hold."""
+    """sha256 (hex) of the target: its architecture fields (its position limit aside) and the float32 values of the
+    embedding, final norm, LM head (when untied) and last decoder layer, the tensors both a whole and a stripped
+    edge checkpoint hold."""
     last = f"model.layers.{int(target.config.num_hidden_layers) - 1}."
     names = sorted(
         {*(n for n in ENDS_TENSORS if target.has(n)), *(n for n in target.tensor_names if n.startswith(last))}
     )
     if not any(n.startswith(last) for n in names) or "model.embed_tokens.weight" not in names:
         raise CheckpointError(f"{target.directory} lacks the embedding or the last decoder layer ({last.rstrip('.')})")
-    digest = hashlib.sha256(fingerprint(target.config).encode())
+    # the position limit is not the head's business: a copy of the target allowed longer contexts (rotary
+    # positions extend as they are) computes the same features, and keeps the head trained for it
+    config = copy.deepcopy(target.config)
+    config.max_position_embeddings = 0
+    digest = hashlib.sha256(fingerprint(config).encode())
     hash_tensors(digest, target, names)
     return digest.hexdigest()
 

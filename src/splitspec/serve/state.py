@@ -43,7 +43,10 @@ class ServeState:
         self.runtime = EdgeRuntime(edge)
         self.engine = EdgeEngine(self.runtime)
         self.edge_model, self.draft_model = self.runtime.model, self.runtime.draft_model
-        drafters = list(make_drafters(config.speculate, SamplingParams(), self.draft_model))
+        runtime = self.runtime
+        drafters = list(
+            make_drafters(config.speculate, SamplingParams(), self.draft_model, None, runtime.draft_head, runtime.ends)
+        )
         self.controller = self.engine.population(drafters) if drafters else None
         self.eos_token_ids = self.runtime.eos_token_ids
         # a chat reply also ends at the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)

@@ -1,0 +1,289 @@
+"""EAGLE drafting against the other drafters, over the split and an emulated WAN: the #27 matrix.
+
+Processes on loopback: ``splitspec cloud serve`` (the target, float32, one thread) and one WAN
+emulator (``splitspec netem``) per round-trip time; the edge runs in this process (one
+:class:`~splitspec.edge.runtime.EdgeRuntime` per RTT over the same loaded weights, so every mode
+decodes with the same edge). The target is a copy of the model whose config allows 4,096
+positions (the demo models were trained to 1,024; rotary positions extend as they are), so the
+long-context rows can run 2,000-token prompts; the head's target check does not count the
+position limit.
+
+Per RTT (20, 80, 150 ms), temperature (0 and 0.8) and prompt, each mode generates once per
+repeat, modes interleaved and their order rotated each repeat:
+
+* ``off`` (one token per trip), ``ngram``, ``prompt-lookup``, ``draft`` (the draft model),
+  ``eagle`` (the draft head), ``auto`` (every drafter; the controller picks);
+* prompts the head never saw in training: the shipped held-out documents
+  (``assets/corpus/heldout``: code and prose), cut to 96 tokens, 64 tokens out;
+* ``--long``: 2,000-token prompts of held-out code with 32- and 96-token answers.
+
+Reported: decode tok/s (tokens after the first / time after the first), end-to-end tok/s, and
+tokens per round trip after the prefill; medians over repeats, and each mode's ratio to ``off``
+and the head's to the draft model (geometric mean over prompts). Writes ``eagle_matrix.json``,
+``eagle_matrix.md`` and ``eagle_matrix.png``.
+
+    python benchmarks/eagle_matrix.py [--repeats 3] [--rtts 20,80,150] [--long] [--model worker --draft-head DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer
+
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.demo import ASSETS, _spawn, _stop, _wait_for_port, embedded_model, free_port
+from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.edge.runtime import EdgeRuntime
+from splitspec.run_info import run_environment
+
+MODES = ("off", "ngram", "prompt-lookup", "draft", "eagle", "auto")
+HELDOUT = ASSETS / "corpus" / "heldout"
+SHORT_PROMPT_TOKENS = 96
+LONG_PROMPT_TOKENS = 2000
+
+
+def extended_copy(model: Path, into: Path, positions: int = 4096) -> Path:
+    """A copy of ``model`` whose config allows ``positions`` positions (weights linked, not copied)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for item in model.iterdir():
+        if item.is_file() and item.name != "config.json":
+            (into / item.name).symlink_to(item.resolve())
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = positions
+    (into / "config.json").write_text(json.dumps(config, indent=2))
+    return into
+
+
+def prompts(tokenizer: Any, long: bool) -> list[tuple[str, list[int], int]]:
+    """(label, prompt ids, answer tokens): held-out code and prose, or long code prompts."""
+    out: list[tuple[str, list[int], int]] = []
+    if long:
+        ids = tokenizer((HELDOUT / "code" / "pdb.txt").read_text(), add_special_tokens=False).input_ids
+        for answer in (32, 96):
+            out.append((f"code-2k/{answer}", ids[:LONG_PROMPT_TOKENS], answer))
+        return out
+    for domain, names in (("code", ("trace.txt", "pkgutil.txt")), ("prose", ("lovers_complaint.txt",))):
+        for name in names:
+            text = (HELDOUT / domain / name).read_text()
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            start = len(ids) // 3  # mid-document: past the licence header
+            out.append((f"{domain}:{name.removesuffix('.txt')}", ids[start : start + SHORT_PROMPT_TOKENS], 64))
+    return out
+
+
+async def one(
+    client: SplitClient, prompt: list[int], answer: int, mode: str, temperature: float, seed: int
+) -> dict[str, Any]:
+    params = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else SamplingParams()
+    first_step = len(client.steps)
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    async for _ in client.stream(prompt, answer, params, stop_token_ids=(), speculate=mode):
+        tokens += 1
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    steps = client.steps[first_step:]
+    trips = sum(1 for s in steps if s.kind == "decode")
+    assert first is not None
+    return {
+        "tokens": tokens,
+        "decode_tok_s": (tokens - 1) / (end - first) if tokens > 1 else float("nan"),
+        "e2e_tok_s": tokens / (end - t0),
+        "tokens_per_trip": (tokens - 1) / trips if trips else float("nan"),
+        "ttft_s": first - t0,
+    }
+
+
+def geomean(values: list[float]) -> float:
+    good = [v for v in values if v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, good)) / len(good)) if good else float("nan")
+
+
+async def run_matrix(
+    args: argparse.Namespace, target: Path, links: dict[int, int]
+) -> tuple[list[dict[str, Any]], EdgeRuntime]:
+    tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
+    base = EdgeConfig(
+        model_dir=target, cloud_url="ws://unused", draft_model_dir=args.draft_model, draft_head_dir=args.draft_head,
+        allow_stock_edge_weights=True, dtype="float32",
+    )  # fmt: skip
+    loaded = EdgeRuntime(base)  # weights loaded once; each RTT's runtime shares them
+    rows: list[dict[str, Any]] = []
+    cases = prompts(tokenizer, args.long)
+    for rtt, port in links.items():
+        config = dataclasses.replace(base, cloud_url=f"ws://127.0.0.1:{port}")
+        runtime = EdgeRuntime(config, loaded.model, loaded.draft_model)
+        async with SplitClient(config, runtime=runtime) as client:
+            await client.generate(cases[0][1][:16], 4, SamplingParams(), speculate="off")  # warm the link
+            for repeat in range(args.repeats):
+                for temperature in args.temperatures:
+                    for label, prompt, answer in cases:
+                        order = MODES[repeat % len(MODES) :] + MODES[: repeat % len(MODES)]
+                        for mode in order:
+                            if mode == "eagle" and runtime.draft_head is None:
+                                continue
+                            seed = 1000 * repeat + 7
+                            row = await one(client, prompt, answer, mode, temperature, seed)
+                            row |= {"rtt_ms": rtt, "temperature": temperature, "prompt": label, "mode": mode,
+                                    "repeat": repeat, "answer": answer}  # fmt: skip
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
+    return rows, loaded
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = sorted({(r["rtt_ms"], r["temperature"], r["prompt"], r["mode"]) for r in rows})
+    cells: dict[str, dict[str, float]] = {}
+    for rtt, temp, prompt, mode in keys:
+        mine = [r for r in rows if (r["rtt_ms"], r["temperature"], r["prompt"], r["mode"]) == (rtt, temp, prompt, mode)]
+        cells[f"{rtt}|{temp}|{prompt}|{mode}"] = {
+            k: statistics.median(r[k] for r in mine) for k in ("decode_tok_s", "e2e_tok_s", "tokens_per_trip")
+        }
+    ratios: dict[str, dict[str, float]] = {}
+    for rtt, temp in sorted({(k[0], k[1]) for k in keys}):
+        labels = sorted({k[2] for k in keys if k[:2] == (rtt, temp)})
+        out: dict[str, float] = {}
+        for mode in MODES:
+            vs_off = [
+                cells[f"{rtt}|{temp}|{p}|{mode}"]["decode_tok_s"] / cells[f"{rtt}|{temp}|{p}|off"]["decode_tok_s"]
+                for p in labels
+                if f"{rtt}|{temp}|{p}|{mode}" in cells
+            ]
+            out[f"{mode}/off"] = geomean(vs_off)
+        if all(f"{rtt}|{temp}|{p}|eagle" in cells for p in labels):
+            out["eagle/draft"] = geomean(
+                [
+                    cells[f"{rtt}|{temp}|{p}|eagle"]["decode_tok_s"] / cells[f"{rtt}|{temp}|{p}|draft"]["decode_tok_s"]
+                    for p in labels
+                ]
+            )
+        ratios[f"{rtt}|{temp}"] = out
+    return {"cells": cells, "ratios": ratios}
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        f"# EAGLE matrix ({results['model']}, commit {results['commit'][:10]}, {results['repeats']} repeats)",
+        "",
+        "Decode tok/s (median) / tokens per round trip; ratios: geometric means over prompts.",
+        "",
+        "| RTT ms | temp | prompt | " + " | ".join(MODES) + " |",
+        "|---|---|---|" + "---|" * len(MODES),
+    ]
+    cells = results["summary"]["cells"]
+    for key in sorted({k.rsplit("|", 1)[0] for k in cells}, key=lambda k: (float(k.split("|")[0]), k)):
+        rtt, temp, prompt = key.split("|")
+        row = []
+        for mode in MODES:
+            cell = cells.get(f"{key}|{mode}")
+            row.append("-" if cell is None else f"{cell['decode_tok_s']:.1f} / {cell['tokens_per_trip']:.2f}")
+        lines.append(f"| {rtt} | {temp} | {prompt} | " + " | ".join(row) + " |")
+    lines += ["", "| RTT ms | temp | " + " | ".join(f"{m}/off" for m in MODES) + " | eagle/draft |",
+              "|---|---|" + "---|" * (len(MODES) + 1)]  # fmt: skip
+    for key, out in sorted(results["summary"]["ratios"].items(), key=lambda kv: float(kv[0].split("|")[0])):
+        rtt, temp = key.split("|")
+        values = [f"{out.get(f'{m}/off', float('nan')):.2f}" for m in MODES] + [
+            f"{out.get('eagle/draft', float('nan')):.2f}"
+        ]
+        lines.append(f"| {rtt} | {temp} | " + " | ".join(values) + " |")
+    head = results.get("head")
+    if head:
+        lines += ["", f"Draft head: {head['parameters']:,} parameters, {head['bytes'] / 2**20:.2f} MiB; "
+                  f"draft model: {results['draft_model']['parameters']:,} parameters, "
+                  f"{results['draft_model']['bytes'] / 2**20:.2f} MiB (edge memory of the weights)."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = results["summary"]["ratios"]
+    temps = sorted({k.split("|")[1] for k in ratios})
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 3.5), squeeze=False)
+    for ax, temp in zip(axes[0], temps, strict=True):
+        rtts = sorted({float(k.split("|")[0]) for k in ratios if k.split("|")[1] == temp})
+        for mode in MODES[1:]:
+            ys = [ratios[f"{int(r) if r.is_integer() else r}|{temp}"].get(f"{mode}/off", float("nan")) for r in rtts]
+            ax.plot(rtts, ys, marker="o", label=mode)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"temperature {temp}")
+        ax.set_xlabel("RTT, ms")
+        ax.set_ylabel("decode tok/s / off (geomean)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def weights(module: torch.nn.Module) -> dict[str, int]:
+    return {"parameters": sum(p.numel() for p in module.parameters()),
+            "bytes": sum(p.numel() * p.element_size() for p in module.parameters())}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rtts", default="20,80,150", help="round-trip times, ms, comma-separated")
+    parser.add_argument("--temperatures", default="0,0.8", help="comma-separated (0 = greedy)")
+    parser.add_argument("--long", action="store_true", help="2,000-token prompts, 32- and 96-token answers")
+    parser.add_argument("--model", default="base", help="embedded model name or a directory (default base)")
+    parser.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
+    parser.add_argument("--draft-head", type=Path, default=None, help="default: the embedded base model's head")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eagle"))
+    args = parser.parse_args()
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    model = Path(args.model) if Path(args.model).is_dir() else embedded_model(args.model)
+    args.draft_model = args.draft_model or embedded_model("draft")
+    if args.draft_head is None and args.model == "base":
+        args.draft_head = embedded_model("base-eagle")
+    rtts = [int(r) for r in args.rtts.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        target = extended_copy(model, Path(tmp) / "target")
+        trunk_port = free_port()
+        procs = [_spawn(["cloud", "serve", "--model", str(target), "--port", str(trunk_port), "--threads", "1",
+                         "--dtype", "float32"])]  # fmt: skip
+        try:
+            _wait_for_port(trunk_port, procs[0], 120)
+            links: dict[int, int] = {}
+            for rtt in rtts:
+                links[rtt] = free_port()
+                procs.append(_spawn(["netem", "--listen", f"127.0.0.1:{links[rtt]}", "--upstream",
+                                     f"127.0.0.1:{trunk_port}", "--rtt-ms", str(rtt)]))  # fmt: skip
+                _wait_for_port(links[rtt], procs[-1], 60)
+            torch.set_num_threads(1)
+            rows, probe = asyncio.run(run_matrix(args, target, links))
+        finally:
+            _stop(procs)
+    env = run_environment()
+    results: dict[str, Any] = {
+        "commit": env.get("commit", ""), "environment": env, "model": args.model, "repeats": args.repeats,
+        "long": args.long, "rows": rows, "summary": summarise(rows),
+        "head": None if probe.draft_head is None else weights(probe.draft_head),
+        "draft_model": None if probe.draft_model is None else weights(probe.draft_model),
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "eagle_matrix_long" if args.long else "eagle_matrix"
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (args.out / f"{stem}.md").write_text(markdown(results) + "\n")
+    plot(results, args.out / f"{stem}.png")
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""EAGLE drafting on the edge: a small head drafts from the target's own hidden states (Li et al. 2024).
+
+The head (:class:`~splitspec.models.draft_head.DraftHead`) reads what the edge already holds: the
+feature f_i of every committed token (the stream after the head's feature layers, kept by the
+verifier in a :class:`~splitspec.models.features.FeatureLog`), the embedding and the model's own
+final norm and LM head. Drafting costs no round trip and shows the cloud nothing.
+
+Pair convention: the head's query at position i reads (embedding of x_{i+1}, f_i) and predicts the
+feature of x_{i+1}; the LM head over that prediction scores x_{i+2}. With a context x_0 .. x_{n-1}
+whose last token x_{n-1} is pending (chosen, not yet verified, so without a feature), the head's
+cache holds the pairs i = 0 .. n - 2 of committed tokens, and the prediction of the last pair
+scores the draft's roots. A draft node y with predicted parent feature ĥ is expanded by the pair
+(y, ĥ) one position further: the head runs on its own predictions past the committed prefix.
+
+The tree is EAGLE-2's dynamic tree (:func:`~splitspec.decoding.trees.dynamic_tree`): the most
+probable frontier nodes are expanded level by level and the best ``budget`` nodes kept; under
+sampling, children are draws from the head's q without replacement, which the verifier's
+multi-draft rejection sampling keeps lossless. Each level re-runs the head over the whole tree so
+far (its nodes' inputs are known from the level before): a one-layer head over a few dozen query
+tokens, in one forward per level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.trees import Draft, SiblingStats, dynamic_tree
+from splitspec.exceptions import ConfigError
+from splitspec.models.draft_head import DraftHead
+from splitspec.models.features import FeatureLog
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.masks import chain, depths
+from splitspec.models.stack import ModelEnds
+
+
+class KeepsFeatures(Protocol):
+    """A verifier that keeps its committed tokens' features (an edge sequence, a local sequence)."""
+
+    tokens: list[int]
+    features: FeatureLog | None
+
+
+class EagleDrafter:
+    """Drafts a dynamic tree with a draft head over the verifier's features (see the module docstring)."""
+
+    name = "eagle"
+
+    def __init__(
+        self,
+        head: DraftHead,
+        ends: Callable[[], ModelEnds],
+        source: KeepsFeatures | None,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+        top_k: int = 4,
+        depth: int = 6,
+    ) -> None:
+        if generator is None and not params.greedy:
+            raise ValueError("a sampling draft head needs its own seeded generator")
+        if len(head.config.feature_layers) != 1:
+            # the tree feeds the head its own predicted features (H wide) past the committed prefix
+            raise ConfigError("drafting with a head that reads several feature layers is not supported yet")
+        if top_k < 1 or depth < 1:
+            raise ValueError(f"top_k ({top_k}) and depth ({depth}) must be >= 1")
+        self.top_k = top_k  # children per expanded node, and nodes expanded per level (EAGLE-2)
+        self.depth = depth  # levels of the tree at most (EAGLE-2's default 6)
+        self.siblings = SiblingStats()  # sampling: how often each sibling rank is accepted, measured
+        self._last: tuple[list[int], Draft] | None = None  # the last sampled tree and its context
+        self.head = head
+        # the target's embedding, final norm and LM head (shared, never copied), read at each draft: an auto
+        # edge may load its model again in the trunk's dtype at the first Welcome
+        self._ends = ends
+        self.source = source  # where the committed tokens' features are read; None: nothing to draft from
+        self.params = params
+        self.generator = generator
+        self.cache = KVCache()  # the head's own keys and values, one entry per committed pair
+        self._fed: list[int] = []  # x_{i+1} of every pair i in the cache
+
+    @property
+    def ends(self) -> ModelEnds:
+        return self._ends()
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.config.feature_layers
+
+    def _sync(self, context: Sequence[int]) -> torch.Tensor | None:
+        """Feed the pairs of committed tokens the cache lacks; the last pair's predicted feature (H,), or None
+        when the verifier has no features for the context."""
+        source = self.source
+        committed = len(context) - 1  # the last context token is pending: no feature yet
+        log = None if source is None else source.features
+        if source is None or log is None or committed < 1:
+            return None
+        if len(source.tokens) != committed or len(log) != committed or source.tokens[-1] != context[-2]:
+            return None  # the verifier's features are not this context's (tokens committed before they were kept)
+        wanted = list(context[1:])  # x_{i+1} for pairs i = 0 .. committed - 1
+        common = 0
+        limit = min(len(self._fed), committed - 1)  # always run the last pair again: its output is the root feature
+        while common < limit and self._fed[common] == wanted[common]:
+            common += 1
+        self.cache.truncate(common)
+        ids = torch.tensor(wanted[common:], dtype=torch.long)  # (m,)
+        feats = log.rows(common, committed).to(self.ends.device)  # (m, F * H)
+        positions = torch.arange(common, committed, dtype=torch.int32)
+        parents = torch.tensor(chain(committed - common), dtype=torch.int32)
+        with torch.inference_mode():
+            out = self.head.forward(self.ends, ids, feats, positions, parents, self.cache)  # (m, H)
+        self._fed = wanted
+        return out[-1]
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        if budget < 1:
+            return Draft.empty()
+        if self._last is not None:  # what the verifier made of the last sampled tree, if this context follows it
+            before, last = self._last
+            if len(context) > len(before) and list(context[: len(before)]) == before:
+                self.siblings.observe(last, context[len(before) :])
+            self._last = None
+        root = self._sync(context)
+        if root is None:
+            return Draft.empty()
+        committed = len(context) - 1
+        ends = self.ends
+        with torch.inference_mode():
+            root_logits = self.head.logits(ends, root[None])  # (1, V)
+        predicted: list[torch.Tensor] = []  # ĥ of every node the expander has run, by node index
+
+        @torch.inference_mode()
+        def expand(tokens: list[int], parents: list[int]) -> torch.Tensor:
+            """logits (1 + n, V) for the tree so far; every node's parent feature is known from the level before."""
+            if not tokens:
+                return root_logits
+            inputs = [root if p < 0 else predicted[p] for p in parents]  # raises if a parent was never run
+            parent_t = torch.tensor(parents, dtype=torch.int32)
+            positions = (committed + depths(parent_t)).to(torch.int32)  # a root's pair sits at n - 1 = committed
+            self.cache.truncate(committed)
+            out = self.head.forward(
+                ends, torch.tensor(tokens, dtype=torch.long), torch.stack(inputs), positions, parent_t, self.cache
+            )  # (n, H)
+            predicted[:] = list(out)
+            return torch.cat([root_logits, self.head.logits(ends, out)], dim=0)
+
+        try:
+            draft = dynamic_tree(
+                expand, budget, self.params, self.generator, self.top_k, self.depth, self.siblings.rates()
+            )
+        finally:
+            self.cache.truncate(committed)  # the tree's entries go: the next draft starts from committed pairs
+        self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
+        return draft
