@@ -33,7 +33,7 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.draft_head import DraftHead
 from splitspec.models.features import FeatureLog
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import chain, depths
+from splitspec.models.masks import chain
 from splitspec.models.stack import ModelEnds
 
 
@@ -128,23 +128,7 @@ class EagleDrafter:
         ends = self.ends
         with torch.inference_mode():
             root_logits = self.head.logits(ends, root[None])  # (1, V)
-        predicted: list[torch.Tensor] = []  # ĥ of every node the expander has run, by node index
-
-        @torch.inference_mode()
-        def expand(tokens: list[int], parents: list[int]) -> torch.Tensor:
-            """logits (1 + n, V) for the tree so far; every node's parent feature is known from the level before."""
-            if not tokens:
-                return root_logits
-            inputs = [root if p < 0 else predicted[p] for p in parents]  # raises if a parent was never run
-            parent_t = torch.tensor(parents, dtype=torch.int32)
-            positions = (committed + depths(parent_t)).to(torch.int32)  # a root's pair sits at n - 1 = committed
-            self.cache.truncate(committed)
-            out = self.head.forward(
-                ends, torch.tensor(tokens, dtype=torch.long), torch.stack(inputs), positions, parent_t, self.cache
-            )  # (n, H)
-            predicted[:] = list(out)
-            return torch.cat([root_logits, self.head.logits(ends, out)], dim=0)
-
+        expand = _TreeRun(self.head, ends, self.cache, committed, root, root_logits)
         try:
             draft = dynamic_tree(
                 expand, budget, self.params, self.generator, self.top_k, self.depth, self.siblings.rates()
@@ -153,3 +137,62 @@ class EagleDrafter:
             self.cache.truncate(committed)  # the tree's entries go: the next draft starts from committed pairs
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
         return draft
+
+
+class _TreeRun:
+    """The head's expander for one draft: each call runs only the nodes the tree gained since the last one.
+
+    Node j's query reads (its token, its parent's predicted feature; the root's for a root) at position
+    committed + depth(j); the cache keeps every node run so far after the committed pairs, and node j
+    sees the committed pairs, its ancestors among them and itself (a sliding window also hides keys
+    that far back). The head's cache is truncated back to the committed pairs by the drafter.
+    """
+
+    def __init__(
+        self,
+        head: DraftHead,
+        ends: ModelEnds,
+        cache: KVCache,
+        committed: int,
+        root: torch.Tensor,
+        root_logits: torch.Tensor,
+    ) -> None:
+        self.head, self.ends, self.cache, self.committed = head, ends, cache, committed
+        self.root = root  # (H,): the last committed pair's predicted feature, the roots' parent
+        self.rows = [root_logits]  # (1, V), then (n_i, V) per call: row 1 + j scores node j's children
+        self.predicted: list[torch.Tensor] = []  # ĥ (H,) of every node run, by node index
+        self.ancestors: list[list[int]] = []  # each node's ancestors, root first
+        self.positions: list[int] = []  # each node's position
+        self.window = head.stack.windows[0]
+
+    @torch.inference_mode()
+    def __call__(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        while len(self.predicted) < len(tokens):
+            done = len(self.predicted)
+            # the nodes whose parent has run: a level of the tree (one wave, unless a call adds two levels)
+            wave = [j for j in range(done, len(tokens)) if parents[j] < done]
+            wave = wave[: next((i for i, j in enumerate(wave) if j != done + i), len(wave))]
+            self._run(tokens, parents, wave)
+        return torch.cat(self.rows, dim=0)  # (1 + n, V)
+
+    def _run(self, tokens: list[int], parents: list[int], wave: list[int]) -> None:
+        for j in wave:
+            p = parents[j]
+            self.ancestors.append([] if p < 0 else [*self.ancestors[p], p])
+            self.positions.append(self.committed + len(self.ancestors[j]))
+        past = self.committed + wave[0]  # cache entries: committed pairs, then every node run so far
+        q = len(wave)
+        visible = torch.zeros(q, past + q, dtype=torch.bool)
+        visible[:, : self.committed] = True
+        for i, j in enumerate(wave):
+            visible[i, [self.committed + a for a in self.ancestors[j]]] = True
+            visible[i, past + i] = True
+        positions = torch.tensor([self.positions[j] for j in wave], dtype=torch.int32)
+        if self.window is not None:  # keys at positions <= p - window are out of sight
+            keys = torch.tensor([*range(self.committed), *self.positions[: wave[0]], *positions.tolist()])
+            visible &= keys[None, :] > positions[:, None] - self.window
+        inputs = torch.stack([self.root if parents[j] < 0 else self.predicted[parents[j]] for j in wave])
+        ids = torch.tensor([tokens[j] for j in wave], dtype=torch.long)
+        out = self.head.forward_visible(self.ends, ids, inputs, positions, visible, self.cache)  # (q, H)
+        self.predicted.extend(out)
+        self.rows.append(self.head.logits(self.ends, out))  # (q, V)

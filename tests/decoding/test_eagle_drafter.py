@@ -1,0 +1,102 @@
+"""The EAGLE drafter's tree: grown level by level in the head's cache, it is the tree the head gives when
+every level re-runs the whole tree in one step (the reference below), greedy and sampled."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.decoding.eagle import EagleDrafter
+from splitspec.decoding.local import LocalSequence
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.trees import dynamic_tree
+from splitspec.exceptions import ConfigError
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.draft_head import DraftHead, default_config
+from splitspec.models.kv_cache import KVCache
+from splitspec.models.masks import chain, depths
+from splitspec.models.stack import FullModel, load_full
+
+PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7]
+
+
+def _setup(make_checkpoint: Callable[..., Path], family: str) -> tuple[FullModel, DraftHead, LocalSequence]:
+    directory = make_checkpoint(family, layers=4)
+    model = load_full(Checkpoint(directory), torch.float32)
+    torch.manual_seed(1)
+    head = DraftHead(default_config(Checkpoint(directory)), torch.device("cpu"), torch.float32).eval()
+    verifier = LocalSequence(model)
+    verifier.keep_features((4,))
+    verifier.run(PROMPT)
+    return model, head, verifier
+
+
+def _reference(model: FullModel, head: DraftHead, verifier: LocalSequence, context: list[int]) -> Callable[..., object]:
+    """An expander that re-runs the whole tree each call (the standard tree mask within one step)."""
+    log = verifier.features
+    assert log is not None
+    committed = len(context) - 1
+    cache = KVCache()
+    with torch.inference_mode():
+        out = head(model, torch.tensor(context[1:]), log.rows(), torch.arange(committed, dtype=torch.int32),
+                   torch.tensor(chain(committed), dtype=torch.int32), cache)  # fmt: skip
+    root = out[-1]
+    root_logits = head.logits(model, root[None])
+    predicted: list[torch.Tensor] = []
+
+    @torch.inference_mode()
+    def expand(tokens: list[int], parents: list[int]) -> torch.Tensor:
+        if not tokens:
+            return root_logits
+        inputs = torch.stack([root if p < 0 else predicted[p] for p in parents])
+        parent_t = torch.tensor(parents, dtype=torch.int32)
+        cache.truncate(committed)
+        rows = head(
+            model, torch.tensor(tokens), inputs, (committed + depths(parent_t)).to(torch.int32), parent_t, cache
+        )
+        predicted[:] = list(rows)
+        return torch.cat([root_logits, head.logits(model, rows)])
+
+    return expand
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_the_grown_tree_is_the_whole_tree_rerun(make_checkpoint: Callable[..., Path], family: str) -> None:
+    model, head, verifier = _setup(make_checkpoint, family)
+    context = [*PROMPT, 11]
+    for params, seed in ((SamplingParams(), None), (SamplingParams(temperature=0.8), 3)):
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        drafter = EagleDrafter(head, lambda: model, verifier, params, gen, top_k=3, depth=4)
+        draft = drafter.propose(context, 12)
+        ref_gen = None if seed is None else torch.Generator().manual_seed(seed)
+        reference = dynamic_tree(_reference(model, head, verifier, context), 12, params, ref_gen, 3, 4)  # type: ignore[arg-type]
+        assert len(draft) == 12
+        assert (draft.tokens, draft.parents) == (reference.tokens, reference.parents)
+        assert len(set(draft.parents)) < len(draft.parents)  # a tree, not a chain
+        assert len(drafter.cache) == len(context) - 1  # only the committed pairs stay in the head's cache
+        if reference.probs is not None:
+            assert draft.probs is not None
+            torch.testing.assert_close(draft.probs, reference.probs, rtol=1e-4, atol=1e-5)
+
+
+def test_no_features_no_draft(make_checkpoint: Callable[..., Path]) -> None:
+    model, head, verifier = _setup(make_checkpoint, "llama")
+    drafter = EagleDrafter(head, lambda: model, verifier, SamplingParams())
+    assert len(drafter.propose([*PROMPT[:-1], 99, 11], 8)) == 0  # not the verifier's context
+    assert len(EagleDrafter(head, lambda: model, None, SamplingParams()).propose([*PROMPT, 11], 8)) == 0
+    bare = LocalSequence(model)
+    bare.run(PROMPT)  # tokens without features
+    assert len(EagleDrafter(head, lambda: model, bare, SamplingParams()).propose([*PROMPT, 11], 8)) == 0
+    with pytest.raises(ValueError, match="seeded generator"):
+        EagleDrafter(head, lambda: model, verifier, SamplingParams(temperature=0.5))
+
+
+def test_a_head_reading_several_layers_is_refused(make_checkpoint: Callable[..., Path]) -> None:
+    directory = make_checkpoint("llama", layers=4)
+    model = load_full(Checkpoint(directory), torch.float32)
+    head = DraftHead(default_config(Checkpoint(directory), (2, 4)), torch.device("cpu"), torch.float32)
+    with pytest.raises(ConfigError, match="several feature layers"):
+        EagleDrafter(head, lambda: model, None, SamplingParams())
