@@ -36,12 +36,14 @@ import math
 import statistics
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoTokenizer
 
+from splitspec.decoding.loop import SpecStep
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.demo import ASSETS, _spawn, _stop, _wait_for_port, embedded_model, free_port
 from splitspec.edge import EdgeConfig, SplitClient
@@ -93,7 +95,8 @@ async def one(
     t0 = time.perf_counter()
     first = None
     tokens = 0
-    async for _ in client.stream(prompt, answer, params, stop_token_ids=(), speculate=mode):
+    trace: list[SpecStep] = []
+    async for _ in client.stream(prompt, answer, params, stop_token_ids=(), speculate=mode, trace=trace):
         tokens += 1
         if first is None:
             first = time.perf_counter()
@@ -107,6 +110,9 @@ async def one(
         "e2e_tok_s": tokens / (end - t0),
         "tokens_per_trip": (tokens - 1) / trips if trips else float("nan"),
         "ttft_s": first - t0,
+        # the steps each drafter made (auto: which it chose), and its drafting time per step, ms
+        "drafted_by": dict(Counter(s.drafter or "none" for s in trace)),
+        "draft_ms_per_step": 1e3 * sum(s.draft_s for s in trace) / max(1, len(trace)),
     }
 
 
@@ -134,7 +140,8 @@ async def run_matrix(
             for repeat in range(args.repeats):
                 for temperature in args.temperatures:
                     for label, prompt, answer in cases:
-                        order = MODES[repeat % len(MODES) :] + MODES[: repeat % len(MODES)]
+                        modes = [m for m in MODES if m in args.modes]
+                        order = modes[repeat % len(modes) :] + modes[: repeat % len(modes)]
                         for mode in order:
                             if mode == "eagle" and runtime.draft_head is None:
                                 continue
@@ -166,7 +173,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 if f"{rtt}|{temp}|{p}|{mode}" in cells
             ]
             out[f"{mode}/off"] = geomean(vs_off)
-        if all(f"{rtt}|{temp}|{p}|eagle" in cells for p in labels):
+        if all(f"{rtt}|{temp}|{p}|{m}" in cells for p in labels for m in ("eagle", "draft")):
             out["eagle/draft"] = geomean(
                 [
                     cells[f"{rtt}|{temp}|{p}|eagle"]["decode_tok_s"] / cells[f"{rtt}|{temp}|{p}|draft"]["decode_tok_s"]
@@ -174,7 +181,13 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 ]
             )
         ratios[f"{rtt}|{temp}"] = out
-    return {"cells": cells, "ratios": ratios}
+    choices: dict[str, dict[str, int]] = {}  # what auto chose, steps per drafter, by RTT and temperature
+    for r in rows:
+        if r["mode"] == "auto":
+            counts = choices.setdefault(f"{r['rtt_ms']}|{r['temperature']}", {})
+            for drafter, n in r["drafted_by"].items():
+                counts[drafter] = counts.get(drafter, 0) + n
+    return {"cells": cells, "ratios": ratios, "auto_choices": choices}
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -202,6 +215,10 @@ def markdown(results: dict[str, Any]) -> str:
             f"{out.get('eagle/draft', float('nan')):.2f}"
         ]
         lines.append(f"| {rtt} | {temp} | " + " | ".join(values) + " |")
+    lines += ["", "What `auto` chose (decode steps per drafter, all prompts and repeats):", ""]
+    for key, counts in sorted(results["summary"]["auto_choices"].items(), key=lambda kv: float(kv[0].split("|")[0])):
+        rtt, temp = key.split("|")
+        lines.append(f"- {rtt} ms, temperature {temp}: " + ", ".join(f"{d} {n}" for d, n in sorted(counts.items())))
     head = results.get("head")
     if head:
         lines += ["", f"Draft head: {head['parameters']:,} parameters, {head['bytes'] / 2**20:.2f} MiB; "
@@ -243,6 +260,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rtts", default="20,80,150", help="round-trip times, ms, comma-separated")
     parser.add_argument("--temperatures", default="0,0.8", help="comma-separated (0 = greedy)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
     parser.add_argument("--long", action="store_true", help="2,000-token prompts, 32- and 96-token answers")
     parser.add_argument("--model", default="base", help="embedded model name or a directory (default base)")
     parser.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
@@ -250,6 +268,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eagle"))
     args = parser.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.modes = args.modes.split(",")
     model = Path(args.model) if Path(args.model).is_dir() else embedded_model(args.model)
     args.draft_model = args.draft_model or embedded_model("draft")
     if args.draft_head is None and args.model == "base":

@@ -1,6 +1,6 @@
 """Build and measure the demo base model's EAGLE head (splitspec/assets/models/base-eagle).
 
-    python scripts/build_corpus.py --out build/corpus --assets /tmp/corpus-assets   # the base model's own training split
+    python scripts/build_corpus.py --out build/corpus --assets /tmp/x  # the base model's own training split
     python scripts/demo_head.py train      # splitspec train-drafter on it (~7 min, 2 threads)
     python scripts/demo_head.py ship DIR   # DIR's head -> the assets in float16, then `measure`
     python scripts/demo_head.py measure    # greedy chains on the held-out files: the head against the draft model
