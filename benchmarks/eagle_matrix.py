@@ -127,7 +127,7 @@ async def run_matrix(
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     base = EdgeConfig(
         model_dir=target, cloud_url="ws://unused", draft_model_dir=args.draft_model, draft_head_dir=args.draft_head,
-        allow_stock_edge_weights=True, dtype="float32",
+        allow_stock_edge_weights=True, dtype="float32", edge_layers=args.edge_layers,
     )  # fmt: skip
     loaded = EdgeRuntime(base)  # weights loaded once; each RTT's runtime shares them
     rows: list[dict[str, Any]] = []
@@ -265,10 +265,13 @@ def main() -> int:
     parser.add_argument("--model", default="base", help="embedded model name or a directory (default base)")
     parser.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
     parser.add_argument("--draft-head", type=Path, default=None, help="default: the embedded base model's head")
+    parser.add_argument("--edge-layers", default="2,2", help="HEAD,TAIL edge layers (default 2,2; worker: 1,1)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/eagle"))
     args = parser.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.modes = args.modes.split(",")
+    edge_layers_text = args.edge_layers
+    args.edge_layers = tuple(int(n) for n in edge_layers_text.split(","))
     model = Path(args.model) if Path(args.model).is_dir() else embedded_model(args.model)
     args.draft_model = args.draft_model or embedded_model("draft")
     if args.draft_head is None and args.model == "base":
@@ -278,7 +281,7 @@ def main() -> int:
         target = extended_copy(model, Path(tmp) / "target")
         trunk_port = free_port()
         procs = [_spawn(["cloud", "serve", "--model", str(target), "--port", str(trunk_port), "--threads", "1",
-                         "--dtype", "float32"])]  # fmt: skip
+                         "--dtype", "float32", "--edge-layers", edge_layers_text])]  # fmt: skip
         try:
             _wait_for_port(trunk_port, procs[0], 120)
             links: dict[int, int] = {}
