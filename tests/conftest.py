@@ -171,6 +171,13 @@ def law_fit_pvalue(counts: Counter[int], law: torch.Tensor, n: int) -> float:
     return float(chisquare(observed, exp).pvalue)
 
 
+def joint_law_pvalue(counts: Counter[tuple[int, int]], joint: torch.Tensor, n: int) -> float:
+    """:func:`law_fit_pvalue` of ``n`` sampled token pairs against their joint law ``joint`` (V, V)."""
+    vocab = joint.shape[1]
+    flat: Counter[int] = Counter({a * vocab + b: c for (a, b), c in counts.items()})
+    return law_fit_pvalue(flat, joint.flatten(), n)
+
+
 def local_model(directory: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
     """The whole checkpoint in one process, as transformers loads it, on ``device``."""
     from transformers import AutoModelForCausalLM

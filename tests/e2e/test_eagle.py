@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from scipy.stats import chisquare
 
 from splitspec.cli import main as cli_main
 from splitspec.cloud.config import CloudConfig
@@ -37,7 +36,7 @@ from splitspec.models.draft_head_eval import greedy_chains
 from splitspec.models.draft_head_io import load_draft_head
 from splitspec.models.stack import load_full
 from splitspec.models.train_draft_head import LocalFeatures, TrainConfig, local_source, train
-from tests.conftest import TOKENIZER_TEXT, local_greedy
+from tests.conftest import TOKENIZER_TEXT, joint_law_pvalue, local_greedy
 from tests.e2e.test_trunk_fingerprint import edge_only_copy
 
 LAYERS = 6
@@ -186,10 +185,4 @@ async def test_the_heads_sampled_trees_keep_the_model_law(make_checkpoint: Calla
         branched += bool(drafter.drafts) and drafter.drafts[0].parents.count(-1) > 1
     assert branched > n // 2, "the second token must mostly come from a verified tree with several roots"
     assert all(joint[c] > 0 for c in counts), "sampled a token pair outside the law's support"
-    cells = [(a, b) for a in range(16) for b in range(16) if joint[a, b] * n >= 5]
-    observed = [counts[c] for c in cells]
-    expected = [float(joint[c]) * n for c in cells]
-    observed.append(n - sum(observed))
-    expected.append(max(0.0, n - sum(expected)))
-    expected = [e * n / sum(expected) for e in expected]
-    assert chisquare(observed, expected).pvalue > 1e-3
+    assert joint_law_pvalue(counts, joint, n) > 1e-3
