@@ -83,6 +83,15 @@ def extended_copy(source: Path, dest: Path) -> Path:
     return dest
 
 
+def _relative(path: Path) -> str:
+    """``path`` relative to this repository when it lies inside it (results name no machine's paths)."""
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        return str(path.resolve().relative_to(repo))
+    except ValueError:
+        return path.name
+
+
 def code_text() -> tuple[str, str]:
     """The installed third-party module's source, and where it came from."""
     import importlib
@@ -325,7 +334,8 @@ def main() -> int:
 
     results = {
         "environment": environment,
-        "splitspec_src": str(Path(splitspec.__file__).parent),  # the code measured (a before/after pair may differ)
+        # the code measured (a before/after pair may differ), relative to the repository when it lies inside it
+        "splitspec_src": _relative(Path(splitspec.__file__).parent),
         "command": "python benchmarks/auto_floor.py " + " ".join(sys.argv[1:]),
         "dtype": args.dtype,
         "repeats": args.repeats,

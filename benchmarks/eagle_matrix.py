@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from auto_floor import extended_copy  # the sibling benchmark (this directory is on sys.path when run)
 from transformers import AutoTokenizer
 
 from splitspec.decoding.loop import SpecStep
@@ -54,18 +55,6 @@ MODES = ("off", "ngram", "prompt-lookup", "draft", "eagle", "auto")
 HELDOUT = ASSETS / "corpus" / "heldout"
 SHORT_PROMPT_TOKENS = 96
 LONG_PROMPT_TOKENS = 2000
-
-
-def extended_copy(model: Path, into: Path, positions: int = 4096) -> Path:
-    """A copy of ``model`` whose config allows ``positions`` positions (weights linked, not copied)."""
-    into.mkdir(parents=True, exist_ok=True)
-    for item in model.iterdir():
-        if item.is_file() and item.name != "config.json":
-            (into / item.name).symlink_to(item.resolve())
-    config = json.loads((model / "config.json").read_text())
-    config["max_position_embeddings"] = positions
-    (into / "config.json").write_text(json.dumps(config, indent=2))
-    return into
 
 
 def prompts(tokenizer: Any, long: bool) -> list[tuple[str, list[int], int]]:
