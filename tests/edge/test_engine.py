@@ -23,6 +23,9 @@ from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.engine import EdgeEngine
 from splitspec.edge.runtime import EdgeRuntime
+from splitspec.edge.sequence import EdgeSequence
+from splitspec.protocol.messages import Message, Step
+from splitspec.transport.client import Exchange
 from tests.conftest import local_model
 
 
@@ -230,6 +233,18 @@ async def test_prefills_arriving_together_share_forwards(models: tuple[Path, Pat
             async with SplitClient(config, runtime=runtime) as client:
                 alone.append(await client.forward(prompt))
         engine = EdgeEngine(runtime)
+        # the trunk answers prefills one after another: hold each reply until all have come, so that the
+        # tail's steps arrive together, as they do when the trunk batches them (without it, whether two
+        # replies queue behind a tail chunk is up to the machine's timing)
+        replies_in = asyncio.Barrier(len(prompts))
+        send_step = engine._send_step
+
+        async def send_step_then_wait(sequence: EdgeSequence, step: Step) -> tuple[Message, Exchange]:
+            reply = await send_step(sequence, step)
+            await replies_in.wait()
+            return reply
+
+        engine._send_step = send_step_then_wait  # type: ignore[method-assign]
         clients = [SplitClient(config, engine=engine) for _ in prompts]
         try:
             await asyncio.gather(*(client.connect() for client in clients))
