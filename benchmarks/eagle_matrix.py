@@ -12,7 +12,9 @@ Per RTT (20, 80, 150 ms), temperature (0 and 0.8) and prompt, each mode generate
 repeat, modes interleaved and their order rotated each repeat:
 
 * ``off`` (one token per trip), ``ngram``, ``prompt-lookup``, ``draft`` (the draft model),
-  ``eagle`` (the draft head), ``auto`` (every drafter; the controller picks);
+  ``eagle`` (the draft head), ``auto`` (every drafter; the controller picks), and ``draft-chain``,
+  ``eagle-chain``: the same drafters drafting a single chain (``--draft-tree-width 1``) instead of
+  a tree, for the trees-against-chain ratio;
 * prompts neither the model nor the shipped head saw in training: held-out documents the head's
   model card lists as kept out (``assets/corpus/heldout``: two code, one prose), cut to 96 tokens
   from a third of the way in, 64 tokens out;
@@ -51,7 +53,9 @@ from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.runtime import EdgeRuntime
 from splitspec.run_info import run_environment
 
-MODES = ("off", "ngram", "prompt-lookup", "draft", "eagle", "auto")
+MODES = ("off", "ngram", "prompt-lookup", "draft", "eagle", "auto", "draft-chain", "eagle-chain")
+CHAIN_MODES = ("draft-chain", "eagle-chain")  # the drafter with --draft-tree-width 1: a single chain
+PAIRS = (("eagle", "draft"), ("eagle", "eagle-chain"), ("draft", "draft-chain"))  # head-to-head ratios
 HELDOUT = ASSETS / "corpus" / "heldout"
 SHORT_PROMPT_TOKENS = 96
 LONG_PROMPT_TOKENS = 2000
@@ -124,18 +128,22 @@ async def run_matrix(
     for rtt, port in links.items():
         config = dataclasses.replace(base, cloud_url=f"ws://127.0.0.1:{port}")
         runtime = EdgeRuntime(config, loaded.model, loaded.draft_model)
-        async with SplitClient(config, runtime=runtime) as client:
-            await client.generate(cases[0][1][:16], 4, SamplingParams(), speculate="off")  # warm the link
+        chains = dataclasses.replace(config, draft_tree_width=1)
+        chain_runtime = EdgeRuntime(chains, loaded.model, loaded.draft_model)
+        async with SplitClient(config, runtime=runtime) as trees, SplitClient(chains, runtime=chain_runtime) as chain:
+            for client in (trees, chain):
+                await client.generate(cases[0][1][:16], 4, SamplingParams(), speculate="off")  # warm the link
             for repeat in range(args.repeats):
                 for temperature in args.temperatures:
                     for label, prompt, answer in cases:
                         modes = [m for m in MODES if m in args.modes]
                         order = modes[repeat % len(modes) :] + modes[: repeat % len(modes)]
                         for mode in order:
-                            if mode == "eagle" and runtime.draft_head is None:
+                            if mode.startswith("eagle") and runtime.draft_head is None:
                                 continue
                             seed = 1000 * repeat + 7
-                            row = await one(client, prompt, answer, mode, temperature, seed)
+                            client = chain if mode in CHAIN_MODES else trees
+                            row = await one(client, prompt, answer, mode.removesuffix("-chain"), temperature, seed)
                             row |= {"rtt_ms": rtt, "temperature": temperature, "prompt": label, "mode": mode,
                                     "repeat": repeat, "answer": answer}  # fmt: skip
                             rows.append(row)
@@ -162,13 +170,15 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 if f"{rtt}|{temp}|{p}|{mode}" in cells
             ]
             out[f"{mode}/off"] = geomean(vs_off)
-        if all(f"{rtt}|{temp}|{p}|{m}" in cells for p in labels for m in ("eagle", "draft")):
-            out["eagle/draft"] = geomean(
-                [
-                    cells[f"{rtt}|{temp}|{p}|eagle"]["decode_tok_s"] / cells[f"{rtt}|{temp}|{p}|draft"]["decode_tok_s"]
-                    for p in labels
-                ]
-            )
+        for mine, theirs in PAIRS:
+            if all(f"{rtt}|{temp}|{p}|{m}" in cells for p in labels for m in (mine, theirs)):
+                out[f"{mine}/{theirs}"] = geomean(
+                    [
+                        cells[f"{rtt}|{temp}|{p}|{mine}"]["decode_tok_s"]
+                        / cells[f"{rtt}|{temp}|{p}|{theirs}"]["decode_tok_s"]
+                        for p in labels
+                    ]
+                )
         ratios[f"{rtt}|{temp}"] = out
     choices: dict[str, dict[str, int]] = {}  # what auto chose, steps per drafter, by RTT and temperature
     for r in rows:
@@ -196,12 +206,13 @@ def markdown(results: dict[str, Any]) -> str:
             cell = cells.get(f"{key}|{mode}")
             row.append("-" if cell is None else f"{cell['decode_tok_s']:.1f} / {cell['tokens_per_trip']:.2f}")
         lines.append(f"| {rtt} | {temp} | {prompt} | " + " | ".join(row) + " |")
-    lines += ["", "| RTT ms | temp | " + " | ".join(f"{m}/off" for m in MODES) + " | eagle/draft |",
-              "|---|---|" + "---|" * (len(MODES) + 1)]  # fmt: skip
+    pairs = [f"{a}/{b}" for a, b in PAIRS]
+    lines += ["", "| RTT ms | temp | " + " | ".join([*(f"{m}/off" for m in MODES), *pairs]) + " |",
+              "|---|---|" + "---|" * (len(MODES) + len(pairs))]  # fmt: skip
     for key, out in sorted(results["summary"]["ratios"].items(), key=lambda kv: float(kv[0].split("|")[0])):
         rtt, temp = key.split("|")
         values = [f"{out.get(f'{m}/off', float('nan')):.2f}" for m in MODES] + [
-            f"{out.get('eagle/draft', float('nan')):.2f}"
+            f"{out.get(p, float('nan')):.2f}" for p in pairs
         ]
         lines.append(f"| {rtt} | {temp} | " + " | ".join(values) + " |")
     lines += ["", "What `auto` chose (decode steps per drafter, all prompts and repeats):", ""]

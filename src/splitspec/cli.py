@@ -95,6 +95,14 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         help="small local model sharing the tokenizer, for --speculate draft: it drafts a dynamic tree "
         "(EAGLE-2), greedy or sampled (a directory or a cached org/name[@revision])",
     )
+    p.add_argument(
+        "--draft-tree-width",
+        type=int,
+        default=4,
+        metavar="K",
+        help="children per expanded node, and nodes expanded per level, of the draft model's and the head's "
+        "trees (default 4, as EAGLE-2); 1 drafts a single chain",
+    )
     add_draft_head_arg(p, "")
 
 
@@ -388,6 +396,7 @@ def _edge_config(args: argparse.Namespace) -> EdgeConfig:
         draft_model_dir=args.draft_model,
         draft_head_dir=args.draft_head,
         draft_head_target_check=args.draft_head_target_check == "on",
+        draft_tree_width=args.draft_tree_width,
         allow_stock_edge_weights=args.allow_stock_edge_weights,
         published_model_dir=args.published_model,
         trunk_fingerprint=args.trunk_fingerprint,

@@ -48,9 +48,9 @@ def _reference(model: FullModel, head: DraftHead, verifier: LocalSequence, conte
     predicted: list[torch.Tensor] = []
 
     @torch.inference_mode()
-    def expand(tokens: list[int], parents: list[int]) -> torch.Tensor:
+    def expand(tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
         if not tokens:
-            return root_logits
+            return root_logits.expand(len(expanding), -1)
         inputs = torch.stack([root if p < 0 else predicted[p] for p in parents])
         parent_t = torch.tensor(parents, dtype=torch.int32)
         cache.truncate(committed)
@@ -58,7 +58,8 @@ def _reference(model: FullModel, head: DraftHead, verifier: LocalSequence, conte
             model, torch.tensor(tokens), inputs, (committed + depths(parent_t)).to(torch.int32), parent_t, cache
         )
         predicted[:] = list(rows)
-        return torch.cat([root_logits, head.logits(model, rows)])
+        every = torch.cat([root_logits, head.logits(model, rows)])  # (1 + n, V): the whole tree, rerun
+        return every[torch.tensor(expanding) + 1]
 
     return expand
 

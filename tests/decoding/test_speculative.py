@@ -15,6 +15,7 @@ from splitspec.decoding.drafters import DraftModel, NgramPool, PromptLookup, bui
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
+from splitspec.edge.config import EdgeConfig
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.stack import FullModel, load_full
@@ -159,6 +160,18 @@ def test_make_drafters_errors() -> None:
         make_drafters("draft", SamplingParams(), None)
     assert set(make_drafters("auto", SamplingParams(), None)) == {"ngram", "prompt-lookup", "mix"}
     assert make_drafters("off", SamplingParams(), None) == {}
+
+
+def test_tree_width_one_drafts_chains(make_checkpoint: Callable[..., Path]) -> None:
+    """--draft-tree-width: the draft model drafts trees by default, a single chain at width 1."""
+    draft = full(make_checkpoint("llama", layers=2, seed=99))
+    for width, chain_only in ((4, False), (1, True)):
+        drafters = make_drafters("draft", SamplingParams(), draft, tree_width=width)
+        tree = drafters["draft"].propose(PROMPT, 8)  # the draft model's trees are 8 deep at most
+        assert len(tree) == 8
+        assert (tree.parents == list(range(-1, 7))) is chain_only
+    with pytest.raises(ConfigError, match="draft tree width must be at least 1"):
+        EdgeConfig(model_dir=Path("unused"), cloud_url="ws://unused", draft_tree_width=0)
 
 
 def test_draft_model_reuses_its_cache(make_checkpoint: Callable[..., Path]) -> None:

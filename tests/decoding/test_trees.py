@@ -17,7 +17,7 @@ from splitspec.decoding.drafters import Draft, DraftModel
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, speculative_decode
-from splitspec.decoding.trees import SiblingStats, dynamic_tree, gumbel_top_k, rank_values
+from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree, gumbel_top_k, rank_values
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.stack import FullModel, load_full
 from tests.conftest import joint_law_pvalue, law_fit_pvalue, local_greedy
@@ -37,20 +37,28 @@ NEXT = [
 
 
 class MarkovExpander:
-    """Logits log(q) by each node's last token; checks each call's tree extends the one before."""
+    """Logits log(q) by each node's last token; checks each call keeps the expander's contract."""
 
     def __init__(self, root: Sequence[float], table: Sequence[Sequence[float]]) -> None:
         self.root = torch.tensor(root).log()  # (V,)
         self.table = torch.tensor(table).log()  # (V, V)
-        self.calls: list[list[int]] = []
+        self.calls: list[list[int]] = []  # each call's tree tokens
+        self.expanded: list[list[int]] = []  # each call's nodes to expand
 
-    def __call__(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
+    def __call__(self, tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
         assert all(-1 <= p < i for i, p in enumerate(parents)), "parents must come first"
         if self.calls:
             previous = self.calls[-1]
             assert tokens[: len(previous)] == previous, "a call's tree must extend the previous one"
+        done = {-1, *(n for call in self.expanded for n in call)}
+        assert all(n == -1 or parents[n] in done for n in expanding), "a node expanded is an expanded node's child"
         self.calls.append(list(tokens))
-        return torch.cat([self.root[None], self.table[torch.tensor(tokens, dtype=torch.long)]])  # (1 + n, V)
+        self.expanded.append(list(expanding))
+        return torch.stack([self.root if n < 0 else self.table[tokens[n]] for n in expanding])  # (len(expanding), V)
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self.expanded.clear()
 
 
 def test_greedy_tree_is_eagle2() -> None:
@@ -63,7 +71,8 @@ def test_greedy_tree_is_eagle2() -> None:
     assert draft.parents == [-1, -1, 0, 1, 3]
     assert draft.probs is None
     assert len(expand.calls) == 3  # one call per depth
-    assert expand.calls[-1] == [0, 1, 2, 3, 4, 5]  # level 3 scored the frontier it expanded
+    assert expand.calls[-1] == [0, 1, 2, 3, 4, 5]
+    assert expand.expanded == [[-1], [0, 1], [2, 4]]  # each level asks for its frontier's rows alone
 
 
 def test_greedy_tree_stops_when_nothing_can_join() -> None:
@@ -101,7 +110,7 @@ def test_sampled_tree_draws_without_replacement() -> None:
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         draft = dynamic_tree(expand, 8, SamplingParams(temperature=1.0), gen, top_k=3, depth=4)
-        expand.calls.clear()
+        expand.clear()
         assert 0 < len(draft) <= 8
         assert draft.probs is not None
         assert draft.probs.shape == (len(draft), 6)
@@ -129,7 +138,7 @@ def test_sampled_tree_spends_the_budget_on_depth_first() -> None:
     assert len(draft) == 8
     assert max(depth) == 5  # values .6, .36, .22, .13, .078 down the chain, .12 and .072 for the side branches
     assert draft.parents.count(-1) == 2
-    expand.calls.clear()
+    expand.clear()
     wide = dynamic_tree(expand, 8, params, gen, top_k=4, depth=8, acceptance=(0.2, 0.6, 0.6, 0.6))
     assert wide.parents.count(-1) == 4  # siblings worth more than depth: the roots fill up first
     assert rank_values((0.5, 0.5), 3) == pytest.approx([math.log(0.5), math.log(0.25), math.log(0.125)])
@@ -221,7 +230,7 @@ def test_two_level_sampled_tree_keeps_the_joint_law() -> None:
     branched = 0
     for _ in range(n):
         draft = dynamic_tree(expand, 6, params, gen, top_k=2, depth=2)
-        expand.calls.clear()
+        expand.clear()
         assert draft.probs is not None
         branched += draft.parents.count(-1) > 1
         # the target's rows: p1 at the root, p2 below a root, uniform below depth 2
@@ -333,3 +342,40 @@ async def test_sampled_draft_model_trees_keep_the_model_law(
     assert branched > n // 2, "the second token must mostly come from a verified tree with several roots"
     assert all(joint[c] > 0 for c in counts), "sampled a token pair outside the law's support"
     assert joint_law_pvalue(counts, joint, n) > 1e-3
+
+
+def whole_tree_rerun(model: FullModel, context: Sequence[int]) -> TreeExpander:
+    """An expander that runs the context, then the whole tree so far, afresh on every call."""
+
+    def expand(tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
+        sequence = LocalSequence(model)
+        every = sequence.run(context)[-1:]  # (1, V): scores the roots
+        if tokens:
+            every = torch.cat([every, sequence.run(tokens, parents)])  # (1 + n, V): ancestors-only tree mask
+        return every[torch.tensor(expanding) + 1].float()
+
+    return expand
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_draft_model_runs_the_frontier_alone_and_drafts_the_whole_tree(
+    make_checkpoint: Callable[..., Path], family: str
+) -> None:
+    """The draft model runs only the nodes it expands (level by level over its cache), and drafts what a rerun
+    of the whole tree on every level drafts; mistral's window (8) is shorter than the context."""
+    model = full(make_checkpoint(family, layers=2, seed=99))
+    context = [*PROMPT, 11]
+    for params, seed in ((SamplingParams(), None), (SamplingParams(temperature=0.8), 3)):
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        drafter = DraftModel(model, params, gen, top_k=3, depth=4)
+        draft = drafter.propose(context, 12)
+        ref_gen = None if seed is None else torch.Generator().manual_seed(seed)
+        reference = dynamic_tree(whole_tree_rerun(model, context), 12, params, ref_gen, 3, 4)
+        assert len(draft) == 12
+        assert (draft.tokens, draft.parents) == (reference.tokens, reference.parents)
+        assert branches(draft)
+        assert drafter.sequence.tokens == context  # the tree's entries are gone
+        assert len(drafter.sequence.cache) == len(context)
+        if reference.probs is not None:
+            assert draft.probs is not None
+            torch.testing.assert_close(draft.probs, reference.probs, rtol=1e-4, atol=1e-5)

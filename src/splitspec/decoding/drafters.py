@@ -25,6 +25,7 @@ import torch
 
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.tree_run import TreeRun
 from splitspec.decoding.trees import Draft as Draft
 from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree
 from splitspec.models.masks import chain
@@ -221,16 +222,22 @@ class DraftModel:
             )  # (1, q, H), discarded: the cache is the point
             seq.tokens.extend(part)
 
-    def _expander(self, context_len: int, root: torch.Tensor, ran: list[list[int]]) -> TreeExpander:
-        """Scores a tree by running all its nodes after the context (``ran`` gets the parents last run)."""
+    def _expander(self, context_len: int, root: torch.Tensor) -> TreeExpander:
+        """Scores a tree by running, after the context, only the nodes asked for that have not run
+        (:class:`~splitspec.decoding.tree_run.TreeRun`)."""
+        run = TreeRun(context_len)
+        model, cache = self.sequence.model, self.sequence.cache
+        rows: dict[int, torch.Tensor] = {-1: root.float()}  # (V,) scoring the children of each node run
 
-        def expand(tokens: list[int], parents: list[int]) -> torch.Tensor:
-            if not tokens:
-                return root[None].float()  # (1, V)
-            self.sequence.truncate(context_len)
-            rows = self.sequence.run(tokens, parents)  # (n, V); the tree's own mask: ancestors only
-            ran[:] = [list(parents)]
-            return torch.cat([root[None], rows]).float()  # (1 + n, V)
+        def expand(tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
+            todo = run.pending(parents, expanding)
+            while todo:
+                wave = run.wave(parents, todo)
+                ids = torch.tensor([tokens[j] for j in wave.nodes], dtype=torch.long)
+                logits = model.forward_visible(ids, wave.positions, wave.visible, wave.key_positions, cache)  # (q, V)
+                rows.update(zip(wave.nodes, logits.float(), strict=True))
+                todo = [j for j in todo if j not in rows]
+            return torch.stack([rows[j] for j in expanding])  # (len(expanding), V)
 
         return expand
 
@@ -242,20 +249,14 @@ class DraftModel:
             if len(context) > len(before) and list(context[: len(before)]) == before:
                 self.siblings.observe(last, context[len(before) :])
         root = self._sync(context)  # (V,)
-        ran: list[list[int]] = []
         depth = budget if self.depth is None else self.depth
-        expand = self._expander(len(context), root, ran)
+        expand = self._expander(len(context), root)
         rates = self.siblings.rates()
-        draft = dynamic_tree(expand, budget, self.params, self.generator, self.top_k, depth, rates)
+        try:
+            draft = dynamic_tree(expand, budget, self.params, self.generator, self.top_k, depth, rates)
+        finally:
+            self.sequence.truncate(len(context))  # the tree's entries go: the next draft runs what was accepted
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
-        if ran:  # keep the first branch of the last tree run: a chain, valid for the next context
-            parents = ran[0]
-            branch: list[int] = []
-            node = -1
-            while (child := next((i for i, p in enumerate(parents) if p == node), None)) is not None:
-                branch.append(child)
-                node = child
-            self.sequence.keep(branch)
         return draft
 
 

@@ -15,9 +15,9 @@ scores the draft's roots. A draft node y with predicted parent feature ĥ is exp
 The tree is EAGLE-2's dynamic tree (:func:`~splitspec.decoding.trees.dynamic_tree`): the most
 probable frontier nodes are expanded level by level and the best ``budget`` nodes kept; under
 sampling, children are draws from the head's q without replacement, which the verifier's
-multi-draft rejection sampling keeps lossless. Each level re-runs the head over the whole tree so
-far (its nodes' inputs are known from the level before): a one-layer head over a few dozen query
-tokens, in one forward per level.
+multi-draft rejection sampling keeps lossless. Each level runs the head over the nodes the builder
+expands alone (:mod:`~splitspec.decoding.tree_run`: their inputs, the parents' predicted features,
+are known from the level before), in one forward and one LM head per level.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.tree_run import TreeRun
 from splitspec.decoding.trees import Draft, SiblingStats, dynamic_tree
 from splitspec.exceptions import ConfigError
 from splitspec.models.draft_head import DraftHead
@@ -128,7 +129,7 @@ class EagleDrafter:
         ends = self.ends
         with torch.inference_mode():
             root_logits = self.head.logits(ends, root[None])  # (1, V)
-        expand = _TreeRun(self.head, ends, self.cache, committed, root, root_logits)
+        expand = _HeadExpander(self.head, ends, self.cache, committed, root, root_logits)
         try:
             draft = dynamic_tree(
                 expand, budget, self.params, self.generator, self.top_k, self.depth, self.siblings.rates()
@@ -139,13 +140,13 @@ class EagleDrafter:
         return draft
 
 
-class _TreeRun:
-    """The head's expander for one draft: each call runs only the nodes the tree gained since the last one.
+class _HeadExpander:
+    """The head's expander for one draft: each call runs only the nodes asked for that have not run.
 
     Node j's query reads (its token, its parent's predicted feature; the root's for a root) at position
-    committed + depth(j); the cache keeps every node run so far after the committed pairs, and node j
-    sees the committed pairs, its ancestors among them and itself (a sliding window also hides keys
-    that far back). The head's cache is truncated back to the committed pairs by the drafter.
+    committed + depth(j), and sees the committed pairs, its ancestors and itself
+    (:class:`~splitspec.decoding.tree_run.TreeRun`). The drafter truncates the head's cache back to
+    the committed pairs.
     """
 
     def __init__(
@@ -157,42 +158,24 @@ class _TreeRun:
         root: torch.Tensor,
         root_logits: torch.Tensor,
     ) -> None:
-        self.head, self.ends, self.cache, self.committed = head, ends, cache, committed
+        self.head, self.ends, self.cache = head, ends, cache
+        self.run = TreeRun(committed)
         self.root = root  # (H,): the last committed pair's predicted feature, the roots' parent
-        self.rows = [root_logits]  # (1, V), then (n_i, V) per call: row 1 + j scores node j's children
-        self.predicted: list[torch.Tensor] = []  # ĥ (H,) of every node run, by node index
-        self.ancestors: list[list[int]] = []  # each node's ancestors, root first
-        self.positions: list[int] = []  # each node's position
-        self.window = head.stack.windows[0]
+        self.root_logits = root_logits  # (1, V): scores the roots
+        self.predicted: dict[int, torch.Tensor] = {}  # ĥ (H,) of every node run
+        self.logits: dict[int, torch.Tensor] = {}  # (V,) scoring the children of every node run
 
     @torch.inference_mode()
-    def __call__(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        while len(self.predicted) < len(tokens):
-            done = len(self.predicted)
-            # the nodes whose parent has run: a level of the tree (one wave, unless a call adds two levels)
-            wave = [j for j in range(done, len(tokens)) if parents[j] < done]
-            wave = wave[: next((i for i, j in enumerate(wave) if j != done + i), len(wave))]
-            self._run(tokens, parents, wave)
-        return torch.cat(self.rows, dim=0)  # (1 + n, V)
-
-    def _run(self, tokens: list[int], parents: list[int], wave: list[int]) -> None:
-        for j in wave:
-            p = parents[j]
-            self.ancestors.append([] if p < 0 else [*self.ancestors[p], p])
-            self.positions.append(self.committed + len(self.ancestors[j]))
-        past = self.committed + wave[0]  # cache entries: committed pairs, then every node run so far
-        q = len(wave)
-        visible = torch.zeros(q, past + q, dtype=torch.bool)
-        visible[:, : self.committed] = True
-        for i, j in enumerate(wave):
-            visible[i, [self.committed + a for a in self.ancestors[j]]] = True
-            visible[i, past + i] = True
-        positions = torch.tensor([self.positions[j] for j in wave], dtype=torch.int32)
-        if self.window is not None:  # keys at positions <= p - window are out of sight
-            keys = torch.tensor([*range(self.committed), *self.positions[: wave[0]], *positions.tolist()])
-            visible &= keys[None, :] > positions[:, None] - self.window
-        inputs = torch.stack([self.root if parents[j] < 0 else self.predicted[parents[j]] for j in wave])
-        ids = torch.tensor([tokens[j] for j in wave], dtype=torch.long)
-        out = self.head.forward_visible(self.ends, ids, inputs, positions, visible, self.cache)  # (q, H)
-        self.predicted.extend(out)
-        self.rows.append(self.head.logits(self.ends, out))  # (q, V)
+    def __call__(self, tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
+        todo = self.run.pending(parents, expanding)
+        while todo:  # one wave per level: a node's input is its parent's prediction
+            wave = self.run.wave(parents, todo)
+            inputs = torch.stack([self.root if parents[j] < 0 else self.predicted[parents[j]] for j in wave.nodes])
+            ids = torch.tensor([tokens[j] for j in wave.nodes], dtype=torch.long)
+            out = self.head.forward_visible(
+                self.ends, ids, inputs, wave.positions, wave.visible, wave.key_positions, self.cache
+            )  # (q, H)
+            for j, predicted, row in zip(wave.nodes, out, self.head.logits(self.ends, out), strict=True):
+                self.predicted[j], self.logits[j] = predicted, row
+            todo = [j for j in todo if j not in self.predicted]
+        return torch.stack([self.root_logits[0] if j < 0 else self.logits[j] for j in expanding])  # (len(expanding), V)

@@ -64,6 +64,7 @@ def make_drafters(
     draft_head: DraftHead | None = None,
     ends: Callable[[], ModelEnds] | None = None,
     features: KeepsFeatures | None = None,
+    tree_width: int = 4,
 ) -> dict[str, Drafter]:
     """The drafters a ``--speculate`` mode uses (``auto``: every one available).
 
@@ -71,6 +72,7 @@ def make_drafters(
     random draws from q in every run, or speculative sampling is no longer lossless. A draft head
     (``eagle``) drafts from the target's ``ends`` (embedding, final norm, LM head) and the
     verifier's ``features`` (see :mod:`splitspec.decoding.eagle`); without features it offers nothing.
+    ``tree_width``: children per expanded node of the draft model's and the head's trees (1: a chain).
     """
     if mode not in SPECULATE_MODES:
         raise ConfigError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
@@ -82,7 +84,7 @@ def make_drafters(
     if mode in ("eagle", "auto") and draft_head is not None and ends is not None:
         seed = _seed(generator)
         head_generator = None if seed is None or params.greedy else device_generator(ends().device, seed)
-        drafters["eagle"] = EagleDrafter(draft_head, ends, features, params, head_generator)
+        drafters["eagle"] = EagleDrafter(draft_head, ends, features, params, head_generator, top_k=tree_width)
     if mode in ("ngram", "auto"):
         drafters["ngram"] = NgramPool()
     if mode in ("prompt-lookup", "auto"):
@@ -90,7 +92,7 @@ def make_drafters(
     if mode in ("draft", "auto") and draft_model is not None:
         seed = _seed(generator)
         drafters["draft"] = DraftModel(
-            draft_model, params, None if seed is None else device_generator(draft_model.device, seed)
+            draft_model, params, None if seed is None else device_generator(draft_model.device, seed), tree_width
         )
     if mode in ("mix", "auto"):
         # deterministic sources only: the draft model proposes its greedy tree here
@@ -98,6 +100,8 @@ def make_drafters(
         if draft_model is not None:
             # a greedy "draft" drafter is this one already: share it (one cache to fill, not two)
             shared = drafters.get("draft") if params.greedy else None
-            sources.append(shared if shared is not None else DraftModel(draft_model, SamplingParams()))
+            sources.append(
+                shared if shared is not None else DraftModel(draft_model, SamplingParams(), top_k=tree_width)
+            )
         drafters["mix"] = MixedDrafter(sources)
     return drafters

@@ -57,13 +57,14 @@ class Draft:
 class TreeExpander(Protocol):
     """Scores a draft tree: the drafter's side of :func:`dynamic_tree`."""
 
-    def __call__(self, tokens: list[int], parents: list[int]) -> torch.Tensor:
-        """logits (1 + n, V) float32 for a draft tree of n nodes (``parents[i] < i``, -1 = root).
+    def __call__(self, tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
+        """logits (len(expanding), V) float32: row i scores the children of node ``expanding[i]`` (-1: the
+        roots, the token after the context) of a draft tree of n nodes (``parents[i] < i``, -1 = root).
 
-        Row 0 scores the roots (the token after the context), row i + 1 scores the children of
-        node i. Each call's tree extends the previous call's (same nodes first, new ones after), so
-        an expander may recompute the whole tree every call (simplest) or cache; the builder only
-        reads the rows of the nodes it is expanding.
+        Each call's tree extends the previous call's (same nodes first, new ones after), and every
+        node expanded is a child of the context or of a node an earlier call expanded. So an
+        expander need run only the nodes it is asked to expand (EAGLE-2 runs the frontier alone);
+        the rest of the tree is never scored.
         """
         ...
 
@@ -141,10 +142,10 @@ def dynamic_tree(
     return _sampled_tree(expand, budget, params, generator, top_k, depth, acceptance)
 
 
-def _rows(expand: TreeExpander, tokens: list[int], parents: list[int]) -> torch.Tensor:
-    logits = expand(list(tokens), list(parents))  # (1 + n, V)
-    if logits.dim() != 2 or logits.shape[0] != len(tokens) + 1:
-        raise ValueError(f"the expander returned logits of shape {tuple(logits.shape)} for {len(tokens)} nodes")
+def _rows(expand: TreeExpander, tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
+    logits = expand(list(tokens), list(parents), list(expanding))  # (len(expanding), V)
+    if logits.dim() != 2 or logits.shape[0] != len(expanding):
+        raise ValueError(f"the expander returned logits of shape {tuple(logits.shape)} for {len(expanding)} nodes")
     return logits
 
 
@@ -159,10 +160,10 @@ def _greedy_tree(expand: TreeExpander, budget: int, top_k: int, depth: int) -> D
     scores: list[float] = []  # cumulative log-probability of each node's path
     frontier = [-1]  # nodes whose children this level adds (-1: the context)
     for level in range(depth):
-        logits = _rows(expand, tokens, parents)
+        logits = _rows(expand, tokens, parents, frontier)
         added: list[int] = []
-        for node in frontier:
-            logp = torch.log_softmax(logits[node + 1].float(), dim=-1)  # (V,)
+        for node, row in zip(frontier, logits, strict=True):
+            logp = torch.log_softmax(row.float(), dim=-1)  # (V,)
             values, ids = logp.topk(min(top_k, logp.shape[0]))
             base = 0.0 if node < 0 else scores[node]
             for value, token in zip(values.tolist(), ids.tolist(), strict=True):
@@ -270,8 +271,7 @@ def _sampled_tree(
         room = budget - len(tokens)
         if room <= 0 or not frontier:
             break
-        logits = _rows(expand, tokens, parents)
-        qs = [params.probabilities(logits[node + 1]) for node in frontier]  # each (V,)
+        qs = [params.probabilities(row) for row in _rows(expand, tokens, parents, frontier)]  # each (V,)
         base = [0.0 if node < 0 else reach[node] for node in frontier]
         # decided before any child is drawn: from the frontier's own standing and rows only
         counts = _allocate(base, [int((q > 0).sum()) for q in qs], ranks, room, depth - level - 1)

@@ -345,8 +345,9 @@ class SplitClient:
         draft_params = SamplingParams() if processors else params
         runtime = self.runtime
         drafters = make_drafters(
-            speculate, draft_params, self.draft_model, generator, runtime.draft_head, runtime.ends, self.sequence
-        )
+            speculate, draft_params, self.draft_model, generator, runtime.draft_head, runtime.ends, self.sequence,
+            self.config.draft_tree_width,
+        )  # fmt: skip
         if "eagle" in drafters and fresh and runtime.draft_head is not None:
             self.sequence.reset()  # a new sequence keeps its tokens' features from the prefill on
             self.sequence.keep_features(runtime.draft_head.config.feature_layers)

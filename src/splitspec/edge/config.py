@@ -34,6 +34,7 @@ class EdgeConfig:
     # refuse a draft head pinned to another model (off: warn instead; a published EAGLE-layout head carries no pin,
     # so it needs off, and is then checked against this model's shapes)
     draft_head_target_check: bool = True
+    draft_tree_width: int = 4  # children per expanded node of the draft model's and the head's trees; 1 = a chain
     allow_stock_edge_weights: bool = False  # run the published edge weights anyway (warned every session)
     published_model_dir: Path | None = None  # published checkpoint to compare the edge weights with
     # torch.compile mode of the edge's fixed-shape decode steps (head and tail) over static KV buffers: auto,
@@ -57,3 +58,5 @@ class EdgeConfig:
             raise ConfigError(f"prepack must be auto, on or off, got {self.prepack!r}")
         if not self.batch_gather >= 0:
             raise ConfigError(f"the batch gathering window must be >= 0, got {self.batch_gather}")
+        if self.draft_tree_width < 1:
+            raise ConfigError(f"the draft tree width must be at least 1 (1: a chain), got {self.draft_tree_width}")

@@ -227,25 +227,14 @@ class DraftHead(nn.Module):
         features: torch.Tensor,
         positions: torch.Tensor,
         visible: torch.Tensor,
+        key_positions: torch.Tensor,
         cache: KVCache,
     ) -> torch.Tensor:
-        """As :meth:`forward`, but query i sees exactly the keys ``visible[i]`` marks (q, len(cache) + q) bool:
-        a draft tree grown level by level keeps its earlier levels in the cache, where a node must see its
-        own ancestors only. The caller applies any sliding window to ``visible``. -> ĥ (q, H)"""
+        """As :meth:`forward`, but query i sees exactly the keys ``visible[i]`` marks (q, len(cache) + q) bool,
+        less those the layer's sliding window hides (keys at ``key_positions``): a draft tree grown level by level
+        keeps its earlier levels in the cache, where a node must see its own ancestors only. -> ĥ (q, H)"""
         hidden = self.inputs(ends, token_ids[None], features[None])  # (1, q, H)
-        stack = self.stack
-        pos = positions.to(hidden.device, torch.long)[None]  # (1, q)
-        rope = stack.position_embeddings(hidden, pos)
-        floor = torch.finfo(hidden.dtype).min
-        mask = torch.zeros(visible.shape, dtype=hidden.dtype, device=hidden.device)
-        mask = mask.masked_fill_(~visible.to(hidden.device), floor)[None, None]  # (1, 1, q, past + q)
-        try:
-            out = stack.run_layer(0, hidden, pos, rope, {w: mask for w in set(stack.windows)}, cache)
-        except BaseException:
-            cache.rollback()
-            raise
-        cache.commit()
-        return out[0]
+        return self.stack.forward_visible(hidden, positions, visible, key_positions, cache)[0]
 
     def run_chunks(self, ends: ModelEnds, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Training: B chains from position 0, token_ids (B, q), features (B, q, F*H) -> ĥ (B, q, H), no cache."""

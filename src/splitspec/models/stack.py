@@ -190,6 +190,44 @@ class LayerStack(nn.Module):
         cache.commit()
         return hidden
 
+    @torch.inference_mode()
+    def forward_visible(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        key_positions: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """hidden (1, q, H) at ``positions`` (q,) -> hidden (1, q, H), where query i sees exactly the keys
+        ``visible[i]`` marks (q, len(cache) + q) bool, less those a layer's sliding window hides (keys at
+        ``key_positions`` (len(cache) + q,) <= position - window): a draft tree grown level by level keeps its
+        earlier levels in the cache, and a node sees its own ancestors only. Appends q entries to the cache."""
+        if not len(self.layers):
+            return hidden
+        floor = torch.finfo(hidden.dtype).min
+        inputs: dict[torch.device, tuple[torch.Tensor, dict[str, PositionEmbeddings], dict[Any, torch.Tensor]]] = {}
+        try:
+            for j in range(len(self.layers)):
+                hidden = hidden.to(self.devices[j], non_blocking=True)  # moves only at a device boundary
+                device = hidden.device
+                if device not in inputs:
+                    pos = positions.to(device, torch.long)[None]  # (1, q)
+                    seen, keys = visible.to(device), key_positions.to(device, torch.long)
+                    masks: dict[Any, torch.Tensor] = {}
+                    for w in set(self.windows):
+                        window = seen if w is None else seen & (keys[None, :] > pos[0, :, None] - w)
+                        additive = torch.zeros(window.shape, dtype=hidden.dtype, device=device)
+                        masks[w] = additive.masked_fill_(~window, floor)[None, None]  # (1, 1, q, past + q)
+                    inputs[device] = (pos, self.position_embeddings(hidden, pos), masks)
+                pos, rope, masks = inputs[device]
+                hidden = self.run_layer(j, hidden, pos, rope, masks, cache)
+        except BaseException:
+            cache.rollback()
+            raise
+        cache.commit()
+        return hidden
+
 
 class ModelEnds(nn.Module):
     """Embedding, final norm and LM head, with the family's scaling and soft-capping."""
@@ -269,6 +307,20 @@ class FullModel(ModelEnds):
     ) -> torch.Tensor:
         """token_ids (q,) -> logits (q, V) float32; appends q entries to ``cache``."""
         hidden = self.layers(self.embed(token_ids[None]), positions, parents, cache)
+        return self.logits(hidden)[0]
+
+    @torch.inference_mode()
+    def forward_visible(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        visible: torch.Tensor,
+        key_positions: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor:
+        """token_ids (q,) -> logits (q, V) float32, query i seeing the keys ``visible`` marks (see
+        :meth:`LayerStack.forward_visible`); appends q entries to ``cache``."""
+        hidden = self.layers.forward_visible(self.embed(token_ids[None]), positions, visible, key_positions, cache)
         return self.logits(hidden)[0]
 
 
