@@ -106,6 +106,9 @@ async def one(
         # the steps each drafter made (auto: which it chose), and its drafting time per step, ms
         "drafted_by": dict(Counter(s.drafter or "none" for s in trace)),
         "draft_ms_per_step": 1e3 * sum(s.draft_s for s in trace) / max(1, len(trace)),
+        # the drafted steps' tree sizes (the controller's budgets) and accepted tokens, means
+        "draft_tokens_mean": statistics.fmean([s.draft_tokens for s in trace if s.drafter] or [0]),
+        "accepted_mean": statistics.fmean([s.accepted for s in trace if s.drafter] or [0]),
     }
 
 

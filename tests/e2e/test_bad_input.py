@@ -96,6 +96,8 @@ async def test_each_bad_input_gets_its_typed_error_while_another_session_complet
                 ("bad_tensor", with_descriptor(good_frame, shape=[1, 1, H + 1])),
                 ("bad_tensor", step_frame(sid, hidden=torch.zeros(1, 1, H + 8))),  # wrong hidden size
                 ("bad_tensor", step_frame(sid, hidden=torch.zeros(1, 1, H, dtype=torch.float16))),
+                ("malformed_frame", step_frame(sid, return_layer=2)),  # the edge's own head output, not the trunk's
+                ("malformed_frame", step_frame(sid, return_layer=4)),  # the trunk's output: returned anyway
                 ("position_out_of_range", step_frame(sid, positions=[5])),  # the session holds 0 tokens
                 ("position_out_of_range", step_frame(sid, positions=[4095 + 1])),
                 ("unknown_session", step_frame("0123456789abcdef")),

@@ -48,10 +48,10 @@ def _corpus(directory: Path) -> Path:
     return path
 
 
-async def _train(target: Path, out: Path, steps: int = 60) -> Path:
+async def _train(target: Path, out: Path, steps: int = 60, feature_layers: tuple[int, ...] | None = None) -> Path:
     config = TrainConfig(
         model=target, corpus=(_corpus(out.parent),), out=out, steps=steps, seq_len=32, batch=4, progress=False,
-        device="cpu",
+        device="cpu", feature_layers=feature_layers,
     )  # fmt: skip
     await train(config, local_source(config))
     return out
@@ -62,12 +62,19 @@ def _prompt(target: Path) -> list[int]:
     return ids[:12]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("family", "feature_layers"),
+    [
+        ("llama", None),  # the tail's output (the default: the last layer)
+        ("qwen2", None),
+        ("llama", (3,)),  # the middle of the model: the trunk returns the state after layer 3 with every step
+    ],
+)
 async def test_greedy_split_output_with_the_head_equals_one_token_greedy(
-    make_checkpoint: Callable[..., Path], tmp_path: Path, family: str
+    make_checkpoint: Callable[..., Path], tmp_path: Path, family: str, feature_layers: tuple[int, ...] | None
 ) -> None:
     target = make_checkpoint(family, layers=LAYERS, logit_scale=4.0)
-    head = await _train(target, tmp_path / "head")
+    head = await _train(target, tmp_path / "head", feature_layers=feature_layers)
     prompt = _prompt(target)
     async with TrunkServer(CloudConfig(model_dir=target, port=0)) as server:
         config = EdgeConfig(
@@ -76,12 +83,29 @@ async def test_greedy_split_output_with_the_head_equals_one_token_greedy(
         async with SplitClient(config) as client:
             result = await client.generate(prompt, 40, SamplingParams(), speculate="eagle")
             auto = await client.generate(prompt, 40, SamplingParams(), speculate="auto")
+            # the head drafts from the split edge's features what it drafts from the whole model's
+            committed = list(client.sequence.tokens)
+            runtime = client.runtime
+            assert runtime.draft_head is not None
+            split_draft = EagleDrafter(runtime.draft_head, runtime.ends, client.sequence, SamplingParams())
+            drafted_here = split_draft.propose([*committed, prompt[0]], 12)
+    full = load_full(Checkpoint(target), torch.float32)
+    local = LocalSequence(full)
+    local.keep_features(runtime.draft_head.config.feature_layers)
+    local.run(committed)
+    local_draft = EagleDrafter(load_draft_head(head, Checkpoint(target)), lambda: full, local, SamplingParams())
+    drafted_locally = local_draft.propose([*committed, prompt[0]], 12)
+    assert len(drafted_here) == 12
+    assert (drafted_here.tokens, drafted_here.parents) == (drafted_locally.tokens, drafted_locally.parents)
     assert result.token_ids == local_greedy(target, prompt, 40)
     assert auto.token_ids == result.token_ids
     drafted = [s for s in result.spec_steps if s.drafter == "eagle"]
     assert drafted, "the head never drafted"
-    assert sum(s.accepted for s in drafted) >= 10, "the trained head's drafts were hardly ever accepted"
-    assert len(result.steps) < 40, "speculation saved no round trip"
+    asked = [s.feature_bytes_down for s in result.steps]
+    assert all(asked) if feature_layers else not any(asked)  # the trunk's state is asked for only when read
+    if feature_layers is None:  # a tiny random model's next token comes from its last layers, not its middle
+        assert sum(s.accepted for s in drafted) >= 10, "the trained head's drafts were hardly ever accepted"
+        assert len(result.steps) < 40, "speculation saved no round trip"
 
 
 async def test_a_head_for_another_model_is_refused(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
@@ -119,8 +143,10 @@ async def test_a_stripped_edge_trains_a_head_through_the_split(
         source = LocalFeatures(full, (LAYERS,))
         async with SplitClient(config) as client:
             through = await SplitFeatures(client, (LAYERS,)).features(window)
+            middle = await SplitFeatures(client, (3,)).features(window)  # a state inside the trunk, asked for
         here = await source.features(window)
-    for a, b in zip(through, here, strict=True):
+        middle_here = await LocalFeatures(full, (3,)).features(window)
+    for a, b in [*zip(through, here, strict=True), *zip(middle, middle_here, strict=True)]:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     prompt = _prompt(target)
     prompts = [prompt[:6], prompt[4:12]]

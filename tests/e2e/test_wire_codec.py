@@ -246,3 +246,21 @@ def test_the_edge_checks_the_replys_codec_and_casts_it_to_its_dtype() -> None:
     raw = dataclasses.replace(step, codec="raw")
     with pytest.raises(BadTensor, match="does not match the step"):  # the raw wire carries the agreed dtype
         checked_reply(reply_to(raw, hidden=hidden.to(torch.bfloat16)), raw, torch.float32)
+
+
+def test_the_edge_checks_the_trunk_state_it_asked_for() -> None:
+    """A step asking for the state after a trunk layer needs it in the reply, and one that did not ask must not
+    get one; it is cast to the edge's dtype with the hidden state."""
+    hidden = torch.randn(1, 2, 32)
+    plain = Step("s", 3, hidden, torch.arange(2, dtype=torch.int32), torch.tensor([-1, 0], dtype=torch.int32))
+    asking = dataclasses.replace(plain, return_layer=3)
+    with pytest.raises(BadTensor, match="asked for the state after layer 3, and the reply disagrees"):
+        checked_reply(reply_to(asking), asking, torch.float32)
+    with pytest.raises(BadTensor, match="did not ask for"):
+        checked_reply(reply_to(plain, feature=hidden), plain, torch.float32)
+    with pytest.raises(BadTensor, match=r"reply feature torch\.bfloat16 does not match"):  # raw: the agreed dtype
+        checked_reply(reply_to(asking, feature=hidden.to(torch.bfloat16)), asking, torch.float32)
+    answered = checked_reply(reply_to(asking, feature=2 * hidden), asking, torch.bfloat16)
+    assert answered.feature is not None
+    assert answered.feature.dtype == answered.hidden.dtype == torch.bfloat16
+    torch.testing.assert_close(answered.feature.float(), 2 * hidden, rtol=1e-2, atol=1e-2)

@@ -7,6 +7,7 @@ kept, they must be the local whole model's hidden states at those layers (float3
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from splitspec.decoding.local import LocalSequence
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
-from splitspec.models.features import FeatureLog, edge_feature_sources, full_model_step
+from splitspec.models.features import FeatureLog, edge_feature_sources, full_model_step, trunk_feature_layer
 from splitspec.models.stack import load_full
 
 LAYERS = 6  # the tiny model's decoder layers; the edge keeps 2 + 2 (head ends at 2, trunk at 4)
@@ -55,16 +56,30 @@ def test_feature_log_mirrors_token_edits() -> None:
 
 def test_edge_feature_sources_name_what_the_edge_holds() -> None:
     assert edge_feature_sources([2, 4, 6], 6, 2, 2) == ("head", "trunk", "tail")
-    with pytest.raises(ConfigError, match="only the trunk computes"):
-        edge_feature_sources([3], 6, 2, 2)
+    assert edge_feature_sources([3, 6], 6, 2, 2) == ("middle", "tail")  # inside the trunk: asked of it per step
+    assert trunk_feature_layer([3, 6], 6, 2, 2) == 3
+    assert trunk_feature_layer([2, 6], 6, 2, 2) is None
+    with pytest.raises(ConfigError, match="inside this edge's own layers"):
+        edge_feature_sources([1], 6, 2, 2)
+    with pytest.raises(ConfigError, match="several trunk layers"):
+        edge_feature_sources([3, 5], 8, 2, 2)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-async def test_split_features_equal_the_whole_models(make_checkpoint: Callable[..., Path], family: str) -> None:
+@pytest.mark.parametrize(
+    ("family", "layers", "batching"),
+    [
+        ("llama", (2, 4, 6), True),
+        ("qwen2", (2, 4, 6), True),
+        ("llama", (3,), True),  # a state inside the trunk, returned beside its output (EAGLE-3's middle layer)
+        ("qwen2", (6, 3), False),  # ... by a trunk computing each step alone
+    ],
+)
+async def test_split_features_equal_the_whole_models(
+    make_checkpoint: Callable[..., Path], family: str, layers: tuple[int, ...], batching: bool
+) -> None:
     model = make_checkpoint(family, layers=LAYERS)
-    layers = (2, 4, 6)
     prompt = [5, 9, 14, 3, 77, 21, 8, 40, 12]
-    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, batching=batching)) as server:
         config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, edge_layers=(2, 2))
         async with SplitClient(config) as client:
             log = client.sequence.keep_features(layers)
@@ -76,10 +91,31 @@ async def test_split_features_equal_the_whole_models(make_checkpoint: Callable[.
             await client.forward([34])
             committed = list(client.sequence.tokens)
             split = log.rows()
+            fed = [s.feature_bytes_down for s in client.steps]
     assert committed == [*prompt, 30, 33, 34]
     expected = _whole_model_features(model, committed, layers)
-    assert split.shape == expected.shape == (len(committed), 3 * 64)
+    assert split.shape == expected.shape == (len(committed), len(layers) * 64)
+    asked = 4 if 3 in layers else 0  # bytes per value of a float32 state inside the trunk, when asked
+    assert fed == [asked * 64 * q for q in (len(prompt), 4, 1)]  # counted per step
     torch.testing.assert_close(split, expected, rtol=1e-4, atol=1e-4)
+
+
+async def test_a_prefill_cut_into_chunks_returns_the_whole_trunk_state(make_checkpoint: Callable[..., Path]) -> None:
+    """A batching trunk runs a long prefill in chunks of 32; the returned state inside the trunk is joined as its
+    output is."""
+    model = make_checkpoint("llama", layers=LAYERS)
+    prompt = random.Random(0).choices(range(3, 90), k=100)
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, prefill_chunk_tokens=32)) as server:
+        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, edge_layers=(2, 2))
+        async with SplitClient(config) as client:
+            log = client.sequence.keep_features((3,))
+            assert log is not None
+            await client.forward(prompt, logits_from=len(prompt) - 1)
+            split = log.rows()
+        forwards = server.metrics.registry.get_sample_value("splitspec_trunk_batch_size_count")
+    assert forwards is not None
+    assert forwards >= 4  # 100 tokens in chunks of 32
+    torch.testing.assert_close(split, _whole_model_features(model, prompt, (3,)), rtol=1e-4, atol=1e-4)
 
 
 def test_local_sequence_keeps_the_same_features(make_checkpoint: Callable[..., Path]) -> None:

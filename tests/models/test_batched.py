@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,6 +53,25 @@ def test_each_row_equals_its_step_alone(make_checkpoint: Callable[..., Path], fa
     (alone,) = forward_batch(trunk, [BatchRow(hidden, at, torch.tensor([-1], dtype=torch.int32), batched)])
     torch.testing.assert_close(alone, trunk(hidden, at, torch.tensor([-1], dtype=torch.int32), solo))
     assert len(batched) == len(solo)
+
+
+def test_a_row_with_a_capture_layer_also_gets_that_layers_output(make_checkpoint: Callable[..., Path]) -> None:
+    """capture: the row's output is (1, q, 2H), the stack's output then that layer's, batched or alone."""
+    ckpt = Checkpoint(make_checkpoint("llama", layers=8))
+    trunk = load_trunk(ckpt, SplitPlan(8, 2, 2), torch.float32)  # local layers 0 .. 3
+    torch.manual_seed(1)
+    hiddens = [torch.randn(1, 3, 64), torch.randn(1, 5, 64)]
+    rows = []
+    for hidden, capture in zip(hiddens, (1, None), strict=True):
+        q = hidden.shape[1]
+        positions, parents = torch.arange(q, dtype=torch.int32), torch.arange(-1, q - 1, dtype=torch.int32)
+        rows.append(BatchRow(hidden, positions, parents, KVCache(), capture=capture))
+    expected = [trunk.run(row.hidden, row.positions, row.parents, None) for row in rows]  # 4 x (1, q, H) each
+    captured, plain = forward_batch(trunk, rows)
+    torch.testing.assert_close(captured, torch.cat([expected[0][-1], expected[0][1]], -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain, expected[1][-1], rtol=1e-5, atol=1e-5)
+    (alone,) = forward_batch(trunk, [dataclasses.replace(rows[0], cache=KVCache())])  # the per-session path
+    torch.testing.assert_close(alone, captured, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_keys_are_zero_whatever_the_allocator_held() -> None:

@@ -90,6 +90,25 @@ def test_round_trip_step_with_cache_command() -> None:
     assert back.cloud_ms == 1.25
 
 
+@pytest.mark.parametrize("codec", ["raw", "bf16", "int8"])
+def test_round_trip_a_step_asking_for_a_trunk_state_and_its_reply(codec: str) -> None:
+    asking = decode_message(encode_message(step(codec=codec, return_layer=3)))
+    assert isinstance(asking, Step)
+    assert asking.return_layer == 3
+    assert decode_message(encode_message(step())).return_layer is None  # type: ignore[union-attr]
+    hidden, feature = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    reply = decode_message(encode_message(StepResult("s1", 4, hidden, 1.0, codec, feature)))
+    assert isinstance(reply, StepResult)
+    assert reply.feature is not None
+    exact = codec == "raw"  # the others are lossy, within their codec's error
+    torch.testing.assert_close(reply.feature.float(), feature, rtol=0 if exact else 0.05, atol=0 if exact else 0.05)
+    torch.testing.assert_close(reply.hidden.float(), hidden, rtol=0 if exact else 0.05, atol=0 if exact else 0.05)
+    assert not torch.equal(reply.hidden, reply.feature)  # not the same tensors twice
+    plain = decode_message(encode_message(StepResult("s1", 4, hidden, 1.0, codec)))
+    assert isinstance(plain, StepResult)
+    assert plain.feature is None
+
+
 def test_step_size_does_not_grow_with_context() -> None:
     near = encode_message(step(4, positions=torch.arange(100, 104, dtype=torch.int32)))
     far = encode_message(step(4, positions=torch.arange(10_000, 10_004, dtype=torch.int32)))
@@ -143,6 +162,32 @@ def raw(header: dict[str, object], tensors: dict[str, torch.Tensor] | None = Non
         ),
         (
             raw({"type": "step_result", "session_id": "s", "seq": 1, "cloud_ms": 1.0}, {"hidden": torch.zeros(1, 8)}),
+            BadTensor,
+        ),
+        (encode_message(step(return_layer=0)), MalformedFrame),  # the state after no layer is the edge's input
+        (
+            raw(
+                {"type": "step", "session_id": "s", "seq": 1, "return_layer": True},
+                {
+                    "hidden": torch.zeros(1, 1, 8),
+                    "positions": torch.zeros(1, dtype=torch.int32),
+                    "parents": torch.tensor([-1], dtype=torch.int32),
+                },
+            ),
+            MalformedFrame,
+        ),
+        (  # a feature shaped unlike the hidden state
+            raw(
+                {"type": "step_result", "session_id": "s", "seq": 1, "cloud_ms": 1.0},
+                {"hidden": torch.zeros(1, 2, 8), "feature.hidden": torch.zeros(1, 3, 8)},
+            ),
+            BadTensor,
+        ),
+        (  # a feature's tensors without its hidden state
+            raw(
+                {"type": "step_result", "session_id": "s", "seq": 1, "cloud_ms": 1.0},
+                {"hidden": torch.zeros(1, 2, 8), "feature.scale": torch.zeros(1, 2, 1)},
+            ),
             BadTensor,
         ),
     ],

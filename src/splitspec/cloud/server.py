@@ -29,6 +29,7 @@ from splitspec.devices import HostStaging, parse_devices, resolve_device
 from splitspec.exceptions import (
     BadTensor,
     ConfigError,
+    MalformedFrame,
     PositionOutOfRange,
     UnexpectedMessage,
 )
@@ -256,8 +257,8 @@ class TrunkServer:
         """
         t0 = time.perf_counter()
         hidden = self._into_trunk.to_device(step.hidden)  # (1, q, H)
-        out = self.trunk(hidden, step.positions, step.parents, cache)
-        host = self._out_of_trunk.to_host(out)  # (1, q, H)
+        out = self.trunk(hidden, step.positions, step.parents, cache, self._capture(step))
+        host = self._out_of_trunk.to_host(out)  # (1, q, H), or (1, q, 2H) with the step's return layer
         return host, (time.perf_counter() - t0) * 1e3, t0
 
     async def _compute_alone(self, step: Step, cache: KVCache) -> tuple[torch.Tensor, float, float]:
@@ -269,9 +270,19 @@ class TrunkServer:
         self.metrics.observe_batch(1, step.hidden.shape[1], cloud_ms)
         return out, cloud_ms, (started - queued) * 1e3
 
+    def _capture(self, step: Step) -> int | None:
+        """The local trunk layer whose output is the state after the step's ``return_layer`` model layers."""
+        return None if step.return_layer is None else step.return_layer - self.plan.trunk_layers.start - 1
+
     def validate_step(self, step: Step, cache_length: int, last_step: int) -> int:
         """Check a step against the session; return the committed length after its cache command."""
         hidden = step.hidden
+        trunk = self.plan.trunk_layers
+        if step.return_layer is not None and not trunk.start < step.return_layer < trunk.stop:
+            raise MalformedFrame(
+                f"return_layer {step.return_layer} is not inside this trunk: the states after layers "
+                f"{trunk.start + 1} .. {trunk.stop - 1} can be returned (the edge has the others)"
+            )
         if step.codec == "raw" and hidden.dtype != self.dtype:  # another codec's is cast to ours in run_step
             raise BadTensor(f"raw hidden dtype {hidden.dtype} does not match the session dtype {self.dtype}")
         if hidden.shape[2] != self.identity.hidden_size:
@@ -336,7 +347,9 @@ class TrunkServer:
         session.busy = True
         try:
             if self.batcher is not None:
-                out, cloud_ms, queue_ms = await self.batcher.submit(step.hidden, step.positions, step.parents, cache)
+                out, cloud_ms, queue_ms = await self.batcher.submit(
+                    step.hidden, step.positions, step.parents, cache, capture=self._capture(step)
+                )
             else:
                 out, cloud_ms, queue_ms = await self._compute_alone(step, cache)
         except Exception:
@@ -355,7 +368,10 @@ class TrunkServer:
         self.metrics.steps.labels(kind).inc()
         self.metrics.step_tokens.labels(kind).inc(q)
         self.metrics.queue_ms.observe(queue_ms)
-        return StepResult(session_id=step.session_id, seq=step.seq, hidden=out, cloud_ms=cloud_ms, codec=step.codec)
+        feature = None
+        if step.return_layer is not None:  # the trunk's output, then the state after the return layer
+            out, feature = out.chunk(2, dim=-1)
+        return StepResult(step.session_id, step.seq, out, cloud_ms, step.codec, feature)
 
 
 class _TrunkPeer(MessagePeer[Message]):

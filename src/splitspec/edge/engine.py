@@ -47,7 +47,7 @@ from splitspec.exceptions import (
 )
 from splitspec.models.batched import BatchRow, forward_batch
 from splitspec.models.batcher import RowBatcher
-from splitspec.models.features import edge_feature_sources
+from splitspec.models.features import edge_feature_sources, trunk_feature_layer
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
@@ -220,9 +220,11 @@ class EdgeEngine:
         if conn is None:
             raise TransportError("not connected")
         # per token: hidden state in the wire codec (both ways: the reply's raw one is the trunk's dtype, which
-        # the handshake made ours), int32 position, int32 parent, and up to 8 header bytes of keep_last
-        runtime = self.runtime
-        per_token = wire_bytes_per_token(runtime.hello.wire_codec, runtime.model.hidden_size, runtime.dtype) + 16
+        # the handshake made ours), int32 position, int32 parent, and up to 8 header bytes of keep_last; a reply
+        # with a state inside the trunk carries two hidden states
+        features = sequence.features
+        asked = features is not None and self._trunk_feature(features.layers) is not None
+        per_token = self._hidden_bytes() * (2 if asked else 1) + 16
         return max(1, min(conn.welcome.max_query_tokens, (conn.max_message_bytes - _HEADER_RESERVE) // per_token))
 
     # -- the verifier interface ------------------------------------------------------------------
@@ -309,7 +311,8 @@ class EdgeEngine:
             t2 = time.perf_counter()
             sequence.seq += 1
             codec = runtime.hello.wire_codec  # encodes host_hidden in encode_message, decodes the reply's
-            step = Step(session_id, sequence.seq, host_hidden, positions, parent_t, sequence.command, codec)
+            asked = None if sequence.features is None else self._trunk_feature(sequence.features.layers)
+            step = Step(session_id, sequence.seq, host_hidden, positions, parent_t, sequence.command, codec, asked)
             raw_reply, exchange = await self._send_step(sequence, step)
             reply = _checked_reply(raw_reply, step, runtime.dtype)
             t3 = time.perf_counter()
@@ -319,7 +322,8 @@ class EdgeEngine:
             tail = self._tail.submit(trunk_out, positions, parent_t, sequence.tail_cache, logits_from)
             logits, _, _ = await tail  # (1, q - logits_from, V)
             if stream is not None and sequence.features is not None:
-                features = self._features(sequence.features.layers, head_out[0], trunk_out[0], stream)
+                middle = None if reply.feature is None else runtime.staging.to_device(reply.feature)[0]  # (q, H)
+                features = self._features(sequence.features.layers, head_out[0], trunk_out[0], stream, middle)
             t5 = time.perf_counter()
         except asyncio.CancelledError:
             # a worker may still be computing this step on the caches: leave them to it, and start the
@@ -349,20 +353,38 @@ class EdgeEngine:
                 serialize_ms=exchange.encode_ms + exchange.decode_ms + ((t2 - t1) + (t4 - t3)) * 1e3,
                 bytes_up=exchange.bytes_up,
                 bytes_down=exchange.bytes_down,
+                feature_bytes_down=0 if asked is None else len(tokens) * self._hidden_bytes(),
             )
         )
         return logits[0]
 
+    def _hidden_bytes(self) -> int:
+        """One token's hidden state on the wire, bytes."""
+        runtime = self.runtime
+        return wire_bytes_per_token(runtime.hello.wire_codec, runtime.model.hidden_size, runtime.dtype)
+
+    def _trunk_feature(self, layers: Sequence[int]) -> int | None:
+        """The feature layer the trunk must return with each step (inside the trunk), or None."""
+        plan = self.runtime.plan
+        return trunk_feature_layer(layers, plan.num_layers, plan.head, plan.tail)
+
     def _features(
-        self, layers: Sequence[int], head_out: torch.Tensor, trunk_out: torch.Tensor, stream: list[torch.Tensor]
+        self,
+        layers: Sequence[int],
+        head_out: torch.Tensor,
+        trunk_out: torch.Tensor,
+        stream: list[torch.Tensor],
+        middle: torch.Tensor | None,
     ) -> torch.Tensor:
         """The step's features (q, F * H) for feature ``layers``: from the head's output (q, H), the trunk's
-        (q, H) and the tail's (chunks of (q_i, H))."""
+        (q, H), the tail's (chunks of (q_i, H)) and the state inside the trunk it returned (q, H)."""
         plan = self.runtime.plan
         sources = edge_feature_sources(layers, plan.num_layers, plan.head, plan.tail)
         parts = {"head": head_out, "trunk": trunk_out}
         if "tail" in sources:
             parts["tail"] = torch.cat(stream, dim=0) if len(stream) > 1 else stream[0]
+        if middle is not None:
+            parts["middle"] = middle
         return torch.cat([parts[s] for s in sources], dim=-1)
 
     async def _send_step(self, sequence: EdgeSequence, step: Step) -> tuple[Message, Exchange]:
@@ -434,6 +456,18 @@ def _checked_reply(reply: object, step: Step, dtype: torch.dtype) -> StepResult:
         raise BadTensor(f"reply hidden state in the {reply.codec!r} codec, the step's is {step.codec!r}")
     if reply.hidden.shape != step.hidden.shape or (step.codec == "raw" and reply.hidden.dtype != step.hidden.dtype):
         raise BadTensor(f"reply hidden {tuple(reply.hidden.shape)} {reply.hidden.dtype} does not match the step")
-    if reply.hidden.dtype == dtype:
+    if (reply.feature is None) != (step.return_layer is None):
+        asked = "asked for" if step.return_layer is not None else "did not ask for"
+        raise BadTensor(
+            f"the step {asked} the state after layer {step.return_layer}, and the reply disagrees (a trunk "
+            "that predates return_layer returns none)"
+        )
+    feature = reply.feature
+    if feature is not None and step.codec == "raw" and feature.dtype != step.hidden.dtype:
+        raise BadTensor(f"reply feature {feature.dtype} does not match the step's {step.hidden.dtype}")
+    if reply.hidden.dtype == dtype and (feature is None or feature.dtype == dtype):
         return reply
-    return dataclasses.replace(reply, hidden=reply.hidden.to(dtype))  # a bf16 or int8 wire's bfloat16 or float32
+    # a bf16 or int8 wire's bfloat16 or float32
+    return dataclasses.replace(
+        reply, hidden=reply.hidden.to(dtype), feature=None if feature is None else feature.to(dtype)
+    )

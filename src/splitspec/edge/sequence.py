@@ -35,6 +35,7 @@ class StepStats:
     serialize_ms: float
     bytes_up: int  # request frame, bytes
     bytes_down: int  # reply frame, bytes
+    feature_bytes_down: int = 0  # of bytes_down: the state inside the trunk a draft head reads (asked per step), bytes
 
 
 class EdgeSequence:

@@ -31,6 +31,9 @@ class BatchRow:
     parents: torch.Tensor  # (q,) int
     cache: KVCache
     outputs_from: int = 0  # the step's outputs wanted from this query index on (a prefill wants its last), tokens
+    # a local layer whose output the row wants too (a draft head's feature): its output is then (1, q, 2H), the
+    # stack's output followed by that layer's; None: (1, q, H)
+    capture: int | None = None
 
 
 class BatchedCaches:
@@ -89,13 +92,14 @@ def batch_masks(
 
 @torch.inference_mode()
 def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Tensor]:
-    """Run every row's step through ``stack`` in one forward -> each row's output (1, q, H) on the output device.
+    """Run every row's step through ``stack`` in one forward -> each row's output (1, q, H) on the output device
+    ((1, q, 2H) for a row with a ``capture`` layer).
 
     The caches receive their rows' entries and are committed on success, rolled back on failure.
     """
     if len(rows) == 1:  # a lone step takes the per-session path: no padding, and no mask for a decode step
         row = rows[0]
-        return [stack(row.hidden, row.positions, row.parents, row.cache)]
+        return [stack(row.hidden, row.positions, row.parents, row.cache, row.capture)]
     lengths = [row.positions.shape[0] for row in rows]
     past = [len(row.cache) for row in rows]
     q_max = max(lengths)
@@ -115,6 +119,7 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
     inputs: dict[
         torch.device, tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[int | None, torch.Tensor]]
     ] = {}
+    captured: dict[int, torch.Tensor] = {}  # row -> its capture layer's output (1, q, H)
     try:
         for j in range(len(stack.layers)):
             hidden = hidden.to(stack.devices[j], non_blocking=True)  # moves only at a device boundary
@@ -124,8 +129,14 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
                 inputs[hidden.device] = (pos, stack.position_embeddings(hidden, pos), masks)
             pos, rope, masks = inputs[hidden.device]
             hidden = stack.run_layer(j, hidden, pos, rope, masks, caches)
+            for b, (row, q) in enumerate(zip(rows, lengths, strict=True)):
+                if row.capture == j:
+                    captured[b] = hidden[b : b + 1, :q]
     except BaseException:
         caches.rollback()
         raise
     caches.commit()
-    return [hidden[b : b + 1, :q] for b, q in enumerate(lengths)]
+    outs = [hidden[b : b + 1, :q] for b, q in enumerate(lengths)]
+    return [
+        out if b not in captured else torch.cat([out, captured[b].to(out.device)], -1) for b, out in enumerate(outs)
+    ]

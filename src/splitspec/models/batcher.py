@@ -63,6 +63,7 @@ class _Pending:
     outputs: list[torch.Tensor] = field(default_factory=list)
     error: Exception | None = None  # its forward failed
     outputs_from: int = 0  # outputs wanted from this query index on (see BatchRow)
+    capture: int | None = None  # a local layer whose output is wanted too (see BatchRow)
 
     @property
     def tokens(self) -> int:
@@ -72,11 +73,12 @@ class _Pending:
         """The row for its next ``chunk`` tokens (all of them for a small step)."""
         end = min(self.tokens, self.done + chunk)
         if self.done == 0 and end == self.tokens:
-            return BatchRow(self.hidden, self.positions, self.parents, self.cache, self.outputs_from)
+            return BatchRow(self.hidden, self.positions, self.parents, self.cache, self.outputs_from, self.capture)
         # a chain cut into chunks: each chunk's first token hangs off what is now the committed prefix
         parents = torch.arange(-1, end - self.done - 1, dtype=self.parents.dtype)
         wanted = min(end - self.done, max(0, self.outputs_from - self.done))  # within this chunk
-        return BatchRow(self.hidden[:, self.done : end], self.positions[self.done : end], parents, self.cache, wanted)
+        part = self.hidden[:, self.done : end]
+        return BatchRow(part, self.positions[self.done : end], parents, self.cache, wanted, self.capture)
 
 
 class RowBatcher:
@@ -148,13 +150,17 @@ class RowBatcher:
         parents: torch.Tensor,
         cache: KVCache,
         outputs_from: int = 0,
+        capture: int | None = None,
     ) -> tuple[torch.Tensor, float, float]:
         """Queue one sequence's step -> its output (1, q, ...) from :meth:`run_rows`, compute ms and queue wait ms.
 
-        ``outputs_from``: a :meth:`run_rows` that honours it returns only the outputs from that query index on.
+        ``outputs_from``: a :meth:`run_rows` that honours it returns only the outputs from that query index on;
+        ``capture``: one that honours it appends that local layer's output to the step's (see BatchRow).
         """
         future: asyncio.Future[tuple[torch.Tensor, float, float]] = asyncio.get_running_loop().create_future()
-        pending = _Pending(hidden, positions, parents, cache, future, time.perf_counter(), outputs_from=outputs_from)
+        pending = _Pending(
+            hidden, positions, parents, cache, future, time.perf_counter(), outputs_from=outputs_from, capture=capture
+        )
         self._pending.append(pending)
         self._wake.set()
         return await future

@@ -3,7 +3,9 @@
 A feature of token i is the residual stream after k decoder layers at position i; a drafter names
 the layers it reads (``layers``, concatenated in that order: (F * H,) per token). On a split edge
 the layers it has without asking the trunk are the head's output (k = head layers), the trunk's
-output (k = the tail's first layer) and the tail's output (k = L, before the final norm).
+output (k = the tail's first layer) and the tail's output (k = L, before the final norm); one
+state inside the trunk (EAGLE-3 reads the middle of the model) the trunk returns beside its output
+when a step asks for it (``Step.return_layer``).
 
 :class:`FeatureLog` is aligned with a sequence's committed tokens: it grows, keeps a step's
 accepted path and truncates exactly as the token list does, so row i is always token i's feature.
@@ -76,20 +78,36 @@ class FeatureLog:
 
 def edge_feature_sources(layers: Sequence[int], num_layers: int, head: int, tail: int) -> tuple[str, ...]:
     """Where a split edge with ``head`` and ``tail`` edge layers (of ``num_layers``) finds each feature layer:
-    "head" (the head's output), "trunk" (the trunk's output) or "tail" (the last layer's output).
+    "head" (the head's output), "trunk" (the trunk's output), "tail" (the last layer's output) or "middle"
+    (a state inside the trunk, which the trunk returns beside its output when a step asks: see
+    :func:`trunk_feature_layer`).
 
-    Raises :class:`~splitspec.exceptions.ConfigError` for a layer only the trunk computes.
+    Raises :class:`~splitspec.exceptions.ConfigError` for a layer inside the edge's own head or tail (not
+    recorded), and for more than one layer inside the trunk (a step asks for one).
     """
     from splitspec.exceptions import ConfigError
 
     where = {head: "head", num_layers - tail: "trunk", num_layers: "tail"}
-    missing = [k for k in layers if k not in where]
+    middle = [k for k in layers if head < k < num_layers - tail]
+    missing = [k for k in layers if k not in where and k not in middle]
     if missing:
         raise ConfigError(
-            f"the draft head reads the stream after layer(s) {missing}, which only the trunk computes; this edge has "
-            f"layers {head} (its head's output), {num_layers - tail} (the trunk's) and {num_layers} (its tail's)"
+            f"the draft head reads the stream after layer(s) {missing}, inside this edge's own layers, which it does "
+            f"not record; this edge has layers {head} (its head's output), {num_layers - tail} (the trunk's), "
+            f"{num_layers} (its tail's), and one of {head + 1} .. {num_layers - tail - 1} from the trunk on request"
         )
-    return tuple(where[k] for k in layers)
+    if len(set(middle)) > 1:
+        raise ConfigError(
+            f"the draft head reads the states after several trunk layers {sorted(set(middle))}: a step asks the trunk "
+            "for one"
+        )
+    return tuple(where.get(k, "middle") for k in layers)
+
+
+def trunk_feature_layer(layers: Sequence[int], num_layers: int, head: int, tail: int) -> int | None:
+    """The one feature layer inside the trunk (see :func:`edge_feature_sources`), or None."""
+    sources = edge_feature_sources(layers, num_layers, head, tail)
+    return next((k for k, source in zip(layers, sources, strict=True) if source == "middle"), None)
 
 
 @torch.inference_mode()

@@ -173,17 +173,31 @@ class LayerStack(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        parents: torch.Tensor,
+        cache: KVCache,
+        capture: int | None = None,
     ) -> torch.Tensor:
-        """hidden (1, q, H), positions (q,), parents (q,) -> hidden (1, q, H); appends q entries to cache."""
+        """hidden (1, q, H), positions (q,), parents (q,) -> hidden (1, q, H); appends q entries to cache.
+
+        ``capture``: a local layer whose output is wanted too (a draft head's feature from the middle of
+        the model); the result is then (1, q, 2H), the stack's output followed by that layer's."""
         if not len(self.layers):
             return hidden
         fixed = self.fixed_decode
         try:
-            if fixed is not None and isinstance(cache, StaticKVCache) and fixed.applies(hidden, cache):
+            if (
+                capture is None
+                and fixed is not None
+                and isinstance(cache, StaticKVCache)
+                and fixed.applies(hidden, cache)
+            ):
                 hidden = fixed(hidden, positions, cache)
             else:
-                hidden = self.run(hidden, positions, parents, cache)[-1]
+                outs = self.run(hidden, positions, parents, cache)
+                hidden = outs[-1] if capture is None else torch.cat([outs[-1], outs[capture].to(outs[-1].device)], -1)
         except BaseException:
             cache.rollback()
             raise

@@ -282,11 +282,16 @@ class Step:
     parents: torch.Tensor  # (q,) int32
     cache: CacheCommand | None = None
     codec: str = "raw"  # the hidden state's wire codec, the connection's (protocol.codec)
+    # also return the trunk's state after this many model layers (layer_start < k < layer_end): the feature a
+    # draft head reads from the middle of the model (EAGLE-3); None: not asked (the reply carries none)
+    return_layer: int | None = None
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         header: dict[str, Any] = {"session_id": self.session_id, "seq": self.seq, "codec": self.codec}
         if self.cache is not None:
             header["cache"] = self.cache.to_header()
+        if self.return_layer is not None:
+            header["return_layer"] = self.return_layer
         return header, {**encode_hidden(self.codec, self.hidden), "positions": self.positions, "parents": self.parents}
 
     @classmethod
@@ -309,7 +314,11 @@ class Step:
             parents=parents,
             cache=None if cache is None else CacheCommand.from_header(cache, max_keep=1 << 16),
             codec=codec,
+            return_layer=int_field(h, "return_layer", minimum=1, optional=True),
         )
+
+
+FEATURE_PREFIX = "feature."  # a reply's feature travels as the hidden state's tensors under these names
 
 
 @dataclass(frozen=True)
@@ -322,21 +331,37 @@ class StepResult:
     hidden: torch.Tensor  # (1, q, H), travelling in codec like the step's
     cloud_ms: float  # trunk compute on the cloud, with its copies to and from the device, milliseconds
     codec: str = "raw"  # the hidden state's wire codec: the step's
+    feature: torch.Tensor | None = None  # (1, q, H): the state after the step's return_layer, in codec; None: unasked
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         header = {"session_id": self.session_id, "seq": self.seq, "cloud_ms": self.cloud_ms, "codec": self.codec}
-        return header, encode_hidden(self.codec, self.hidden)
+        tensors = encode_hidden(self.codec, self.hidden)
+        if self.feature is not None:
+            tensors |= {FEATURE_PREFIX + k: v for k, v in encode_hidden(self.codec, self.feature).items()}
+        return header, tensors
 
     @classmethod
     def from_wire(cls, frame: Frame) -> StepResult:
         h = frame.header
         codec = _codec_field(h)
+        hidden = _hidden_field(frame, codec, min_tokens=0)
+        feature = None
+        if any(name.startswith(FEATURE_PREFIX) for name in frame.tensors):
+            tensors = {
+                k.removeprefix(FEATURE_PREFIX): v for k, v in frame.tensors.items() if k.startswith(FEATURE_PREFIX)
+            }
+            feature = _hidden_field(Frame(frame.header, tensors), codec, min_tokens=0)
+            if feature.shape != hidden.shape:
+                raise BadTensor(
+                    f"the feature's shape {tuple(feature.shape)} is not the hidden state's {tuple(hidden.shape)}"
+                )
         return cls(
             session_id=str_field(h, "session_id", max_len=MAX_ID_LEN),
             seq=int_field(h, "seq"),
-            hidden=_hidden_field(frame, codec, min_tokens=0),
+            hidden=hidden,
             cloud_ms=number_field(h, "cloud_ms"),
             codec=codec,
+            feature=feature,
         )
 
 
