@@ -210,15 +210,7 @@ class DraftHead(nn.Module):
         runs the step alone (training). Gradients flow when the caller enables them: draft under
         ``torch.inference_mode()``."""
         hidden = self.inputs(ends, token_ids[None], features[None])  # (1, q, H)
-        try:
-            out = self.stack.run(hidden, positions, parents, cache)[-1]  # (1, q, H)
-        except BaseException:
-            if cache is not None:
-                cache.rollback()
-            raise
-        if cache is not None:
-            cache.commit()
-        return out[0]
+        return self.stack.run_committed(hidden, positions, parents, cache)[-1][0]  # (q, H)
 
     def forward_visible(
         self,

@@ -121,13 +121,6 @@ def full_model_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A whole model's step that also returns features: token_ids (q,) -> logits (q, V) float32 and features
     (q, F * H) of ``layers``; with a cache, the step's q entries are appended and committed."""
-    try:
-        outs = model.layers.run(model.embed(token_ids[None]), positions, parents, cache)  # L x (1, q, H)
-    except BaseException:
-        if cache is not None:
-            cache.rollback()
-        raise
-    if cache is not None:
-        cache.commit()
+    outs = model.layers.run_committed(model.embed(token_ids[None]), positions, parents, cache)  # L x (1, q, H)
     features = torch.cat([outs[k - 1][0] for k in layers], dim=-1)  # (q, F * H)
     return model.logits(outs[-1])[0], features

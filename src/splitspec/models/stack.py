@@ -151,6 +151,21 @@ class LayerStack(nn.Module):
             outs.append(hidden)
         return outs
 
+    def run_committed(
+        self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache | None
+    ) -> list[torch.Tensor]:
+        """:meth:`run` over every layer as one step of ``cache``: its q entries are committed, or rolled back
+        when the step fails (None: no cache, as in training) -> one (B, q, H) output per layer."""
+        try:
+            outs = self.run(hidden, positions, parents, cache)
+        except BaseException:
+            if cache is not None:
+                cache.rollback()
+            raise
+        if cache is not None:
+            cache.commit()
+        return outs
+
     def run_layer(
         self,
         j: int,
