@@ -1,7 +1,7 @@
 """Build and measure the demo base model's EAGLE head (splitspec/assets/models/base-eagle).
 
     python scripts/build_corpus.py --out build/corpus --assets /tmp/x  # the base model's own training split
-    python scripts/demo_head.py train      # splitspec train-drafter on it (~7 min, 2 threads)
+    python scripts/demo_head.py train [--steps N --resume]  # splitspec train-drafter on it (~7 min per 1,000 steps)
     python scripts/demo_head.py ship DIR   # DIR's head -> the assets in float16, then `measure`
     python scripts/demo_head.py measure    # greedy chains on the held-out files: the head against the draft model
 
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
             "demo-head",
         ]
         command += [*TRAIN_ARGS, "--eval-corpus", *map(str, HELD_OUT_CODE + HELD_OUT_PROSE), "--eval-prompts", "24"]
-        return subprocess.call(command)
+        return subprocess.call([*command, *argv[1:]])  # e.g. --steps 4000 --resume (a later option wins)
     if argv[:1] == ["ship"] and len(argv) == 2:
         trained = Path(argv[1])
         notes = json.loads((trained / "config.json").read_text())["splitspec_draft_head"]["notes"]
