@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -11,7 +11,15 @@ import torch
 from scipy.stats import chisquare
 
 from splitspec.decoding.controller import FixedPolicy, SpeculationController, SpeculationPolicy
-from splitspec.decoding.drafters import DraftModel, NgramPool, PromptLookup, build_tree, leaf_chains
+from splitspec.decoding.drafters import (
+    Draft,
+    DraftModel,
+    MixedDrafter,
+    NgramPool,
+    PromptLookup,
+    build_tree,
+    leaf_chains,
+)
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
@@ -193,3 +201,31 @@ def test_greedy_draft_model_grows_a_dynamic_tree(make_checkpoint: Callable[..., 
     assert tree.parents.count(-1) >= 2 or len(set(tree.parents)) < len(tree.parents)  # a real tree
     first = leaf_chains(tree)[0]
     assert first == chain.tokens[: len(first)]  # root 0, its first child, ...: the argmax chain
+
+
+class Fixed:
+    """A deterministic drafter proposing fixed chains, counting its calls."""
+
+    name = "fixed"
+
+    def __init__(self, *chains: list[int]) -> None:
+        self.chains = chains
+        self.calls = 0
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        self.calls += 1
+        return build_tree(self.chains, budget)
+
+
+def test_a_full_mixed_tree_asks_no_further_source() -> None:
+    """Once the earlier sources fill the budget the later ones could not change the trie, so they are not asked
+    (a draft model's forwards are saved); the tree is what merging them all gives."""
+    first, second = Fixed([1, 2, 3], [1, 4]), Fixed([1, 2, 5], [6])
+    full = MixedDrafter([first, second]).propose([0], 4)
+    assert (first.calls, second.calls) == (1, 0)
+    assert (full.tokens, full.parents) == ([1, 2, 3, 4], [-1, 0, 1, 0])
+    merged = build_tree([[1, 2, 3], [1, 4], [1, 2, 5], [6]], 4)
+    assert (full.tokens, full.parents) == (merged.tokens, merged.parents)
+    wide = MixedDrafter([first, second]).propose([0], 6)  # room left: the second source is asked
+    assert second.calls == 1
+    assert (wide.tokens, wide.parents) == ([1, 2, 3, 4, 5, 6], [-1, 0, 1, 0, 1, -1])

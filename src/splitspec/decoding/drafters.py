@@ -294,9 +294,15 @@ class MixedDrafter:
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
         chains: list[list[int]] = []
+        tree = Draft.empty()
         for source in self.sources:
             draft = source.propose(context, budget)
             if draft.probs is not None:
                 raise ValueError(f"drafter {source.name!r} is not deterministic; it cannot join a mixed tree")
             chains.extend(leaf_chains(draft))
-        return build_tree(chains, budget)
+            tree = build_tree(chains, budget)
+            if len(tree) >= budget:
+                # full: a later source's chains would only walk nodes the trie has, so they cannot change it
+                # (and a draft model's forwards are not paid for nothing)
+                break
+        return tree
