@@ -229,3 +229,15 @@ def test_a_full_mixed_tree_asks_no_further_source() -> None:
     wide = MixedDrafter([first, second]).propose([0], 6)  # room left: the second source is asked
     assert second.calls == 1
     assert (wide.tokens, wide.parents) == ([1, 2, 3, 4, 5, 6], [-1, 0, 1, 0, 1, -1])
+
+
+def test_the_draft_model_drafts_within_its_own_positions(make_checkpoint: Callable[..., Path]) -> None:
+    """A draft model trained to 24 positions drafts up to position 23, and nothing for a longer context."""
+    drafter = DraftModel(
+        full(make_checkpoint("llama", layers=2, seed=99, max_positions=24)), SamplingParams(), top_k=1, depth=None
+    )
+    context = (PROMPT * 2)[:20]
+    assert len(drafter.propose(context, 8)) == 4  # positions 20 .. 23
+    assert len(drafter.propose((PROMPT * 2)[:24], 8)) == 0
+    drafter.prepare((PROMPT * 2)[:30])  # past its positions: nothing to prepare, nothing run
+    assert drafter.sequence.tokens == context

@@ -169,6 +169,10 @@ class DraftModel:
     then the best ``budget`` nodes by the draft model's path probability. Sampling: children drawn
     from q without replacement, q recorded for lossless multi-draft verification. ``top_k`` 1 is a
     single chain; ``depth`` None lets the tree be as deep as the budget.
+
+    It drafts within its own position limit (its config's ``max_position_embeddings``): past it, a
+    rotary model's guesses are noise, so a longer context gets no draft from it (as vLLM disables
+    a draft model past its ``max_model_len``), and a prompt longer than that is not prepared.
     """
 
     name = "draft"
@@ -193,6 +197,8 @@ class DraftModel:
         self.siblings = SiblingStats()  # sampling: how often each sibling rank is accepted, measured
         self._last: tuple[list[int], Draft] | None = None  # the last sampled draft and its context
         self.prepare_chunk = PREPARE_CHUNK  # prompt tokens prepare feeds at once
+        limit = getattr(model.config, "max_position_embeddings", None)
+        self.max_positions = int(limit) if isinstance(limit, int) else None  # the positions it drafts within
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits."""
@@ -209,6 +215,8 @@ class DraftModel:
         """Bring the cache to all of ``context`` (the prompt), without computing logits: the first
         :meth:`propose` on ``context`` plus the first token then runs that token alone."""
         seq = self.sequence
+        if self.max_positions is not None and len(context) >= self.max_positions:
+            return  # it will not draft for this context: nothing to prepare
         common = common_prefix(seq.tokens, context)
         seq.truncate(common)
         model = seq.model
@@ -242,6 +250,8 @@ class DraftModel:
         return expand
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
+        if self.max_positions is not None:  # drafts sit at positions len(context) .. len(context) + depth - 1
+            budget = min(budget, self.max_positions - len(context))
         if budget < 1 or not context:
             return Draft.empty()
         if self._last is not None:  # what the verifier made of the last tree, if this context follows it
