@@ -26,6 +26,9 @@ DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
 CONTEXT_BAND_TOKENS = 256  # step times are kept per context band: [0, 256), [256, 512), [512, 1024), ...
 PROBE_BUDGET = 2  # most tokens a drafter is asked for until its acceptance has been judged
 POPULATION_WEIGHT = 8.0  # observations the engine-wide estimates are worth to a new sequence's controller
+# a cheap deterministic drafter not chosen is scored against the greedy target's tokens until its first depth
+# has been judged this often (decayed count): a cold controller learns it without having to choose it
+SHADOW_UNTIL = 4.0
 
 
 @dataclass
@@ -83,8 +86,17 @@ class SpeculationPolicy(Protocol):
     def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None: ...
 
     def observe_draft(
-        self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
+        self,
+        drafter: str,
+        proposed_depth: int,
+        accepted: int,
+        draft_tokens: int,
+        draft_seconds: float,
+        *,
+        chosen: bool = True,
     ) -> None: ...
+
+    def wants_shadow(self, drafter: str) -> bool: ...
 
 
 class FixedPolicy:
@@ -100,9 +112,19 @@ class FixedPolicy:
         return None
 
     def observe_draft(
-        self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
+        self,
+        drafter: str,
+        proposed_depth: int,
+        accepted: int,
+        draft_tokens: int,
+        draft_seconds: float,
+        *,
+        chosen: bool = True,
     ) -> None:
         return None
+
+    def wants_shadow(self, drafter: str) -> bool:
+        return False
 
 
 class _WidthTimes:
@@ -377,14 +399,29 @@ class SpeculationController:
         else:
             self._since_speculation = 0
 
+    def wants_shadow(self, drafter: str) -> bool:
+        """Whether ``drafter``, cheap and deterministic but not chosen, should be scored against this greedy
+        step's tokens anyway (see :data:`SHADOW_UNTIL`)."""
+        reached = self._stats[drafter].reached
+        return not reached or reached[0] < SHADOW_UNTIL
+
     def observe_draft(
-        self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
+        self,
+        drafter: str,
+        proposed_depth: int,
+        accepted: int,
+        draft_tokens: int,
+        draft_seconds: float,
+        *,
+        chosen: bool = True,
     ) -> None:
-        """A drafter proposed a tree ``proposed_depth`` deep; ``accepted`` of its tokens were kept."""
+        """A drafter proposed a tree ``proposed_depth`` deep; ``accepted`` of its tokens were kept (or would
+        have been: ``chosen`` False, a shadow proposal scored against a greedy step's tokens)."""
         if self.population is not None:
-            self.population.observe_draft(drafter, proposed_depth, accepted, draft_tokens, draft_seconds)
+            self.population.observe_draft(drafter, proposed_depth, accepted, draft_tokens, draft_seconds, chosen=chosen)
         for name, other in self._stats.items():
-            if name != drafter:  # what is known of the others ages too: the text they failed on has moved on
+            # what is known of the others ages too: the text they failed on has moved on (once per step)
+            if name != drafter and chosen:
                 other.forget(self.decay)
         stats = self._stats[drafter]
         stats.proposals = self.decay * stats.proposals + 1.0

@@ -85,6 +85,7 @@ class NgramPool:
     """Recent n-grams of the prompt and output, indexed by their first ``key_len`` tokens."""
 
     name = "ngram"
+    shadow = True  # cheap and deterministic: scored against greedy steps it was not chosen for (decoding/shadow.py)
 
     def __init__(self, key_len: int = 2, span: int = 8, per_key: int = 4) -> None:
         self.key_len = key_len  # tokens of context that select continuations
@@ -137,6 +138,7 @@ class PromptLookup:
     """Copy what followed the latest earlier occurrences of the context's last n tokens."""
 
     name = "prompt-lookup"
+    shadow = True  # cheap and deterministic: scored against greedy steps it was not chosen for (decoding/shadow.py)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, branches: int = 2) -> None:
         self.max_ngram = max_ngram  # longest suffix matched, tokens

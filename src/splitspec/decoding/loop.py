@@ -45,6 +45,8 @@ from splitspec.decoding.controller import Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.shadow import score_shadows
+from splitspec.decoding.trees import draft_depth
 from splitspec.decoding.warmup import finish_prepare, start_prepare
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
@@ -115,16 +117,19 @@ class SequentialPolicy:
         return None
 
     def observe_draft(
-        self, drafter: str, proposed_depth: int, accepted: int, draft_tokens: int, draft_seconds: float
+        self,
+        drafter: str,
+        proposed_depth: int,
+        accepted: int,
+        draft_tokens: int,
+        draft_seconds: float,
+        *,
+        chosen: bool = True,
     ) -> None:
         return None
 
-
-def draft_depth(draft: Draft) -> int:
-    depth: list[int] = []
-    for p in draft.parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return max(depth, default=0)
+    def wants_shadow(self, drafter: str) -> bool:
+        return False
 
 
 def first_chain(draft: Draft) -> Draft:
@@ -257,13 +262,16 @@ async def decode(
             return
         # choose and build the draft; a drafter with nothing to offer yields to the next option
         draft, used, draft_s, used_s = Draft.empty(), None, 0.0, 0.0
-        for choice in controller.ranked(len(context)):  # a long context makes wide steps dearer
+        choices = controller.ranked(len(context))  # a long context makes wide steps dearer
+        asked: set[str] = set()  # drafters asked this step (those that offered nothing were told so)
+        for choice in choices:
             if choice.drafter is None:
                 break
             budget = min(choice.budget, max_new_tokens - produced - 1)
             if budget < 1:
                 break
             drafter = drafters[choice.drafter]
+            asked.add(choice.drafter)
             if draft_executor is None:
                 draft, seconds = _timed_propose(drafter, context, budget)
             else:  # a draft model's forwards: off the event loop, which other sequences' I/O needs
@@ -301,6 +309,9 @@ async def decode(
         controller.observe_step(len(tokens), step_s, len(context))
         if used is not None:
             controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), used_s)
+        if params.greedy and not processors:  # the target's tokens do not depend on the draft: score the others
+            target_tokens = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
+            score_shadows(controller, drafters, choices, asked, context, target_tokens, max_new_tokens - produced - 1)
         if trace is not None:
             trace.append(SpecStep(used, len(draft), len(verdict.path), len(new), step_s, draft_s))
         for processor in processors:

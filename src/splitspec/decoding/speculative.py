@@ -14,8 +14,9 @@ import torch
 from splitspec.decoding.controller import SpeculationPolicy
 from splitspec.decoding.drafters import Drafter, DraftModel, MixedDrafter, NgramPool, PromptLookup
 from splitspec.decoding.eagle import EagleDrafter, KeepsFeatures
-from splitspec.decoding.loop import SpecStep, TreeVerifier, decode, draft_depth
+from splitspec.decoding.loop import SpecStep, TreeVerifier, decode
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.trees import draft_depth
 from splitspec.devices import device_generator
 from splitspec.exceptions import ConfigError
 from splitspec.models.draft_head import DraftHead

@@ -54,6 +54,14 @@ class Draft:
         return cls([], [])
 
 
+def draft_depth(draft: Draft) -> int:
+    """Levels of a draft tree (0: empty)."""
+    depth: list[int] = []
+    for p in draft.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return max(depth, default=0)
+
+
 class TreeExpander(Protocol):
     """Scores a draft tree: the drafter's side of :func:`dynamic_tree`."""
 

@@ -223,6 +223,12 @@ class Channel:
         finally:
             if self._waiting.get(key) is future:
                 del self._waiting[key]
+            if future.done() and not future.cancelled():
+                # the reader may have failed it while the send was failing: the send's error is the one raised,
+                # and this one is read here so that asyncio does not report it as never retrieved
+                future.exception()
+            else:
+                future.cancel()
         reply = arrival.reply
         if isinstance(reply, Error):
             raise error_from_code(reply.code, reply.message, reply.retry_after_s)
