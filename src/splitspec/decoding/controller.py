@@ -99,14 +99,8 @@ class SpeculationPolicy(Protocol):
     def wants_shadow(self, drafter: str) -> bool: ...
 
 
-class FixedPolicy:
-    """Always draft ``budget`` tokens with ``drafter`` (sequential only when it has nothing)."""
-
-    def __init__(self, drafter: str, budget: int) -> None:
-        self.choice = Choice(drafter, budget, math.inf)
-
-    def ranked(self, context_tokens: int = 0) -> list[Choice]:
-        return [self.choice, Choice(None, 0, 0.0)]
+class BlindPolicy:
+    """A policy that learns nothing: every observation is dropped (a base for fixed policies)."""
 
     def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
         return None
@@ -125,6 +119,16 @@ class FixedPolicy:
 
     def wants_shadow(self, drafter: str) -> bool:
         return False
+
+
+class FixedPolicy(BlindPolicy):
+    """Always draft ``budget`` tokens with ``drafter`` (sequential only when it has nothing)."""
+
+    def __init__(self, drafter: str, budget: int) -> None:
+        self.choice = Choice(drafter, budget, math.inf)
+
+    def ranked(self, context_tokens: int = 0) -> list[Choice]:
+        return [self.choice, Choice(None, 0, 0.0)]
 
 
 class _WidthTimes:

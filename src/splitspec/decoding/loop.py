@@ -41,7 +41,7 @@ from typing import Protocol
 import torch
 
 from splitspec.decoding.acceptance import greedy_verify_tree, sample_verify_tree
-from splitspec.decoding.controller import Choice, SpeculationPolicy
+from splitspec.decoding.controller import BlindPolicy, Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
@@ -107,29 +107,11 @@ class SpecStep:
     draft_s: float  # drafting, seconds
 
 
-class SequentialPolicy:
+class SequentialPolicy(BlindPolicy):
     """No drafting: every step is the pending token alone."""
 
     def ranked(self, context_tokens: int = 0) -> list[Choice]:
         return [Choice(None, 0, 0.0)]
-
-    def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
-        return None
-
-    def observe_draft(
-        self,
-        drafter: str,
-        proposed_depth: int,
-        accepted: int,
-        draft_tokens: int,
-        draft_seconds: float,
-        *,
-        chosen: bool = True,
-    ) -> None:
-        return None
-
-    def wants_shadow(self, drafter: str) -> bool:
-        return False
 
 
 def first_chain(draft: Draft) -> Draft:
