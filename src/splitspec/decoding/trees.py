@@ -168,13 +168,12 @@ def _greedy_tree(expand: TreeExpander, budget: int, top_k: int, depth: int) -> D
     scores: list[float] = []  # cumulative log-probability of each node's path
     frontier = [-1]  # nodes whose children this level adds (-1: the context)
     for level in range(depth):
-        logits = _rows(expand, tokens, parents, frontier)
+        logp = torch.log_softmax(_rows(expand, tokens, parents, frontier).float(), dim=-1)  # (F, V)
+        values, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # (F, k): every frontier node's at once
         added: list[int] = []
-        for node, row in zip(frontier, logits, strict=True):
-            logp = torch.log_softmax(row.float(), dim=-1)  # (V,)
-            values, ids = logp.topk(min(top_k, logp.shape[0]))
+        for node, node_values, node_ids in zip(frontier, values.tolist(), ids.tolist(), strict=True):
             base = 0.0 if node < 0 else scores[node]
-            for value, token in zip(values.tolist(), ids.tolist(), strict=True):
+            for value, token in zip(node_values, node_ids, strict=True):
                 if value == -math.inf:
                     break  # an impossible token, and so are the rest
                 added.append(len(tokens))
@@ -279,10 +278,11 @@ def _sampled_tree(
         room = budget - len(tokens)
         if room <= 0 or not frontier:
             break
-        qs = [params.probabilities(row) for row in _rows(expand, tokens, parents, frontier)]  # each (V,)
+        probs = params.probabilities(_rows(expand, tokens, parents, frontier))  # (F, V): every frontier row at once
+        qs = list(probs)  # each (V,)
         base = [0.0 if node < 0 else reach[node] for node in frontier]
         # decided before any child is drawn: from the frontier's own standing and rows only
-        counts = _allocate(base, [int((q > 0).sum()) for q in qs], ranks, room, depth - level - 1)
+        counts = _allocate(base, (probs > 0).sum(-1).tolist(), ranks, room, depth - level - 1)
         added: list[int] = []
         for node, q, node_reach, count in zip(frontier, qs, base, counts, strict=True):
             node_score = 0.0 if node < 0 else scores[node]
