@@ -51,6 +51,7 @@ from websockets.frames import Frame, Opcode
 
 import splitspec
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.demo import free_port
 from splitspec.edge.client import SplitClient
 from splitspec.edge.config import EdgeConfig
 from splitspec.exceptions import SplitspecError, TooManySessions
@@ -91,13 +92,6 @@ class Run:
 
 
 # -- the server --------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def start_trunk(port: int, token_file: Path, args: argparse.Namespace) -> subprocess.Popen[bytes]:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.demo import embedded_model
+from splitspec.demo import embedded_model, free_port
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.client import GenerationResult
 from splitspec.models.stack import EdgeModel, FullModel
@@ -120,13 +120,6 @@ def build_cases(model_dir: Path, long_tokens: int, answers: tuple[int, ...]) -> 
         cases.append(Case(f"prose{len(prose_ids)}/{n}", tuple(bos + prose_ids), n))
     sources = {"code": code_source, "prose": f"held-out demo corpus: {prose_path.name}, first 64 tokens"}
     return cases, sources
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def start_trunk(model_dir: Path, port: int, dtype: str) -> subprocess.Popen[bytes]:

@@ -30,6 +30,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.demo import free_port
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.protocol.messages import Step, StepResult, decode_message, encode_message
 from splitspec.run_info import run_environment
@@ -54,13 +55,6 @@ def build_model(directory: Path) -> LlamaForCausalLM:
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(directory)
     return model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def local_run(model: LlamaForCausalLM, prompt: list[int], n: int) -> tuple[float, list[int]]:
