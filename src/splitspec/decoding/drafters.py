@@ -240,13 +240,10 @@ class DraftModel:
         rows: dict[int, torch.Tensor] = {-1: root.float()}  # (V,) scoring the children of each node run
 
         def expand(tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
-            todo = run.pending(parents, expanding)
-            while todo:
-                wave = run.wave(parents, todo)
+            for wave in run.waves(parents, expanding):
                 ids = torch.tensor([tokens[j] for j in wave.nodes], dtype=torch.long)
                 logits = model.forward_visible(ids, wave.positions, wave.visible, wave.key_positions, cache)  # (q, V)
                 rows.update(zip(wave.nodes, logits.float(), strict=True))
-                todo = [j for j in todo if j not in rows]
             return torch.stack([rows[j] for j in expanding])  # (len(expanding), V)
 
         return expand

@@ -167,9 +167,7 @@ class _HeadExpander:
 
     @torch.inference_mode()
     def __call__(self, tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
-        todo = self.run.pending(parents, expanding)
-        while todo:  # one wave per level: a node's input is its parent's prediction
-            wave = self.run.wave(parents, todo)
+        for wave in self.run.waves(parents, expanding):  # one per level: a node's input is its parent's prediction
             inputs = torch.stack([self.root if parents[j] < 0 else self.predicted[parents[j]] for j in wave.nodes])
             ids = torch.tensor([tokens[j] for j in wave.nodes], dtype=torch.long)
             out = self.head.forward_visible(
@@ -177,5 +175,4 @@ class _HeadExpander:
             )  # (q, H)
             for j, predicted, row in zip(wave.nodes, out, self.head.logits(self.ends, out), strict=True):
                 self.predicted[j], self.logits[j] = predicted, row
-            todo = [j for j in todo if j not in self.predicted]
         return torch.stack([self.root_logits[0] if j < 0 else self.logits[j] for j in expanding])  # (len(expanding), V)

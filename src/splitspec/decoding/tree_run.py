@@ -14,7 +14,7 @@ prefix once the draft is built.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +50,14 @@ class TreeRun:
                 todo.add(node)
                 node = parents[node]
         return sorted(todo)
+
+    def waves(self, parents: Sequence[int], expanding: Sequence[int]) -> Iterator[Wave]:
+        """The forwards that run every node ``expanding`` asks for (and any ancestor not run), one level of
+        them each: a node's input may be its parent's output. Each wave is registered as run when yielded."""
+        todo = self.pending(parents, expanding)
+        while todo:
+            yield self.wave(parents, todo)
+            todo = [j for j in todo if not self.ran(j)]
 
     def wave(self, parents: Sequence[int], todo: Sequence[int]) -> Wave:
         """The next forward: the nodes of ``todo`` (parents first) whose parents have run; registers them as run."""
