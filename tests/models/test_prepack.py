@@ -15,7 +15,7 @@ from splitspec.cloud.server import TrunkServer
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.prepack import PackedLinear, prepack_available, prepack_linears
+from splitspec.models.prepack import PackedLinear, prepack_available, prepack_linears, row_bucket
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk
 
@@ -86,3 +86,23 @@ def test_a_prepack_that_cannot_apply_is_refused(
     config = CloudConfig(model_dir=make_checkpoint("llama"), port=0, device="cpu", **changes)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=message):
         TrunkServer(config)
+
+
+def test_row_counts_are_padded_to_few_sizes() -> None:
+    assert [row_bucket(n) for n in (1, 7, 16, 17, 18, 19, 32, 33, 100, 128, 129, 1000)] == [
+        1, 7, 16, 18, 18, 20, 32, 36, 104, 128, 144, 1024,
+    ]  # fmt: skip
+    buckets = [row_bucket(n) for n in range(1, 4097)]
+    assert all(n <= b <= n * 1.125 for n, b in enumerate(buckets, start=1))  # at most 1/8 padding
+    assert len(set(buckets)) == 16 + 8 * 8  # exact to 16, then 8 per doubling up to 4,096 rows
+
+
+@pytest.mark.parametrize("rows", [17, 19, 100, 129])
+@torch.inference_mode()
+def test_padded_rows_compute_what_the_linear_does(rows: int) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 80)
+    x = torch.randn(1, rows, 48)
+    out = PackedLinear(linear)(x)
+    assert out.shape == (1, rows, 80)
+    torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
