@@ -79,12 +79,13 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)  # (N, in_features)
-        n = rows.shape[0]
-        padded = row_bucket(n)
-        if padded != n:
-            rows = torch.cat([rows, rows.new_zeros(padded - n, self.in_features)])  # (padded, in_features)
-        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        n = x.numel() // self.in_features  # rows
+        padded = n if n <= EXACT_ROWS else row_bucket(n)
+        if padded == n:
+            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return out  # (..., out_features)
+        rows = torch.cat([x.reshape(n, self.in_features), x.new_zeros(padded - n, self.in_features)])  # (padded, in)
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out[:n].reshape(*x.shape[:-1], self.out_features)  # (..., out_features)
 
     def extra_repr(self) -> str:
