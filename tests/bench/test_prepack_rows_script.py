@@ -1,0 +1,37 @@
+"""benchmarks/prepack_rows.py, tiny: its two variants compute the same products, and a fresh process
+calling every row count builds fewer shapes padded than exact (the run writes its report)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.models.prepack import prepack_available
+from tests.bench.scripts import BENCHMARKS, load_script
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build lacks oneDNN's packed linear")
+
+
+@torch.inference_mode()
+def test_the_exact_variant_is_the_operator_on_the_rows_as_they_are() -> None:
+    script = load_script("prepack_rows.py", "prepack_rows")
+    lin = script.linears()[0]
+    x = torch.randn(1, 19, lin.in_features)  # 19 rows: padded to 20 by PackedLinear
+    torch.testing.assert_close(script.exact_forward(lin, x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tiny_run_writes_its_report(tmp_path: Path) -> None:
+    args = ["--repeats", "1", "--memory-rows", "24", "--out", str(tmp_path)]
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "prepack_rows.py"), *args], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "prepack_rows.json").read_text())
+    assert results["shapes"] == {"padded": 16 + 4, "exact": 24}  # 17..24 pad to 18, 20, 22, 24
+    assert [t["rows"] for t in results["times"]][:4] == [1, 4, 8, 16]
+    assert all(t["padded_ms"] > 0 and t["exact_ms"] > 0 for t in results["times"])
+    assert (tmp_path / "prepack_rows.md").read_text().startswith("# Prepacked linears")
+    assert (tmp_path / "prepack_rows.png").stat().st_size > 0
