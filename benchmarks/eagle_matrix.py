@@ -263,7 +263,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rtts", default="20,80,150", help="round-trip times, ms, comma-separated")
     parser.add_argument("--temperatures", default="0,0.8", help="comma-separated (0 = greedy)")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES) + " (off always runs)"
+    )
     parser.add_argument("--long", action="store_true", help="2,000-token prompts, 32- and 96-token answers")
     parser.add_argument("--model", default="base", help="embedded model name or a directory (default base)")
     parser.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
@@ -273,6 +275,11 @@ def main() -> int:
     args = parser.parse_args()
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.modes = args.modes.split(",")
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
+    if "off" not in args.modes:
+        args.modes.append("off")  # every ratio in the report is against off
     edge_layers_text = args.edge_layers
     args.edge_layers = tuple(int(n) for n in edge_layers_text.split(","))
     model = Path(args.model) if Path(args.model).is_dir() else embedded_model(args.model)
