@@ -80,7 +80,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel() // self.in_features  # rows
-        padded = n if n <= EXACT_ROWS else row_bucket(n)
+        padded = row_bucket(n)
         if padded == n:
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return out  # (..., out_features)
