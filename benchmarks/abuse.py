@@ -58,7 +58,7 @@ from splitspec.exceptions import SplitspecError, TooManySessions
 from splitspec.models.stack import EdgeModel
 from splitspec.protocol.frames import MAGIC, PROTOCOL_VERSION
 from splitspec.protocol.messages import OpenSession, SessionOpened
-from splitspec.run_info import run_environment, write_jsonl_gz
+from splitspec.run_info import resident_bytes, run_environment, write_jsonl_gz
 from splitspec.transport.client import Channel
 
 log = logging.getLogger("abuse")
@@ -115,10 +115,7 @@ def start_trunk(port: int, token_file: Path, args: argparse.Namespace) -> subpro
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+    return resident_bytes(pid) / 2**20
 
 
 class RssPeak:

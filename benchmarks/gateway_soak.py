@@ -39,7 +39,7 @@ import httpx
 from transformers import AutoTokenizer
 
 from splitspec.demo import ASSETS, _stop, _wait_for_port, embedded_model, free_port
-from splitspec.run_info import run_environment
+from splitspec.run_info import resident_bytes, run_environment
 
 MAX_GROWTH = 0.10  # RSS and open descriptors may grow at most this much after the warm-up
 
@@ -61,11 +61,7 @@ def prompts(count: int, tokens: int) -> list[str]:
 
 def process_footprint(pid: int) -> tuple[int, int]:
     """(resident bytes, open file descriptors) of process ``pid``."""
-    rss = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) * 1024
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    return resident_bytes(pid), len(os.listdir(f"/proc/{pid}/fd"))
 
 
 class Soak:

@@ -58,7 +58,10 @@ def call(packed: list[Any], rows: int, exact: bool) -> None:
 
     for lin in packed:
         x = torch.ones(1, rows, lin.in_features)  # (1, rows, in), as the stacks call them
-        exact_forward(lin, x) if exact else lin.forward(x)
+        if exact:
+            exact_forward(lin, x)
+        else:
+            lin.forward(x)
 
 
 def time_once(packed: list[Any], rows: int, exact: bool) -> float:
@@ -71,24 +74,19 @@ def time_once(packed: list[Any], rows: int, exact: bool) -> float:
     return statistics.median(samples)
 
 
-def resident_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def memory_child(rows: int, exact: bool) -> dict[str, float]:
     """In this (fresh) process: resident MB before and after one call at every row count up to ``rows``."""
     import torch
 
+    from splitspec.run_info import resident_bytes
+
     torch.set_num_threads(1)
     packed = linears()
     call(packed, 1, exact)
-    before = resident_mb()
+    before = resident_bytes() / 2**20
     for n in range(1, rows + 1):
         call(packed, n, exact)
-    return {"before_mb": before, "after_mb": resident_mb()}
+    return {"before_mb": before, "after_mb": resident_bytes() / 2**20}
 
 
 def main() -> None:

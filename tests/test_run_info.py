@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import splitspec
-from splitspec.run_info import git_commit, read_jsonl_gz, run_environment, write_jsonl_gz
+from splitspec.run_info import git_commit, read_jsonl_gz, resident_bytes, run_environment, write_jsonl_gz
 
 
 def test_jsonl_gz_round_trip_is_stamped_and_reproducible(tmp_path: Path) -> None:
@@ -40,3 +43,11 @@ def test_run_environment_names_commit_and_versions() -> None:
     assert env["splitspec"] == splitspec.__version__
     assert env["commit"] == git_commit()
     assert {"torch", "transformers", "python", "started_utc"} <= set(env)
+
+
+def test_resident_bytes_of_this_process_and_of_a_pid() -> None:
+    here = resident_bytes()
+    assert here > 1024 * 1024  # a Python process with torch imported holds megabytes
+    assert abs(resident_bytes(os.getpid()) - here) < 64 * 1024 * 1024  # the same process, read twice
+    with pytest.raises(FileNotFoundError):
+        resident_bytes(2**31 - 1)  # no such process

@@ -5,6 +5,7 @@ the working tree had uncommitted changes), the splitspec version and the version
 libraries that set the figures, the machine, and the start time. Per-run records go into one
 gzip-compressed JSON-lines file per benchmark (:func:`write_jsonl_gz`) instead of one file per
 run, so a re-run rewrites one file, not hundreds, and each line carries the commit and version.
+:func:`resident_bytes` reads what a process holds in memory, for the benchmarks that watch it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from splitspec import __version__
 
-__all__ = ["git_commit", "read_jsonl_gz", "run_environment", "write_jsonl_gz"]
+__all__ = ["git_commit", "read_jsonl_gz", "resident_bytes", "run_environment", "write_jsonl_gz"]
 
 _REPO = Path(__file__).resolve().parents[2]  # the checkout, when installed from source (src/ layout)
 
@@ -63,6 +64,14 @@ def run_environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def resident_bytes(pid: int | str = "self") -> int:
+    """Resident memory of process ``pid`` (default: this one), bytes, from Linux's ``/proc/PID/status``."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024  # the kernel reports kB
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
 def write_jsonl_gz(path: Path, records: Iterable[Mapping[str, Any]], **stamp: Any) -> int:
