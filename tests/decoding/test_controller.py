@@ -230,3 +230,35 @@ def test_a_cheap_drafter_that_sometimes_finds_nothing_is_asked_before_a_dear_one
     assert by_drafter["draft"].expected_tokens_per_s > by_drafter["prompt-lookup"].expected_tokens_per_s
     assert by_drafter["prompt-lookup"].expected_tokens_per_s > ctl.value(None, 0)  # both worth asking
     assert [c.drafter for c in ranked] == ["prompt-lookup", "draft", None]
+
+
+def test_a_drafter_judged_on_a_few_poor_drafts_is_asked_after_drafters_judged_better() -> None:
+    """The draft model's first draft was rejected at depth 1; prompt lookup's drafts, scored on many steps,
+    are accepted a third of the time there. Both are still worth asking (the draft model on its
+    optimistic prior), but the one judged better is asked first: on one draft the optimistic prior
+    still ranked the draft model's guesses above prompt lookup's measured drafts."""
+    times = measured_step_times(0.08, 0.001)
+    ctl = SpeculationController(["draft", "prompt-lookup"], budgets=(1, 2, 4), step_times=times)
+    for i in range(12):
+        ctl.observe_draft("prompt-lookup", 4, 1 if i % 3 == 0 else 0, 4, 0.0001)
+    ctl.observe_draft("draft", 2, 0, 2, 0.002)
+    assert ctl.judged("draft")
+    assert ctl.judged("prompt-lookup")
+    assert ctl.value_if_offered("draft", 2) > ctl.value_if_offered("prompt-lookup", 2)  # the optimistic order
+    ranked = [c.drafter for c in ctl.ranked()]
+    assert ranked.index("prompt-lookup") < ranked.index("draft") < ranked.index(None)
+
+
+def test_a_good_drafter_kept_waiting_keeps_its_place() -> None:
+    """The head was judged on three drafts, all accepted deep; then the draft model was chosen for 30
+    steps, accepted at depth 1 two times in three. What is known of the head ages, but its rate survives the ageing,
+    so it is still asked first (ordering by evidence alone, with no prior, would age it towards 0 and
+    lock it out behind whichever drafter got ahead early)."""
+    ctl = SpeculationController(["draft", "head"], budgets=(1, 2, 4), step_times=measured_step_times(0.08, 0.001))
+    for _ in range(3):
+        ctl.observe_draft("head", 4, 4, 4, 0.001)
+    for i in range(30):
+        ctl.observe_draft("draft", 4, i % 3, 4, 0.001)
+    assert ctl.judged("draft")
+    assert ctl.judged("head")
+    assert ctl.ranked()[0].drafter == "head"

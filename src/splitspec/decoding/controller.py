@@ -298,13 +298,14 @@ class SpeculationController:
         """Predicted seconds for a step of q query tokens after ``context_tokens`` tokens."""
         return self.step_times.predict(q, context_tokens)
 
-    def alphas(self, drafter: str, depth: int) -> list[float]:
-        """Acceptance estimates of depths 1..depth. Depth 1's prior is ``prior_alpha``; each deeper depth's
-        is the estimate of the depth above it, so a drafter rejected at depth 1 is not still expected
-        to go deep (a depth is judged only when the one above it was accepted)."""
+    def alphas(self, drafter: str, depth: int, prior_alpha: float | None = None) -> list[float]:
+        """Acceptance estimates of depths 1..depth. Depth 1's prior is ``prior_alpha`` (the controller's
+        optimistic one unless given); each deeper depth's is the estimate of the depth above it, so a
+        drafter rejected at depth 1 is not still expected to go deep (a depth is judged only when the
+        one above it was accepted)."""
         stats = self._stats[drafter]
         out = []
-        prior = self.prior_alpha
+        prior = self.prior_alpha if prior_alpha is None else prior_alpha
         for j in range(depth):
             reached = stats.reached[j] if j < len(stats.reached) else 0.0
             accepted = stats.accepted[j] if j < len(stats.accepted) else 0.0
@@ -315,19 +316,35 @@ class SpeculationController:
     def expected_accepted(self, drafter: str, budget: int) -> float:
         return self.hit_rate(drafter) * self._accepted_if_offered(drafter, budget)
 
-    def _accepted_if_offered(self, drafter: str, budget: int) -> float:
+    def _accepted_if_offered(self, drafter: str, budget: int, prior_alpha: float | None = None) -> float:
         total, run = 0.0, 1.0
-        for alpha in self.alphas(drafter, budget):
+        for alpha in self.alphas(drafter, budget, prior_alpha):
             run *= alpha
             total += run
         return total
 
-    def value_if_offered(self, drafter: str, budget: int, context_tokens: int = 0) -> float:
-        """Expected tokens per second of a step with ``drafter``'s draft, given that it offers one."""
+    def value_if_offered(
+        self, drafter: str, budget: int, context_tokens: int = 0, prior_alpha: float | None = None
+    ) -> float:
+        """Expected tokens per second of a step with ``drafter``'s draft, given that it offers one
+        (``prior_alpha``: depth 1's prior, the optimistic one unless given)."""
         cost = self._stats[drafter].cost_per_token.value
         draft_s = 0.0 if math.isnan(cost) else cost * budget
         wide = self.step_time(budget + 1, context_tokens)
-        return (1.0 + self._accepted_if_offered(drafter, budget)) / (wide + draft_s)
+        return (1.0 + self._accepted_if_offered(drafter, budget, prior_alpha)) / (wide + draft_s)
+
+    def asking_value(self, drafter: str, budget: int, context_tokens: int = 0) -> float:
+        """What orders the drafters worth asking: a drafter not yet judged by its optimistic prior (so it
+        gets asked), a judged one with depth 1's prior no higher than its own acceptance rate there, so
+        one judged on a few poor drafts is not asked before drafters whose drafts were judged better.
+        The rate is a ratio of two counts that age together, so it survives while the drafter is not
+        asked: a good drafter kept waiting keeps its place (a prior of 0 would age it towards 0 and lock
+        it out behind whichever drafter got ahead early)."""
+        stats = self._stats[drafter]
+        if not self.judged(drafter):
+            return self.value_if_offered(drafter, budget, context_tokens)
+        rate = stats.accepted[0] / stats.reached[0]
+        return self.value_if_offered(drafter, budget, context_tokens, min(self.prior_alpha, rate))
 
     def value(self, drafter: str | None, budget: int, context_tokens: int = 0) -> float:
         """Expected tokens per second of one step.
@@ -385,7 +402,7 @@ class SpeculationController:
         # miss costs only its search: ask first the one whose draft is best when it offers one (prompt
         # lookup's long matches before a draft model's guesses, which then fill in where it has none)
         cut = next(i for i, c in enumerate(options) if c.drafter is None)
-        ask = sorted(options[:cut], key=lambda c: self.value_if_offered(str(c.drafter), c.budget, n), reverse=True)
+        ask = sorted(options[:cut], key=lambda c: self.asking_value(str(c.drafter), c.budget, n), reverse=True)
         options = ask + options[cut:]
         if options[0].drafter is None and self.drafters and self._since_speculation >= self.probe_every:
             # re-probe cheaply: estimates of a drafter we stopped using cannot improve otherwise
