@@ -76,9 +76,20 @@ def start_link(rtt_ms: float, src: Path | None, procs: list[Any]) -> int:
     return link_port
 
 
-def start_stack(rtt_ms: float, baseline_src: Path | None) -> tuple[list[Any], dict[str, str]]:
-    """The engine's server and, with ``baseline_src``, the baseline's, each with its own trunk and link
-    (an older commit may speak an older protocol)."""
+def wait_for_workers(url: str, workers: int, timeout_s: float = 180) -> None:
+    """Until ``workers`` distinct worker processes answer ``/health`` on ``url`` (the port is up with one)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while len({httpx.get(f"{url}/health", timeout=5).json()["pid"] for _ in range(8 * workers)}) < workers:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{workers} workers of splitspec serve did not come up in {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def start_stack(rtt_ms: float, baseline_src: Path | None, workers: int = 1) -> tuple[list[Any], dict[str, str]]:
+    """The engine's server (``workers`` processes) and, with ``baseline_src``, the baseline's (one process),
+    each with its own trunk and link (an older commit may speak an older protocol)."""
     base, draft = embedded_model("base"), embedded_model("draft")
     procs: list[Any] = []
     urls = {}
@@ -92,9 +103,12 @@ def start_stack(rtt_ms: float, baseline_src: Path | None) -> tuple[list[Any], di
             "serve", "--model", str(base), "--draft-model", str(draft), "--cloud", f"ws://127.0.0.1:{link_port}",
             "--served-model-name", "demo", "--port", str(port), "--dtype", "float32", "--threads", "1",
             "--max-active", "64", "--speculate", "auto", "--allow-stock-edge-weights",
+            *(["--workers", str(workers)] if label == "engine" and workers > 1 else []),
         ], src))  # fmt: skip
         _wait_for_port(port, procs[-1], 180)
         urls[label] = f"http://127.0.0.1:{port}"
+        if label == "engine" and workers > 1:
+            wait_for_workers(urls[label], workers)
     return procs, urls
 
 
@@ -171,18 +185,26 @@ def edge_forwards(text: str) -> dict[tuple[str, int], tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-async def run_level(url: str, n: int, prompts_: list[str], requests: int, max_tokens: int) -> dict[str, Any]:
+async def run_level(
+    url: str, n: int, prompts_: list[str], requests: int, max_tokens: int, metrics: bool = True
+) -> dict[str, Any]:
+    """One load level; ``metrics`` False: no edge compute from /metrics (with several workers each
+    scrape reaches one worker, so before/after would not be of the same process)."""
     import httpx
 
-    async with httpx.AsyncClient() as http:
-        before = edge_forwards((await http.get(f"{url}/metrics")).text)
+    async def scrape() -> dict[tuple[str, int], tuple[float, float]]:
+        if not metrics:
+            return {}
+        async with httpx.AsyncClient() as http:
+            return edge_forwards((await http.get(f"{url}/metrics")).text)
+
+    before = await scrape()
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     t0 = time.perf_counter()
     per_stream = await asyncio.gather(*(stream_worker(client, prompts_, i, requests, max_tokens) for i in range(n)))
     wall = time.perf_counter() - t0
     await client.close()
-    async with httpx.AsyncClient() as http:
-        after = edge_forwards((await http.get(f"{url}/metrics")).text)
+    after = await scrape()
     results = [r for stream in per_stream for r in stream]
     ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
     gaps = [latency for r in results for _, latency in token_latencies(r["chunks"])]
@@ -235,7 +257,8 @@ async def run_all(urls: dict[str, str], args: argparse.Namespace) -> dict[str, A
             for label in labels:
                 if label != "engine" and n not in (1, 16):  # the baseline is measured where it is compared
                     continue
-                level = await run_level(urls[label], n, texts, args.requests, args.max_tokens)
+                single = label != "engine" or args.workers == 1
+                level = await run_level(urls[label], n, texts, args.requests, args.max_tokens, metrics=single)
                 raw[label].append({**level, "repeat": rep})
                 print(f"  repeat {rep} {label} {n:>2} streams: {level['tokens_per_s']:.1f} tok/s, "
                       f"itl p99 {level['itl_p99_s'] * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
@@ -302,6 +325,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Commit `{results['commit'][:12]}`"
         + (f", baseline `{results['baseline']}`" if results["baseline"] else "")
+        + (f"; the engine's server runs {results['workers']} workers" if results.get("workers", 1) > 1 else "")
         + f"; {results['repeats']} interleaved repeats, medians; {results['requests']} requests per stream, "
         f"128-token prompts, {results['max_tokens']} tokens out, greedy, `--speculate auto` with the draft model.",
         f"Reproduce: `{results['command']}`.",
@@ -321,6 +345,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {key} | {shown} |")
     lines += ["", "## Edge compute per sequence against the batch size (engine, medians over levels)", "",
               "| part | rows | ms per sequence |", "|---|---:|---:|"]  # fmt: skip
+    if not s["edge_ms_per_sequence"]:
+        lines.append("| (not collected: with several workers a /metrics scrape reaches one of them) | | |")
     for key, ms in s["edge_ms_per_sequence"].items():
         part, rows = key.split(":")
         lines.append(f"| {part} | {rows} | {ms:.3f} |")
@@ -366,9 +392,11 @@ def main() -> None:
     parser.add_argument(
         "--baseline", default=None, help="a commit whose `splitspec serve` runs beside, for the lone stream"
     )
+    parser.add_argument("--workers", type=int, default=1, help="`splitspec serve --workers` of the engine's server")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gateway")
     args = parser.parse_args()
     results: dict[str, Any] = {**run_environment(), "repeats": args.repeats, "requests": args.requests,
+                               "workers": args.workers,
                                "max_tokens": args.max_tokens, "baseline": args.baseline,
                                "command": "python benchmarks/gateway_load.py " + " ".join(sys.argv[1:])}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
@@ -378,7 +406,7 @@ def main() -> None:
             subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], check=True,
                            capture_output=True)  # fmt: skip
             src = tree / "src"
-        procs, urls = start_stack(args.rtt_ms, src)
+        procs, urls = start_stack(args.rtt_ms, src, args.workers)
         try:
             raw = asyncio.run(run_all(urls, args))
         finally:

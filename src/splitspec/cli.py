@@ -563,6 +563,13 @@ def _run_serve(args: argparse.Namespace) -> int:
         chat_template=_read_text(args.chat_template),
         tool_call_parser=args.tool_call_parser,
     )
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+    if args.workers > 1:
+        from splitspec.serve.workers import Supervisor, resolve_port
+
+        config = dataclasses.replace(config, port=resolve_port(config.host, config.port))
+        return Supervisor(config, args.workers, args.log_level, args.threads).run()
     asyncio.run(serve_forever(config, args.log_level.lower()))
     return 0
 
@@ -592,6 +599,13 @@ def _register_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="auto",
         help="how tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
         'Hermes), llama3_json ({"name", "parameters"}: Llama 3.1+), or auto (the chat template says which)',
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="server processes sharing the port (Linux SO_REUSEPORT), each with its own engine, session pool and "
+        "--max-active; more than 1 lets a CPU edge use more cores than one interpreter can (default 1)",
     )
     p.add_argument("--max-active", type=int, default=8, help="requests generating at once, one cloud session each")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request waits for a session, then 429")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -112,7 +113,7 @@ def create_app(state: ServeState) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": name, "sessions_active": state.pool.active,
-                "sessions_idle": len(state.pool.cache)}  # fmt: skip
+                "sessions_idle": len(state.pool.cache), "pid": os.getpid()}  # fmt: skip  # pid: which worker answered
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+from collections.abc import Callable
 from types import TracebackType
 
 import uvicorn
@@ -21,15 +23,30 @@ def _uvicorn_config(config: ServeConfig, state: ServeState, log_level: str) -> u
                           access_log=False, lifespan="on")  # fmt: skip
 
 
-async def serve_forever(config: ServeConfig, log_level: str = "info") -> None:
-    """Load the edge, then serve until interrupted (uvicorn handles SIGINT/SIGTERM)."""
+async def serve_forever(
+    config: ServeConfig,
+    log_level: str = "info",
+    sockets: list[socket.socket] | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> None:
+    """Load the edge, then serve until interrupted (uvicorn handles SIGINT/SIGTERM).
+
+    ``sockets``: listen on these (a worker of ``serve --workers``) instead of binding config's host
+    and port; ``on_started``: called once the server accepts connections.
+    """
     state = ServeState(config)
     log.info(
         "serving %s as %r on http://%s:%d/v1 (trunk %s, speculate %s, %d active sessions at most)",
         config.edge.model_dir, config.served_model_name, config.host, config.port,
         config.edge.cloud_url, config.speculate, config.max_active,
     )  # fmt: skip
-    await uvicorn.Server(_uvicorn_config(config, state, log_level)).serve()
+    server = uvicorn.Server(_uvicorn_config(config, state, log_level))
+    serving = asyncio.create_task(server.serve(sockets=sockets))
+    while on_started is not None and not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if on_started is not None and server.started:
+        on_started()
+    await serving
 
 
 class RunningServer:

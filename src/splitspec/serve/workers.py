@@ -1,0 +1,156 @@
+"""``splitspec serve --workers N``: N server processes on one port, and a supervisor over them.
+
+One process runs one edge engine: its event loop, its head, tail and draft workers, all under one
+Python interpreter lock, so on a CPU it tops out before the cores do. With ``--workers N`` the
+parent starts N worker processes (``spawn``: no forked torch threads), each with its own runtime,
+engine, session pool and trunk connections, each listening on the same port with
+``SO_REUSEPORT``: the kernel spreads new connections over them (Linux only; elsewhere the option
+is refused). Requests batch within a worker, not across workers, and each worker's ``/metrics``,
+prefix cache and ``--max-active`` are its own (the limit is per worker).
+
+The supervisor restarts a worker that dies after it came up (accepted connections); one that dies
+before (it cannot load its model, cannot bind, cannot reach what it needs) stops them all, with
+exit status 1: starting it again would fail again.
+SIGINT and SIGTERM stop every worker (uvicorn's graceful shutdown) and the supervisor returns 130
+(an interrupt, as a single-process ``serve`` does) or 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import socket
+import sys
+import time
+from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event as EventType
+from types import FrameType
+
+from splitspec.exceptions import ConfigError
+from splitspec.serve.config import ServeConfig
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 30.0  # seconds each worker gets to finish after SIGTERM before it is killed
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [worker %(process)d] %(message)s"
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) with SO_REUSEPORT, listening: one per worker, same port."""
+    if not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT"):
+        raise ConfigError("--workers above 1 needs SO_REUSEPORT load balancing, which only Linux provides")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
+    return sock
+
+
+def resolve_port(host: str, port: int) -> int:
+    """``port``, or for 0 a free one the workers can all bind (picked once, by the supervisor)."""
+    if port != 0:
+        return port
+    probe = reuse_port_socket(host, 0)
+    try:
+        return int(probe.getsockname()[1])
+    finally:
+        probe.close()
+
+
+def _worker_main(config: ServeConfig, log_level: str, threads: int | None, ready: EventType) -> None:
+    """One worker process: the single-process server on a SO_REUSEPORT socket of its own."""
+    import torch
+
+    from splitspec.serve.server import serve_forever
+
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
+    logging.getLogger("websockets").setLevel(max(logging.WARNING, logging.getLevelName(log_level)))
+    if threads is not None:
+        torch.set_num_threads(threads)
+    sock = reuse_port_socket(config.host, config.port)
+    with contextlib.suppress(KeyboardInterrupt):  # a terminal's Ctrl-C reaches every worker: uvicorn shut down
+        asyncio.run(serve_forever(config, log_level.lower(), sockets=[sock], on_started=ready.set))
+
+
+class Supervisor:
+    """Starts ``workers`` server processes and keeps them running until stopped."""
+
+    def __init__(self, config: ServeConfig, workers: int, log_level: str = "INFO", threads: int | None = None) -> None:
+        if workers < 2:
+            raise ConfigError(f"a supervisor runs 2 workers or more, got {workers}")
+        self.config = config
+        self.workers = workers
+        self.log_level = log_level
+        self.threads = threads
+        self._context = multiprocessing.get_context("spawn")
+        self._procs: list[BaseProcess | None] = [None] * workers
+        self._ready: list[EventType | None] = [None] * workers  # set by the worker once it accepts connections
+        self._stop_signal: int | None = None
+
+    def _start(self, index: int) -> None:
+        ready = self._context.Event()
+        proc = self._context.Process(
+            target=_worker_main,
+            args=(self.config, self.log_level, self.threads, ready),
+            name=f"splitspec-serve-{index}",
+            daemon=False,
+        )
+        proc.start()
+        self._procs[index] = proc
+        self._ready[index] = ready
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._stop_signal = signum
+
+    def run(self) -> int:
+        """Serve until SIGINT or SIGTERM (130 or 0), or until a worker cannot start (1)."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        status = 0
+        try:
+            for index in range(self.workers):
+                self._start(index)
+            log.info("%d workers serving on http://%s:%d/v1", self.workers, self.config.host, self.config.port)
+            while self._stop_signal is None:
+                live = [p for p in self._procs if p is not None]
+                multiprocessing.connection.wait([p.sentinel for p in live], timeout=0.5)
+                for index, proc in enumerate(self._procs):
+                    if proc is None or proc.is_alive() or self._stop_signal is not None:
+                        continue
+                    ready = self._ready[index]
+                    if ready is None or not ready.is_set():
+                        log.error("worker %d exited (status %s) while starting: stopping", index, proc.exitcode)
+                        return self._fail()
+                    log.error("worker %d exited (status %s): restarting it", index, proc.exitcode)
+                    self._start(index)
+            status = 130 if self._stop_signal == signal.SIGINT else 0
+        finally:
+            self._stop_all()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        return status
+
+    def _fail(self) -> int:
+        self._stop_signal = signal.SIGTERM
+        return 1
+
+    def _stop_all(self) -> None:
+        live = [p for p in self._procs if p is not None and p.is_alive()]
+        for proc in live:
+            proc.terminate()  # SIGTERM: uvicorn closes its sockets and finishes the requests in flight
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for proc in live:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.warning("worker %s did not stop in %.0f s: killed", proc.name, STOP_TIMEOUT_S)
+                proc.kill()
+                proc.join()

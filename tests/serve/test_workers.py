@@ -1,0 +1,131 @@
+"""``splitspec serve --workers 2`` as a process: two engines on one port, answering alike, supervised."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from splitspec.demo import free_port
+from splitspec.exceptions import ConfigError
+from splitspec.serve.config import ServeConfig
+from splitspec.serve.workers import Supervisor, resolve_port, reuse_port_socket
+from tests.serve.conftest import MODEL_NAME, Stack
+
+PROMPTS = ["to be or not", "the quick brown", "once upon a time", "all the world"]
+
+
+def worker_pids(base: str, tries: int = 40) -> set[int]:
+    """The pids that answer /health over ``tries`` fresh connections (the kernel spreads them)."""
+    pids = set()
+    for _ in range(tries):
+        pids.add(int(httpx.get(f"{base}/health", timeout=5).json()["pid"]))
+    return pids
+
+
+def wait_for_workers(base: str, proc: subprocess.Popen[str], count: int, timeout_s: float = 180) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            pids = worker_pids(base, 20)
+            if len(pids) >= count:
+                return pids
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{count} workers did not come up"
+        time.sleep(0.3)
+
+
+def complete(base: str, prompt: str) -> str:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)  # a fresh connection each
+    reply.raise_for_status()
+    return str(reply.json()["choices"][0]["text"])
+
+
+@pytest.mark.slow
+def test_two_workers_share_a_port_answer_alike_and_are_restarted(stack: Stack, chat_model: Path) -> None:
+    """Both workers answer (two pids behind one port); greedy completions through them equal the
+    in-process server's; a worker SIGKILLed is replaced; SIGINT stops the lot with status 130."""
+    alone = {p: complete(stack.base_url.removesuffix("/v1"), p) for p in PROMPTS}
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(chat_model),
+         "--cloud", f"ws://127.0.0.1:{stack.trunk_port}", "--served-model-name", MODEL_NAME,
+         "--port", str(port), "--allow-stock-edge-weights", "--threads", "1", "--workers", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        pids = wait_for_workers(base, proc, 2)
+        assert len(pids) == 2
+        assert proc.pid not in pids  # the supervisor serves nothing itself
+        with ThreadPoolExecutor(8) as pool:
+            texts = list(pool.map(lambda p: complete(base, p), PROMPTS * 2))
+        assert texts == [alone[p] for p in PROMPTS * 2]
+        killed = min(pids)
+        os.kill(killed, signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while True:
+            now = worker_pids(base, 20)
+            if len(now) == 2 and killed not in now:
+                break
+            assert proc.poll() is None
+            assert time.monotonic() < deadline, "the killed worker was not replaced"
+            time.sleep(0.5)
+        assert complete(base, PROMPTS[0]) == alone[PROMPTS[0]]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+    assert code == 130
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path) -> None:
+    """No model in the directory: the first worker fails while loading, and the supervisor exits 1
+    instead of restarting it for ever."""
+    port = free_port()
+    out = subprocess.run(
+        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(tmp_path),
+         "--cloud", "ws://127.0.0.1:9", "--port", str(port), "--allow-stock-edge-weights", "--workers", "2"],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "while starting" in out.stderr
+    assert "restarting" not in out.stderr
+
+
+def test_workers_share_one_port_and_refuse_one_taken_without_reuse() -> None:
+    """Two SO_REUSEPORT sockets bind one port; a plain listener already on a port is a ConfigError."""
+    port = resolve_port("127.0.0.1", 0)
+    assert port > 0
+    first, second = reuse_port_socket("127.0.0.1", port), reuse_port_socket("127.0.0.1", port)
+    try:
+        assert first.getsockname()[1] == second.getsockname()[1] == port
+    finally:
+        first.close()
+        second.close()
+    import socket
+
+    plain = socket.create_server(("127.0.0.1", 0))
+    try:
+        with pytest.raises(ConfigError, match="cannot listen"):
+            reuse_port_socket("127.0.0.1", plain.getsockname()[1])
+    finally:
+        plain.close()
+
+
+def test_a_supervisor_needs_two_workers(chat_model: Path) -> None:
+    from splitspec.edge import EdgeConfig
+
+    config = ServeConfig(EdgeConfig(model_dir=chat_model, cloud_url="ws://127.0.0.1:9"), served_model_name="m")
+    with pytest.raises(ConfigError, match="2 workers or more"):
+        Supervisor(config, 1)
