@@ -9,7 +9,8 @@ measured at 1 and 16 streams.
 
 The load is the official ``openai`` client: N concurrent streams (N = 1, 4, 8, 16, 32), each
 running ``--requests`` streamed completions back to back: 128-token prompts cut from held-out
-documents, 64 tokens out, greedy. Per level: aggregate output tok/s (completion tokens / wall
+documents, each behind a request number of its own (so the server's prefix cache never lets a
+prompt seen before skip its prefill), 64 tokens out, greedy. Per level: aggregate output tok/s (completion tokens / wall
 time), time to first token p50/p99, inter-token latency p50/p99 (per token: the gap between a
 stream's deliveries over the tokens delivered, as vLLM counts it; a speculative step delivers
 several tokens at once), and the edge compute
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -126,7 +128,18 @@ def prompts(count: int, tokens: int) -> list[str]:
     return [tokenizer.decode(ids[i * tokens : (i + 1) * tokens], skip_special_tokens=True) for i in range(count)]
 
 
+_REQUEST_IDS = itertools.count(1)
+
+
+def unique(prompt: str) -> str:
+    """``prompt`` behind a request number of its own: the server's prefix cache keeps finished sessions,
+    and a prompt sent again would skip its prefill (every level and repeat draws from the same
+    windows), so each request starts differently and pays its whole prefill, as a new conversation does."""
+    return f"{next(_REQUEST_IDS)}: {prompt}"
+
+
 async def stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> dict[str, Any]:
+    prompt = unique(prompt)
     t0 = time.perf_counter()
     chunks: list[float] = []
     tokens = 0
@@ -246,8 +259,8 @@ async def run_prefill_interference(url: str, prompts_: list[str], long_prompt: s
 async def run_all(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     texts = prompts(65, 128)[1:]  # the first window starts the long prompt
     long_text = prompts(1, args.long_prompt)[0]
-    for url in urls.values():  # warm-up: connections, the controller's step times
-        await run_level(url, 2, texts, 1, 16)
+    for url in urls.values():  # warm-up: connections, the controllers' step times (of every worker)
+        await run_level(url, 8, texts, 1, 32, metrics=False)
     raw: dict[str, list[dict[str, Any]]] = {label: [] for label in urls}
     prefill: list[dict[str, Any]] = []
     for rep in range(args.repeats):
@@ -327,7 +340,8 @@ def markdown(results: dict[str, Any]) -> str:
         + (f", baseline `{results['baseline']}`" if results["baseline"] else "")
         + (f"; the engine's server runs {results['workers']} workers" if results.get("workers", 1) > 1 else "")
         + f"; {results['repeats']} interleaved repeats, medians; {results['requests']} requests per stream, "
-        f"128-token prompts, {results['max_tokens']} tokens out, greedy, `--speculate auto` with the draft model.",
+        f"128-token prompts (each unique: no prefix-cache hits), {results['max_tokens']} tokens out, greedy, "
+        "`--speculate auto` with the draft model.",
         f"Reproduce: `{results['command']}`.",
         "",
         "| server | streams | aggregate tok/s | vs 1 stream | TTFT p50 (s) | TTFT p99 (s) | ITL p50 (ms) | ITL p99 (ms) |",

@@ -43,17 +43,22 @@ class EdgeConfig:
     max_cache_tokens: int | None = None  # with compile: the static KV buffers' size, tokens; None = max positions
     compile_backend: str = "inductor"  # torch.compile backend of compile; tests pass "eager" (graph capture only)
     trunk_fingerprint: str | None = None  # pinned trunk content fingerprint; None = hash model_dir's own trunk
-    # sessions one trunk connection carries at once (their steps multiplexed); the trunk's
-    # --max-sessions-per-connection (default 4) caps it, and the engine opens more connections as needed
     # linear layers and LM head reordered once for oneDNN (models/prepack.py): auto = on a float32 CPU
     # edge without --compile or quantization; on = refuse anything else; off = PyTorch's matmul
     prepack: str = "auto"
+    # sessions one trunk connection carries at once (their steps multiplexed); the trunk's
+    # --max-sessions-per-connection (default 4) caps it, and the engine opens more connections as needed
     sessions_per_connection: int = 4
+    # a trunk connection emptied of sessions (not the last one) stays open this long for the next ones, seconds:
+    # a burst after a lull then skips the handshake's round trips; 0 = close it at once
+    idle_connection_s: float = 30.0
     batch_gather: float = 0.5  # engine: how long a free worker waits for the other sequences' steps, in batch times
 
     def __post_init__(self) -> None:
         if self.sessions_per_connection < 1:
             raise ConfigError(f"sessions per trunk connection must be at least 1, got {self.sessions_per_connection}")
+        if not self.idle_connection_s >= 0:
+            raise ConfigError(f"the idle connection time must be >= 0 seconds, got {self.idle_connection_s}")
         if self.prepack not in ("auto", "on", "off"):
             raise ConfigError(f"prepack must be auto, on or off, got {self.prepack!r}")
         if not self.batch_gather >= 0:

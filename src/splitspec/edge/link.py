@@ -6,9 +6,12 @@ flight together, each reply matched to its step by session id and sequence numbe
 
 A :class:`TrunkLink` is the pool an engine uses: it opens a session on a live connection with room
 (at most ``sessions_per_connection`` each, the trunk's per-connection quota) and opens another
-connection when all are full. A connection that breaks fails every exchange in flight on it with
-:class:`~splitspec.exceptions.TransportError`; each affected sequence then recovers on its own
-(a new session, on whatever connection has room), and sequences on other connections see nothing.
+connection when all are full. A connection emptied of its sessions stays open for
+``idle_connection_s`` (the last one stays open), so the next burst of sequences finds it ready
+instead of paying a handshake's round trips. A connection that breaks fails every exchange in
+flight on it with :class:`~splitspec.exceptions.TransportError`; each affected sequence then
+recovers on its own (a new session, on whatever connection has room), and sequences on other
+connections see nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class TrunkConnection:
         self.sessions: set[str] = set()  # sessions this connection holds
         self.opening = 0  # sessions being opened on it now (they count against its room)
         self.full = False  # the trunk refused another session here (its per-connection quota)
+        self.idle_timer: asyncio.TimerHandle | None = None  # closes it once it has been empty idle_connection_s
         self._request_ids = itertools.count(1)
         channel.multiplex()
 
@@ -95,6 +99,7 @@ class TrunkLink:
         self.connections: list[TrunkConnection] = []
         self._connecting: dict[asyncio.Task[TrunkConnection], int] = {}  # connections being opened -> sessions waiting
         self._ids = itertools.count()
+        self._closing: set[asyncio.Task[None]] = set()  # idle connections being closed
 
     async def connect(self) -> TrunkConnection:
         """A new connection past its handshake (the trunk fingerprint checked)."""
@@ -140,8 +145,7 @@ class TrunkLink:
         while True:
             conn = self._with_room()
             if conn is not None:
-                conn.opening += 1
-                return conn
+                return self._reserve(conn)
             waiting = [
                 t
                 for t in self._connecting
@@ -160,8 +164,16 @@ class TrunkLink:
                 raise
             self._connecting.pop(task, None)
             if conn.alive and not conn.full and len(conn.sessions) + conn.opening < self.config.sessions_per_connection:
-                conn.opening += 1
-                return conn
+                return self._reserve(conn)
+
+    @staticmethod
+    def _reserve(conn: TrunkConnection) -> TrunkConnection:
+        """One session's room on ``conn``, which is no longer idle."""
+        conn.opening += 1
+        if conn.idle_timer is not None:
+            conn.idle_timer.cancel()
+            conn.idle_timer = None
+        return conn
 
     async def open_session(self) -> tuple[TrunkConnection, str]:
         """A new session, on a connection with room (a new connection when none has)."""
@@ -184,8 +196,23 @@ class TrunkLink:
             except (ProtocolError, TransportError) as exc:
                 log.debug("closing session %s: %s", session_id, exc)
         conn.sessions.discard(session_id)
-        if not conn.sessions and (not conn.alive or len(self.connections) > 1):
+        if conn.sessions or conn.opening:
+            return
+        if not conn.alive or (len(self.connections) > 1 and self.config.idle_connection_s == 0):
             await self._drop(conn)
+        elif len(self.connections) > 1 and conn.idle_timer is None:
+            conn.idle_timer = asyncio.get_running_loop().call_later(
+                self.config.idle_connection_s, self._drop_if_idle, conn
+            )
+
+    def _drop_if_idle(self, conn: TrunkConnection) -> None:
+        """The idle timer: close ``conn`` if it is still empty and not the last connection."""
+        conn.idle_timer = None
+        if conn.sessions or conn.opening or conn not in self.connections or len(self.connections) < 2:
+            return
+        task = asyncio.get_running_loop().create_task(self._drop(conn))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def forget(self, conn: TrunkConnection, session_id: str) -> None:
         """A session the trunk lost (or a connection that broke): drop it without asking the trunk."""
@@ -194,6 +221,9 @@ class TrunkLink:
             await self._drop(conn)
 
     async def _drop(self, conn: TrunkConnection) -> None:
+        if conn.idle_timer is not None:
+            conn.idle_timer.cancel()
+            conn.idle_timer = None
         if conn in self.connections:
             self.connections.remove(conn)
         await conn.close()
@@ -201,3 +231,5 @@ class TrunkLink:
     async def close(self) -> None:
         for conn in list(self.connections):
             await self._drop(conn)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
