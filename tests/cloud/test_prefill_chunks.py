@@ -129,3 +129,27 @@ async def test_a_free_worker_gathers_the_active_sessions_steps(trunk: LayerStack
     assert lone_wait < 5  # a lone session never waits for anyone
     with pytest.raises(ValueError, match="non-negative fraction"):
         StepBatcher(trunk, metrics, gather=-1)
+
+
+async def test_a_prefill_with_nobody_else_active_runs_whole_chunks_without_waiting(trunk: LayerStack) -> None:
+    """Decode traffic just ended (within DECODE_LIVE_S), but its sessions are gone: a new prefill runs in
+    chunks of the maximum, not the small ones that bound a decode step's wait, and waits for nobody."""
+    metrics = _Recorder()
+    batcher = _ChunkFlags(trunk, metrics, prefill_chunk_tokens=64, gather=1000.0)  # a window longer than the test
+    batcher.start()
+    decoder = KVCache()
+    for _ in range(3):  # a decode batch's time is measured, and decode traffic counts as live for a second
+        at = torch.tensor([len(decoder)], dtype=torch.int32)
+        await batcher.submit(torch.randn(1, 1, 64), at, torch.tensor([-1], dtype=torch.int32), decoder)
+    batcher._delivered.clear()  # the decoding session closed (its cache freed)
+    metrics.forwards.clear()
+    batcher.chunk_flags.clear()
+    prompt = 150
+    chain = torch.arange(-1, prompt - 1, dtype=torch.int32)
+    async with asyncio.timeout(5):  # a 1,000-decode-batch gathering window per chunk would not fit
+        out, _, _ = await batcher.submit(torch.randn(1, prompt, 64), torch.arange(prompt, dtype=torch.int32), chain,
+                                         KVCache())  # fmt: skip
+    await batcher.stop()
+    assert out.shape == (1, prompt, 64)
+    assert batcher.chunk_flags == [True, True, True]
+    assert [tokens for _, tokens in metrics.forwards] == [64, 64, 22]  # the maximum, with decoding over

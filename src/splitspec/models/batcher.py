@@ -175,9 +175,13 @@ class RowBatcher:
         if not is_chain(big[0].parents):
             return small, big[:1], None
         chains = [p for p in big if is_chain(p.parents)][: self.max_big_steps]
-        # several prefills share the iteration's budget: one forward of all, each cut to its share
-        share = self.chunks.next_chunk(time.perf_counter()) // len(chains)
-        return small, chains, max(self.chunks.min_tokens, share)
+        # several prefills share the iteration's budget: one forward of all, each cut to its share. A
+        # chunk is kept small so that a decode step arriving waits for one chunk at most; with no other
+        # sequence active (none waiting, none delivered within ACTIVE_S) no decode step can arrive
+        now = time.perf_counter()
+        decoding = self._active(now) - {p.cache for p in chains}
+        budget = self.chunks.next_chunk(now) if decoding else self.chunks.max_tokens
+        return small, chains, max(self.chunks.min_tokens, budget // len(chains))
 
     async def _run_forever(self) -> None:
         while True:
@@ -191,11 +195,11 @@ class RowBatcher:
                 if big:
                     await self._run(big, chunk if chunk is not None else big[0].tokens)  # a tree goes whole
 
-    def _active(self, now: float) -> int:
+    def _active(self, now: float) -> set[KVCache]:
         """Sequences with a step waiting or delivered within :data:`ACTIVE_S` (older entries are dropped)."""
         for cache in [c for c, at in self._delivered.items() if now - at > ACTIVE_S]:
             del self._delivered[cache]
-        return len(set(self._delivered.keys()) | {p.cache for p in self._pending})
+        return set(self._delivered.keys()) | {p.cache for p in self._pending}
 
     async def _gather(self) -> None:
         """Wait (at most ``gather`` decode batches' time) for the active sequences' next steps."""
@@ -203,7 +207,7 @@ class RowBatcher:
         if not window:
             return
         deadline = time.perf_counter() + window
-        while (now := time.perf_counter()) < deadline and len(self._pending) < self._active(now):
+        while (now := time.perf_counter()) < deadline and len(self._pending) < len(self._active(now)):
             self._wake.clear()
             try:
                 async with asyncio.timeout(deadline - now):
