@@ -210,6 +210,9 @@ class TrunkLink:
         conn.idle_timer = None
         if conn.sessions or conn.opening or conn not in self.connections or len(self.connections) < 2:
             return
+        # out of the list now, not when the close task runs: timers firing in the same tick would each
+        # still count the others and close the last connection too
+        self.connections.remove(conn)
         task = asyncio.get_running_loop().create_task(self._drop(conn))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
