@@ -10,11 +10,11 @@ measured at 1 and 16 streams.
 The load is the official ``openai`` client: N concurrent streams (N = 1, 4, 8, 16, 32), each
 running ``--requests`` streamed completions back to back: 128-token prompts cut from held-out
 documents, each behind a request number of its own (so the server's prefix cache never lets a
-prompt seen before skip its prefill), 64 tokens out, greedy. Per level: aggregate output tok/s (completion tokens / wall
-time), time to first token p50/p99, inter-token latency p50/p99 (per token: the gap between a
-stream's deliveries over the tokens delivered, as vLLM counts it; a speculative step delivers
-several tokens at once), and the edge compute
-per forward and per sequence against the batch size (the server's ``/metrics``). Then, at 16
+prompt seen before skip its prefill), 64 tokens out, greedy. Per level: aggregate output tok/s
+(completion tokens / wall time), time to first token p50/p99, inter-token latency p50/p99 (per
+token: the gap between a stream's deliveries over the tokens delivered, as vLLM counts it; a
+speculative step delivers several tokens at once), and the edge compute per forward and per
+sequence against the batch size (the server's ``/metrics``). Then, at 16
 streams, one extra request with a long prompt: the other streams' inter-token p99 while it
 prefills, against their p50.
 

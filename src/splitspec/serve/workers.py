@@ -115,7 +115,6 @@ class Supervisor:
     def run(self) -> int:
         """Serve until SIGINT or SIGTERM (130 or 0), or until a worker cannot start (1)."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        status = 0
         try:
             for index in range(self.workers):
                 self._start(index)
@@ -129,19 +128,14 @@ class Supervisor:
                     ready = self._ready[index]
                     if ready is None or not ready.is_set():
                         log.error("worker %d exited (status %s) while starting: stopping", index, proc.exitcode)
-                        return self._fail()
+                        return 1  # (finally: the others are stopped)
                     log.error("worker %d exited (status %s): restarting it", index, proc.exitcode)
                     self._start(index)
-            status = 130 if self._stop_signal == signal.SIGINT else 0
+            return 130 if self._stop_signal == signal.SIGINT else 0
         finally:
             self._stop_all()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        return status
-
-    def _fail(self) -> int:
-        self._stop_signal = signal.SIGTERM
-        return 1
 
     def _stop_all(self) -> None:
         live = [p for p in self._procs if p is not None and p.is_alive()]
