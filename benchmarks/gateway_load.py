@@ -43,7 +43,7 @@ import openai
 from transformers import AutoTokenizer
 
 from splitspec.demo import ASSETS, _stop, _wait_for_port, embedded_model, free_port
-from splitspec.run_info import run_environment
+from splitspec.run_info import cpu_seconds, run_environment
 
 LEVELS = (1, 4, 8, 16, 32)
 
@@ -89,12 +89,16 @@ def wait_for_workers(url: str, workers: int, timeout_s: float = 180) -> None:
         time.sleep(0.5)
 
 
-def start_stack(rtt_ms: float, baseline_src: Path | None, workers: int = 1) -> tuple[list[Any], dict[str, str]]:
+def start_stack(
+    rtt_ms: float, baseline_src: Path | None, workers: int = 1
+) -> tuple[list[Any], dict[str, str], dict[str, dict[str, int]]]:
     """The engine's server (``workers`` processes) and, with ``baseline_src``, the baseline's (one process),
-    each with its own trunk and link (an older commit may speak an older protocol)."""
+    each with its own trunk and link (an older commit may speak an older protocol); with each server's
+    process ids (trunk, link, serve) for their CPU time."""
     base, draft = embedded_model("base"), embedded_model("draft")
     procs: list[Any] = []
     urls = {}
+    pids: dict[str, dict[str, int]] = {}
     servers: list[tuple[str, Path | None]] = [("engine", None)]
     if baseline_src is not None:
         servers.append(("baseline", baseline_src))
@@ -109,9 +113,11 @@ def start_stack(rtt_ms: float, baseline_src: Path | None, workers: int = 1) -> t
         ], src))  # fmt: skip
         _wait_for_port(port, procs[-1], 180)
         urls[label] = f"http://127.0.0.1:{port}"
+        pids[label] = {"trunk": procs[-3].pid, "link": procs[-2].pid, "serve": procs[-1].pid}
         if label == "engine" and workers > 1:
             wait_for_workers(urls[label], workers)
-    return procs, urls
+            del pids[label]["serve"]  # its workers are the supervisor's children: their CPU is not its own
+    return procs, urls, pids
 
 
 def prompts(count: int, tokens: int) -> list[str]:
@@ -198,26 +204,67 @@ def edge_forwards(text: str) -> dict[tuple[str, int], tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def step_parts(text: str) -> dict[str, float]:
+    """From a /metrics page: per part of a round trip (network, edge, cloud, serialize) its total ms and count,
+    as ``PART_ms`` and ``PART_n``; and the decode round trips and completion tokens."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("splitspec_serve_step_milliseconds_sum{") or line.startswith(
+            "splitspec_serve_step_milliseconds_count{"
+        ):
+            part = line[line.index('part="') + 6 :].split('"', 1)[0]
+            out[f"{part}_{'ms' if '_sum{' in line else 'n'}"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith('splitspec_serve_round_trips_total{kind="decode"}'):
+            out["decode_trips"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("splitspec_serve_completion_tokens_total "):
+            out["completion_tokens"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def per_step(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What a level added to :func:`step_parts`: mean ms per round trip of each part, and tokens per decode trip."""
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    out = {
+        f"{part}_ms": delta[f"{part}_ms"] / delta[f"{part}_n"]
+        for part in ("network", "edge", "cloud", "serialize")
+        if delta.get(f"{part}_n")
+    }
+    if delta.get("decode_trips"):
+        out["tokens_per_trip"] = delta.get("completion_tokens", 0.0) / delta["decode_trips"]
+    return out
+
+
 async def run_level(
-    url: str, n: int, prompts_: list[str], requests: int, max_tokens: int, metrics: bool = True
+    url: str,
+    n: int,
+    prompts_: list[str],
+    requests: int,
+    max_tokens: int,
+    metrics: bool = True,
+    pids: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """One load level; ``metrics`` False: no edge compute from /metrics (with several workers each
-    scrape reaches one worker, so before/after would not be of the same process)."""
+    scrape reaches one worker, so before/after would not be of the same process). ``pids``: processes
+    (name -> pid) whose CPU time is read around the level, with this one's as ``load``."""
     import httpx
 
-    async def scrape() -> dict[tuple[str, int], tuple[float, float]]:
+    async def scrape() -> tuple[dict[tuple[str, int], tuple[float, float]], dict[str, float]]:
         if not metrics:
-            return {}
+            return {}, {}
         async with httpx.AsyncClient() as http:
-            return edge_forwards((await http.get(f"{url}/metrics")).text)
+            text = (await http.get(f"{url}/metrics")).text
+        return edge_forwards(text), step_parts(text)
 
-    before = await scrape()
+    watched = {**(pids or {}), "load": os.getpid()} if pids is not None else {}
+    before, parts0 = await scrape()
+    cpu0 = {name: cpu_seconds(pid) for name, pid in watched.items()}
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     t0 = time.perf_counter()
     per_stream = await asyncio.gather(*(stream_worker(client, prompts_, i, requests, max_tokens) for i in range(n)))
     wall = time.perf_counter() - t0
     await client.close()
-    after = await scrape()
+    cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in watched.items()}
+    after, parts1 = await scrape()
     results = [r for stream in per_stream for r in stream]
     ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
     gaps = [latency for r in results for _, latency in token_latencies(r["chunks"])]
@@ -233,36 +280,56 @@ async def run_level(
         "streams": n, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
         "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
         "itl_p50_s": quantile(gaps, 0.5), "itl_p99_s": quantile(gaps, 0.99), "edge_batches": batches,
+        # cores each process kept busy over the level, and its CPU per output token (ms)
+        "cores": {name: seconds / wall for name, seconds in cpu.items()},
+        "cpu_ms_per_token": {name: 1e3 * seconds / max(1, tokens) for name, seconds in cpu.items()},
+        "per_step": per_step(parts0, parts1) if metrics else {},
     }  # fmt: skip
 
 
-async def run_prefill_interference(url: str, prompts_: list[str], long_prompt: str, max_tokens: int) -> dict[str, Any]:
-    """16 streams decode; one long prompt arrives in the middle: their gaps while it prefills, against their p50."""
+async def run_prefill_interference(
+    url: str, prompts_: list[str], long_prompt: str | None, max_tokens: int, window_s: float | None = None
+) -> dict[str, Any]:
+    """16 streams decode; one long prompt arrives in the middle: their gaps while it prefills, against their p50.
+
+    ``long_prompt`` None is the control: the same 16 streams with no long prompt, their gaps in a window of
+    ``window_s`` at the same offset. Speculation makes a stream's per-token p50 small (a step delivers several
+    tokens) while a one-token step is a whole round trip, so p99 / p50 is well above 1 with no prefill at all;
+    the control says how much of the ratio the prefill adds."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     workers = [asyncio.ensure_future(stream_worker(client, prompts_, i, 1, max_tokens)) for i in range(16)]
     await asyncio.sleep(1.5)  # every stream is decoding
-    long = await stream_one(client, long_prompt, 4)
+    if long_prompt is not None:
+        long = await stream_one(client, long_prompt, 4)
+        window = (long["start"], long["chunks"][0] if long["chunks"] else long["end"])
+    else:
+        start = time.perf_counter()
+        await asyncio.sleep(window_s or 0.0)
+        window = (start, start + (window_s or 0.0))
     results = [r for stream in await asyncio.gather(*workers) for r in stream]
     await client.close()
-    window = (long["start"], long["chunks"][0] if long["chunks"] else long["end"])
     all_gaps, during = [], []
     for r in results:
         for at, latency in token_latencies(r["chunks"]):
             all_gaps.append(latency)
-            if window[0] < at <= window[1] + latency:  # a delivery that waited through part of the prefill
+            if window[0] < at <= window[1] + latency:  # a delivery that waited through part of the window
                 during.append(latency)
     p50 = quantile(all_gaps, 0.5)
     return {"prefill_s": window[1] - window[0], "itl_p50_s": p50, "itl_p99_during_s": quantile(during, 0.99),
             "ratio": quantile(during, 0.99) / p50, "gaps_during": len(during)}  # fmt: skip
 
 
-async def run_all(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+async def run_all(
+    urls: dict[str, str], args: argparse.Namespace, pids: dict[str, dict[str, int]] | None = None
+) -> dict[str, Any]:
+    pids = pids or {}
     texts = prompts(65, 128)[1:]  # the first window starts the long prompt
     long_text = prompts(1, args.long_prompt)[0]
     for url in urls.values():  # warm-up: connections, the controllers' step times (of every worker)
         await run_level(url, 8, texts, 1, 32, metrics=False)
     raw: dict[str, list[dict[str, Any]]] = {label: [] for label in urls}
     prefill: list[dict[str, Any]] = []
+    control: list[dict[str, Any]] = []  # the same window with no long prompt
     for rep in range(args.repeats):
         levels = list(LEVELS) if rep % 2 == 0 else list(reversed(LEVELS))
         for n in levels:
@@ -271,14 +338,19 @@ async def run_all(urls: dict[str, str], args: argparse.Namespace) -> dict[str, A
                 if label != "engine" and n not in (1, 16):  # the baseline is measured where it is compared
                     continue
                 single = label != "engine" or args.workers == 1
-                level = await run_level(urls[label], n, texts, args.requests, args.max_tokens, metrics=single)
+                level = await run_level(
+                    urls[label], n, texts, args.requests, args.max_tokens, metrics=single, pids=pids.get(label)
+                )
                 raw[label].append({**level, "repeat": rep})
                 print(f"  repeat {rep} {label} {n:>2} streams: {level['tokens_per_s']:.1f} tok/s, "
                       f"itl p99 {level['itl_p99_s'] * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
-        prefill.append({**await run_prefill_interference(urls["engine"], texts, long_text, args.max_tokens),
-                        "repeat": rep})  # fmt: skip
-        print(f"  repeat {rep} prefill interference: {prefill[-1]['ratio']:.2f}x", file=sys.stderr)
-    return {"levels": raw, "prefill": prefill}
+        measured = await run_prefill_interference(urls["engine"], texts, long_text, args.max_tokens)
+        prefill.append({**measured, "repeat": rep})
+        control.append({**await run_prefill_interference(urls["engine"], texts, None, args.max_tokens,
+                                                         measured["prefill_s"]), "repeat": rep})  # fmt: skip
+        print(f"  repeat {rep} prefill interference: {prefill[-1]['ratio']:.2f}x "
+              f"(control, no prefill: {control[-1]['ratio']:.2f}x)", file=sys.stderr)  # fmt: skip
+    return {"levels": raw, "prefill": prefill, "prefill_control": control}
 
 
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
@@ -292,6 +364,9 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             row = {"streams": n, "runs": len(mine)}
             for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
                 row[key] = statistics.median(r[key] for r in mine)
+            for group in ("cores", "cpu_ms_per_token", "per_step"):
+                names = {name for r in mine for name in r.get(group, {})}
+                row[group] = {n: statistics.median(r[group][n] for r in mine if n in r[group]) for n in sorted(names)}
             row["per_repeat_tokens_per_s"] = [r["tokens_per_s"] for r in mine]
             rows.append(row)
         for row in rows:
@@ -305,6 +380,12 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         "itl p99 16 / 1 (target <= 2)": by_n[16]["itl_p99_s"] / by_n[1]["itl_p99_s"] if 16 in by_n else None,
         "prefill p99 / p50 (target <= 3)": statistics.median(p["ratio"] for p in raw["prefill"]),
     }
+    if raw.get("prefill_control"):  # the same ratio in the same window with no long prompt, and the prefill's share
+        checks["same window, no prefill: p99 / p50"] = statistics.median(p["ratio"] for p in raw["prefill_control"])
+        checks["prefill p99 / no-prefill p99 (paired by repeat)"] = statistics.median(
+            p["itl_p99_during_s"] / c["itl_p99_during_s"]
+            for p in raw["prefill"] for c in raw["prefill_control"] if p["repeat"] == c["repeat"]
+        )  # fmt: skip
     if "baseline" in out:
         # lone stream, paired by repeat: engine / baseline
         pairs = [
@@ -357,6 +438,29 @@ def markdown(results: dict[str, Any]) -> str:
     for key, value in s["checks"].items():
         shown = ", ".join(f"{v:.2f}" for v in value) if isinstance(value, list) else f"{value:.2f}"
         lines.append(f"| {key} | {shown} |")
+    cpu_rows = [r for r in s.get("engine", []) if r.get("cores")]
+    if cpu_rows:
+        names = sorted({n for r in cpu_rows for n in r["cores"]})
+        lines += ["", "## Where the CPU goes (engine): cores each process kept busy, and CPU ms per output token", "",
+                  "| streams | " + " | ".join(f"{n} cores" for n in names) + " | "
+                  + " | ".join(f"{n} ms/token" for n in names) + " |",
+                  "|---:|" + "---:|" * (2 * len(names))]  # fmt: skip
+        for r in cpu_rows:
+            cells = [f"{r['cores'].get(n, float('nan')):.2f}" for n in names]
+            cells += [f"{r['cpu_ms_per_token'].get(n, float('nan')):.2f}" for n in names]
+            lines.append(f"| {r['streams']} | " + " | ".join(cells) + " |")
+        lines += ["", "`serve` is one process whose Python work shares one interpreter lock: past about one core "
+                  "its threads (event loop, head, tail, drafting) wait for each other.", "",
+                  "## One round trip, by part (engine, mean ms per trip; from serve's /metrics)", "",
+                  "| streams | network | edge | cloud | serialize | tokens per decode trip |",
+                  "|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in cpu_rows:
+            p = r.get("per_step", {})
+            cells = [f"{p[k]:.1f}" if k in p else "" for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")]
+            trips = f"{p['tokens_per_trip']:.2f}" if "tokens_per_trip" in p else ""
+            lines.append(f"| {r['streams']} | " + " | ".join(cells) + f" | {trips} |")
+        lines += ["", "network: the round trip less the trunk's compute (its queue included); edge: the head's and "
+                  "the tail's forwards with their queues.", ""]  # fmt: skip
     lines += ["", "## Edge compute per sequence against the batch size (engine, medians over levels)", "",
               "| part | rows | ms per sequence |", "|---|---:|---:|"]  # fmt: skip
     if not s["edge_ms_per_sequence"]:
@@ -420,9 +524,9 @@ def main() -> None:
             subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], check=True,
                            capture_output=True)  # fmt: skip
             src = tree / "src"
-        procs, urls = start_stack(args.rtt_ms, src, args.workers)
+        procs, urls, pids = start_stack(args.rtt_ms, src, args.workers)
         try:
-            raw = asyncio.run(run_all(urls, args))
+            raw = asyncio.run(run_all(urls, args, pids))
         finally:
             _stop(procs)
             if src is not None:

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import splitspec
-from splitspec.run_info import git_commit, read_jsonl_gz, resident_bytes, run_environment, write_jsonl_gz
+from splitspec.run_info import (
+    cpu_seconds,
+    git_commit,
+    read_jsonl_gz,
+    resident_bytes,
+    run_environment,
+    write_jsonl_gz,
+)
 
 
 def test_jsonl_gz_round_trip_is_stamped_and_reproducible(tmp_path: Path) -> None:
@@ -51,3 +59,14 @@ def test_resident_bytes_of_this_process_and_of_a_pid() -> None:
     assert abs(resident_bytes(os.getpid()) - here) < 64 * 1024 * 1024  # the same process, read twice
     with pytest.raises(FileNotFoundError):
         resident_bytes(2**31 - 1)  # no such process
+
+
+def test_cpu_seconds_grow_with_the_work_a_process_does() -> None:
+    before = cpu_seconds()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # burn 0.3 s of CPU
+        pass
+    spent = cpu_seconds(os.getpid()) - before
+    assert 0.2 <= spent < 5.0  # the kernel counts in clock ticks (10 ms)
+    with pytest.raises(FileNotFoundError):
+        cpu_seconds(2**31 - 1)  # no such process

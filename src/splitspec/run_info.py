@@ -74,6 +74,13 @@ def resident_bytes(pid: int | str = "self") -> int:
     raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
+def cpu_seconds(pid: int | str = "self") -> float:
+    """CPU time process ``pid`` (default: this one) has used, user and system, seconds, from ``/proc/PID/stat``:
+    a benchmark reads it before and after a load to tell how many cores each of its processes kept busy."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
+
+
 def write_jsonl_gz(path: Path, records: Iterable[Mapping[str, Any]], **stamp: Any) -> int:
     """Write ``records`` to ``path`` as gzip-compressed JSON lines, each updated with ``stamp``
     (e.g. ``commit=..., splitspec=...``); returns the number of lines. The gzip header carries no
