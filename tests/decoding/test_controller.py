@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from splitspec.decoding.controller import PROBE_BUDGET, SpeculationController, StepTimes
+from splitspec.decoding.controller import MEMO_ENTRIES, PROBE_BUDGET, SpeculationController, StepTimes
 
 
 def trained(rtt_s: float, per_token_s: float, accept_rate: float, steps: int = 200) -> SpeculationController:
@@ -262,3 +264,44 @@ def test_a_good_drafter_kept_waiting_keeps_its_place() -> None:
     assert ctl.judged("draft")
     assert ctl.judged("head")
     assert ctl.ranked()[0].drafter == "head"
+
+
+def test_remembered_step_times_are_what_a_fresh_estimate_predicts_after_every_observation() -> None:
+    """StepTimes remembers its predictions between observations; every observation forgets them. Interleaved
+    predictions and observations answer what estimates rebuilt from the same observations predict."""
+    rng = random.Random(3)
+    times = StepTimes()
+    seen: list[tuple[int, float, int]] = []
+    for _ in range(200):
+        if rng.random() < 0.4:
+            obs = (rng.choice([1, 2, 3, 5, 9, 17]), rng.uniform(0.01, 0.2), rng.choice([10, 300, 700, 2100]))
+            times.observe(*obs)
+            seen.append(obs)
+        q, context = rng.choice([1, 2, 4, 7, 13, 17]), rng.choice([10, 300, 700, 2100, 5000])
+        fresh = StepTimes()
+        for obs in seen:
+            fresh.observe(*obs)
+        assert times.predict(q, context) == fresh.predict(q, context)
+        assert times.predict(q, context) == fresh.predict(q, context)  # asked again: remembered, the same
+    assert len(times._memo) <= MEMO_ENTRIES
+
+
+def test_a_controller_asked_between_observations_ranks_as_one_asked_only_at_the_end() -> None:
+    """What the ranking keeps between observations (step-time predictions, expected accepted tokens) is
+    forgotten at each: a controller ranked after every observation answers as one that never was."""
+    rng = random.Random(5)
+    drafters = ["ngram", "prompt-lookup", "draft"]
+    asked, quiet = SpeculationController(drafters), SpeculationController(drafters)
+    for step in range(150):
+        context = rng.choice([50, 400, 1500])
+        q, seconds = rng.choice([1, 2, 3, 5, 9]), rng.uniform(0.02, 0.1)
+        name, depth = rng.choice(drafters), rng.randint(1, 6)
+        accepted, chosen, draft_s = rng.randint(0, depth), rng.random() < 0.8, rng.uniform(1e-3, 5e-3)
+        for controller in (asked, quiet):
+            controller.observe_step(q, seconds, context)
+            controller.observe_draft(name, depth, accepted, depth + 2, draft_s, chosen=chosen)
+        if step % 3:
+            asked.ranked(context)
+            asked.value("draft", 4, context)
+    for context in (50, 400, 1500, 5000):
+        assert asked.ranked(context) == quiet.ranked(context)

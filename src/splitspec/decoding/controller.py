@@ -24,6 +24,7 @@ from typing import Protocol
 
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
 CONTEXT_BAND_TOKENS = 256  # step times are kept per context band: [0, 256), [256, 512), [512, 1024), ...
+MEMO_ENTRIES = 1024  # step-time predictions kept between two observations, at most
 PROBE_BUDGET = 2  # most tokens a drafter is asked for until its acceptance has been judged
 POPULATION_WEIGHT = 8.0  # observations the engine-wide estimates are worth to a new sequence's controller
 # a cheap deterministic drafter not chosen is scored against the greedy target's tokens until its first depth
@@ -147,8 +148,10 @@ class _WidthTimes:
         self._times: dict[int, _Ema] = {}  # query tokens -> seconds, as measured
         self._one = _Ema()  # T(1), seconds
         self._extra: dict[int, _Ema] = {}  # query tokens > 1 -> seconds over T(1)
+        self._extra_sorted: list[tuple[int, float]] | None = None  # _extra as sorted points, until it changes
 
     def observe(self, query_tokens: int, seconds: float) -> None:
+        self._extra_sorted = None
         self._times.setdefault(query_tokens, _Ema()).update(seconds, self.decay)
         one = self._one.value
         if query_tokens == 1:
@@ -168,18 +171,28 @@ class _WidthTimes:
         """T(1), seconds (nan until a one-token step is measured)."""
         return self._one.value
 
+    @property
+    def has_extra(self) -> bool:
+        """Whether a step wider than one token has been measured (so :meth:`extra` answers)."""
+        return bool(self._extra)
+
+    def _extra_points(self) -> list[tuple[int, float]]:
+        """(q, seconds over T(1)) of every measured width, with (1, 0), sorted: kept until the next observation."""
+        if self._extra_sorted is None:
+            self._extra_sorted = [(1, 0.0), *sorted((k, e.value) for k, e in self._extra.items())]
+        return self._extra_sorted
+
     def extra(self, q: int) -> float | None:
         """Seconds a step of q tokens costs over T(1), interpolated; None until a wider step is measured."""
         if not self._extra:
             return None
-        return _interpolate([(1, 0.0), *sorted((k, e.value) for k, e in self._extra.items())], q)
+        return _interpolate(self._extra_points(), q)
 
     def predict(self, q: int) -> float:
         """Predicted seconds for a step of q query tokens."""
         one = self._one.value
         if not math.isnan(one) and self._extra:
-            known = [(1, 0.0), *sorted((k, e.value) for k, e in self._extra.items())]
-            return max(1e-6, one + _interpolate(known, q))
+            return max(1e-6, one + _interpolate(self._extra_points(), q))
         known = sorted((k, e.value) for k, e in self._times.items() if not math.isnan(e.value))
         if not known:
             return 1.0
@@ -203,6 +216,10 @@ class StepTimes:
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay  # per-observation decay of every estimate
         self._bands: dict[int, _WidthTimes] = {}  # context band -> its estimates
+        # (q, band) -> what predict answers until the next observation: a controller's ranking asks for the same
+        # few widths once per drafter and budget (about 80 predictions a step, 9 distinct), and each prediction
+        # walks every band's sorted estimates in Python (under load, 10 % of the edge server's interpreter time)
+        self._memo: dict[tuple[int, int], float] = {}
 
     @property
     def measured(self) -> bool:
@@ -212,20 +229,29 @@ class StepTimes:
     def observe(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
         band = context_band(context_tokens)
         self._bands.setdefault(band, _WidthTimes(self.decay)).observe(query_tokens, seconds)
+        self._memo.clear()  # any prediction may have moved
 
     def predict(self, q: int, context_tokens: int = 0) -> float:
         """Predicted seconds for a step of q query tokens after ``context_tokens`` tokens."""
+        key = (q, context_band(context_tokens))
+        seconds = self._memo.get(key)
+        if seconds is None:
+            if len(self._memo) >= MEMO_ENTRIES:  # odd widths asked between two observations: stay bounded
+                self._memo.clear()
+            seconds = self._memo[key] = self._predict(q, key[1])
+        return seconds
+
+    def _predict(self, q: int, band: int) -> float:
         if not self._bands:
             return 1.0
-        band = context_band(context_tokens)
         own = self._bands.get(band)
         if own is None or math.isnan(own.level):  # no T(1) here yet: the nearest band that has one
             levelled = [b for b, times in self._bands.items() if not math.isnan(times.level)]
             if not levelled:
                 return (own or self._nearest(band, list(self._bands))).predict(q)
             own = self._nearest(band, levelled)
-        donors = [b for b, times in self._bands.items() if times.extra(q) is not None]
-        if q == 1 or own.extra(q) is not None or not donors:
+        donors = [b for b, times in self._bands.items() if times.has_extra]
+        if q == 1 or own.has_extra or not donors:
             return own.predict(q)
         extra = self._nearest(band, donors).extra(q)
         return own.predict(q) if extra is None else max(1e-6, own.level + extra)
@@ -287,6 +313,8 @@ class SpeculationController:
             name: _DrafterStats() if population is None else population.prior(name) for name in self.drafters
         }
         self._since_speculation = 0
+        # (drafter, depth 1's prior) -> expected accepted tokens by budget, until the next draft is observed
+        self._accepted_sums: dict[tuple[str, float | None], list[float]] = {}
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -317,11 +345,19 @@ class SpeculationController:
         return self.hit_rate(drafter) * self._accepted_if_offered(drafter, budget)
 
     def _accepted_if_offered(self, drafter: str, budget: int, prior_alpha: float | None = None) -> float:
-        total, run = 0.0, 1.0
-        for alpha in self.alphas(drafter, budget, prior_alpha):
-            run *= alpha
-            total += run
-        return total
+        """Expected accepted tokens of a ``budget``-deep draft of ``drafter``: the sum over depths of the product of
+        their acceptance estimates. The partial sums of every depth are kept until the next observation of a draft
+        (a ranking asks for each drafter at every budget: the same products again)."""
+        key = (drafter, prior_alpha)
+        sums = self._accepted_sums.get(key)
+        if sums is None or len(sums) <= budget:
+            total, run, sums = 0.0, 1.0, [0.0]
+            for alpha in self.alphas(drafter, max(budget, self.budgets[-1]), prior_alpha):
+                run *= alpha
+                total += run
+                sums.append(total)
+            self._accepted_sums[key] = sums
+        return sums[budget]
 
     def value_if_offered(
         self, drafter: str, budget: int, context_tokens: int = 0, prior_alpha: float | None = None
@@ -438,6 +474,7 @@ class SpeculationController:
     ) -> None:
         """A drafter proposed a tree ``proposed_depth`` deep; ``accepted`` of its tokens were kept (or would
         have been: ``chosen`` False, a shadow proposal scored against a greedy step's tokens)."""
+        self._accepted_sums.clear()  # every drafter's estimates may move (the others age)
         if self.population is not None:
             self.population.observe_draft(drafter, proposed_depth, accepted, draft_tokens, draft_seconds, chosen=chosen)
         for name, other in self._stats.items():
