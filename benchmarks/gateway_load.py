@@ -116,8 +116,31 @@ def start_stack(
         pids[label] = {"trunk": procs[-3].pid, "link": procs[-2].pid, "serve": procs[-1].pid}
         if label == "engine" and workers > 1:
             wait_for_workers(urls[label], workers)
-            del pids[label]["serve"]  # its workers are the supervisor's children: their CPU is not its own
     return procs, urls, pids
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid`` and of every live process under it (``serve --workers``' workers are its
+    supervisor's children: their time is not the supervisor's own)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        node = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == node]
+        tree.update(children)
+        frontier += children
+    total = 0.0
+    for member in tree:
+        try:
+            total += cpu_seconds(member)
+        except OSError:
+            continue  # gone meanwhile
+    return total
 
 
 def prompts(count: int, tokens: int) -> list[str]:
@@ -257,13 +280,13 @@ async def run_level(
 
     watched = {**(pids or {}), "load": os.getpid()} if pids is not None else {}
     before, parts0 = await scrape()
-    cpu0 = {name: cpu_seconds(pid) for name, pid in watched.items()}
+    cpu0 = {name: tree_cpu_seconds(pid) for name, pid in watched.items()}
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     t0 = time.perf_counter()
     per_stream = await asyncio.gather(*(stream_worker(client, prompts_, i, requests, max_tokens) for i in range(n)))
     wall = time.perf_counter() - t0
     await client.close()
-    cpu = {name: cpu_seconds(pid) - cpu0[name] for name, pid in watched.items()}
+    cpu = {name: tree_cpu_seconds(pid) - cpu0[name] for name, pid in watched.items()}
     after, parts1 = await scrape()
     results = [r for stream in per_stream for r in stream]
     ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
