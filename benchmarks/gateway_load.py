@@ -280,13 +280,17 @@ async def run_level(
 
     watched = {**(pids or {}), "load": os.getpid()} if pids is not None else {}
     before, parts0 = await scrape()
-    cpu0 = {name: tree_cpu_seconds(pid) for name, pid in watched.items()}
+
+    def used(name: str, pid: int) -> float:  # the load's own: its children are the servers measured beside it
+        return cpu_seconds(pid) if name == "load" else tree_cpu_seconds(pid)
+
+    cpu0 = {name: used(name, pid) for name, pid in watched.items()}
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     t0 = time.perf_counter()
     per_stream = await asyncio.gather(*(stream_worker(client, prompts_, i, requests, max_tokens) for i in range(n)))
     wall = time.perf_counter() - t0
     await client.close()
-    cpu = {name: tree_cpu_seconds(pid) - cpu0[name] for name, pid in watched.items()}
+    cpu = {name: used(name, pid) - cpu0[name] for name, pid in watched.items()}
     after, parts1 = await scrape()
     results = [r for stream in per_stream for r in stream]
     ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
