@@ -28,6 +28,7 @@ from splitspec.exceptions import ConfigError
 from splitspec.serve import schemas
 from splitspec.serve.chat_request import plan_chat, response_grammar, template_messages
 from splitspec.serve.choices import Item, Job, Runner, processors, sampling, stop_ids
+from splitspec.serve.disconnect import DisconnectPoll
 from splitspec.serve.errors import ApiError, invalid, unsupported
 from splitspec.serve.logprobs import chat_logprobs, completion_logprobs, text_length, triples
 from splitspec.serve.schemas import (
@@ -205,7 +206,7 @@ def create_app(state: ServeState) -> FastAPI:
     async def respond(
         request: Request, body: ChatCompletionRequest | CompletionRequest, jobs: list[Job], chat: bool
     ) -> Response:
-        runner = Runner(state, jobs, body.n, request.is_disconnected)
+        runner = Runner(state, jobs, body.n, DisconnectPoll(request.is_disconnected))
         await runner.first()
         rid = schemas.new_id("chatcmpl" if chat else "cmpl")
         now = schemas.now()
