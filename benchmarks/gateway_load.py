@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 from transformers import AutoTokenizer
 
 from splitspec.demo import ASSETS, _stop, _wait_for_port, embedded_model, free_port
@@ -212,35 +214,34 @@ async def stream_worker(
     ]
 
 
-def edge_forwards(text: str) -> dict[tuple[str, int], tuple[float, float]]:
-    """(part, rows) -> (forwards, total ms) from a /metrics page."""
+def metric_samples(text: str) -> list[Sample]:
+    """Every sample of a /metrics page, by prometheus-client's own parser."""
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def edge_forwards(samples: list[Sample]) -> dict[tuple[str, int], tuple[float, float]]:
+    """(part, rows) -> (forwards, total ms) from a /metrics page's samples."""
+    slots = {"splitspec_serve_edge_forwards_total": 0, "splitspec_serve_edge_forward_milliseconds_total": 1}
     out: dict[tuple[str, int], list[float]] = {}
-    for line in text.splitlines():
-        for name, slot in (
-            ("splitspec_serve_edge_forwards_total", 0),
-            ("splitspec_serve_edge_forward_milliseconds_total", 1),
-        ):
-            if line.startswith(name + "{"):
-                labels = dict(kv.split("=") for kv in line[line.index("{") + 1 : line.index("}")].split(","))
-                key = (labels["part"].strip('"'), int(labels["rows"].strip('"')))
-                out.setdefault(key, [0.0, 0.0])[slot] = float(line.rsplit(" ", 1)[1])
+    for sample in samples:
+        if sample.name in slots:
+            key = (sample.labels["part"], int(sample.labels["rows"]))
+            out.setdefault(key, [0.0, 0.0])[slots[sample.name]] = sample.value
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def step_parts(text: str) -> dict[str, float]:
-    """From a /metrics page: per part of a round trip (network, edge, cloud, serialize) its total ms and count,
-    as ``PART_ms`` and ``PART_n``; and the decode round trips and completion tokens."""
+def step_parts(samples: list[Sample]) -> dict[str, float]:
+    """From a /metrics page's samples: per part of a round trip (network, edge, cloud, serialize) its total ms and
+    count, as ``PART_ms`` and ``PART_n``; and the decode round trips and completion tokens."""
+    suffixes = {"splitspec_serve_step_milliseconds_sum": "ms", "splitspec_serve_step_milliseconds_count": "n"}
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("splitspec_serve_step_milliseconds_sum{") or line.startswith(
-            "splitspec_serve_step_milliseconds_count{"
-        ):
-            part = line[line.index('part="') + 6 :].split('"', 1)[0]
-            out[f"{part}_{'ms' if '_sum{' in line else 'n'}"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith('splitspec_serve_round_trips_total{kind="decode"}'):
-            out["decode_trips"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("splitspec_serve_completion_tokens_total "):
-            out["completion_tokens"] = float(line.rsplit(" ", 1)[1])
+    for sample in samples:
+        if sample.name in suffixes:
+            out[f"{sample.labels['part']}_{suffixes[sample.name]}"] = sample.value
+        elif sample.name == "splitspec_serve_round_trips_total" and sample.labels.get("kind") == "decode":
+            out["decode_trips"] = sample.value
+        elif sample.name == "splitspec_serve_completion_tokens_total":
+            out["completion_tokens"] = sample.value
     return out
 
 
@@ -275,8 +276,8 @@ async def run_level(
         if not metrics:
             return {}, {}
         async with httpx.AsyncClient() as http:
-            text = (await http.get(f"{url}/metrics")).text
-        return edge_forwards(text), step_parts(text)
+            samples = metric_samples((await http.get(f"{url}/metrics")).text)
+        return edge_forwards(samples), step_parts(samples)
 
     watched = {**(pids or {}), "load": os.getpid()} if pids is not None else {}
     before, parts0 = await scrape()
