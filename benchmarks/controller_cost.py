@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +58,6 @@ def measure(calls: int) -> dict[str, float]:
                     samples.append((time.perf_counter() - t0) * 1e6)
                 out[f"{label}|{n}|{mode}"] = statistics.median(samples)
     return out
-
-
-def run_child(src: Path, calls: int) -> dict[str, float]:
-    """:func:`measure` in a child process on the code under ``src``."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-        env = {**os.environ, "PYTHONPATH": str(src)}
-        subprocess.run([sys.executable, __file__, "--measure", tmp.name, "--calls", str(calls)], check=True, env=env)
-        result: dict[str, float] = json.loads(Path(tmp.name).read_text())
-        return result
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -125,22 +114,11 @@ def main() -> int:
     if args.measure:
         Path(args.measure).write_text(json.dumps(measure(args.calls)))
         return 0
+    from splitspec.bench.beside import measure_beside
     from splitspec.run_info import run_environment
 
-    runs: dict[str, list[dict[str, float]]] = {"this": [], "before": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "baseline"
-        if args.baseline:
-            subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], check=True, cwd=ROOT)
-        try:
-            for repeat in range(args.repeats):
-                order = ["this", "before"] if repeat % 2 == 0 else ["before", "this"]
-                for label in order if args.baseline else ["this"]:
-                    runs[label].append(run_child(ROOT / "src" if label == "this" else tree / "src", args.calls))
-                    print(f"repeat {repeat} {label} done", flush=True)
-        finally:
-            if args.baseline:
-                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=False, cwd=ROOT)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress of the repeats
+    runs = measure_beside(Path(__file__).resolve(), ROOT, args.repeats, args.baseline, ["--calls", str(args.calls)])
     env = run_environment()
     medians = {label: {k: statistics.median(r[k] for r in got) for k in got[0]} for label, got in runs.items() if got}
     results: dict[str, Any] = {
