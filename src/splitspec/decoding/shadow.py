@@ -60,11 +60,18 @@ def score_shadows(
             continue
         t0 = time.perf_counter()
         draft = drafters[name].propose(context, budget)
-        seconds = time.perf_counter() - t0
-        if not draft:
-            controller.observe_draft(name, 0, 0, 0, seconds, chosen=False)
-            continue
-        matched = matched_depth(draft, target)
-        depth = draft_depth(draft)
-        judged = matched if matched == len(target) else depth  # censored: nothing past the tokens was judged
-        controller.observe_draft(name, min(depth, judged), matched, len(draft), seconds, chosen=False)
+        score_proposal(controller, name, draft, time.perf_counter() - t0, target)
+
+
+def score_proposal(
+    controller: SpeculationPolicy, name: str, draft: Draft, seconds: float, target: Sequence[int]
+) -> None:
+    """Tell ``controller`` how ``name``'s ``draft`` (made in ``seconds``) fared against ``target``, the tokens the
+    greedy step emitted, as a proposal not chosen."""
+    if not draft:
+        controller.observe_draft(name, 0, 0, 0, seconds, chosen=False)
+        return
+    matched = matched_depth(draft, target)
+    depth = draft_depth(draft)
+    judged = matched if matched == len(target) else depth  # censored: nothing past the tokens was judged
+    controller.observe_draft(name, min(depth, judged), matched, len(draft), seconds, chosen=False)

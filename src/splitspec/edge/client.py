@@ -355,11 +355,13 @@ class SplitClient:
         # are this conversation's; its step times are the engine's, shared by every sequence on the link
         controller = self.engine.controller(self.sequence, list(drafters)) if drafters else None
         history = None if fresh else list(self.sequence.tokens)
-        async for emitted in decode(
-            self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace, history,
-            processors, logprobs, self.engine.draft_executor, prompt_logprobs,
-        ):  # fmt: skip
-            yield emitted
+        executor = self.engine.draft_executor
+        with executor.decoding():  # a lone sequence may judge dear drafters aside (decoding/aside.py)
+            async for emitted in decode(
+                self, prompt_ids, max_new_tokens, params, generator, drafters, controller, stops, trace, history,
+                processors, logprobs, executor, prompt_logprobs,
+            ):  # fmt: skip
+                yield emitted
 
     async def generate(
         self,

@@ -29,10 +29,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from splitspec.decoding.aside import DraftExecutor
 from splitspec.decoding.controller import SpeculationController, StepTimes
 from splitspec.edge.link import TrunkLink
 from splitspec.edge.runtime import EdgeRuntime
@@ -148,7 +148,7 @@ class EdgeEngine:
         self.step_times = StepTimes()
         self._populations: dict[tuple[str, ...], SpeculationController] = {}
         # drafting (a draft model's forwards) runs here, off the event loop, one draft at a time
-        self.draft_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-draft")
+        self.draft_executor = DraftExecutor()
 
     # -- sequences -----------------------------------------------------------------------------
 
@@ -212,7 +212,7 @@ class EdgeEngine:
         for batcher in (self._head, self._tail):
             await batcher.stop()
         self.draft_executor.shutdown(wait=False)
-        self.draft_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edge-draft")  # reusable
+        self.draft_executor = DraftExecutor()  # reusable
 
     def chunk_tokens(self, sequence: EdgeSequence) -> int:
         """Most query tokens one step may carry without hitting either side's caps."""

@@ -1,0 +1,137 @@
+"""Dear drafters judged aside: proposed while a greedy step's round trip is in flight, then scored.
+
+A draft model's proposal costs several of its forwards (the demo's: 7-13 ms on a 2,000-token
+context). A cold controller that probes it on a step pays that on the step's critical path, and
+where the model is near break-even the probes cost more than they win: on 2,000-token code with
+32-token answers, ``auto`` with the draft model decoded at 0.92-0.95x of ``auto`` without it.
+
+While a step's round trip is in flight the edge sits idle, and a greedy step's tokens do not
+depend on its draft. So a drafter that declares itself dear to ask (``aside = True``: the draft
+model, and a mixed tree holding it) and that its controller has not judged often enough
+(:meth:`~splitspec.decoding.controller.SpeculationController.wants_shadow`) is not asked on the
+step: it proposes on the drafting thread during the round trip instead, and
+once the step is verified its proposal is scored against the step's tokens exactly as a shadow
+proposal is (:func:`~splitspec.decoding.shadow.score_proposal`). Its cost is measured there too.
+
+Only on a :class:`DraftExecutor` with nothing queued or running and no other sequence decoding:
+under load the drafting thread and the interpreter are busy with other sequences, which a shadow
+must not delay (the drafter is then asked on the step, as before). Greedy decoding without logits
+processors only, as every shadow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
+
+from splitspec.decoding.controller import PROBE_BUDGET, Choice, SpeculationPolicy
+from splitspec.decoding.drafters import Draft, Drafter
+from splitspec.decoding.shadow import score_proposal
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class DraftExecutor(ThreadPoolExecutor):
+    """The one drafting thread of an engine, knowing whether any work is queued or running on it and how
+    many sequences are decoding with it."""
+
+    def __init__(self, thread_name_prefix: str = "edge-draft") -> None:
+        super().__init__(max_workers=1, thread_name_prefix=thread_name_prefix)
+        self._lock = threading.Lock()  # submit runs on the event loop, completion on the thread
+        self._outstanding = 0  # jobs submitted and not yet finished
+        self._decoding = 0  # sequences inside decoding()
+
+    @contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Count a sequence decoding with this thread while inside."""
+        with self._lock:
+            self._decoding += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._decoding -= 1
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        with self._lock:
+            self._outstanding += 1
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._finished(None)
+            raise
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, _: Future[Any] | None) -> None:
+        with self._lock:
+            self._outstanding -= 1
+
+    @property
+    def idle(self) -> bool:
+        """No job queued or running, and no other sequence decoding: the edge waits for one round trip. With
+        other sequences in flight, their drafts, forwards and I/O want the interpreter a shadow would take."""
+        with self._lock:
+            return self._outstanding == 0 and self._decoding <= 1
+
+
+def aside_drafters(
+    drafters: Mapping[str, Drafter], controller: SpeculationPolicy, executor: Executor | None
+) -> list[str]:
+    """The drafters to keep off this step's critical path and to score aside (the loop
+    calls this only on greedy steps without processors); none unless ``executor`` is an idle
+    :class:`DraftExecutor`."""
+    if not isinstance(executor, DraftExecutor) or not executor.idle:
+        return []
+    return [name for name, d in drafters.items() if getattr(d, "aside", False) and controller.wants_shadow(name)]
+
+
+@dataclass
+class AsideProposal:
+    drafter: str
+    future: asyncio.Future[tuple[Draft, float]]  # the proposal and its seconds, from the drafting thread
+
+
+def start_aside(
+    drafters: Mapping[str, Drafter],
+    aside: Sequence[str],
+    asked: set[str],
+    choices: Sequence[Choice],
+    context: Sequence[int],
+    budget_cap: int,
+    executor: Executor | None,
+    propose: Callable[[Drafter, Sequence[int], int], tuple[Draft, float]],
+) -> list[AsideProposal]:
+    """Start every one of ``aside`` not ``asked`` this step proposing for ``context`` on ``executor`` (one after
+    the other), each at its ranked budget (:data:`PROBE_BUDGET` when not ranked), at most ``budget_cap``."""
+    if executor is None or budget_cap < 1:
+        return []
+    loop = asyncio.get_running_loop()
+    snapshot = list(context)  # the loop extends its context once the step is verified
+    started = []
+    for name in aside:
+        if name in asked:
+            continue
+        budget = min(next((c.budget for c in choices if c.drafter == name), PROBE_BUDGET), budget_cap)
+        future = loop.run_in_executor(executor, propose, drafters[name], snapshot, budget)
+        future.add_done_callback(_retrieve)  # a generation closed mid-step never awaits it
+        started.append(AsideProposal(name, future))
+    return started
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+async def score_aside(started: Sequence[AsideProposal], controller: SpeculationPolicy, target: Sequence[int]) -> None:
+    """Wait for the aside proposals and score each against ``target``, the tokens the greedy step emitted."""
+    for proposal in started:
+        draft, seconds = await proposal.future
+        score_proposal(controller, proposal.drafter, draft, seconds, target)

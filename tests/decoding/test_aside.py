@@ -1,0 +1,146 @@
+"""Dear drafters judged aside: a lone greedy sequence scores them during its round trips instead of asking them
+on the step, until judged; under other sequences, or when sampling, they are asked on the step as before."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitspec.decoding.aside import DraftExecutor
+from splitspec.decoding.controller import SHADOW_UNTIL, SpeculationController
+from splitspec.decoding.drafters import Draft
+from splitspec.decoding.local import LocalSequence
+from splitspec.decoding.loop import decode
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.stack import load_full
+from tests.conftest import local_greedy
+
+PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61]
+NEW_TOKENS = 40
+
+
+class SlowLink:
+    """A local verifier whose every forward is a 30 ms round trip, noting when one is in flight."""
+
+    def __init__(self, directory: Path) -> None:
+        self.inner = LocalSequence(load_full(Checkpoint(directory), torch.float32))
+        self.in_flight = False
+
+    async def forward(
+        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+    ) -> torch.Tensor:
+        self.in_flight = True
+        try:
+            await asyncio.sleep(0.03)
+            return await self.inner.forward(tokens, parents, logits_from)
+        finally:
+            self.in_flight = False
+
+    def keep(self, indices: Sequence[int]) -> None:
+        self.inner.keep(indices)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+class Oracle:
+    """A dear drafter (``aside``) that knows the greedy answer: it proposes its next tokens, noting for each
+    proposal whether the verifier's round trip was in flight."""
+
+    name = "dear"
+    aside = True
+
+    def __init__(self, prompt: list[int], answer: list[int], link: SlowLink) -> None:
+        self.text = [*prompt, *answer]
+        self.link = link
+        self.during_round_trip: list[bool] = []
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        # a proposal made aside starts as the round trip does: it looks once the forward has surely begun
+        time.sleep(0.01)
+        self.during_round_trip.append(self.link.in_flight)
+        following = self.text[len(context) : len(context) + budget]
+        return Draft(following, list(range(-1, len(following) - 1)))
+
+
+def test_the_draft_executor_is_idle_with_nothing_queued_and_one_sequence_decoding() -> None:
+    executor = DraftExecutor()
+    try:
+        assert executor.idle
+        release = threading.Event()
+        job = executor.submit(release.wait, 5)
+        assert not executor.idle  # running
+        queued = executor.submit(int, "7")
+        release.set()
+        assert queued.result(timeout=5) == 7 and job.result(timeout=5)
+        for _ in range(100):  # the done callbacks run right after the results are set
+            if executor.idle:
+                break
+            threading.Event().wait(0.01)
+        assert executor.idle
+        with executor.decoding():
+            assert executor.idle  # the sequence asking is the only one
+            with executor.decoding():
+                assert not executor.idle  # another sequence decodes too
+            assert executor.idle
+    finally:
+        executor.shutdown()
+
+
+async def run(
+    directory: Path, executor: DraftExecutor, params: SamplingParams, generator: torch.Generator
+) -> tuple[list[int], Oracle, SpeculationController]:
+    link = SlowLink(directory)
+    answer = local_greedy(directory, PROMPT, NEW_TOKENS)
+    oracle = Oracle(PROMPT, answer, link)
+    controller = SpeculationController(["dear"])
+    with executor.decoding():
+        out = decode(link, PROMPT, NEW_TOKENS, params, generator, {"dear": oracle}, controller, draft_executor=executor)
+        tokens = [emitted.token async for emitted in out]
+    return tokens, oracle, controller
+
+
+async def test_a_lone_greedy_sequence_judges_a_dear_drafter_during_its_round_trips(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    directory = make_checkpoint("llama")
+    executor = DraftExecutor()
+    try:
+        tokens, oracle, controller = await run(directory, executor, SamplingParams(), torch.Generator())
+    finally:
+        executor.shutdown()
+    assert tokens == local_greedy(directory, PROMPT, NEW_TOKENS)
+    asides = oracle.during_round_trip.index(False)  # proposals made before the first one asked on a step
+    assert asides >= 4 and all(oracle.during_round_trip[:asides])  # judged aside, never on the step meanwhile
+    assert not controller.wants_shadow("dear")  # ... until judged often enough (SHADOW_UNTIL)
+    assert SHADOW_UNTIL == 4.0
+    # then, judged perfect, it is asked on the steps: decoding took far fewer steps than tokens
+    assert len(oracle.during_round_trip) - asides < NEW_TOKENS // 2
+
+
+@pytest.mark.parametrize("case", ["another sequence decoding", "sampling"])
+async def test_a_dear_drafter_is_asked_on_the_step_when_it_cannot_be_judged_aside(
+    make_checkpoint: Callable[..., Path], case: str
+) -> None:
+    directory = make_checkpoint("llama")
+    executor = DraftExecutor()
+    greedy = case != "sampling"
+    params = SamplingParams() if greedy else SamplingParams(temperature=0.8)
+    try:
+        if greedy:
+            with executor.decoding():  # the other sequence
+                tokens, oracle, _ = await run(directory, executor, params, torch.Generator())
+            assert tokens == local_greedy(directory, PROMPT, NEW_TOKENS)
+        else:
+            _, oracle, _ = await run(directory, executor, params, torch.Generator().manual_seed(3))
+    finally:
+        executor.shutdown()
+    assert oracle.during_round_trip  # asked
+    assert not any(oracle.during_round_trip)  # and only on the steps: nothing ran beside a round trip
