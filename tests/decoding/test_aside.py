@@ -79,7 +79,8 @@ def test_the_draft_executor_is_idle_with_nothing_queued_and_one_sequence_decodin
         assert not executor.idle  # running
         queued = executor.submit(int, "7")
         release.set()
-        assert queued.result(timeout=5) == 7 and job.result(timeout=5)
+        assert queued.result(timeout=5) == 7
+        assert job.result(timeout=5)
         for _ in range(100):  # the done callbacks run right after the results are set
             if executor.idle:
                 break
@@ -118,7 +119,8 @@ async def test_a_lone_greedy_sequence_judges_a_dear_drafter_during_its_round_tri
         executor.shutdown()
     assert tokens == local_greedy(directory, PROMPT, NEW_TOKENS)
     asides = oracle.during_round_trip.index(False)  # proposals made before the first one asked on a step
-    assert asides >= 4 and all(oracle.during_round_trip[:asides])  # judged aside, never on the step meanwhile
+    assert asides >= 4
+    assert all(oracle.during_round_trip[:asides])  # judged aside, never on the step meanwhile
     assert not controller.wants_shadow("dear")  # ... until judged often enough (SHADOW_UNTIL)
     assert SHADOW_UNTIL == 4.0
     # then, judged perfect, it is asked on the steps: decoding took far fewer steps than tokens

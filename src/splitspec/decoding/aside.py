@@ -12,6 +12,8 @@ model, and a mixed tree holding it) and that its controller has not judged often
 step: it proposes on the drafting thread during the round trip instead, and
 once the step is verified its proposal is scored against the step's tokens exactly as a shadow
 proposal is (:func:`~splitspec.decoding.shadow.score_proposal`). Its cost is measured there too.
+The cheap deterministic drafters not asked (prompt lookup, n-grams) are scored there at every
+step, so their estimates follow the text even while a drafter ranked above them is chosen.
 
 Only on a :class:`DraftExecutor` with nothing queued or running and no other sequence decoding:
 under load the drafting thread and the interpreter are busy with other sequences, which a shadow
@@ -81,15 +83,25 @@ class DraftExecutor(ThreadPoolExecutor):
             return self._outstanding == 0 and self._decoding <= 1
 
 
-def aside_drafters(
-    drafters: Mapping[str, Drafter], controller: SpeculationPolicy, executor: Executor | None
-) -> list[str]:
-    """The drafters to keep off this step's critical path and to score aside (the loop
-    calls this only on greedy steps without processors); none unless ``executor`` is an idle
-    :class:`DraftExecutor`."""
+@dataclass(frozen=True)
+class AsidePlan:
+    """What one greedy step does beside its round trip."""
+
+    off_step: frozenset[str] = frozenset()  # dear drafters not asked on the step: not judged often enough yet
+    shadows: tuple[str, ...] = ()  # drafters that propose during the round trip when not asked, then are scored
+
+
+def plan_aside(drafters: Mapping[str, Drafter], controller: SpeculationPolicy, executor: Executor | None) -> AsidePlan:
+    """The step's :class:`AsidePlan` (the loop asks only on greedy steps without processors): nothing unless
+    ``executor`` is an idle :class:`DraftExecutor`. Then the dear drafters still to be judged are kept off the
+    step and judged aside, and the cheap deterministic ones (``shadow = True``) are scored aside at every step,
+    not only until judged: their estimates then follow the text (prose that turns repetitive, say) while a
+    drafter ranked above them keeps being chosen."""
     if not isinstance(executor, DraftExecutor) or not executor.idle:
-        return []
-    return [name for name, d in drafters.items() if getattr(d, "aside", False) and controller.wants_shadow(name)]
+        return AsidePlan()
+    dear = [name for name, d in drafters.items() if getattr(d, "aside", False) and controller.wants_shadow(name)]
+    cheap = [name for name, d in drafters.items() if getattr(d, "shadow", False)]
+    return AsidePlan(frozenset(dear), (*dear, *cheap))
 
 
 @dataclass

@@ -41,7 +41,7 @@ from typing import Protocol
 import torch
 
 from splitspec.decoding.acceptance import greedy_verify_tree, sample_verify_tree
-from splitspec.decoding.aside import aside_drafters, score_aside, start_aside
+from splitspec.decoding.aside import AsidePlan, plan_aside, score_aside, start_aside
 from splitspec.decoding.controller import BlindPolicy, Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.processors import LogitsProcessor
@@ -247,13 +247,13 @@ async def decode(
         draft, used, draft_s, used_s = Draft.empty(), None, 0.0, 0.0
         choices = controller.ranked(len(context))  # a long context makes wide steps dearer
         asked: set[str] = set()  # drafters asked this step (those that offered nothing were told so)
-        # dear drafters not yet judged often enough: proposed during this step's round trip instead (greedy only)
+        # what a lone greedy sequence proposes during this step's round trip instead (decoding/aside.py)
         shadowing = params.greedy and not processors
-        aside = aside_drafters(drafters, controller, draft_executor) if shadowing else []
+        aside = plan_aside(drafters, controller, draft_executor) if shadowing else AsidePlan()
         for choice in choices:
             if choice.drafter is None:
                 break
-            if choice.drafter in aside:
+            if choice.drafter in aside.off_step:
                 continue  # not paid for on the critical path until judged aside often enough
             budget = min(choice.budget, max_new_tokens - produced - 1)
             if budget < 1:
@@ -277,7 +277,9 @@ async def decode(
         tokens = [pending, *draft.tokens]
         parents = [-1, *[p + 1 for p in draft.parents]]  # draft roots hang off the pending token
         budget_cap = max_new_tokens - produced - 1
-        started = start_aside(drafters, aside, asked, choices, context, budget_cap, draft_executor, _timed_propose)
+        started = start_aside(
+            drafters, aside.shadows, asked, choices, context, budget_cap, draft_executor, _timed_propose
+        )
         t0 = time.perf_counter()
         raw = await verifier.forward(tokens, parents)  # (1 + n, V)
         step_s = time.perf_counter() - t0
@@ -301,7 +303,8 @@ async def decode(
             controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), used_s)
         if shadowing:  # the target's tokens do not depend on the draft: score the others
             target_tokens = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
-            score_shadows(controller, drafters, choices, asked, context, target_tokens, budget_cap)
+            scored = asked.union(aside.shadows)  # those proposing aside are scored below
+            score_shadows(controller, drafters, choices, scored, context, target_tokens, budget_cap)
             await score_aside(started, controller, target_tokens)
         if trace is not None:
             trace.append(SpecStep(used, len(draft), len(verdict.path), len(new), step_s, draft_s))
