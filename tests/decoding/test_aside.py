@@ -32,11 +32,13 @@ class SlowLink:
     def __init__(self, directory: Path) -> None:
         self.inner = LocalSequence(load_full(Checkpoint(directory), torch.float32))
         self.in_flight = False
+        self.forwards = 0
 
     async def forward(
         self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
     ) -> torch.Tensor:
         self.in_flight = True
+        self.forwards += 1
         try:
             await asyncio.sleep(0.03)
             return await self.inner.forward(tokens, parents, logits_from)
@@ -146,3 +148,46 @@ async def test_a_dear_drafter_is_asked_on_the_step_when_it_cannot_be_judged_asid
         executor.shutdown()
     assert oracle.during_round_trip  # asked
     assert not any(oracle.during_round_trip)  # and only on the steps: nothing ran beside a round trip
+
+
+class Wrong:
+    """A cheap deterministic drafter (``shadow``) whose guess is never the answer's, noting when it proposes."""
+
+    name = "cheap"
+    shadow = True
+
+    def __init__(self, link: SlowLink, never: int) -> None:
+        self.link = link
+        self.never = never  # a token the answer does not hold
+        self.during_round_trip: list[bool] = []
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        time.sleep(0.01)  # as Oracle's: look once the forward has surely begun
+        self.during_round_trip.append(self.link.in_flight)
+        return Draft([self.never], [-1])
+
+
+async def test_a_lone_greedy_sequence_scores_cheap_drafters_aside_at_every_step(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    directory = make_checkpoint("llama")
+    link = SlowLink(directory)
+    answer = local_greedy(directory, PROMPT, NEW_TOKENS)
+    wrong = Wrong(link, min(set(range(100)) - set(answer)))
+    controller = SpeculationController(["cheap"])
+    executor = DraftExecutor()
+    try:
+        with executor.decoding():
+            out = decode(link, PROMPT, NEW_TOKENS, SamplingParams(), torch.Generator(), {"cheap": wrong}, controller,
+                         draft_executor=executor)  # fmt: skip
+            tokens = [emitted.token async for emitted in out]
+    finally:
+        executor.shutdown()
+    assert tokens == answer
+    assert not controller.wants_shadow("cheap")  # judged long ago ...
+    # ... and still asked at every step after the prefill but the last (room for its token alone)
+    assert len(wrong.during_round_trip) == link.forwards - 2
+    # asked on a few steps while its optimistic prior ranked it; otherwise proposing during the round trip, far
+    # beyond the SHADOW_UNTIL judgments after which a step stops scoring it inline
+    assert sum(wrong.during_round_trip) >= 4 * SHADOW_UNTIL
+    assert controller._stats["cheap"].accepted[0] == 0.0  # and scored: rejected every time
