@@ -24,6 +24,7 @@ after the prefill. Reported: medians over repeats and the median of the paired p
 
     python benchmarks/auto_floor.py                 # ~8 min on 2 shared CPU cores
     python benchmarks/auto_floor.py --quick         # 1 repeat, 20 ms, 32-token answers (~1 min)
+    python benchmarks/auto_floor.py --answers 32 --repeats 2 --baseline REF --blocks 3   # beside REF's code
 
 Writes auto_floor.json, auto_floor.md and auto_floor.png into --out
 (default benchmarks/results/auto_floor/).
@@ -292,6 +293,56 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+PAIRS = (("auto+draft", "auto"), ("auto", "off"), ("auto+draft", "off"))
+
+
+def beside(args: argparse.Namespace) -> int:
+    """This checkout's code and ``--baseline``'s in ``--blocks`` interleaved blocks of ``--repeats`` each (child
+    processes, :func:`~splitspec.bench.beside.measure_beside`); per RTT and case, the median over all repeats of
+    the paired per-repeat decode ratios. Writes auto_floor_beside.json and .md into --out."""
+    from splitspec.bench.beside import measure_beside
+
+    child = ["--repeats", str(args.repeats), "--long-tokens", str(args.long_tokens), "--dtype", args.dtype,
+             "--rtt-ms", *map(str, args.rtt_ms), "--answers", *map(str, args.answers)]  # fmt: skip
+    root = Path(__file__).resolve().parents[1]
+    runs = measure_beside(Path(__file__).resolve(), root, args.blocks, args.baseline, child)
+    rows = []
+    keys = sorted(
+        {k.rsplit("|", 2)[0] for block in runs["this"] for k in block}, key=lambda k: (float(k.split("|")[0]), k)
+    )
+    for key in keys:
+        row: dict[str, Any] = {"rtt_ms": float(key.split("|")[0]), "case": key.split("|", 1)[1]}
+        for label, blocks in runs.items():
+            for a, b in PAIRS:
+                ratios = [block[f"{key}|{a}|{r}"] / block[f"{key}|{b}|{r}"] for block in blocks
+                          for r in range(args.repeats)]  # fmt: skip
+                row[f"{label}:{a}/{b}"] = statistics.median(ratios)
+                row[f"{label}:{a}/{b}:each"] = [round(x, 3) for x in ratios]
+        rows.append(row)
+    environment = run_environment()
+    command = "python benchmarks/auto_floor.py " + " ".join(sys.argv[1:])
+    results = {"environment": environment, "baseline": args.baseline, "command": command, "rows": rows, "runs": runs}
+    lines = [
+        f"# `auto` decode ratios, commit {environment['commit'][:7]} beside {args.baseline}",
+        "",
+        f"{args.blocks} interleaved blocks of {args.repeats} repeats each (child processes; the order alternates);"
+        " medians of the paired per-repeat ratios of decode tok/s.",
+        "",
+        "| RTT ms | case | +draft/auto this | +draft/auto before | auto/off this | auto/off before "
+        "| +draft/off this | +draft/off before |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = " | ".join(f"{r[f'{label}:{a}/{b}']:.3f}" for a, b in PAIRS for label in ("this", "before"))
+        lines.append(f"| {r['rtt_ms']:g} | {r['case']} | {cells} |")
+    lines += ["", f"Reproduce: `{command}`", ""]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "auto_floor_beside.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "auto_floor_beside.md").write_text("\n".join(lines))
+    sys.stdout.write("\n".join(lines))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/auto_floor"))
@@ -301,12 +352,17 @@ def main() -> int:
     parser.add_argument("--long-tokens", type=int, default=2000)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     parser.add_argument("--quick", action="store_true", help="1 repeat, 20 ms, 32-token answers")
+    parser.add_argument("--baseline", help="a commit whose code is measured beside this checkout's, in blocks")
+    parser.add_argument("--blocks", type=int, default=3, help="with --baseline: interleaved blocks of --repeats each")
+    parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # one block, flat figures (bench/beside.py)
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.rtt_ms, args.answers = 1, [20.0], [32]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     for name in ("splitspec", "websockets"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    if args.baseline:
+        return beside(args)
     torch.set_num_threads(1)  # edge and trunk processes on a shared machine: one thread each
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     work = Path(tempfile.mkdtemp(prefix="auto_floor_"))
@@ -323,6 +379,10 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
+    if args.measure:  # decode tok/s per run, for beside()
+        figures = {f"{r['rtt_ms']:g}|{r['case']}|{r['mode']}|{r['repeat']}": r["decode_tok_s"] for r in records}
+        args.measure.write_text(json.dumps(figures))
+        return 0
     import splitspec
 
     results = {
