@@ -7,14 +7,15 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
-from splitspec.decoding.aside import DraftExecutor
-from splitspec.decoding.controller import SHADOW_UNTIL, SpeculationController
-from splitspec.decoding.drafters import Draft
+from splitspec.decoding.aside import AsidePlan, DraftExecutor, plan_aside
+from splitspec.decoding.controller import SHADOW_UNTIL, FixedPolicy, SpeculationController
+from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.loop import decode
 from splitspec.decoding.sampling import SamplingParams
@@ -191,3 +192,23 @@ async def test_a_lone_greedy_sequence_scores_cheap_drafters_aside_at_every_step(
     # beyond the SHADOW_UNTIL judgments after which a step stops scoring it inline
     assert sum(wrong.during_round_trip) >= 4 * SHADOW_UNTIL
     assert controller._stats["cheap"].accepted[0] == 0.0  # and scored: rejected every time
+
+
+def test_the_plan_keeps_unjudged_dear_drafters_off_the_step_and_scores_cheap_ones_aside() -> None:
+    link = SlowLink.__new__(SlowLink)  # never forwards: the drafters only carry their flags here
+    drafters: dict[str, Drafter] = {"dear": Oracle([], [], link), "cheap": Wrong(link, 0)}
+    controller = SpeculationController(["dear", "cheap"])
+    executor = DraftExecutor()
+    try:
+        plan = plan_aside(drafters, controller, executor)
+        assert plan.off_step == {"dear"}
+        assert plan.shadows == ("dear", "cheap")
+        for _ in range(5):  # judged aside often enough (SHADOW_UNTIL): asked on the steps from now on
+            controller.observe_draft("dear", 1, 1, 1, 0.01, chosen=False)
+        assert plan_aside(drafters, controller, executor) == AsidePlan(frozenset(), ("cheap",))
+        assert plan_aside(drafters, FixedPolicy("dear", 4), executor) == AsidePlan()  # it learns nothing
+        assert plan_aside(drafters, controller, ThreadPoolExecutor(max_workers=1)) == AsidePlan()  # idle unknown
+        with executor.decoding(), executor.decoding():
+            assert plan_aside(drafters, controller, executor) == AsidePlan()  # another sequence decodes
+    finally:
+        executor.shutdown()

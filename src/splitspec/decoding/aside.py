@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from splitspec.decoding.controller import PROBE_BUDGET, Choice, SpeculationPolicy
+from splitspec.decoding.controller import PROBE_BUDGET, BlindPolicy, Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.shadow import score_proposal
 
@@ -97,8 +97,8 @@ def plan_aside(drafters: Mapping[str, Drafter], controller: SpeculationPolicy, e
     step and judged aside, and the cheap deterministic ones (``shadow = True``) are scored aside at every step,
     not only until judged: their estimates then follow the text (prose that turns repetitive, say) while a
     drafter ranked above them keeps being chosen."""
-    if not isinstance(executor, DraftExecutor) or not executor.idle:
-        return AsidePlan()
+    if isinstance(controller, BlindPolicy) or not isinstance(executor, DraftExecutor) or not executor.idle:
+        return AsidePlan()  # a policy that learns nothing has nothing to score
     dear = [name for name, d in drafters.items() if getattr(d, "aside", False) and controller.wants_shadow(name)]
     cheap = [name for name, d in drafters.items() if getattr(d, "shadow", False)]
     return AsidePlan(frozenset(dear), (*dear, *cheap))

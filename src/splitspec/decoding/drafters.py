@@ -178,7 +178,7 @@ class DraftModel:
     """
 
     name = "draft"
-    aside = True  # dear to ask: judged during a greedy step's round trip while unjudged (decoding/aside.py)
+    aside = True  # dear to ask: judged during a lone greedy step's round trip first (decoding/aside.py)
 
     def __init__(
         self,
@@ -296,7 +296,8 @@ class MixedDrafter:
 
     def __init__(self, sources: Sequence[Drafter]) -> None:
         self.sources = list(sources)
-        # dear to ask when a source is (a draft model): judged aside while unjudged (decoding/aside.py)
+        # dear to ask when a source is (a draft model): judged during a lone greedy step's round trip first
+        # (decoding/aside.py)
         self.aside = any(getattr(source, "aside", False) for source in self.sources)
 
     def prepare(self, context: Sequence[int]) -> None:

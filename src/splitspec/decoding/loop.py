@@ -9,7 +9,10 @@ and that path (the cloud learns it on the next step, at no extra round trip), an
 becomes the new pending one. With an empty draft the step is a plain sequential step, so sampled
 output with no drafters draws exactly what one-token sampling draws. Drafters with state to build
 (a draft model's cache) are prepared for the prompt on the draft executor while the prefill is in
-flight (:mod:`splitspec.decoding.warmup`).
+flight (:mod:`splitspec.decoding.warmup`). After a greedy step, drafters not asked are scored
+against its tokens (:mod:`splitspec.decoding.shadow`); a lone sequence does that on the drafting
+thread during the step's round trip, and judges a draft model there before asking it on a step
+(:mod:`splitspec.decoding.aside`).
 
 Each emitted token comes out as an :class:`Emitted`: the token, and when asked its logprob and
 the top alternatives, taken from the model's own distribution at that position (log-softmax of
