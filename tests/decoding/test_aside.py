@@ -73,6 +73,16 @@ class Oracle:
         return Draft(following, list(range(-1, len(following) - 1)))
 
 
+class Nothing:
+    """A cheap drafter that never has anything to offer: ``auto``'s other option beside the dear one."""
+
+    name = "nothing"
+    shadow = True
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        return Draft.empty()
+
+
 def test_the_draft_executor_is_idle_with_nothing_queued_and_one_sequence_decoding() -> None:
     executor = DraftExecutor()
     try:
@@ -104,9 +114,10 @@ async def run(
     link = SlowLink(directory)
     answer = local_greedy(directory, PROMPT, NEW_TOKENS)
     oracle = Oracle(PROMPT, answer, link)
-    controller = SpeculationController(["dear"])
+    controller = SpeculationController(["dear", "nothing"])
+    drafters: dict[str, Drafter] = {"dear": oracle, "nothing": Nothing()}  # auto: more than one drafter
     with executor.decoding():
-        out = decode(link, PROMPT, NEW_TOKENS, params, generator, {"dear": oracle}, controller, draft_executor=executor)
+        out = decode(link, PROMPT, NEW_TOKENS, params, generator, drafters, controller, draft_executor=executor)
         tokens = [emitted.token async for emitted in out]
     return tokens, oracle, controller
 
@@ -210,5 +221,7 @@ def test_the_plan_keeps_unjudged_dear_drafters_off_the_step_and_scores_cheap_one
         assert plan_aside(drafters, controller, ThreadPoolExecutor(max_workers=1)) == AsidePlan()  # idle unknown
         with executor.decoding(), executor.decoding():
             assert plan_aside(drafters, controller, executor) == AsidePlan()  # another sequence decodes
+        alone = SpeculationController(["dear"])  # --speculate draft: the drafter its user chose is asked on the steps
+        assert plan_aside({"dear": drafters["dear"]}, alone, executor) == AsidePlan()
     finally:
         executor.shutdown()

@@ -15,6 +15,7 @@ proposal is (:func:`~splitspec.decoding.shadow.score_proposal`). Its cost is mea
 The cheap deterministic drafters not asked (prompt lookup, n-grams) are scored there at every
 step, so their estimates follow the text even while a drafter ranked above them is chosen.
 
+A mode of one drafter (``--speculate draft``) asks it on the steps as before: its user chose it.
 Only on a :class:`DraftExecutor` with nothing queued or running and no other sequence decoding:
 under load the drafting thread and the interpreter are busy with other sequences, which a shadow
 must not delay (the drafter is then asked on the step, as before). Greedy decoding without logits
@@ -99,7 +100,10 @@ def plan_aside(drafters: Mapping[str, Drafter], controller: SpeculationPolicy, e
     drafter ranked above them keeps being chosen."""
     if isinstance(controller, BlindPolicy) or not isinstance(executor, DraftExecutor) or not executor.idle:
         return AsidePlan()  # a policy that learns nothing has nothing to score
-    dear = [name for name, d in drafters.items() if getattr(d, "aside", False) and controller.wants_shadow(name)]
+    # a dear drafter is kept off the step only where another one could be asked instead: a mode of one drafter
+    # (``--speculate draft``) asks it on the steps, as its user chose
+    choice = len(drafters) > 1
+    dear = [n for n, d in drafters.items() if choice and getattr(d, "aside", False) and controller.wants_shadow(n)]
     cheap = [name for name, d in drafters.items() if getattr(d, "shadow", False)]
     return AsidePlan(frozenset(dear), (*dear, *cheap))
 
