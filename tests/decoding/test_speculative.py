@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -241,3 +242,37 @@ def test_the_draft_model_drafts_within_its_own_positions(make_checkpoint: Callab
     assert len(drafter.propose((PROMPT * 2)[:24], 8)) == 0
     drafter.prepare((PROMPT * 2)[:30])  # past its positions: nothing to prepare, nothing run
     assert drafter.sequence.tokens == context
+
+
+def lookup_by_scanning(
+    context: list[int], budget: int, max_ngram: int, min_ngram: int, branches: int
+) -> list[list[int]]:
+    """Prompt lookup's chains as first written: every start position compared, latest first."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if len(context) <= n:
+            continue
+        suffix, chains = context[-n:], []
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == suffix:
+                cont = context[start + n : start + n + budget]
+                if cont and cont not in chains:
+                    chains.append(cont)
+                    if len(chains) == branches:
+                        break
+        if chains:
+            return chains
+    return []
+
+
+def test_prompt_lookup_finds_what_a_scan_of_every_position_finds() -> None:
+    rng = random.Random(7)
+    for trial in range(400):
+        vocab = rng.choice([3, 6, 20, 200])  # few tokens: many matches; many: few or none
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(1, 120))]
+        budget, branches = rng.randrange(1, 9), rng.randrange(1, 5)
+        max_ngram = rng.randrange(1, 5)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        got = PromptLookup(max_ngram, min_ngram, branches).propose(context, budget)
+        want = lookup_by_scanning(context, budget, max_ngram, min_ngram, branches)
+        expected = build_tree(want, budget) if want else Draft.empty()
+        assert (got.tokens, got.parents) == (expected.tokens, expected.parents), trial

@@ -147,18 +147,28 @@ class PromptLookup:
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
         ctx = list(context)
+        size = len(ctx)
+        backwards = ctx[::-1]  # the context's tokens from the end: list.index finds the latest occurrences in C
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(ctx) <= n:
+            if size <= n:
                 continue
             suffix = ctx[-n:]
             chains: list[list[int]] = []
-            for start in range(len(ctx) - n - 1, -1, -1):  # latest match first
-                if ctx[start : start + n] == suffix:
-                    cont = ctx[start + n : start + n + budget]
-                    if cont and cont not in chains:
+            # latest match first: a match ends where suffix[-1] occurs, backwards index i <-> position size - 1 - i
+            # (i = 0 is the suffix itself); only the occurrences of that token are compared, not every position
+            i = 0
+            while len(chains) < self.branches:
+                try:
+                    i = backwards.index(suffix[-1], i + 1)
+                except ValueError:
+                    break
+                end = size - i  # one past the match
+                if end < n:
+                    break  # a match would start before the context
+                if ctx[end - n : end] == suffix:
+                    cont = ctx[end : end + budget]
+                    if cont not in chains:
                         chains.append(cont)
-                        if len(chains) == self.branches:
-                            break
             if chains:
                 return build_tree(chains, budget)
         return Draft.empty()
