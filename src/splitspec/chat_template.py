@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from splitspec.prefix import common_prefix
+
 Message = Mapping[str, Any]  # {"role": "system" | "user" | "assistant" | "tool", "content": text, ...}
 
 
@@ -59,15 +61,6 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     reply = tokenizer.encode("ok", add_special_tokens=False)
     after = full[len(cue) + len(reply) :]
     return frozenset(t for t in after[:1] if t in special)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ NEW_TOKENS = 40
 
 
 class SlowLink:
-    """A local verifier whose every forward is a 30 ms round trip, noting when one is in flight."""
+    """A local verifier whose every forward is 5 ms of its own work (a head forward), then a 30 ms round trip
+    (``sent`` is called as it starts), noting when one is in flight."""
 
     def __init__(self, directory: Path) -> None:
         self.inner = LocalSequence(load_full(Checkpoint(directory), torch.float32))
@@ -36,10 +37,18 @@ class SlowLink:
         self.forwards = 0
 
     async def forward(
-        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        self.in_flight = True
         self.forwards += 1
+        time.sleep(0.005)  # the edge's own part of the step, before anything is sent
+        self.in_flight = True
+        if sent is not None:
+            sent()
         try:
             await asyncio.sleep(0.03)
             return await self.inner.forward(tokens, parents, logits_from)
@@ -66,9 +75,7 @@ class Oracle:
         self.during_round_trip: list[bool] = []
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
-        # a proposal made aside starts as the round trip does: it looks once the forward has surely begun
-        time.sleep(0.01)
-        self.during_round_trip.append(self.link.in_flight)
+        self.during_round_trip.append(self.link.in_flight)  # aside: started once the step was sent, not before
         following = self.text[len(context) : len(context) + budget]
         return Draft(following, list(range(-1, len(following) - 1)))
 
@@ -174,8 +181,7 @@ class Wrong:
         self.during_round_trip: list[bool] = []
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
-        time.sleep(0.01)  # as Oracle's: look once the forward has surely begun
-        self.during_round_trip.append(self.link.in_flight)
+        self.during_round_trip.append(self.link.in_flight)  # as Oracle's
         return Draft([self.never], [-1])
 
 

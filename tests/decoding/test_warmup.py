@@ -52,7 +52,12 @@ class PrefillWaitsForDrafter:
         self.cached_when_prefill_returned = -1
 
     async def forward(
-        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         if not self.inner.tokens:  # the prefill: the round trip is in flight while the drafter prepares
             deadline = time.monotonic() + self.timeout_s
@@ -61,7 +66,7 @@ class PrefillWaitsForDrafter:
                     raise TimeoutError("the drafter was not prepared during the prefill")
                 await asyncio.sleep(0.005)
             self.cached_when_prefill_returned = len(self.drafter.sequence.tokens)
-        return await self.inner.forward(tokens, parents, logits_from)
+        return await self.inner.forward(tokens, parents, logits_from, sent=sent)
 
     def keep(self, indices: Sequence[int]) -> None:
         self.inner.keep(indices)

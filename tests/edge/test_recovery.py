@@ -139,3 +139,25 @@ async def test_a_generation_past_the_models_last_position_is_refused_up_front(
             assert client.steps == []  # refused before anything crossed the link
             result = await client.generate(PROMPT, fits)
     assert result.token_ids == local_greedy(model, PROMPT, fits)
+
+
+async def test_sent_is_called_once_after_the_head_and_before_the_step_even_through_a_recovery(
+    make_checkpoint: Callable[..., Path], fail_steps: set[int]
+) -> None:
+    """The decode loop starts its aside proposals from ``sent``: once a step, when the head forward has run and
+    the trunk has not yet seen the step; a recovered attempt does not call it again."""
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        async with SplitClient(_edge(model, server)) as client:
+            await client.forward(PROMPT)  # step 1: the prefill
+            fail_steps.add(2)  # the decode step loses its connection; the replay, then the step again
+            seen: list[tuple[int, int, int]] = []
+
+            def sent() -> None:  # what the head, the trunk and the committed tokens hold at that moment
+                (session,) = server.sessions._sessions.values()
+                seen.append((len(client.sequence.head_cache), len(session.cache), len(client.sequence.tokens)))
+
+            logits = await client.forward([7], sent=sent)
+            assert client.recoveries == 1
+    assert seen == [(len(PROMPT) + 1, len(PROMPT), len(PROMPT))]
+    assert logits.shape[0] == 1

@@ -11,8 +11,8 @@ import torch
 from openai.types.chat import ChatCompletionMessageParam
 from transformers import AutoTokenizer
 
-from splitspec.chat_template import common_prefix
 from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.prefix import common_prefix
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import generate_cli, rendered
 

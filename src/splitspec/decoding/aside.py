@@ -123,14 +123,15 @@ def start_aside(
     budget_cap: int,
     executor: Executor | None,
     propose: Callable[[Drafter, Sequence[int], int], tuple[Draft, float]],
-) -> list[AsideProposal]:
+    started: list[AsideProposal],
+) -> None:
     """Start every one of ``aside`` not ``asked`` this step proposing for ``context`` on ``executor`` (one after
-    the other), each at its ranked budget (:data:`PROBE_BUDGET` when not ranked), at most ``budget_cap``."""
+    the other), each at its ranked budget (:data:`PROBE_BUDGET` when not ranked), at most ``budget_cap``; each
+    proposal is appended to ``started``. The decode loop calls it once the step is sent."""
     if executor is None or budget_cap < 1:
-        return []
+        return
     loop = asyncio.get_running_loop()
     snapshot = list(context)  # the loop extends its context once the step is verified
-    started = []
     for name in aside:
         if name in asked:
             continue
@@ -138,7 +139,6 @@ def start_aside(
         future = loop.run_in_executor(executor, propose, drafters[name], snapshot, budget)
         future.add_done_callback(_retrieve)  # a generation closed mid-step never awaits it
         started.append(AsideProposal(name, future))
-    return started
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:

@@ -30,6 +30,7 @@ from splitspec.decoding.trees import Draft as Draft
 from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
+from splitspec.prefix import common_prefix
 
 PREPARE_CHUNK = 512  # prompt tokens a draft model's prepare feeds at once: bounds its attention masks
 
@@ -72,15 +73,6 @@ class Preparable(Protocol):
     def prepare(self, context: Sequence[int]) -> None: ...
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
-    """Length of the longest common prefix of ``a`` and ``b`` (at most ``limit``)."""
-    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class NgramPool:
     """Recent n-grams of the prompt and output, indexed by their first ``key_len`` tokens."""
 
@@ -95,10 +87,7 @@ class NgramPool:
         self._seen: list[int] = []  # the context indexed so far
 
     def _index(self, context: Sequence[int]) -> None:
-        common = 0
-        limit = min(len(self._seen), len(context))
-        while common < limit and self._seen[common] == context[common]:
-            common += 1
+        common = common_prefix(self._seen, context)
         if common < len(self._seen):  # the context diverged (new prompt): start over
             self._pool.clear()
             self._seen = []
@@ -216,10 +205,7 @@ class DraftModel:
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits."""
         seq = self.sequence
-        common = 0
-        limit = min(len(seq.tokens), len(context) - 1)  # always re-run the last context token
-        while common < limit and seq.tokens[common] == context[common]:
-            common += 1
+        common = common_prefix(seq.tokens, context, len(context) - 1)  # always re-run the last context token
         seq.truncate(common)
         return seq.run(context[common:])[-1]
 

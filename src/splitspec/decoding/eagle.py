@@ -36,6 +36,7 @@ from splitspec.models.features import FeatureLog
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain
 from splitspec.models.stack import ModelEnds
+from splitspec.prefix import common_prefix
 
 
 class KeepsFeatures(Protocol):
@@ -100,10 +101,8 @@ class EagleDrafter:
         if len(source.tokens) != committed or len(log) != committed or source.tokens[-1] != context[-2]:
             return None  # the verifier's features are not this context's (tokens committed before they were kept)
         wanted = list(context[1:])  # x_{i+1} for pairs i = 0 .. committed - 1
-        common = 0
-        limit = min(len(self._fed), committed - 1)  # always run the last pair again: its output is the root feature
-        while common < limit and self._fed[common] == wanted[common]:
-            common += 1
+        # always run the last pair again: its output is the root feature
+        common = common_prefix(self._fed, wanted, committed - 1)
         self.cache.truncate(common)
         ids = torch.tensor(wanted[common:], dtype=torch.long)  # (m,)
         feats = log.rows(common, committed).to(self.ends.device)  # (m, F * H)

@@ -9,7 +9,7 @@ before the token is chosen.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Protocol
 
 import torch
@@ -65,8 +65,15 @@ class _Chain:
         self.verifier = verifier
 
     async def forward(
-        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
     ) -> torch.Tensor:
+        if sent is not None:
+            sent()  # a plain verifier says nothing of its round trip: at once
         return await self.verifier.forward(tokens, parents, logits_from)
 
     def keep(self, indices: Sequence[int]) -> None:

@@ -8,7 +8,7 @@ back never re-prefills.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,6 +16,7 @@ from splitspec.models.features import FeatureLog, full_model_step
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, depths
 from splitspec.models.stack import FullModel
+from splitspec.prefix import common_prefix
 
 
 class LocalSequence:
@@ -55,8 +56,15 @@ class LocalSequence:
         return logits
 
     async def forward(
-        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
     ) -> torch.Tensor:
+        if sent is not None:
+            sent()  # no round trip: the step is "sent" at once
         return self.run(tokens, parents)[logits_from:]
 
     def keep(self, indices: Sequence[int]) -> None:
@@ -83,9 +91,6 @@ class LocalSequence:
 
     def logits_for(self, sequence: Sequence[int], num_scored: int = 1) -> torch.Tensor:
         """(num_scored, V) logits for the last ``num_scored`` positions of ``sequence``, reusing the cache."""
-        common = 0
-        limit = min(len(self.tokens), len(sequence) - num_scored)
-        while common < limit and self.tokens[common] == sequence[common]:
-            common += 1
+        common = common_prefix(self.tokens, sequence, len(sequence) - num_scored)
         self.truncate(common)
         return self.append(list(sequence[common:]), num_scored)

@@ -36,15 +36,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from splitspec.decoding.acceptance import greedy_verify_tree, sample_verify_tree
-from splitspec.decoding.aside import AsidePlan, plan_aside, score_aside, start_aside
+from splitspec.decoding.aside import AsidePlan, AsideProposal, plan_aside, score_aside, start_aside
 from splitspec.decoding.controller import BlindPolicy, Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.processors import LogitsProcessor
@@ -59,8 +60,17 @@ PROMPT_ROWS_PER_CHUNK = 256  # prefill rows turned into logprobs at once: bounds
 
 class TreeVerifier(Protocol):
     async def forward(
-        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
-    ) -> torch.Tensor: ...
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """logits of ``tokens`` (a chain unless ``parents`` says otherwise), rows ``logits_from`` onwards.
+        ``sent`` is called once, as soon as the step's own work on this side is done and its reply is what
+        is awaited (a split edge: the head forward ran and the step goes on the wire; a local model: at once)."""
+        ...
 
     def keep(self, indices: Sequence[int]) -> None: ...
 
@@ -280,11 +290,14 @@ async def decode(
         tokens = [pending, *draft.tokens]
         parents = [-1, *[p + 1 for p in draft.parents]]  # draft roots hang off the pending token
         budget_cap = max_new_tokens - produced - 1
-        started = start_aside(
-            drafters, aside.shadows, asked, choices, context, budget_cap, draft_executor, _timed_propose
+        started: list[AsideProposal] = []
+        # started once the step is on its way, so that drafting does not slow the edge's own part of it
+        shadows = aside.shadows
+        propose_aside = partial(
+            start_aside, drafters, shadows, asked, choices, context, budget_cap, draft_executor, _timed_propose, started
         )
         t0 = time.perf_counter()
-        raw = await verifier.forward(tokens, parents)  # (1 + n, V)
+        raw = await verifier.forward(tokens, parents, sent=propose_aside)  # (1 + n, V)
         step_s = time.perf_counter() - t0
         logits = _process(raw, processors, context, draft.tokens)  # a chain when processors are given
         if params.greedy:

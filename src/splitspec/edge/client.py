@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from types import TracebackType
 from typing import Any
@@ -255,10 +255,16 @@ class SplitClient:
         self.sequence.keep(indices)
 
     async def forward(
-        self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """Run ``tokens`` (a chain unless ``parents`` says otherwise) -> logits (q - logits_from, V) float32."""
-        return await self.engine.forward(self.sequence, tokens, parents, logits_from)
+        """Run ``tokens`` (a chain unless ``parents`` says otherwise) -> logits (q - logits_from, V) float32;
+        ``sent()`` once the head forward ran and the step goes to the trunk."""
+        return await self.engine.forward(self.sequence, tokens, parents, logits_from, sent=sent)
 
     def sampling(
         self,

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -235,10 +235,16 @@ class EdgeEngine:
         tokens: Sequence[int],
         parents: Sequence[int] | None = None,
         logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Run ``tokens`` (a chain unless ``parents`` says otherwise) of ``sequence`` -> logits (q - logits_from, V)
-        float32: the rows of query tokens ``logits_from`` onwards (a prefill needs only its last)."""
+        float32: the rows of query tokens ``logits_from`` onwards (a prefill needs only its last).
+
+        ``sent()`` is called once: when the head forward of the first step sent has run and the edge waits
+        for the trunk (a retry after a recovery does not call it again)."""
         tokens = list(tokens)
+        pending = [sent] if sent is not None else []  # emptied by the first call
         if not tokens:
             raise ValueError("forward needs at least one token")
         parents = chain(len(tokens)) if parents is None else list(parents)
@@ -250,7 +256,7 @@ class EdgeEngine:
             try:
                 if sequence.lost:
                     await self._recover(sequence)
-                return await self._forward_chunked(sequence, tokens, parents, kind, logits_from)
+                return await self._forward_chunked(sequence, tokens, parents, kind, logits_from, pending)
             except asyncio.CancelledError:
                 sequence.tokens = sequence.tokens[:base]  # the chunks that went through are forgotten too
                 raise
@@ -267,23 +273,37 @@ class EdgeEngine:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _forward_chunked(
-        self, sequence: EdgeSequence, tokens: list[int], parents: list[int], kind: str, logits_from: int = 0
+        self,
+        sequence: EdgeSequence,
+        tokens: list[int],
+        parents: list[int],
+        kind: str,
+        logits_from: int = 0,
+        sent: list[Callable[[], None]] | None = None,
     ) -> torch.Tensor:
         size = self.chunk_tokens(sequence)
         if len(tokens) <= size:
-            return await self._forward_once(sequence, tokens, parents, kind, logits_from)
+            return await self._forward_once(sequence, tokens, parents, kind, logits_from, sent)
         if parents != chain(len(tokens)):
             raise ValueError(f"a draft tree of {len(tokens)} tokens exceeds one step's {size}-token limit")
         out = []
         for i in range(0, len(tokens), size):
             part = tokens[i : i + size]
             wanted = min(len(part), max(0, logits_from - i))  # this chunk's rows before logits_from get none
-            out.append(await self._forward_once(sequence, part, chain(len(part)), kind, wanted))
+            out.append(await self._forward_once(sequence, part, chain(len(part)), kind, wanted, sent))
         return torch.cat(out, dim=0)
 
     async def _forward_once(
-        self, sequence: EdgeSequence, tokens: list[int], parents: list[int], kind: str, logits_from: int = 0
+        self,
+        sequence: EdgeSequence,
+        tokens: list[int],
+        parents: list[int],
+        kind: str,
+        logits_from: int = 0,
+        sent: list[Callable[[], None]] | None = None,
     ) -> torch.Tensor:
+        """One step to the trunk and back; ``sent`` (a one-shot list) is popped and called once the step's head
+        forward ran, before the step is encoded and sent."""
         conn, session_id = sequence.connection, sequence.session_id
         if conn is None or session_id is None:
             raise TransportError("not connected")
@@ -313,6 +333,8 @@ class EdgeEngine:
             codec = runtime.hello.wire_codec  # encodes host_hidden in encode_message, decodes the reply's
             asked = None if sequence.features is None else self._trunk_feature(sequence.features.layers)
             step = Step(session_id, sequence.seq, host_hidden, positions, parent_t, sequence.command, codec, asked)
+            if sent:
+                sent.pop()()
             raw_reply, exchange = await self._send_step(sequence, step)
             reply = _checked_reply(raw_reply, step, runtime.dtype)
             t3 = time.perf_counter()

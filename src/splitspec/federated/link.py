@@ -16,6 +16,7 @@ import torch
 from splitspec.exceptions import BadTensor, HandshakeMismatch, TransportError, UnexpectedMessage
 from splitspec.federated.codec import max_reply_bytes
 from splitspec.federated.config import CoordinatorConfig
+from splitspec.prefix import common_prefix
 from splitspec.protocol.fed import FedHello, FedScore, FedScores, FedWelcome, decode_fed, encode_fed
 from splitspec.protocol.frames import MAX_HEADER_BYTES, PREFIX_SIZE
 from splitspec.transport.client import Channel
@@ -83,10 +84,7 @@ class WorkerLink:
         if channel is None or welcome is None:
             raise TransportError("not connected")
         cfg = self.config
-        keep = 0
-        limit = min(len(self.tokens), len(context) - num_scored)
-        while keep < limit and self.tokens[keep] == context[keep]:
-            keep += 1
+        keep = common_prefix(self.tokens, context, len(context) - num_scored)
         up = down = 0
         # chunked prefill: no single message appends more than the worker's max_query_tokens
         while len(context) - keep > welcome.max_query_tokens:
