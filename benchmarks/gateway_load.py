@@ -92,11 +92,11 @@ def wait_for_workers(url: str, workers: int, timeout_s: float = 180) -> None:
 
 
 def start_stack(
-    rtt_ms: float, baseline_src: Path | None, workers: int = 1
+    rtt_ms: float, baseline_src: Path | None, workers: int = 1, draft_model: bool = True
 ) -> tuple[list[Any], dict[str, str], dict[str, dict[str, int]]]:
     """The engine's server (``workers`` processes) and, with ``baseline_src``, the baseline's (one process),
     each with its own trunk and link (an older commit may speak an older protocol); with each server's
-    process ids (trunk, link, serve) for their CPU time."""
+    process ids (trunk, link, serve) for their CPU time. ``draft_model`` False: ``auto`` without the draft model."""
     base, draft = embedded_model("base"), embedded_model("draft")
     procs: list[Any] = []
     urls = {}
@@ -108,7 +108,8 @@ def start_stack(
         link_port = start_link(rtt_ms, src, procs)
         port = free_port()
         procs.append(spawn([
-            "serve", "--model", str(base), "--draft-model", str(draft), "--cloud", f"ws://127.0.0.1:{link_port}",
+            "serve", "--model", str(base), *(["--draft-model", str(draft)] if draft_model else []),
+            "--cloud", f"ws://127.0.0.1:{link_port}",
             "--served-model-name", "demo", "--port", str(port), "--dtype", "float32", "--threads", "1",
             "--max-active", "64", "--speculate", "auto", "--allow-stock-edge-weights",
             *(["--workers", str(workers)] if label == "engine" and workers > 1 else []),

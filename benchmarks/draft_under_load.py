@@ -1,0 +1,192 @@
+"""Is the draft model worth its CPU under load? ``auto`` with and without it, at 1 and 16 streams.
+
+At 16 streams the edge server is bound by one core (its interpreter), and the draft model's
+proposals are about a third of that interpreter's time (py-spy ``--gil``). Each sequence's
+controller judges drafting by its own step's latency, in which the queueing of a saturated engine
+is part of T(q) while a draft costs only the drafter's own seconds; so drafting could look cheap to
+every sequence while it slows all of them. This measures that directly: the gateway stack of
+``gateway_load.py`` (``splitspec cloud serve``, the WAN emulator at ``--rtt-ms``, ``splitspec
+serve --speculate auto``, demo models in float32) with the draft model (``draft``) and without it
+(``no-draft``), in turn, each repeat in the other order. Per arm and level: a closed loop of N
+``openai`` streams, each sending 128-token prompts (64 tokens out, greedy) back to back for
+``--seconds``, after a warm-up. Reported: aggregate output tok/s, the server's CPU ms per output
+token and the cores the whole machine kept busy; medians over repeats and the median of the
+paired per-repeat ratios draft / no-draft. Writes ``draft_under_load.json``, ``.md`` and ``.png``.
+
+    python benchmarks/draft_under_load.py [--repeats 3] [--streams 1 16] [--seconds 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import openai
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gateway_load import prompts, start_stack, stream_one, tree_cpu_seconds
+
+from splitspec.demo import _stop
+from splitspec.run_info import run_environment
+
+ARMS = ("draft", "no-draft")
+
+
+def busy_jiffies() -> tuple[int, int]:
+    """(busy, all) jiffies of the whole machine so far (/proc/stat: idle and iowait are not busy)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+async def closed_loop(url: str, texts: list[str], streams: int, seconds: float) -> int:
+    """``streams`` streams sending requests back to back until ``seconds`` have passed; output tokens."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    until = time.monotonic() + seconds
+    total = 0
+
+    async def stream(index: int) -> None:
+        nonlocal total
+        k = 0
+        while time.monotonic() < until:
+            result = await stream_one(client, texts[(index * 97 + k) % len(texts)], 64)
+            total += int(result["tokens"] or 0)
+            k += 1
+
+    await asyncio.gather(*(stream(i) for i in range(streams)))
+    await client.close()
+    return total
+
+
+def measure_arm(arm: str, args: argparse.Namespace, texts: list[str]) -> list[dict[str, Any]]:
+    procs, urls, pids = start_stack(args.rtt_ms, None, draft_model=arm == "draft")
+    try:
+        url, serve = urls["engine"], pids["engine"]["serve"]
+        asyncio.run(closed_loop(url, texts, 8, args.warm_s))
+        out = []
+        for streams in args.streams:
+            cpu0, (busy0, all0), t0 = tree_cpu_seconds(serve), busy_jiffies(), time.monotonic()
+            tokens = asyncio.run(closed_loop(url, texts, streams, args.seconds))
+            wall = time.monotonic() - t0
+            cpu1, (busy1, all1) = tree_cpu_seconds(serve), busy_jiffies()
+            row = {
+                "arm": arm,
+                "streams": streams,
+                "tokens": tokens,
+                "wall_s": wall,
+                "tok_s": tokens / wall,
+                "serve_cpu_ms_per_token": 1e3 * (cpu1 - cpu0) / max(1, tokens),
+                "machine_busy_cores": (os.cpu_count() or 1) * (busy1 - busy0) / max(1, all1 - all0),
+            }
+            print(f"{arm:9s} {streams:3d} streams: {row['tok_s']:6.1f} tok/s, serve {row['serve_cpu_ms_per_token']:.2f}"
+                  f" CPU ms/token, machine {row['machine_busy_cores']:.2f} cores busy", flush=True)  # fmt: skip
+            out.append(row)
+        return out
+    finally:
+        _stop(procs)
+
+
+def summarise(rows: list[dict[str, Any]], streams: list[int], repeats: int) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for n in streams:
+        cell: dict[str, Any] = {}
+        for arm in ARMS:
+            mine = [r for r in rows if r["arm"] == arm and r["streams"] == n]
+            for key in ("tok_s", "serve_cpu_ms_per_token", "machine_busy_cores"):
+                cell[f"{arm}:{key}"] = statistics.median(r[key] for r in mine)
+        pairs = [
+            next(r for r in rows if r["arm"] == "draft" and r["streams"] == n and r["repeat"] == k)["tok_s"]
+            / next(r for r in rows if r["arm"] == "no-draft" and r["streams"] == n and r["repeat"] == k)["tok_s"]
+            for k in range(repeats)
+        ]
+        cell["ratio_per_repeat"] = pairs
+        cell["ratio"] = statistics.median(pairs)
+        summary[str(n)] = cell
+    return summary
+
+
+def markdown(results: dict[str, Any]) -> str:
+    env = results["environment"]
+    lines = [
+        "# `auto` with and without the draft model under load (gateway, demo models, float32)",
+        "",
+        f"Commit `{env['commit']}`; {results['repeats']} repeats (arms alternate order), {results['seconds']:g} s of "
+        f"closed-loop load per level after an {results['warm_s']:g} s warm-up, {results['rtt_ms']:g} ms RTT; "
+        "128-token prompts, 64 tokens out, greedy. Medians; the ratio is the median of paired per-repeat ratios.",
+        f"Reproduce: `{results['command']}`.",
+        "",
+        "| streams | draft tok/s | no-draft tok/s | draft / no-draft | per repeat | serve CPU ms/token draft, no-draft "
+        "| machine busy cores draft, no-draft |",
+        "|---:|---:|---:|---:|---|---|---|",
+    ]
+    for n, c in results["summary"].items():
+        per = ", ".join(f"{x:.2f}" for x in c["ratio_per_repeat"])
+        lines.append(
+            f"| {n} | {c['draft:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c['ratio']:.2f} | {per} "
+            f"| {c['draft:serve_cpu_ms_per_token']:.2f}, {c['no-draft:serve_cpu_ms_per_token']:.2f} "
+            f"| {c['draft:machine_busy_cores']:.2f}, {c['no-draft:machine_busy_cores']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    levels = list(results["summary"])
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.38
+    for i, arm in enumerate(ARMS):
+        values = [results["summary"][n][f"{arm}:tok_s"] for n in levels]
+        ax.bar([x + (i - 0.5) * width for x in range(len(levels))], values, width, label=arm)
+    ax.set_xticks(range(len(levels)), [f"{n} streams" for n in levels])
+    ax.set_ylabel("aggregate output tok/s (median)")
+    ax.set_title("gateway, `auto` with and without the draft model")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--seconds", type=float, default=25.0, help="closed-loop load per level, seconds")
+    parser.add_argument("--warm-s", type=float, default=8.0, help="warm-up load (8 streams) per server, seconds")
+    parser.add_argument("--rtt-ms", type=float, default=80.0)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_under_load")
+    args = parser.parse_args()
+    if args.repeats < 1 or args.seconds <= 0 or not args.streams or min(args.streams) < 1:
+        parser.error("--repeats, --seconds and every --streams level must be positive")
+    texts = prompts(200, 128)
+    rows: list[dict[str, Any]] = []
+    for repeat in range(args.repeats):
+        for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
+            rows += [{**r, "repeat": repeat} for r in measure_arm(arm, args, texts)]
+    results: dict[str, Any] = {
+        "environment": run_environment(),
+        "command": "python benchmarks/draft_under_load.py " + " ".join(sys.argv[1:]),
+        "repeats": args.repeats,
+        "seconds": args.seconds,
+        "warm_s": args.warm_s,
+        "rtt_ms": args.rtt_ms,
+        "rows": rows,
+        "summary": summarise(rows, args.streams, args.repeats),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "draft_under_load.json").write_text(json.dumps(results, indent=1))
+    (args.out / "draft_under_load.md").write_text(markdown(results))
+    plot(results, args.out / "draft_under_load.png")
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
