@@ -181,7 +181,8 @@ class Wrong:
         self.during_round_trip: list[bool] = []
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
-        self.during_round_trip.append(self.link.in_flight)  # as Oracle's
+        time.sleep(0.01)  # its own cost: a free drafter is worth asking on every step, whatever its acceptance
+        self.during_round_trip.append(self.link.in_flight)
         return Draft([self.never], [-1])
 
 
