@@ -292,9 +292,17 @@ async def decode(
         budget_cap = max_new_tokens - produced - 1
         started: list[AsideProposal] = []
         # started once the step is on its way, so that drafting does not slow the edge's own part of it
-        shadows = aside.shadows
         propose_aside = partial(
-            start_aside, drafters, shadows, asked, choices, context, budget_cap, draft_executor, _timed_propose, started
+            start_aside,
+            drafters,
+            aside.shadows,
+            asked,
+            choices,
+            context,
+            budget_cap,
+            draft_executor,
+            _timed_propose,
+            started,
         )
         t0 = time.perf_counter()
         raw = await verifier.forward(tokens, parents, sent=propose_aside)  # (1 + n, V)
