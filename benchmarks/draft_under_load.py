@@ -13,7 +13,10 @@ serve --speculate auto``, demo models in float32) with the draft model (``draft`
 token and the cores the whole machine kept busy; medians over repeats and the median of the
 paired per-repeat ratios draft / no-draft. Writes ``draft_under_load.json``, ``.md`` and ``.png``.
 
-    python benchmarks/draft_under_load.py [--repeats 3] [--streams 1 16] [--seconds 25]
+    python benchmarks/draft_under_load.py [--repeats 3] [--streams 1 16] [--seconds 25] [--baseline REF]
+
+``--baseline REF``: a third arm, commit REF's code with the draft model (a git worktree, same venv), to
+compare a change of the drafting's policy with what it replaces.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import matplotlib.pyplot as plt
 import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_load import prompts, start_stack, stream_one, tree_cpu_seconds
+from gateway_load import baseline_checkout, prompts, start_stack, stream_one, tree_cpu_seconds
 
 from splitspec.demo import _stop
 from splitspec.run_info import run_environment
@@ -68,8 +71,10 @@ async def closed_loop(url: str, texts: list[str], streams: int, seconds: float) 
     return total
 
 
-def measure_arm(arm: str, args: argparse.Namespace, texts: list[str]) -> list[dict[str, Any]]:
-    procs, urls, pids = start_stack(args.rtt_ms, None, draft_model=arm == "draft")
+def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: Path | None) -> list[dict[str, Any]]:
+    """One arm's stack, warmed, then each load level; ``baseline``: the baseline's code (its ``src``)."""
+    src = baseline if arm == "baseline" else None
+    procs, urls, pids = start_stack(args.rtt_ms, None, draft_model=arm != "no-draft", engine_src=src)
     try:
         url, serve = urls["engine"], pids["engine"]["serve"]
         asyncio.run(closed_loop(url, texts, 8, args.warm_s))
@@ -96,21 +101,24 @@ def measure_arm(arm: str, args: argparse.Namespace, texts: list[str]) -> list[di
         _stop(procs)
 
 
-def summarise(rows: list[dict[str, Any]], streams: list[int], repeats: int) -> dict[str, Any]:
+def summarise(rows: list[dict[str, Any]], streams: list[int], repeats: int, arms: list[str]) -> dict[str, Any]:
+    """Per level: each arm's medians, and the paired per-repeat ratios of draft over each other arm."""
     summary: dict[str, Any] = {}
     for n in streams:
         cell: dict[str, Any] = {}
-        for arm in ARMS:
+        for arm in arms:
             mine = [r for r in rows if r["arm"] == arm and r["streams"] == n]
             for key in ("tok_s", "serve_cpu_ms_per_token", "machine_busy_cores"):
                 cell[f"{arm}:{key}"] = statistics.median(r[key] for r in mine)
-        pairs = [
-            next(r for r in rows if r["arm"] == "draft" and r["streams"] == n and r["repeat"] == k)["tok_s"]
-            / next(r for r in rows if r["arm"] == "no-draft" and r["streams"] == n and r["repeat"] == k)["tok_s"]
-            for k in range(repeats)
-        ]
-        cell["ratio_per_repeat"] = pairs
-        cell["ratio"] = statistics.median(pairs)
+
+        def tok_s(arm: str, k: int, n: int = n) -> float:
+            return float(next(r for r in rows if r["arm"] == arm and r["streams"] == n and r["repeat"] == k)["tok_s"])
+
+        for other, key in (("no-draft", "ratio"), ("baseline", "ratio_baseline")):
+            if other in arms:
+                pairs = [tok_s("draft", k) / tok_s(other, k) for k in range(repeats)]
+                cell[f"{key}_per_repeat"] = pairs
+                cell[key] = statistics.median(pairs)
         summary[str(n)] = cell
     return summary
 
@@ -136,16 +144,31 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {c['draft:serve_cpu_ms_per_token']:.2f}, {c['no-draft:serve_cpu_ms_per_token']:.2f} "
             f"| {c['draft:machine_busy_cores']:.2f}, {c['no-draft:machine_busy_cores']:.2f} |"
         )
+    if results.get("baseline"):
+        lines += [
+            "",
+            f"Beside the baseline: commit `{results['baseline']}`'s code with the draft model (its own stack).",
+            "",
+            "| streams | draft tok/s | baseline tok/s | draft / baseline | per repeat | serve CPU ms/token baseline |",
+            "|---:|---:|---:|---:|---|---|",
+        ]
+        for n, c in results["summary"].items():
+            per = ", ".join(f"{x:.2f}" for x in c["ratio_baseline_per_repeat"])
+            lines.append(
+                f"| {n} | {c['draft:tok_s']:.1f} | {c['baseline:tok_s']:.1f} | {c['ratio_baseline']:.2f} | {per} "
+                f"| {c['baseline:serve_cpu_ms_per_token']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
     levels = list(results["summary"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.38
-    for i, arm in enumerate(ARMS):
+    arms = results["arms"]
+    width = 0.8 / len(arms)
+    for i, arm in enumerate(arms):
         values = [results["summary"][n][f"{arm}:tok_s"] for n in levels]
-        ax.bar([x + (i - 0.5) * width for x in range(len(levels))], values, width, label=arm)
+        ax.bar([x + (i - (len(arms) - 1) / 2) * width for x in range(len(levels))], values, width, label=arm)
     ax.set_xticks(range(len(levels)), [f"{n} streams" for n in levels])
     ax.set_ylabel("aggregate output tok/s (median)")
     ax.set_title("gateway, `auto` with and without the draft model")
@@ -163,23 +186,29 @@ def main() -> None:
     parser.add_argument("--warm-s", type=float, default=8.0, help="warm-up load (8 streams) per server, seconds")
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_under_load")
+    parser.add_argument("--baseline", help="a commit whose code runs a third arm (with the draft model), in turn")
     args = parser.parse_args()
     if args.repeats < 1 or args.seconds <= 0 or not args.streams or min(args.streams) < 1:
         parser.error("--repeats, --seconds and every --streams level must be positive")
     texts = prompts(200, 128)
     rows: list[dict[str, Any]] = []
-    for repeat in range(args.repeats):
-        for arm in ARMS if repeat % 2 == 0 else ARMS[::-1]:
-            rows += [{**r, "repeat": repeat} for r in measure_arm(arm, args, texts)]
+    arms = [*ARMS, *(["baseline"] if args.baseline else [])]
+    with baseline_checkout(args.baseline) as baseline:
+        for repeat in range(args.repeats):
+            shift = repeat % len(arms)  # each repeat starts with another arm
+            for arm in arms[shift:] + arms[:shift]:
+                rows += [{**r, "repeat": repeat} for r in measure_arm(arm, args, texts, baseline)]
     results: dict[str, Any] = {
         "environment": run_environment(),
         "command": "python benchmarks/draft_under_load.py " + " ".join(sys.argv[1:]),
+        "arms": arms,
+        "baseline": args.baseline,
         "repeats": args.repeats,
         "seconds": args.seconds,
         "warm_s": args.warm_s,
         "rtt_ms": args.rtt_ms,
         "rows": rows,
-        "summary": summarise(rows, args.streams, args.repeats),
+        "summary": summarise(rows, args.streams, args.repeats, arms),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "draft_under_load.json").write_text(json.dumps(results, indent=1))

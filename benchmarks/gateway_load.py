@@ -36,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,21 @@ def quantile(values: list[float], q: float) -> float:
     if not ordered:
         return float("nan")
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@contextmanager
+def baseline_checkout(ref: str | None) -> Iterator[Path | None]:
+    """The ``src`` folder of a temporary git worktree of commit ``ref`` (None: no baseline, None)."""
+    if ref is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "baseline"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], check=True, capture_output=True)
+        try:
+            yield tree / "src"
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=False)
 
 
 def spawn(args: list[str], src: Path | None = None) -> subprocess.Popen[bytes]:
@@ -92,16 +109,21 @@ def wait_for_workers(url: str, workers: int, timeout_s: float = 180) -> None:
 
 
 def start_stack(
-    rtt_ms: float, baseline_src: Path | None, workers: int = 1, draft_model: bool = True
+    rtt_ms: float,
+    baseline_src: Path | None,
+    workers: int = 1,
+    draft_model: bool = True,
+    engine_src: Path | None = None,
 ) -> tuple[list[Any], dict[str, str], dict[str, dict[str, int]]]:
     """The engine's server (``workers`` processes) and, with ``baseline_src``, the baseline's (one process),
     each with its own trunk and link (an older commit may speak an older protocol); with each server's
-    process ids (trunk, link, serve) for their CPU time. ``draft_model`` False: ``auto`` without the draft model."""
+    process ids (trunk, link, serve) for their CPU time. ``draft_model`` False: ``auto`` without the draft model.
+    ``engine_src``: the engine's server runs that checkout's code (None: this one's)."""
     base, draft = embedded_model("base"), embedded_model("draft")
     procs: list[Any] = []
     urls = {}
     pids: dict[str, dict[str, int]] = {}
-    servers: list[tuple[str, Path | None]] = [("engine", None)]
+    servers: list[tuple[str, Path | None]] = [("engine", engine_src)]
     if baseline_src is not None:
         servers.append(("baseline", baseline_src))
     for label, src in servers:
@@ -546,20 +568,12 @@ def main() -> None:
                                "workers": args.workers,
                                "max_tokens": args.max_tokens, "baseline": args.baseline,
                                "command": "python benchmarks/gateway_load.py " + " ".join(sys.argv[1:])}  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        src = None
-        if args.baseline is not None:
-            tree = Path(tmp) / "baseline"
-            subprocess.run(["git", "worktree", "add", "--detach", str(tree), args.baseline], check=True,
-                           capture_output=True)  # fmt: skip
-            src = tree / "src"
+    with baseline_checkout(args.baseline) as src:
         procs, urls, pids = start_stack(args.rtt_ms, src, args.workers)
         try:
             raw = asyncio.run(run_all(urls, args, pids))
         finally:
             _stop(procs)
-            if src is not None:
-                subprocess.run(["git", "worktree", "remove", "--force", str(src.parent)], check=False)
     results["raw"] = raw
     results["summary"] = summarise(raw)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,9 @@ processors only, as every shadow.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -41,14 +43,17 @@ T = TypeVar("T")
 
 
 class DraftExecutor(ThreadPoolExecutor):
-    """The one drafting thread of an engine, knowing whether any work is queued or running on it and how
-    many sequences are decoding with it."""
+    """The one drafting thread of an engine, knowing whether any work is queued or running on it, how long
+    its jobs take and how many sequences are decoding with it."""
 
-    def __init__(self, thread_name_prefix: str = "edge-draft") -> None:
+    def __init__(self, thread_name_prefix: str = "edge-draft", job_decay: float = 0.9) -> None:
         super().__init__(max_workers=1, thread_name_prefix=thread_name_prefix)
         self._lock = threading.Lock()  # submit runs on the event loop, completion on the thread
         self._outstanding = 0  # jobs submitted and not yet finished
         self._decoding = 0  # sequences inside decoding()
+        self._job_decay = job_decay  # per-job decay of the mean job time: it follows the load
+        self._job_s = math.nan  # mean seconds of a job running on the thread (not its wait in the queue)
+        self._job_weight = 0.0
 
     @contextmanager
     def decoding(self) -> Iterator[None]:
@@ -65,16 +70,37 @@ class DraftExecutor(ThreadPoolExecutor):
         with self._lock:
             self._outstanding += 1
         try:
-            future = super().submit(fn, *args, **kwargs)
+            future = super().submit(self._timed, fn, *args, **kwargs)
         except BaseException:
             self._finished(None)
             raise
         future.add_done_callback(self._finished)
         return future
 
+    def _timed(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - t0
+            with self._lock:
+                self._job_weight = self._job_decay * self._job_weight + 1.0
+                if math.isnan(self._job_s):
+                    self._job_s = seconds
+                else:
+                    self._job_s += (seconds - self._job_s) / self._job_weight
+
     def _finished(self, _: Future[Any] | None) -> None:
         with self._lock:
             self._outstanding -= 1
+
+    def expected_wait(self) -> float:
+        """Seconds a job submitted now would wait before it runs: the jobs queued or running ahead of it at the
+        mean job time (0 before any job was timed, or with none outstanding)."""
+        with self._lock:
+            if self._outstanding == 0 or math.isnan(self._job_s):
+                return 0.0
+            return self._outstanding * self._job_s
 
     @property
     def idle(self) -> bool:

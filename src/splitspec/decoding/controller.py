@@ -18,7 +18,7 @@ left unused ages, so one written off early is asked again. Step times are kept p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -82,7 +82,7 @@ class Choice:
 class SpeculationPolicy(Protocol):
     """Decides each step's drafter and budget; told what happened afterwards."""
 
-    def ranked(self, context_tokens: int = 0) -> list[Choice]: ...
+    def ranked(self, context_tokens: int = 0, waits: Mapping[str, float] | None = None) -> list[Choice]: ...
 
     def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None: ...
 
@@ -128,7 +128,7 @@ class FixedPolicy(BlindPolicy):
     def __init__(self, drafter: str, budget: int) -> None:
         self.choice = Choice(drafter, budget, math.inf)
 
-    def ranked(self, context_tokens: int = 0) -> list[Choice]:
+    def ranked(self, context_tokens: int = 0, waits: Mapping[str, float] | None = None) -> list[Choice]:
         return [self.choice, Choice(None, 0, 0.0)]
 
 
@@ -360,16 +360,22 @@ class SpeculationController:
         return sums[budget]
 
     def value_if_offered(
-        self, drafter: str, budget: int, context_tokens: int = 0, prior_alpha: float | None = None
+        self,
+        drafter: str,
+        budget: int,
+        context_tokens: int = 0,
+        prior_alpha: float | None = None,
+        wait_s: float = 0.0,
     ) -> float:
         """Expected tokens per second of a step with ``drafter``'s draft, given that it offers one
-        (``prior_alpha``: depth 1's prior, the optimistic one unless given)."""
+        (``prior_alpha``: depth 1's prior, the optimistic one unless given; ``wait_s``: seconds the
+        proposal first waits for the drafting thread)."""
         cost = self._stats[drafter].cost_per_token.value
         draft_s = 0.0 if math.isnan(cost) else cost * budget
         wide = self.step_time(budget + 1, context_tokens)
-        return (1.0 + self._accepted_if_offered(drafter, budget, prior_alpha)) / (wide + draft_s)
+        return (1.0 + self._accepted_if_offered(drafter, budget, prior_alpha)) / (wide + draft_s + wait_s)
 
-    def asking_value(self, drafter: str, budget: int, context_tokens: int = 0) -> float:
+    def asking_value(self, drafter: str, budget: int, context_tokens: int = 0, wait_s: float = 0.0) -> float:
         """What orders the drafters worth asking: a drafter not yet judged by its optimistic prior (so it
         gets asked), a judged one with depth 1's prior no higher than its own acceptance rate there, so
         one judged on a few poor drafts is not asked before drafters whose drafts were judged better.
@@ -378,16 +384,18 @@ class SpeculationController:
         it out behind whichever drafter got ahead early)."""
         stats = self._stats[drafter]
         if not self.judged(drafter):
-            return self.value_if_offered(drafter, budget, context_tokens)
+            return self.value_if_offered(drafter, budget, context_tokens, wait_s=wait_s)
         rate = stats.accepted[0] / stats.reached[0]
-        return self.value_if_offered(drafter, budget, context_tokens, min(self.prior_alpha, rate))
+        return self.value_if_offered(drafter, budget, context_tokens, min(self.prior_alpha, rate), wait_s)
 
-    def value(self, drafter: str | None, budget: int, context_tokens: int = 0) -> float:
+    def value(self, drafter: str | None, budget: int, context_tokens: int = 0, wait_s: float = 0.0) -> float:
         """Expected tokens per second of one step.
 
         Asked for ``budget`` tokens, the drafter offers some with its hit rate h: the step is then
         budget + 1 tokens wide and costs the drafting too. Otherwise the proposal's time is lost and
-        the step is a one-token one: seconds = h (T(budget + 1) + drafting) + (1 - h) (T(1) + miss).
+        the step is a one-token one: seconds = h (T(budget + 1) + drafting) + (1 - h) (T(1) + miss),
+        each plus ``wait_s``, the wait for the drafting thread before the proposal starts (under load,
+        other sequences' drafts queue there: the drafter's own seconds are what it costs alone).
         """
         if drafter is None or budget == 0:
             return 1.0 / self.step_time(1, context_tokens)
@@ -397,7 +405,7 @@ class SpeculationController:
         miss_s = 0.0 if math.isnan(miss) else miss
         hit = self.hit_rate(drafter)
         wide, one = self.step_time(budget + 1, context_tokens), self.step_time(1, context_tokens)
-        seconds = hit * (wide + draft_s) + (1.0 - hit) * (one + miss_s)
+        seconds = hit * (wide + draft_s) + (1.0 - hit) * (one + miss_s) + wait_s
         return (1.0 + self.expected_accepted(drafter, budget)) / seconds
 
     def judged(self, drafter: str) -> bool:
@@ -413,7 +421,7 @@ class SpeculationController:
 
     # -- decisions ---------------------------------------------------------------------------------
 
-    def ranked(self, context_tokens: int = 0) -> list[Choice]:
+    def ranked(self, context_tokens: int = 0, waits: Mapping[str, float] | None = None) -> list[Choice]:
         """Each drafter at its best budget, and sequential, best first (the loop asks them in turn until one
         offers a draft: a drafter that offered nothing would offer nothing at a smaller budget either).
 
@@ -423,28 +431,37 @@ class SpeculationController:
         offered at :data:`PROBE_BUDGET` tokens at most: a probe costs little even when the drafter
         is slow or wrong (a short answer cannot amortise a deep miss), and measures its cost and
         its first depths, from which the deeper ones are estimated.
+
+        ``waits``: seconds a drafter's proposal would first wait for the drafting thread, by name (none
+        for one not named): under load, other sequences' drafts queue there.
         """
         n = context_tokens
+        wait = waits or {}
         options = [Choice(None, 0, self.value(None, 0, n))]
         if not self.step_times.measured:
             return options
         for name in self.drafters:
             budgets = self.budgets if self.judged(name) else [k for k in self.budgets if k <= PROBE_BUDGET]
+            w = wait.get(name, 0.0)
             options.append(
-                max((Choice(name, k, self.value(name, k, n)) for k in budgets or self.budgets[:1]), key=_value)
+                max((Choice(name, k, self.value(name, k, n, w)) for k in budgets or self.budgets[:1]), key=_value)
             )
         options.sort(key=lambda c: c.expected_tokens_per_s, reverse=True)
         # the drafters worth asking (above sequential) are asked in turn until one offers a draft, and a
         # miss costs only its search: ask first the one whose draft is best when it offers one (prompt
         # lookup's long matches before a draft model's guesses, which then fill in where it has none)
         cut = next(i for i, c in enumerate(options) if c.drafter is None)
-        ask = sorted(options[:cut], key=lambda c: self.asking_value(str(c.drafter), c.budget, n), reverse=True)
+        ask = sorted(
+            options[:cut],
+            key=lambda c: self.asking_value(str(c.drafter), c.budget, n, wait.get(str(c.drafter), 0.0)),
+            reverse=True,
+        )
         options = ask + options[cut:]
         if options[0].drafter is None and self.drafters and self._since_speculation >= self.probe_every:
             # re-probe cheaply: estimates of a drafter we stopped using cannot improve otherwise
             k = self.budgets[0]
-            best_drafter = max(self.drafters, key=lambda name: self.value(name, k, n))
-            options.insert(0, Choice(best_drafter, k, self.value(best_drafter, k, n)))
+            best_drafter = max(self.drafters, key=lambda name: self.value(name, k, n, wait.get(name, 0.0)))
+            options.insert(0, Choice(best_drafter, k, self.value(best_drafter, k, n, wait.get(best_drafter, 0.0))))
         return options
 
     # -- observations ------------------------------------------------------------------------------

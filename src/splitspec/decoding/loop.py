@@ -45,7 +45,14 @@ from typing import Protocol
 import torch
 
 from splitspec.decoding.acceptance import greedy_verify_tree, sample_verify_tree
-from splitspec.decoding.aside import AsidePlan, AsideProposal, plan_aside, score_aside, start_aside
+from splitspec.decoding.aside import (
+    AsidePlan,
+    AsideProposal,
+    DraftExecutor,
+    plan_aside,
+    score_aside,
+    start_aside,
+)
 from splitspec.decoding.controller import BlindPolicy, Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.processors import LogitsProcessor
@@ -124,7 +131,7 @@ class SpecStep:
 class SequentialPolicy(BlindPolicy):
     """No drafting: every step is the pending token alone."""
 
-    def ranked(self, context_tokens: int = 0) -> list[Choice]:
+    def ranked(self, context_tokens: int = 0, waits: Mapping[str, float] | None = None) -> list[Choice]:
         return [Choice(None, 0, 0.0)]
 
 
@@ -189,6 +196,19 @@ def _timed_propose(drafter: Drafter, context: Sequence[int], budget: int) -> tup
     t0 = time.perf_counter()
     draft = drafter.propose(context, budget)
     return draft, time.perf_counter() - t0
+
+
+def _cheap(drafter: Drafter) -> bool:
+    """A drafter that declares itself cheap and deterministic (a lookup of microseconds): it proposes inline."""
+    return bool(getattr(drafter, "shadow", False))
+
+
+def _drafting_waits(drafters: Mapping[str, Drafter], executor: Executor | None) -> dict[str, float]:
+    """Seconds each drafter that proposes on the drafting thread would first wait there (none: the others)."""
+    if not isinstance(executor, DraftExecutor):
+        return {}
+    wait = executor.expected_wait()
+    return {name: wait for name, drafter in drafters.items() if not _cheap(drafter)} if wait > 0.0 else {}
 
 
 def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -258,7 +278,8 @@ async def decode(
             return
         # choose and build the draft; a drafter with nothing to offer yields to the next option
         draft, used, draft_s, used_s = Draft.empty(), None, 0.0, 0.0
-        choices = controller.ranked(len(context))  # a long context makes wide steps dearer
+        # a long context makes wide steps dearer; a queue on the drafting thread makes its drafters dearer
+        choices = controller.ranked(len(context), _drafting_waits(drafters, draft_executor))
         asked: set[str] = set()  # drafters asked this step (those that offered nothing were told so)
         # what a lone greedy sequence proposes during this step's round trip instead (decoding/aside.py)
         shadowing = params.greedy and not processors
@@ -273,7 +294,7 @@ async def decode(
                 break
             drafter = drafters[choice.drafter]
             asked.add(choice.drafter)
-            if draft_executor is None:
+            if draft_executor is None or _cheap(drafter):  # a lookup: not worth a queue behind a draft model
                 draft, seconds = _timed_propose(drafter, context, budget)
             else:  # a draft model's forwards: off the event loop, which other sequences' I/O needs
                 loop = asyncio.get_running_loop()
