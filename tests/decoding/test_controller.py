@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from splitspec.decoding.controller import MEMO_ENTRIES, PROBE_BUDGET, SpeculationController, StepTimes
+from splitspec.decoding.controller import (
+    MEMO_ENTRIES,
+    PRIOR_FADE,
+    PROBE_BUDGET,
+    SHADOW_UNTIL,
+    SpeculationController,
+    StepTimes,
+)
 
 
 def trained(rtt_s: float, per_token_s: float, accept_rate: float, steps: int = 200) -> SpeculationController:
@@ -305,3 +312,35 @@ def test_a_controller_asked_between_observations_ranks_as_one_asked_only_at_the_
             asked.value("draft", 4, context)
     for context in (50, 400, 1500, 5000):
         assert asked.ranked(context) == quiet.ranked(context)
+
+
+def test_the_optimistic_prior_fades_once_a_drafter_has_been_judged() -> None:
+    """Depth 1's optimistic prior keeps its full weight for SHADOW_UNTIL judgements, half of it halfway to
+    PRIOR_FADE, and none after: the estimate is then the drafter's own rate."""
+    ctl = SpeculationController(["draft"], decay=1.0)  # no ageing: the counts are the judgements
+    prior, weight = ctl.prior_alpha, ctl.prior_weight
+    accepted = 0
+    for judged in range(1, 13):
+        hit = judged % 3 == 0
+        accepted += hit
+        ctl.observe_draft("draft", 1, int(hit), 1, 0.005)
+        share = min(1.0, max(0.0, (PRIOR_FADE - judged) / (PRIOR_FADE - SHADOW_UNTIL)))
+        expected = (accepted + prior * weight * share) / (judged + weight * share)
+        assert ctl.alphas("draft", 1)[0] == pytest.approx(expected)
+        if judged <= SHADOW_UNTIL:
+            assert share == 1.0  # unchanged while the drafter is still being judged
+    assert ctl.alphas("draft", 1)[0] == pytest.approx(4 / 12)  # its own rate
+
+
+def test_a_draft_model_that_loses_on_the_steps_is_dropped_once_judged() -> None:
+    """2,000-token code at 20 ms: one-token steps of 51 ms, 6 ms more per extra token, a draft model at 5 ms a
+    token. Judged aside six times (two accepted), then asked on three steps where it was rejected: its rate is
+    2 in 9, at which a one-token step is faster. The full optimistic prior (0.7, two observations' worth) would
+    still put it near 0.3 and keep asking it."""
+    ctl = SpeculationController(["draft"], budgets=(1, 2, 4), step_times=measured_step_times(0.051, 0.006))
+    for i in range(6):
+        ctl.observe_draft("draft", 2, 1 if i % 3 == 0 else 0, 2, 0.010, chosen=False)
+    for _ in range(3):
+        ctl.observe_draft("draft", 2, 0, 2, 0.010)
+    assert ctl.judged("draft")
+    assert ctl.ranked(2000)[0].drafter is None

@@ -30,6 +30,8 @@ POPULATION_WEIGHT = 8.0  # observations the engine-wide estimates are worth to a
 # a cheap deterministic drafter not chosen is scored against the greedy target's tokens until its first depth
 # has been judged this often (decayed count): a cold controller learns it without having to choose it
 SHADOW_UNTIL = 4.0
+# judgements of a depth (decayed count) after which its prior has no weight left (it fades linearly from SHADOW_UNTIL)
+PRIOR_FADE = 8.0
 
 
 @dataclass
@@ -330,14 +332,21 @@ class SpeculationController:
         """Acceptance estimates of depths 1..depth. Depth 1's prior is ``prior_alpha`` (the controller's
         optimistic one unless given); each deeper depth's is the estimate of the depth above it, so a
         drafter rejected at depth 1 is not still expected to go deep (a depth is judged only when the
-        one above it was accepted)."""
+        one above it was accepted).
+
+        The prior's weight fades once the depth has been judged :data:`SHADOW_UNTIL` times, to nothing at
+        :data:`PRIOR_FADE` judgements:
+        the optimistic prior is there to get a drafter tried, not to outvote what its drafts showed (on
+        long code, a draft model judged six times at 0.3 was still estimated at 0.4-0.5 and asked on
+        steps it lost). What is known ages, so a drafter left unused regains its prior and is tried again."""
         stats = self._stats[drafter]
         out = []
         prior = self.prior_alpha if prior_alpha is None else prior_alpha
         for j in range(depth):
             reached = stats.reached[j] if j < len(stats.reached) else 0.0
             accepted = stats.accepted[j] if j < len(stats.accepted) else 0.0
-            prior = (accepted + prior * self.prior_weight) / (reached + self.prior_weight)
+            weight = self.prior_weight * min(1.0, max(0.0, (PRIOR_FADE - reached) / (PRIOR_FADE - SHADOW_UNTIL)))
+            prior = (accepted + prior * weight) / (reached + weight)
             out.append(prior)
         return out
 
