@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 import torch
+from starlette.requests import Request
 from transformers import AutoTokenizer
 
 from tests.conftest import local_model
@@ -115,3 +116,26 @@ def test_unreachable_trunk_is_503_then_recovers(make_stack: Callable[..., Stack]
     s.call(s.start_trunk())
     again = client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=3, temperature=0)
     assert again.choices[0].text == first.choices[0].text
+
+
+def test_only_a_non_streamed_generation_asks_the_connection_whether_its_client_left(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's response watches its connection itself; a non-streamed generation polls it between tokens."""
+    asked = []
+    is_disconnected = Request.is_disconnected
+
+    async def counting(self: Request) -> bool:
+        asked.append(self.url.path)
+        return await is_disconnected(self)
+
+    monkeypatch.setattr(Request, "is_disconnected", counting)
+    body = {"model": MODEL_NAME, "prompt": "to be", "max_tokens": 8, "temperature": 0}
+    streamed = httpx.post(f"{stack.base_url}/completions", json={**body, "stream": True}, timeout=60)
+    assert streamed.status_code == 200
+    assert "[DONE]" in streamed.text
+    assert asked == []
+    whole = httpx.post(f"{stack.base_url}/completions", json=body, timeout=60)
+    assert whole.status_code == 200
+    assert asked
+    assert set(asked) == {"/v1/completions"}

@@ -206,7 +206,9 @@ def create_app(state: ServeState) -> FastAPI:
     async def respond(
         request: Request, body: ChatCompletionRequest | CompletionRequest, jobs: list[Job], chat: bool
     ) -> Response:
-        runner = Runner(state, jobs, body.n, DisconnectPoll(request.is_disconnected))
+        # a stream notices its client leaving itself (Starlette's StreamingResponse listens and cancels it, and its
+        # close ends the runner): asking the connection between tokens too would only cost the event loop
+        runner = Runner(state, jobs, body.n, _still_there if body.stream else DisconnectPoll(request.is_disconnected))
         await runner.first()
         rid = schemas.new_id("chatcmpl" if chat else "cmpl")
         now = schemas.now()
@@ -235,6 +237,11 @@ def create_app(state: ServeState) -> FastAPI:
         return JSONResponse(schemas.envelope(rid, "text_completion", now, name, out, use))
 
     return app
+
+
+async def _still_there() -> bool:
+    """A streamed generation's disconnect check: never (its response watches the connection)."""
+    return False
 
 
 class RunnerStream(StreamingResponse):

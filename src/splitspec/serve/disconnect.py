@@ -7,6 +7,9 @@ interpreter time at 16 streams through ``splitspec serve`` (py-spy ``--gil``). :
 asks the connection at most once per :data:`DISCONNECT_POLL_S` and answers from what it last
 heard in between; once the client is gone it stays gone. A client that leaves costs at most one
 interval more of generation before its session is closed.
+
+Only a non-streamed generation is polled: a streamed one's ``StreamingResponse`` listens to its
+connection and cancels the stream when the client leaves, which closes the generation.
 """
 
 from __future__ import annotations
