@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -344,3 +345,36 @@ def test_a_draft_model_that_loses_on_the_steps_is_dropped_once_judged() -> None:
         ctl.observe_draft("draft", 2, 0, 2, 0.010)
     assert ctl.judged("draft")
     assert ctl.ranked(2000)[0].drafter is None
+
+
+def step_formula(ctl: SpeculationController, name: str, k: int, n: int, wait: float) -> float:
+    """(1 + h E[accepted | k]) / (h (T(k + 1) + c k) + (1 - h) (T(1) + m) + w), from the controller's estimates."""
+    stats = ctl._stats[name]
+    cost = 0.0 if math.isnan(stats.cost_per_token.value) else stats.cost_per_token.value
+    miss = 0.0 if math.isnan(stats.miss_s.value) else stats.miss_s.value
+    h, t = ctl.hit_rate(name), ctl.step_time
+    return (1 + ctl.expected_accepted(name, k)) / (h * (t(k + 1, n) + cost * k) + (1 - h) * (t(1, n) + miss) + wait)
+
+
+def test_every_ranked_value_is_the_step_formula() -> None:
+    """value() and each drafter's ranked choice are the step formula, at the best budget."""
+    rng = random.Random(11)
+    for _ in range(30):
+        names = ["a", "b", "c"]
+        ctl = SpeculationController(names, budgets=(1, 2, 3, 4, 8))
+        for _ in range(rng.randint(1, 40)):
+            ctl.observe_step(rng.choice([1, 2, 3, 5, 9]), rng.uniform(0.01, 0.1), rng.choice([10, 700, 2100]))
+            name, depth = rng.choice(names), rng.randint(0, 6)
+            ctl.observe_draft(name, depth, rng.randint(0, depth), depth, rng.uniform(0, 0.01))
+        n, waits = rng.choice([10, 700, 2100]), {name: rng.choice([0.0, 0.005, 0.05]) for name in names}
+        for choice in ctl.ranked(n, waits):
+            if choice.drafter is None:
+                assert choice.expected_tokens_per_s == pytest.approx(1 / ctl.step_time(1, n))
+                continue
+            name = choice.drafter
+            budgets = ctl.budgets if ctl.judged(name) else [k for k in ctl.budgets if k <= PROBE_BUDGET]
+            values = [step_formula(ctl, name, k, n, waits[name]) for k in budgets]
+            assert choice.expected_tokens_per_s == pytest.approx(max(values), rel=1e-12)
+            assert step_formula(ctl, name, choice.budget, n, waits[name]) == pytest.approx(max(values), rel=1e-12)
+            for k, value in zip(budgets, values, strict=True):
+                assert ctl.value(name, k, n, waits[name]) == pytest.approx(value, rel=1e-12)

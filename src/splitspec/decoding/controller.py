@@ -268,10 +268,6 @@ def context_band(context_tokens: int) -> int:
     return (max(0, context_tokens) // CONTEXT_BAND_TOKENS).bit_length()
 
 
-def _value(choice: Choice) -> float:
-    return choice.expected_tokens_per_s
-
-
 def _interpolate(known: list[tuple[int, float]], q: int) -> float:
     """Linear interpolation between the (q, value) points, sorted by q; beyond them, the nearest two's
     slope (never decreasing)."""
@@ -355,8 +351,12 @@ class SpeculationController:
 
     def _accepted_if_offered(self, drafter: str, budget: int, prior_alpha: float | None = None) -> float:
         """Expected accepted tokens of a ``budget``-deep draft of ``drafter``: the sum over depths of the product of
-        their acceptance estimates. The partial sums of every depth are kept until the next observation of a draft
-        (a ranking asks for each drafter at every budget: the same products again)."""
+        their acceptance estimates."""
+        return self._accepted_sums_to(drafter, budget, prior_alpha)[budget]
+
+    def _accepted_sums_to(self, drafter: str, budget: int, prior_alpha: float | None = None) -> list[float]:
+        """:meth:`_accepted_if_offered` of every depth 0..``budget`` at least, kept until the next observation of
+        a draft (a ranking asks for each drafter at every budget: the same products again)."""
         key = (drafter, prior_alpha)
         sums = self._accepted_sums.get(key)
         if sums is None or len(sums) <= budget:
@@ -366,7 +366,7 @@ class SpeculationController:
                 total += run
                 sums.append(total)
             self._accepted_sums[key] = sums
-        return sums[budget]
+        return sums
 
     def value_if_offered(
         self,
@@ -408,14 +408,19 @@ class SpeculationController:
         """
         if drafter is None or budget == 0:
             return 1.0 / self.step_time(1, context_tokens)
+        return self._values(drafter, [budget], context_tokens, wait_s)[0]
+
+    def _values(self, drafter: str, budgets: Sequence[int], context_tokens: int, wait_s: float) -> list[float]:
+        """:meth:`value` of ``drafter`` at each of ``budgets`` (a ranking's inner loop: the drafter's terms once)."""
         stats = self._stats[drafter]
         cost, miss = stats.cost_per_token.value, stats.miss_s.value
-        draft_s = 0.0 if math.isnan(cost) else cost * budget
+        per_token = 0.0 if math.isnan(cost) else cost
         miss_s = 0.0 if math.isnan(miss) else miss
         hit = self.hit_rate(drafter)
-        wide, one = self.step_time(budget + 1, context_tokens), self.step_time(1, context_tokens)
-        seconds = hit * (wide + draft_s) + (1.0 - hit) * (one + miss_s) + wait_s
-        return (1.0 + self.expected_accepted(drafter, budget)) / seconds
+        predict, n = self.step_times.predict, context_tokens
+        lost = (1.0 - hit) * (predict(1, n) + miss_s)  # a miss: its search, then a one-token step
+        sums = self._accepted_sums_to(drafter, max(budgets))
+        return [(1.0 + hit * sums[k]) / (hit * (predict(k + 1, n) + per_token * k) + lost + wait_s) for k in budgets]
 
     def judged(self, drafter: str) -> bool:
         """Whether the verifier has judged about one of ``drafter``'s drafts, at least (the counts age:
@@ -451,10 +456,10 @@ class SpeculationController:
             return options
         for name in self.drafters:
             budgets = self.budgets if self.judged(name) else [k for k in self.budgets if k <= PROBE_BUDGET]
-            w = wait.get(name, 0.0)
-            options.append(
-                max((Choice(name, k, self.value(name, k, n, w)) for k in budgets or self.budgets[:1]), key=_value)
-            )
+            budgets = budgets or self.budgets[:1]
+            values = self._values(name, budgets, n, wait.get(name, 0.0))
+            best = max(range(len(budgets)), key=values.__getitem__)  # the first of equals: the smaller budget
+            options.append(Choice(name, budgets[best], values[best]))
         options.sort(key=lambda c: c.expected_tokens_per_s, reverse=True)
         # the drafters worth asking (above sequential) are asked in turn until one offers a draft, and a
         # miss costs only its search: ask first the one whose draft is best when it offers one (prompt
