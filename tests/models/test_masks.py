@@ -10,7 +10,7 @@ import torch
 
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import ancestor_matrix, depths, step_mask
+from splitspec.models.masks import ancestor_matrix, depths, step_mask, step_positions
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, load_edge
 
@@ -33,6 +33,16 @@ def test_ancestors_and_depths() -> None:
     assert depths(PARENTS).tolist() == [0, 1, 0, 1, 2]
     chain = torch.arange(-1, 4, dtype=torch.int32)
     assert torch.equal(ancestor_matrix(chain), torch.ones(5, 5, dtype=torch.bool).tril())
+
+
+def test_step_positions_are_the_past_length_plus_each_depth() -> None:
+    assert step_positions(7, PARENTS.tolist()) == [7, 8, 7, 8, 9]
+    assert step_positions(3, [-1, 0, 1, 2]) == [3, 4, 5, 6]  # a chain
+    assert step_positions(0, [-1]) == [0]
+    rng = torch.Generator().manual_seed(5)
+    for q in range(1, 40):  # random trees: every parent earlier in the step, or the prefix
+        parents = [int(torch.randint(-1, i, (1,), generator=rng)) for i in range(q)]
+        assert step_positions(11, parents) == (11 + depths(torch.tensor(parents))).tolist()
 
 
 def test_step_mask_hides_siblings_and_later_tokens() -> None:

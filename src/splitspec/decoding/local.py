@@ -14,7 +14,7 @@ import torch
 
 from splitspec.models.features import FeatureLog, full_model_step
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import chain, depths
+from splitspec.models.masks import chain, step_positions
 from splitspec.models.stack import FullModel
 from splitspec.prefix import common_prefix
 
@@ -44,8 +44,9 @@ class LocalSequence:
 
     def run(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
         """tokens (q,) -> logits (q, V); appends them to the cache."""
-        parent_t = torch.tensor(chain(len(tokens)) if parents is None else list(parents), dtype=torch.int32)
-        positions = (len(self.tokens) + depths(parent_t)).to(torch.int32)
+        parent_list = chain(len(tokens)) if parents is None else list(parents)
+        parent_t = torch.tensor(parent_list, dtype=torch.int32)
+        positions = torch.tensor(step_positions(len(self.tokens), parent_list), dtype=torch.int32)
         ids = torch.tensor(list(tokens), dtype=torch.long)
         if self.features is None:
             logits: torch.Tensor = self.model(ids, positions, parent_t, self.cache)

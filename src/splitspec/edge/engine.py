@@ -49,7 +49,7 @@ from splitspec.models.batched import BatchRow, forward_batch
 from splitspec.models.batcher import RowBatcher
 from splitspec.models.features import edge_feature_sources, trunk_feature_layer
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import chain, depths
+from splitspec.models.masks import chain, step_positions
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
 from splitspec.protocol.codec import wire_bytes_per_token
 from splitspec.protocol.messages import Message, Step, StepResult
@@ -310,7 +310,7 @@ class EdgeEngine:
         runtime = self.runtime
         base = len(sequence.tokens)
         parent_t = torch.tensor(parents, dtype=torch.int32)
-        positions = (base + depths(parent_t)).to(torch.int32)
+        positions = torch.tensor(step_positions(base, parents), dtype=torch.int32)
         ids = torch.tensor(tokens, dtype=torch.long)
         features: torch.Tensor | None = None  # (q, F * H) when the sequence keeps features
         try:

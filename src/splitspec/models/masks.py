@@ -44,10 +44,22 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
     """(q,) long: depth of each query token (0 for a child of the committed prefix)."""
     if is_chain(parents):
         return torch.arange(parents.shape[0])
+    return torch.tensor(list_depths(parents.tolist()), dtype=torch.long)
+
+
+def step_positions(past_length: int, parents: Sequence[int]) -> list[int]:
+    """Position id of each query token of a step given as a list of parents: past_length + its depth. In plain
+    Python: the edge builds each step from lists on its event loop, where every small tensor op hands the GIL to
+    the worker threads and waits to get it back."""
+    return [past_length + d for d in list_depths(parents)]
+
+
+def list_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each query token (0 for a child of the committed prefix), from a list of parents."""
     out: list[int] = []
-    for p in parents.tolist():
+    for p in parents:
         out.append(0 if p < 0 else out[p] + 1)
-    return torch.tensor(out, dtype=torch.long)
+    return out
 
 
 def step_mask(
