@@ -34,8 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from splitspec.decoding.controller import PROBE_BUDGET, BlindPolicy, Choice, SpeculationPolicy
-from splitspec.decoding.drafters import Draft, Drafter
+from splitspec.decoding.controller import PROBE_BUDGET, BlindPolicy, Choice, Ema, SpeculationPolicy
+from splitspec.decoding.drafters import Draft, Drafter, is_cheap, is_dear
 from splitspec.decoding.shadow import score_proposal
 
 P = ParamSpec("P")
@@ -52,8 +52,7 @@ class DraftExecutor(ThreadPoolExecutor):
         self._outstanding = 0  # jobs submitted and not yet finished
         self._decoding = 0  # sequences inside decoding()
         self._job_decay = job_decay  # per-job decay of the mean job time: it follows the load
-        self._job_s = math.nan  # mean seconds of a job running on the thread (not its wait in the queue)
-        self._job_weight = 0.0
+        self._job_s = Ema()  # mean seconds of a job running on the thread (not its wait in the queue)
 
     @contextmanager
     def decoding(self) -> Iterator[None]:
@@ -84,11 +83,7 @@ class DraftExecutor(ThreadPoolExecutor):
         finally:
             seconds = time.perf_counter() - t0
             with self._lock:
-                self._job_weight = self._job_decay * self._job_weight + 1.0
-                if math.isnan(self._job_s):
-                    self._job_s = seconds
-                else:
-                    self._job_s += (seconds - self._job_s) / self._job_weight
+                self._job_s.update(seconds, self._job_decay)
 
     def _finished(self, _: Future[Any] | None) -> None:
         with self._lock:
@@ -98,9 +93,9 @@ class DraftExecutor(ThreadPoolExecutor):
         """Seconds a job submitted now would wait before it runs: the jobs queued or running ahead of it at the
         mean job time (0 before any job was timed, or with none outstanding)."""
         with self._lock:
-            if self._outstanding == 0 or math.isnan(self._job_s):
+            if self._outstanding == 0 or math.isnan(self._job_s.value):
                 return 0.0
-            return self._outstanding * self._job_s
+            return self._outstanding * self._job_s.value
 
     @property
     def idle(self) -> bool:
@@ -129,8 +124,8 @@ def plan_aside(drafters: Mapping[str, Drafter], controller: SpeculationPolicy, e
     # a dear drafter is kept off the step only where another one could be asked instead: a mode of one drafter
     # (``--speculate draft``) asks it on the steps, as its user chose
     choice = len(drafters) > 1
-    dear = [n for n, d in drafters.items() if choice and getattr(d, "aside", False) and controller.wants_shadow(n)]
-    cheap = [name for name, d in drafters.items() if getattr(d, "shadow", False)]
+    dear = [n for n, d in drafters.items() if choice and is_dear(d) and controller.wants_shadow(n)]
+    cheap = [name for name, d in drafters.items() if is_cheap(d)]
     return AsidePlan(frozenset(dear), (*dear, *cheap))
 
 

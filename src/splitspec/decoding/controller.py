@@ -35,7 +35,9 @@ PRIOR_FADE = 8.0
 
 
 @dataclass
-class _Ema:
+class Ema:
+    """A decayed running mean: each update weighs ``decay`` times the weight of everything before it."""
+
     value: float = math.nan
     weight: float = 0.0
 
@@ -49,8 +51,8 @@ class _DrafterStats:
     # per depth j (1-based): decayed counts of drafts that reached depth j and of acceptances there
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
-    cost_per_token: _Ema = field(default_factory=_Ema)  # drafting seconds per drafted token
-    miss_s: _Ema = field(default_factory=_Ema)  # seconds of a proposal that offered nothing
+    cost_per_token: Ema = field(default_factory=Ema)  # drafting seconds per drafted token
+    miss_s: Ema = field(default_factory=Ema)  # seconds of a proposal that offered nothing
     proposals: float = 0.0  # decayed count of steps where the drafter was asked
     hits: float = 0.0  # ... and proposed something
 
@@ -67,8 +69,8 @@ class _DrafterStats:
         return _DrafterStats(
             reached=[r * factor for r in self.reached],
             accepted=[a * factor for a in self.accepted],
-            cost_per_token=_Ema(self.cost_per_token.value, min(self.cost_per_token.weight, weight)),
-            miss_s=_Ema(self.miss_s.value, min(self.miss_s.weight, weight)),
+            cost_per_token=Ema(self.cost_per_token.value, min(self.cost_per_token.weight, weight)),
+            miss_s=Ema(self.miss_s.value, min(self.miss_s.weight, weight)),
             proposals=self.proposals * factor,
             hits=self.hits * factor,
         )
@@ -147,21 +149,21 @@ class _WidthTimes:
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay  # per-observation decay of every estimate
-        self._times: dict[int, _Ema] = {}  # query tokens -> seconds, as measured
-        self._one = _Ema()  # T(1), seconds
-        self._extra: dict[int, _Ema] = {}  # query tokens > 1 -> seconds over T(1)
+        self._times: dict[int, Ema] = {}  # query tokens -> seconds, as measured
+        self._one = Ema()  # T(1), seconds
+        self._extra: dict[int, Ema] = {}  # query tokens > 1 -> seconds over T(1)
         self._extra_sorted: list[tuple[int, float]] | None = None  # _extra as sorted points, until it changes
 
     def observe(self, query_tokens: int, seconds: float) -> None:
         self._extra_sorted = None
-        self._times.setdefault(query_tokens, _Ema()).update(seconds, self.decay)
+        self._times.setdefault(query_tokens, Ema()).update(seconds, self.decay)
         one = self._one.value
         if query_tokens == 1:
             self._one.update(seconds, self.decay)
         elif not math.isnan(one):
             extra = self._extra.get(query_tokens)
             if extra is None:
-                self._extra[query_tokens] = extra = _Ema()
+                self._extra[query_tokens] = extra = Ema()
                 extra.update(seconds - one, self.decay)
                 return
             surprise = seconds - (one + extra.value)

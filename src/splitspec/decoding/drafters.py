@@ -61,6 +61,18 @@ class Drafter(Protocol):
     def propose(self, context: Sequence[int], budget: int) -> Draft: ...
 
 
+def is_cheap(drafter: Drafter) -> bool:
+    """Whether ``drafter`` declares itself cheap and deterministic (``shadow = True``: a lookup of microseconds):
+    it proposes inline, and is scored against greedy steps it was not chosen for (decoding/shadow.py)."""
+    return bool(getattr(drafter, "shadow", False))
+
+
+def is_dear(drafter: Drafter) -> bool:
+    """Whether ``drafter`` declares itself dear to ask (``aside = True``: a draft model's forwards), to be judged
+    during a lone greedy step's round trip first (decoding/aside.py)."""
+    return bool(getattr(drafter, "aside", False))
+
+
 @runtime_checkable
 class Preparable(Protocol):
     """A drafter with state to bring up to a context before its first proposal (a draft model's cache).
@@ -294,7 +306,7 @@ class MixedDrafter:
         self.sources = list(sources)
         # dear to ask when a source is (a draft model): judged during a lone greedy step's round trip first
         # (decoding/aside.py)
-        self.aside = any(getattr(source, "aside", False) for source in self.sources)
+        self.aside = any(is_dear(source) for source in self.sources)
 
     def prepare(self, context: Sequence[int]) -> None:
         for source in self.sources:

@@ -54,7 +54,7 @@ from splitspec.decoding.aside import (
     start_aside,
 )
 from splitspec.decoding.controller import BlindPolicy, Choice, SpeculationPolicy
-from splitspec.decoding.drafters import Draft, Drafter
+from splitspec.decoding.drafters import Draft, Drafter, is_cheap
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.shadow import score_shadows
@@ -198,17 +198,12 @@ def _timed_propose(drafter: Drafter, context: Sequence[int], budget: int) -> tup
     return draft, time.perf_counter() - t0
 
 
-def _cheap(drafter: Drafter) -> bool:
-    """A drafter that declares itself cheap and deterministic (a lookup of microseconds): it proposes inline."""
-    return bool(getattr(drafter, "shadow", False))
-
-
 def _drafting_waits(drafters: Mapping[str, Drafter], executor: Executor | None) -> dict[str, float]:
     """Seconds each drafter that proposes on the drafting thread would first wait there (none: the others)."""
     if not isinstance(executor, DraftExecutor):
         return {}
     wait = executor.expected_wait()
-    return {name: wait for name, drafter in drafters.items() if not _cheap(drafter)} if wait > 0.0 else {}
+    return {name: wait for name, drafter in drafters.items() if not is_cheap(drafter)} if wait > 0.0 else {}
 
 
 def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
@@ -294,7 +289,7 @@ async def decode(
                 break
             drafter = drafters[choice.drafter]
             asked.add(choice.drafter)
-            if draft_executor is None or _cheap(drafter):  # a lookup: not worth a queue behind a draft model
+            if draft_executor is None or is_cheap(drafter):  # a lookup: not worth a queue behind a draft model
                 draft, seconds = _timed_propose(drafter, context, budget)
             else:  # a draft model's forwards: off the event loop, which other sequences' I/O needs
                 loop = asyncio.get_running_loop()

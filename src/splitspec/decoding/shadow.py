@@ -19,11 +19,11 @@ import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from splitspec.decoding.drafters import Drafter, is_cheap
 from splitspec.decoding.trees import Draft, draft_depth
 
 if TYPE_CHECKING:
     from splitspec.decoding.controller import Choice, SpeculationPolicy
-    from splitspec.decoding.drafters import Drafter
 
 
 def matched_depth(draft: Draft, tokens: Sequence[int]) -> int:
@@ -53,7 +53,7 @@ def score_shadows(
     most ``budget_cap``) against ``target``, the tokens the greedy step emitted after ``context``."""
     for choice in choices:
         name = choice.drafter
-        if name is None or name in asked or not getattr(drafters[name], "shadow", False):
+        if name is None or name in asked or not is_cheap(drafters[name]):
             continue
         budget = min(choice.budget, budget_cap)
         if budget < 1 or not controller.wants_shadow(name):
