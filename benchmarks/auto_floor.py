@@ -1,7 +1,9 @@
 """Benchmark: ``--speculate auto`` against ``off`` over the split, at long and short context (issue #27 item 5).
 
 The demo base model split 2+2 over a real trunk server (``splitspec cloud serve`` in another
-process, one torch thread) on loopback, through the WAN emulator at each RTT. Three modes, run in
+process, one torch thread) on loopback, through the WAN emulator at each RTT (``splitspec netem``, a
+process of its own; ``--link in-process`` runs it on the edge's event loop, as this benchmark did
+before stop 36, where a draft on the edge delays the link's bytes). Three modes, run in
 turn on every case (repeats interleaved; the RTT order alternates between repeats):
 
 * ``off``: one round trip per token;
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -43,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +64,7 @@ from splitspec.run_info import run_environment
 log = logging.getLogger("bench.auto_floor")
 
 MODES = ("off", "auto", "auto+draft")
+LINKS = ("process", "in-process")  # where the WAN emulator runs: see wan_link
 POSITIONS = 4096  # max_position_embeddings of the extended config copies
 CODE_PACKAGE = "tqdm"  # third-party code the demo models never saw (their code corpus is CPython's stdlib)
 CODE_MODULE = "tqdm.std"
@@ -123,20 +128,44 @@ def build_cases(model_dir: Path, long_tokens: int, answers: tuple[int, ...]) -> 
     return cases, sources
 
 
-def start_trunk(model_dir: Path, port: int, dtype: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "cloud", "serve",
-           "--model", str(model_dir), "--port", str(port), "--threads", "1", "--dtype", dtype]  # fmt: skip
-    server = subprocess.Popen(cmd)
+def start_process(args: list[str], port: int, what: str) -> subprocess.Popen[bytes]:
+    """``splitspec ARGS`` in a process of its own, once it listens on ``port``."""
+    server = subprocess.Popen([sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", *args])
     for _ in range(600):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
             return server
         except OSError:
             if server.poll() is not None:
-                raise SystemExit("the trunk server exited") from None
+                raise SystemExit(f"the {what} exited") from None
             time.sleep(0.1)
     server.terminate()
-    raise SystemExit("the trunk server did not start")
+    raise SystemExit(f"the {what} did not start")
+
+
+def start_trunk(model_dir: Path, port: int, dtype: str) -> subprocess.Popen[bytes]:
+    args = ["cloud", "serve", "--model", str(model_dir), "--port", str(port), "--threads", "1", "--dtype", dtype]
+    return start_process(args, port, "trunk server")
+
+
+@contextlib.asynccontextmanager
+async def wan_link(kind: str, trunk_port: int, rtt_ms: float, seed: int) -> AsyncIterator[str]:
+    """The emulated link to the trunk -> its URL. ``process``: ``splitspec netem`` in a process of its own, as a
+    network is: it forwards on time whatever the edge computes. ``in-process``: the emulator on the edge's event
+    loop (this benchmark before stop 36), where its forwarding waits for the edge's interpreter lock, so a draft
+    computed on the edge's drafting thread during a round trip (an aside judgement) delays the bytes in flight."""
+    if kind == "in-process":
+        async with WanEmulator(NetemConfig(upstream_port=trunk_port, rtt_ms=rtt_ms, seed=seed)) as emu:
+            yield f"ws://{emu.host}:{emu.port}"
+        return
+    port = free_port()
+    link = start_process(["netem", "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{trunk_port}",
+                          "--rtt-ms", str(rtt_ms), "--seed", str(seed)], port, "WAN emulator")  # fmt: skip
+    try:
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        link.terminate()
+        link.wait()
 
 
 def run_figures(result: GenerationResult) -> dict[str, Any]:
@@ -179,8 +208,7 @@ async def measure(
     for repeat in range(args.repeats):
         rtts = sorted(args.rtt_ms) if repeat % 2 == 0 else sorted(args.rtt_ms, reverse=True)
         for rtt in rtts:
-            async with WanEmulator(NetemConfig(upstream_port=port, rtt_ms=rtt, seed=repeat)) as emu:
-                url = f"ws://{emu.host}:{emu.port}"
+            async with wan_link(args.link, port, rtt, repeat) as url:
                 configs = {
                     "off": (EdgeConfig(**common, cloud_url=url), None),
                     "auto": (EdgeConfig(**common, cloud_url=url), None),
@@ -303,7 +331,7 @@ def beside(args: argparse.Namespace) -> int:
     from splitspec.bench.beside import measure_beside
 
     child = ["--repeats", str(args.repeats), "--long-tokens", str(args.long_tokens), "--dtype", args.dtype,
-             "--rtt-ms", *map(str, args.rtt_ms), "--answers", *map(str, args.answers)]  # fmt: skip
+             "--rtt-ms", *map(str, args.rtt_ms), "--answers", *map(str, args.answers), "--link", args.link]  # fmt: skip
     root = Path(__file__).resolve().parents[1]
     runs = measure_beside(Path(__file__).resolve(), root, args.blocks, args.baseline, child)
     rows = []
@@ -353,6 +381,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     parser.add_argument("--quick", action="store_true", help="1 repeat, 20 ms, 32-token answers")
     parser.add_argument("--baseline", help="a commit whose code is measured beside this checkout's, in blocks")
+    where = "the WAN emulator in a process of its own (default) or on the edge's event loop"
+    parser.add_argument("--link", choices=LINKS, default="process", help=where)
     parser.add_argument("--blocks", type=int, default=3, help="with --baseline: interleaved blocks of --repeats each")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # one block, flat figures (bench/beside.py)
     args = parser.parse_args()

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from splitspec.chat_template import Message, end_of_turn_ids, has_chat_template, plan_turn, render
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.detokenize import IncrementalText
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import load_tokenizer
@@ -107,7 +108,7 @@ async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdou
             client.truncate(plan.keep)
             first_step = len(client.steps)
             generated: list[int] = []
-            shown = ""
+            streamed = IncrementalText(lambda ids: str(tokenizer.decode(ids)))
             async for token in client.stream(
                 plan.send,
                 config.max_new_tokens,
@@ -118,11 +119,11 @@ async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdou
                 fresh=plan.keep == 0,
             ):
                 generated.append(token)
-                if not config.json_lines:
-                    text = str(tokenizer.decode([t for t in generated if t not in stops]))
-                    out.write(text[len(shown) :])
+                if not config.json_lines and token not in stops:
+                    out.write(streamed.push(token))
                     out.flush()
-                    shown = text
+            if not config.json_lines:
+                out.write(streamed.finish())
             carry = generated[-1:]
             text = conversation.reply(generated)
             turns += 1

@@ -33,6 +33,7 @@ from splitspec.arguments import (
     model_dir,
     read_token_file,
 )
+from splitspec.detokenize import IncrementalText
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError, SplitspecError
 from splitspec.models.quantize_choices import QUANTIZE_CHOICES, QUANTIZE_HELP
@@ -296,17 +297,13 @@ def _run_generate(args: argparse.Namespace) -> int:
         async with client:
             if args.json:
                 return await _generate_json(client, tokenizer, prompt_ids, args, params)
-            generated: list[int] = []
-            shown = ""
+            text = IncrementalText(lambda ids: str(tokenizer.decode(ids)))
             try:
                 async for token in client.stream(prompt_ids, args.max_new_tokens, params, speculate=args.speculate):
-                    generated.append(token)
-                    text = str(tokenizer.decode(generated))
-                    sys.stdout.write(text[len(shown) :])
+                    sys.stdout.write(text.push(token))
                     sys.stdout.flush()
-                    shown = text
             finally:  # what was produced stays on screen, even when the link fails midway
-                sys.stdout.write("\n")
+                sys.stdout.write(text.finish() + "\n")
             return 0
 
     return asyncio.run(run())

@@ -28,6 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.detokenize import IncrementalText
 from splitspec.devices import resolve_device
 from splitspec.edge import EdgeConfig, GenerationResult, SplitClient
 from splitspec.exceptions import ConfigError, TransportError
@@ -168,26 +169,27 @@ async def _generate(config: DemoConfig, url: str, console: Console) -> list[tupl
             first_step = len(client.steps)
             start = time.perf_counter()
             live = Live(console=console, auto_refresh=False, transient=False) if console.is_terminal else None
-            shown = ""
+            streamed = IncrementalText(lambda ids: str(tokenizer.decode(ids)))
             if live is not None:
                 live.start()
             try:
                 async for token in client.stream(ids, config.max_new_tokens, params, speculate=config.mode):
                     generated.append(token)
-                    decoded = str(tokenizer.decode(generated))
+                    delta = streamed.push(token)
                     rate = len(generated) / (time.perf_counter() - start)
                     if live is not None:
-                        live.update(Group(Text(decoded), Text(f"\n{rate:.1f} tok/s", style="bold cyan")), refresh=True)
+                        text = Text(streamed.text)
+                        live.update(Group(text, Text(f"\n{rate:.1f} tok/s", style="bold cyan")), refresh=True)
                     else:
-                        sys.stdout.write(decoded[len(shown) :])
+                        sys.stdout.write(delta)
                         sys.stdout.flush()
-                    shown = decoded
             finally:
+                tail = streamed.finish()
                 if live is not None:
                     live.stop()
             wall = time.perf_counter() - start
             if live is None:
-                sys.stdout.write("\n")
+                sys.stdout.write(tail + "\n")
             result = GenerationResult(
                 prompt_ids=ids,
                 token_ids=generated,

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from splitspec.bench.scenario import DEFAULT_CORPUS_DIR as HELDOUT
+from splitspec.demo import embedded_model
+from splitspec.detokenize import IncrementalText
 from splitspec.edge import EdgeConfig
 from splitspec.serve.app import create_app
 from splitspec.serve.config import ServeConfig
@@ -120,3 +125,75 @@ async def test_chat_needs_a_template(make_checkpoint: Callable[..., Path]) -> No
     assert "--chat-template" in response.json()["error"]["message"]
     templated = ServeState(ServeConfig(edge=edge, served_model_name="m", chat_template=CHAT_TEMPLATE))
     assert templated.templated
+
+
+def _demo_tokenizer() -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(embedded_model("base"))
+
+
+def test_incremental_text_is_the_whole_decoding_and_decodes_a_short_window() -> None:
+    """Per token, only the last few ids are decoded (not every id so far), and the text is the whole decoding."""
+    tok = _demo_tokenizer()
+    ids = tok.encode((HELDOUT / "code" / "chunk.txt").read_text() + " héllo wörld ✓ 日本語 🙂" * 20)[:1500]
+    windows: list[int] = []
+
+    def decode(part: list[int]) -> str:
+        windows.append(len(part))
+        return str(tok.decode(part, skip_special_tokens=True))
+
+    text = IncrementalText(decode)
+    for i, token in enumerate(ids):
+        text.push(token)
+        assert str(tok.decode(ids[: i + 1], skip_special_tokens=True)).startswith(text.text)
+    pushed = list(windows)
+    tail = text.finish()
+    assert text.text == tok.decode(ids, skip_special_tokens=True)
+    assert text.text.endswith(tail)
+    assert len(pushed) == 2 * len(ids)  # two short decodings per token: the whole text was never decoded again
+    assert max(pushed) <= 8
+
+
+def test_incremental_text_on_random_ids_with_special_tokens_and_broken_utf8() -> None:
+    """Random ids (special tokens, bytes that never make a character) end as the whole decoding."""
+    tok = _demo_tokenizer()
+    rng = random.Random(0)
+    for _ in range(40):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        text = IncrementalText(lambda part: str(tok.decode(part, skip_special_tokens=True)))
+        deltas = [text.push(token) for token in ids]
+        deltas.append(text.finish())
+        assert "".join(deltas) == text.text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_incremental_text_with_a_first_token_rule_and_a_decoder_that_rewrites_the_run() -> None:
+    # a SentencePiece-like decoder: words joined by spaces, a string's first space dropped
+    words = {0: "▁the", 1: "▁cat", 2: "s", 3: "▁sat"}
+
+    def spm(part: list[int]) -> str:
+        return "".join(words[i] for i in part).replace("▁", " ").removeprefix(" ")
+
+    text = IncrementalText(spm)
+    for token in [0, 1, 2, 3]:
+        text.push(token)
+    assert text.text == "the cats sat"
+    # a decoder whose next token rewrites what came before (id 9 capitalises the previous letter): whole decoding
+
+    def shifty(part: list[int]) -> str:
+        out = ""
+        for i in part:
+            out = out[:-1] + out[-1:].upper() if i == 9 else out + chr(ord("a") + i)
+        return out
+
+    text = IncrementalText(shifty)
+    for token in [0, 1, 9, 2]:
+        text.push(token)
+    assert text.text == "aBc"
+    assert text.finish() == ""  # nothing was pending
+
+
+def test_a_stop_stream_releases_held_utf8_at_the_end() -> None:
+    stream = StopTextStream(decode_letters)
+    assert stream.push(0) == "a"
+    assert stream.push(-1) == ""  # unfinished, and nothing completes it
+    assert stream.push(-1) == ""
+    assert stream.flush() == "\ufffd\ufffd"

@@ -28,6 +28,7 @@ from splitspec.arguments import (
     model_dir,
     read_token_file,
 )
+from splitspec.detokenize import IncrementalText
 from splitspec.devices import DEVICE_HELP, resolve_device
 from splitspec.exceptions import ConfigError
 from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET
@@ -106,21 +107,19 @@ def _run_generate(args: argparse.Namespace) -> int:
                 print(json.dumps(result.to_json(), indent=2))
                 return 0
             generator, seed = params.generator()
-            generated: list[int] = []
-            shown = ""
+            text = IncrementalText(lambda ids: str(draft.tokenizer.decode(ids)))
+            generated = 0
             async for token in coordinator.stream(prompt_ids, args.max_new_tokens, params, generator):
-                generated.append(token)
-                text = str(draft.tokenizer.decode(generated))
-                sys.stdout.write(text[len(shown) :])
+                generated += 1
+                sys.stdout.write(text.push(token))
                 sys.stdout.flush()
-                shown = text
-            sys.stdout.write("\n")
+            sys.stdout.write(text.finish() + "\n")
             rounds = coordinator.rounds
             drafted = sum(r.drafted for r in rounds)
             accepted = sum(r.accepted for r in rounds)
             log.info(
                 "%d tokens in %d rounds, accepted %d/%d drafts, seed %d",
-                len(generated),
+                generated,
                 len(rounds),
                 accepted,
                 drafted,

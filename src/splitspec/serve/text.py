@@ -1,27 +1,26 @@
 """Incremental detokenization with stop strings, as OpenAI streams text.
 
-Each new token re-decodes the generated ids and releases only text that can no longer turn into
-a stop string (the last ``len(longest stop) - 1`` characters are held back) and that does not end
-in an unfinished UTF-8 sequence. When a stop string appears, the text before it is the answer and
-the stop string itself is dropped, as OpenAI does. Streaming and non-streaming responses both
-concatenate these deltas, so the two always agree.
+The generated ids become text one token at a time (:class:`~splitspec.detokenize.IncrementalText`,
+a short window decoded per token). :class:`StopTextStream` releases only text that can no longer
+turn into a stop string (the last ``len(longest stop) - 1`` characters are held back). When a stop
+string appears, the text before it is the answer and the stop string itself is dropped, as OpenAI
+does. Streaming and non-streaming responses both concatenate these deltas, so the two always agree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
+from splitspec.detokenize import REPLACEMENT, IncrementalText
 
 
 class StopTextStream:
     """Turns generated token ids into safe text deltas; ``stopped`` once a stop string appeared."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
-        self._decode = decode
+        self._decoded = IncrementalText(decode)
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._tokens: list[int] = []
         self._text = ""
         self._sent = 0  # characters of _text already released
         self.stopped = False
@@ -30,8 +29,8 @@ class StopTextStream:
         """Add one generated token; return the text it releases (may be empty)."""
         if self.stopped:
             raise RuntimeError("the stream already hit a stop string")
-        self._tokens.append(token)
-        self._text = self._decode(self._tokens)
+        self._decoded.push(token)  # the characters it completes are in .text
+        self._text = self._decoded.text
         # a stop string not seen before must end in the unreleased text, so it starts at >= _sent
         hits = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
         if hits:
@@ -44,7 +43,11 @@ class StopTextStream:
 
     def flush(self) -> str:
         """The text still held back once generation ended without a stop string."""
-        return "" if self.stopped else self._release(len(self._text))
+        if self.stopped:
+            return ""
+        self._decoded.finish()
+        self._text = self._decoded.text
+        return self._release(len(self._text))
 
     def _release(self, end: int) -> str:
         if end <= self._sent:

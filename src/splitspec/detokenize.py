@@ -1,0 +1,57 @@
+"""Incremental detokenization: generated token ids to text, one token at a time.
+
+Decoding every generated id again for each new token (what a stream printing ``decode(ids)[len(shown):]``
+does) costs a time that grows with the answer: 1.1 ms per token at 2,000 tokens with the demo
+tokenizer, so a long answer's detokenization grows with its square, and in ``splitspec serve`` it
+runs on the event loop every stream shares. :class:`IncrementalText` decodes a short window of the
+last ids instead (the offsets vLLM's and TGI's detokenizers keep).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
+
+
+class IncrementalText:
+    """``text``: what ``decode`` makes of the ids pushed so far, kept up to date by decoding a short window.
+
+    The window starts at ``_prefix``, one settled run of tokens before ``_read`` (the ids whose text is in
+    ``text``), so a decoder that treats the first token of a string differently (SentencePiece drops its
+    leading space) decodes the run before the new ids and the window alike, and the new text is what the
+    window adds to the run. A token whose text ends in an unfinished UTF-8 sequence, or adds nothing (a
+    skipped special token), stays in the window until a later one completes it. Where the window's decoding
+    does not extend the run's (a decoder's clean-up joining across the two), the whole text is decoded
+    again: rare, and what every token cost before.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+        self._tokens: list[int] = []
+        self._prefix = 0  # first id of the window
+        self._read = 0  # ids whose text is in ``text``
+        self.text = ""
+
+    def push(self, token: int) -> str:
+        """Add one id -> the characters it completes (``text`` grows by them; may be empty)."""
+        self._tokens.append(token)
+        run = self._decode(self._tokens[self._prefix : self._read])
+        window = self._decode(self._tokens[self._prefix :])
+        if len(window) <= len(run) or window.endswith(REPLACEMENT):
+            return ""  # nothing new yet, or half a character
+        before = self.text
+        if window.startswith(run):
+            self.text += window[len(run) :]
+        else:
+            self.text = self._decode(self._tokens)
+        self._prefix, self._read = self._read, len(self._tokens)
+        return self.text[len(before) :]
+
+    def finish(self) -> str:
+        """Generation ended: the window's unfinished tail joins ``text`` as it decodes -> the characters added."""
+        before = self.text
+        if self._read < len(self._tokens):
+            self.text = self._decode(self._tokens)
+            self._prefix = self._read = len(self._tokens)
+        return self.text[len(before) :]
