@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
 import torch
 
 from splitspec.decoding.adjusters import LogitBias, MinTokens, Penalties
@@ -52,3 +55,25 @@ def test_a_chain_applies_all_and_cuts_at_the_strictest() -> None:
     assert torch.isinf(out[0, 6])
     assert chain.validate_draft([1, 6]) == 1
     assert not chain.finished
+
+
+def test_penalties_kept_as_counts_equal_the_formula_over_everything_generated() -> None:
+    """Counts kept through accepts and rollbacks: each row's penalty is OpenAI's formula over the generated
+    tokens and the draft before it."""
+    rng = random.Random(0)
+    p = Penalties(presence=0.7, frequency=0.3)
+    generated: list[int] = []
+    for _ in range(60):
+        tokens = [rng.randrange(V) for _ in range(rng.randrange(0, 4))]
+        p.accept(tokens)
+        generated += tokens
+        if generated and rng.random() < 0.3:
+            n = rng.randrange(0, len(generated) + 1)
+            p.rollback(n)
+            del generated[len(generated) - n :]
+        draft = [rng.randrange(V) for _ in range(rng.randrange(0, 4))]
+        out = p.process(torch.zeros(len(draft) + 1, V), [], draft)
+        for row in range(len(draft) + 1):
+            c = Counter(generated + draft[:row])
+            want = torch.tensor([-(c[t] * 0.3 + (0.7 if c[t] else 0.0)) for t in range(V)])
+            torch.testing.assert_close(out[row], want)

@@ -79,23 +79,29 @@ class MinTokens:
 
 
 class Penalties:
-    """OpenAI's presence and frequency penalties over the tokens generated so far."""
+    """OpenAI's presence and frequency penalties over the tokens generated so far.
+
+    The counts are kept as tokens are accepted and rolled back, so a step costs the distinct tokens
+    generated plus its draft, not a recount of the whole answer."""
 
     def __init__(self, presence: float, frequency: float) -> None:
         self.presence = presence
         self.frequency = frequency
         self._generated: list[int] = []
+        self._counts: Counter[int] = Counter()  # of _generated
 
     def process(self, logits: torch.Tensor, tokens: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
-        counts = Counter(self._generated)
-        for i in range(logits.shape[0]):
-            if i > 0:
-                counts[draft[i - 1]] += 1
-            if not counts:
-                continue
+        counts = self._counts
+        if counts:  # every row follows the generated tokens: c * frequency + presence for each seen token
             ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)  # (k,)
             c = torch.tensor(list(counts.values()), dtype=torch.float32, device=logits.device)  # (k,)
-            logits[i, ids] -= c * self.frequency + (c > 0).float() * self.presence
+            logits[:, ids] -= c * self.frequency + self.presence
+        seen: Counter[int] = Counter()  # draft tokens before the row
+        for i in range(1, logits.shape[0]):  # row i also follows draft[:i]: one more count of draft[i - 1]
+            token = draft[i - 1]
+            first = counts[token] + seen[token] == 0
+            seen[token] += 1
+            logits[i:, token] -= self.frequency + (self.presence if first else 0.0)
         return logits
 
     def validate_draft(self, draft: Sequence[int]) -> int:
@@ -103,9 +109,12 @@ class Penalties:
 
     def accept(self, tokens: Sequence[int]) -> None:
         self._generated.extend(tokens)
+        self._counts.update(tokens)
 
     def rollback(self, n: int) -> None:
         if n:
+            self._counts.subtract(self._generated[-n:])
+            self._counts = +self._counts  # drop the tokens no longer generated
             del self._generated[-n:]
 
     @property
