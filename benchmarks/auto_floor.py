@@ -40,7 +40,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,7 +53,7 @@ from typing import Any
 import torch
 
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.demo import embedded_model, free_port
+from splitspec.demo import _spawn, _stop, _wait_for_port, embedded_model, free_port
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.client import GenerationResult
 from splitspec.models.stack import EdgeModel, FullModel
@@ -128,24 +127,11 @@ def build_cases(model_dir: Path, long_tokens: int, answers: tuple[int, ...]) -> 
     return cases, sources
 
 
-def start_process(args: list[str], port: int, what: str) -> subprocess.Popen[bytes]:
-    """``splitspec ARGS`` in a process of its own, once it listens on ``port``."""
-    server = subprocess.Popen([sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", *args])
-    for _ in range(600):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return server
-        except OSError:
-            if server.poll() is not None:
-                raise SystemExit(f"the {what} exited") from None
-            time.sleep(0.1)
-    server.terminate()
-    raise SystemExit(f"the {what} did not start")
-
-
 def start_trunk(model_dir: Path, port: int, dtype: str) -> subprocess.Popen[bytes]:
     args = ["cloud", "serve", "--model", str(model_dir), "--port", str(port), "--threads", "1", "--dtype", dtype]
-    return start_process(args, port, "trunk server")
+    server = _spawn(args)
+    _wait_for_port(port, server, 60)
+    return server
 
 
 @contextlib.asynccontextmanager
@@ -159,13 +145,13 @@ async def wan_link(kind: str, trunk_port: int, rtt_ms: float, seed: int) -> Asyn
             yield f"ws://{emu.host}:{emu.port}"
         return
     port = free_port()
-    link = start_process(["netem", "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{trunk_port}",
-                          "--rtt-ms", str(rtt_ms), "--seed", str(seed)], port, "WAN emulator")  # fmt: skip
+    link = _spawn(["netem", "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{trunk_port}",
+                   "--rtt-ms", str(rtt_ms), "--seed", str(seed)])  # fmt: skip
     try:
+        _wait_for_port(port, link, 60)
         yield f"ws://127.0.0.1:{port}"
     finally:
-        link.terminate()
-        link.wait()
+        _stop([link])
 
 
 def run_figures(result: GenerationResult) -> dict[str, Any]:

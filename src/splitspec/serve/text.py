@@ -21,16 +21,19 @@ class StopTextStream:
         self._decoded = IncrementalText(decode)
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._text = ""
         self._sent = 0  # characters of _text already released
         self.stopped = False
+
+    @property
+    def _text(self) -> str:
+        """The text of the tokens pushed so far (decoded incrementally)."""
+        return self._decoded.text
 
     def push(self, token: int) -> str:
         """Add one generated token; return the text it releases (may be empty)."""
         if self.stopped:
             raise RuntimeError("the stream already hit a stop string")
-        self._decoded.push(token)  # the characters it completes are in .text
-        self._text = self._decoded.text
+        self._decoded.push(token)  # the characters it completes are in _text
         # a stop string not seen before must end in the unreleased text, so it starts at >= _sent
         hits = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
         if hits:
@@ -46,7 +49,6 @@ class StopTextStream:
         if self.stopped:
             return ""
         self._decoded.finish()
-        self._text = self._decoded.text
         return self._release(len(self._text))
 
     def _release(self, end: int) -> str:
