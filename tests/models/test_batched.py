@@ -15,28 +15,29 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_edge, load_trunk
-from tests.families import save_family_checkpoint
+from tests.families import FAMILIES, save_family_checkpoint
 
 # (committed prefix, parents of the step): decode, a draft tree, a prefill chunk, an empty cache
 STEPS = [(9, [-1]), (4, [-1, 0, 0, 1, 2, -1]), (0, list(range(-1, 19))), (13, [-1, 0, 1])]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: a sliding window of 8
-def test_each_row_equals_its_step_alone(make_checkpoint: Callable[..., Path], family: str) -> None:
-    ckpt = Checkpoint(make_checkpoint(family))
+@pytest.mark.parametrize("family", sorted(FAMILIES))  # each family's attention, windows, norms and rotary
+def test_each_row_equals_its_step_alone(tmp_path: Path, family: str) -> None:
+    ckpt = Checkpoint(save_family_checkpoint(tmp_path, family, layers=6, seed=3, dtype=torch.float32))
     trunk = load_trunk(ckpt, SplitPlan(ckpt.config.num_hidden_layers, 2, 2), torch.float32)
+    width = int(ckpt.config.hidden_size)
     torch.manual_seed(0)
     solo_caches, batch_caches, rows, expected = [], [], [], []
     for past, parents in STEPS:
         solo, batched = KVCache(), KVCache()
         if past:
-            prefix = torch.randn(1, past, 64)
+            prefix = torch.randn(1, past, width)
             chain = torch.arange(-1, past - 1, dtype=torch.int32)
             trunk(prefix, torch.arange(past, dtype=torch.int32), chain, solo)
             trunk(prefix, torch.arange(past, dtype=torch.int32), chain, batched)
         parent_t = torch.tensor(parents, dtype=torch.int32)
         positions = (past + depths(parent_t)).to(torch.int32)
-        hidden = torch.randn(1, len(parents), 64)
+        hidden = torch.randn(1, len(parents), width)
         expected.append(trunk(hidden, positions, parent_t, solo))
         rows.append(BatchRow(hidden, positions, parent_t, batched))
         solo_caches.append(solo)
@@ -47,12 +48,18 @@ def test_each_row_equals_its_step_alone(make_checkpoint: Callable[..., Path], fa
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         assert (len(batched), batched.last_step) == (len(solo), solo.last_step)
         torch.testing.assert_close(batched._keys[2][:, :, : len(solo)], solo._keys[2][:, :, : len(solo)])
+    # decode steps only (no padding, no masks) on the same caches
+    steps = [(torch.randn(1, 1, width), torch.tensor([len(c)], dtype=torch.int32)) for c in solo_caches]
+    chain1 = torch.tensor([-1], dtype=torch.int32)
+    outs = forward_batch(trunk, [BatchRow(h, at, chain1, c) for (h, at), c in zip(steps, batch_caches, strict=True)])
+    for out, (h, at), solo in zip(outs, steps, solo_caches, strict=True):
+        torch.testing.assert_close(out, trunk(h, at, chain1, solo), rtol=1e-5, atol=1e-5)
     # a lone row (a prefill chunk, or one session decoding) takes the per-session path: same result
     solo, batched = solo_caches[0], batch_caches[0]
     at = torch.tensor([len(solo)], dtype=torch.int32)
-    hidden = torch.randn(1, 1, 64)
-    (alone,) = forward_batch(trunk, [BatchRow(hidden, at, torch.tensor([-1], dtype=torch.int32), batched)])
-    torch.testing.assert_close(alone, trunk(hidden, at, torch.tensor([-1], dtype=torch.int32), solo))
+    hidden = torch.randn(1, 1, width)
+    (alone,) = forward_batch(trunk, [BatchRow(hidden, at, chain1, batched)])
+    torch.testing.assert_close(alone, trunk(hidden, at, chain1, solo))
     assert len(batched) == len(solo)
 
 
@@ -75,21 +82,25 @@ def test_a_row_with_a_capture_layer_also_gets_that_layers_output(make_checkpoint
     torch.testing.assert_close(alone, captured, rtol=1e-5, atol=1e-5)
 
 
-def test_padding_keys_are_zero_whatever_the_allocator_held() -> None:
-    """A shorter row's padded keys get zero weight from the mask, and are zero: 0 x NaN would be NaN."""
+def test_each_rows_attention_reads_its_own_cache_in_place() -> None:
+    """No padded copy of the prefixes: a row attends over views of its own cache's buffers."""
     short, long_ = KVCache(), KVCache()
     for cache, past in ((short, 2), (long_, 5)):  # committed prefixes of 2 and 5 entries
         cache.update(torch.randn(1, 2, past, 4), torch.randn(1, 2, past, 4), 0)
         cache.commit()
-    caches = BatchedCaches([short, long_], lengths=[1, 1], past=[2, 5])
-    garbage = torch.full((2, 2, 6, 4), float("nan"))
-    del garbage  # the freed block is what the next allocation of this size is likely to get
-    keys, values = caches.update(torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4), 0)  # (B, kv, past_max + 1, d)
-    assert keys.shape == (2, 2, 6, 4)
-    for out in (keys, values):
-        assert torch.equal(out[0, :, 2:5], torch.zeros(2, 3, 4))  # the short row's padding
-        assert torch.isfinite(out).all()
-    assert torch.equal(keys[1, :, :5], long_._keys[0][0, :, :5])  # the long row's prefix, in place
+    caches = BatchedCaches([short, long_], lengths=[1, 2], past=[2, 5])
+    step_keys, step_values = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)  # (B, kv, q_max, d)
+    keys, values = caches.update(step_keys, step_values, 0)
+    assert keys is step_keys  # row attention does not read the padded step
+    assert values is step_values
+    for b, (cache, length) in enumerate(((short, 3), (long_, 7))):
+        row_keys, row_values = caches.keys.rows[0][b]
+        assert row_keys.shape == row_values.shape == (1, 2, length, 4)
+        assert row_keys.data_ptr() == cache._keys[0].data_ptr()  # a view of the cache's buffer
+        assert row_values.data_ptr() == cache._values[0].data_ptr()
+        assert torch.equal(row_keys[0, :, length - 1 - b :], step_keys[b, :, : 1 + b])  # the row's real entries
+    with pytest.raises(RuntimeError, match="out of order"):
+        caches.keys.put(0, 5, keys, values)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: its logits are soft-capped after the LM head

@@ -1,25 +1,28 @@
 """One forward through a :class:`~splitspec.models.stack.LayerStack` for the steps of several sessions.
 
 Each row of the batch is one session's step: its own query tokens (ragged lengths, padded to the
-longest), positions, parents and KV cache. The rows are padded into one (B, q_max, H) batch; the
-layers see, through :class:`BatchedCaches`, each session's committed keys and values padded to
-the longest prefix, followed by the step's own keys. Row b's additive mask (B, 1, q_max,
-past_max + q_max) applies that session's step-mask rule (:func:`~splitspec.models.masks.ragged_masks`,
-the builder a lone step uses too) to its real columns and masks everything else, so a padded key
-gets exactly zero weight and every row computes what the session's step computes alone. Padded
-query rows attend to nothing real; their outputs are dropped.
+longest), positions, parents and KV cache. The rows are padded into one (B, q_max, H) batch, so the
+projections and MLPs run as one product. Attention runs row by row
+(:mod:`~splitspec.models.row_attention`): each row attends over its own cache (views, no copy) with
+the mask its step would get alone (:func:`~splitspec.models.masks.step_mask`), so every row computes
+what the session's step computes alone. Padded query rows attend to nothing; their outputs are dropped.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import ragged_masks
+from splitspec.models.masks import step_masks
+from splitspec.models.row_attention import RowAttention, RowKeys
 from splitspec.models.stack import LayerStack
+
+_NO_MASKS: defaultdict[int | None, None] = defaultdict(lambda: None)  # rows bring their own (RowAttention)
 
 
 @dataclass(frozen=True)
@@ -39,32 +42,24 @@ class BatchRow:
 class BatchedCaches:
     """transformers' ``update(key, value, layer_idx)`` over the caches of a batch's rows.
 
-    Each row's real keys (B, kv, q_b, d) are appended to its own cache; what is returned is every
-    row's committed prefix padded to ``past_max``, then the step's keys padded to ``q_max``.
+    Each row's real keys (B, kv, q_b, d) are appended to its own cache, and what that cache returns
+    (the row's prefix and step, (1, kv, past_b + q_b, d)) goes to :class:`RowKeys` for the row's
+    attention. The step's padded keys are returned as they came: row attention does not read them.
     """
 
     def __init__(self, caches: Sequence[KVCache], lengths: Sequence[int], past: Sequence[int]) -> None:
         self.caches = caches
         self.lengths = lengths  # query tokens per row
         self.past = past  # committed entries per row
-        self.past_max = max(past)
+        self.keys = RowKeys()
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """key, value (B, kv, q_max, d) -> all keys, values (B, kv, past_max + q_max, d)."""
-        batch, heads, q_max, dim = key.shape
-        past_max = self.past_max
-        keys = key.new_empty((batch, heads, past_max + q_max, dim))
-        values = value.new_empty((batch, heads, past_max + q_max, dim))
-        keys[:, :, past_max:] = key
-        values[:, :, past_max:] = value
+        """key, value (B, kv, q_max, d): each row's real entries join its cache -> key, value unchanged."""
         for b, (cache, q, past) in enumerate(zip(self.caches, self.lengths, self.past, strict=True)):
-            all_k, all_v = cache.update(key[b : b + 1, :, :q], value[b : b + 1, :, :q], layer_idx)  # (1, kv, past+q, d)
-            keys[b, :, :past] = all_k[0, :, :past]
-            values[b, :, :past] = all_v[0, :, :past]
-            if past < past_max:  # masked padding gets zero weight, but must be finite (0 x NaN is NaN)
-                keys[b, :, past:past_max] = 0
-                values[b, :, past:past_max] = 0
-        return keys, values
+            all_k, all_v = cache.update(key[b : b + 1, :, :q], value[b : b + 1, :, :q], layer_idx)
+            # (1, kv, past + q, d); a static cache's fixed step would return its whole buffer
+            self.keys.put(layer_idx, b, all_k[:, :, : past + q], all_v[:, :, : past + q])
+        return key, value
 
     def commit(self) -> None:
         for cache in self.caches:
@@ -75,19 +70,13 @@ class BatchedCaches:
             cache.rollback()
 
 
-def batch_masks(
-    rows: Sequence[BatchRow],
-    windows: set[int | None],
-    past_max: int,
-    q_max: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> dict[int | None, torch.Tensor]:
-    """Additive masks (B, 1, q_max, past_max + q_max) for the rows, one per sliding window of the
-    stack's layers (:func:`~splitspec.models.masks.ragged_masks`, the one mask builder)."""
-    parents = [row.parents for row in rows]
-    positions = [row.positions for row in rows]
-    return ragged_masks(parents, positions, [len(row.cache) for row in rows], windows, past_max, q_max, dtype, device)
+def row_masks(
+    rows: Sequence[BatchRow], windows: set[int | None], dtype: torch.dtype, device: torch.device
+) -> dict[int | None, list[torch.Tensor | None]]:
+    """Each row's additive mask (1, 1, q_b, past_b + q_b) per sliding window of the stack's layers: the mask
+    its step gets alone (:meth:`~splitspec.models.stack.LayerStack.step_masks`)."""
+    per_row = [step_masks(row.parents, row.positions, len(row.cache), windows, dtype, device) for row in rows]
+    return {w: [masks[w] for masks in per_row] for w in windows}
 
 
 @torch.inference_mode()
@@ -116,19 +105,18 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
     caches = BatchedCaches([row.cache for row in rows], lengths, past)
     if not len(stack.layers):
         return [row.hidden for row in rows]
-    inputs: dict[
-        torch.device, tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[int | None, torch.Tensor]]
-    ] = {}
+    inputs: dict[torch.device, tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[Any, Any]]] = {}
     captured: dict[int, torch.Tensor] = {}  # row -> its capture layer's output (1, q, H)
     try:
         for j in range(len(stack.layers)):
             hidden = hidden.to(stack.devices[j], non_blocking=True)  # moves only at a device boundary
             if hidden.device not in inputs:
                 pos = positions.to(hidden.device, non_blocking=True)
-                masks = batch_masks(rows, set(stack.windows), caches.past_max, q_max, hidden.dtype, hidden.device)
-                inputs[hidden.device] = (pos, stack.position_embeddings(hidden, pos), masks)
-            pos, rope, masks = inputs[hidden.device]
-            hidden = stack.run_layer(j, hidden, pos, rope, masks, caches)
+                masks = row_masks(rows, set(stack.windows), hidden.dtype, hidden.device)
+                attend = {w: RowAttention(lengths, caches.keys, masks[w]) for w in masks}
+                inputs[hidden.device] = (pos, stack.position_embeddings(hidden, pos), attend)
+            pos, rope, attend = inputs[hidden.device]
+            hidden = stack.run_layer(j, hidden, pos, rope, _NO_MASKS, caches, attend)
             for b, (row, q) in enumerate(zip(rows, lengths, strict=True)):
                 if row.capture == j:
                     captured[b] = hidden[b : b + 1, :q]

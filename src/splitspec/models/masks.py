@@ -81,6 +81,22 @@ def step_mask(
     return masks[sliding_window]
 
 
+def step_masks(
+    parents: torch.Tensor,
+    positions: torch.Tensor,
+    past_length: int,
+    windows: set[int | None],
+    dtype: torch.dtype,
+    device: torch.device | None,
+) -> dict[int | None, torch.Tensor | None]:
+    """A step's mask per sliding window, as its layers take them: None where it needs none (one query token
+    with the whole prefix in view), else :func:`step_mask`'s (1, 1, q, past_length + q)."""
+    q = parents.shape[0]
+    needed = {w for w in windows if not (q == 1 and (w is None or past_length < w))}
+    built = ragged_masks([parents], [positions], [past_length], needed, past_length, q, dtype, device) if needed else {}
+    return {w: built.get(w) for w in windows}
+
+
 def ragged_masks(
     parents: Sequence[torch.Tensor],
     positions: Sequence[torch.Tensor],

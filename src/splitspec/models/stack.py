@@ -39,9 +39,10 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.family import Skeleton, published_dtype, skeleton
 from splitspec.models.fixed_decode import FixedShapeDecode
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import step_mask
+from splitspec.models.masks import step_masks
 from splitspec.models.precision import dtype_name, resolve_compute_dtype
 from splitspec.models.quantization import plan_quantization
+from splitspec.models.row_attention import ROWS_KWARG, RowAttention, attention_configs, use_row_attention
 from splitspec.models.split import SplitPlan
 from splitspec.models.static_kv import StaticKVCache
 
@@ -81,6 +82,7 @@ class LayerStack(nn.Module):
         self._skeleton = skel
         self.hidden_size = int(skel.config.hidden_size)
         self.fixed_decode: FixedShapeDecode | None = None  # see enable_fixed_decode
+        use_row_attention(attention_configs(self.layers))  # batched steps attend row by row (run_layer)
 
     def enable_fixed_decode(self, compile_mode: str | None = None, backend: str = "inductor") -> FixedShapeDecode:
         """Run one-token steps on a :class:`StaticKVCache` through the fixed-shape decode step,
@@ -117,13 +119,7 @@ class LayerStack(nn.Module):
         """Position ids (1, q), (cos, sin) per layer type and the mask per window, on ``hidden``'s device."""
         device = hidden.device
         pos = positions.to(device, torch.long, non_blocking=True)[None]  # (1, q)
-        masks = {
-            # one query token with the whole prefix in view needs no mask at all
-            w: None
-            if hidden.shape[1] == 1 and (w is None or past < w)
-            else step_mask(parents, positions, past, hidden.dtype, w, device)
-            for w in set(self.windows)
-        }
+        masks = step_masks(parents, positions, past, set(self.windows), hidden.dtype, device)
         return pos, self.position_embeddings(hidden, pos), masks
 
     def run(
@@ -174,15 +170,19 @@ class LayerStack(nn.Module):
         rope: Mapping[str, PositionEmbeddings],
         masks: Mapping[Any, torch.Tensor | None],
         cache: Any,
+        rows: Mapping[Any, RowAttention] | None = None,
     ) -> torch.Tensor:
         """hidden (B, q, H) through local layer ``j`` with its window's mask and its type's rotary:
-        the one place a decoder layer is called (per-session, batched and fixed-shape steps)."""
+        the one place a decoder layer is called (per-session, batched and fixed-shape steps).
+        ``rows``: a batch of sessions' steps attends row by row, with each row's mask for the window."""
+        extra = {} if rows is None else {ROWS_KWARG: rows[self.windows[j]]}
         out: torch.Tensor = self.layers[j](
             hidden,
             attention_mask=masks[self.windows[j]],
             position_ids=pos,
             past_key_values=cache,
             position_embeddings=rope[self.layer_types[j]],
+            **extra,
         )
         return out
 

@@ -1,0 +1,123 @@
+"""Attention for a batch of sessions' steps, each row over its own session's KV cache.
+
+:func:`~splitspec.models.batched.forward_batch` pads several sessions' query tokens into one
+(B, q_max, H) batch, so the projections and MLPs run as one product. Attention is the part whose
+input differs per row: each row attends over its own committed keys and its step's. Padding every
+row's prefix to the longest (and transformers then repeating it per query head) costs two copies of
+O(rows x context) per layer and step, growing with the context. Instead a stack's layers attend
+through :func:`row_attention`, registered with transformers' ``AttentionInterface``:
+
+* given a :class:`RowAttention` (the batched forward passes one per sliding window), it runs the
+  family's own attention function row by row, over views of that row's cache and with the mask the
+  row's step would get alone, and pads the outputs back into (B, q_max, heads, d);
+* without one (a lone step, a fixed-shape decode, a draft head), it is the family's function
+  unchanged.
+
+So soft-capping, sinks and scaling stay the family's, and each row computes what its step computes
+alone, with the same shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+ROWS_KWARG = "splitspec_rows"  # the keyword a decoder layer passes through to its attention function
+_PREFIX = "splitspec_rows:"  # registered name = prefix + the family's own implementation
+
+
+class RowKeys:
+    """Each row's keys and values for each layer, as its cache returned them: (1, kv, past_b + q_b, d) views."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer index -> per row
+
+    def put(self, layer_idx: int, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        per_row = self.rows.setdefault(layer_idx, [])
+        if row != len(per_row):
+            raise RuntimeError(f"row {row}'s keys of layer {layer_idx} arrived out of order")
+        per_row.append((keys, values))
+
+
+@dataclass(frozen=True)
+class RowAttention:
+    """What a layer's attention needs to attend row by row: the rows' lengths, their keys and their masks."""
+
+    lengths: Sequence[int]  # query tokens per row
+    keys: RowKeys  # filled by the layers' cache updates
+    masks: Sequence[torch.Tensor | None]  # per row: additive (1, 1, q_b, past_b + q_b), None = sees all
+
+
+def row_attention(
+    base: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """query (B, heads, q_max, d) -> (B, q_max, heads, d); ``key``/``value`` are the step's own (ignored for rows)."""
+    rows: RowAttention | None = kwargs.pop(ROWS_KWARG, None)
+    if rows is None:
+        return base(module, query, key, value, attention_mask, **kwargs)
+    per_row = rows.keys.rows[int(module.layer_idx)]  # type: ignore[arg-type]  # the attention's own index
+    outs = []
+    for b, q in enumerate(rows.lengths):
+        row_keys, row_values = per_row[b]
+        out, _ = base(module, query[b : b + 1, :, :q], row_keys, row_values, rows.masks[b], **kwargs)  # (1, q, h, d)
+        outs.append(out)
+    q_max = query.shape[2]
+    if all(q == q_max for q in rows.lengths):
+        return torch.cat(outs), None
+    padded = outs[0].new_zeros((len(outs), q_max, *outs[0].shape[2:]))  # (B, q_max, heads, d)
+    for b, (out, q) in enumerate(zip(outs, rows.lengths, strict=True)):
+        padded[b, :q] = out[0]
+    return padded, None
+
+
+def _family_eager(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The family's own ``eager_attention_forward`` (Gemma 2's soft-caps), found beside its attention class."""
+    eager: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = sys.modules[
+        type(module).__module__
+    ].eager_attention_forward
+    return eager(module, *args, **kwargs)
+
+
+def _base_function(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """The function ``name`` stands for: the family's eager attention, or one transformers registered."""
+    if name == "eager":
+        return _family_eager
+    base: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = ALL_ATTENTION_FUNCTIONS[name]
+    return base
+
+
+def use_row_attention(configs: Sequence[PretrainedConfig]) -> None:
+    """Make the attention of layers built with ``configs`` go through :func:`row_attention` (idempotent)."""
+    for config in configs:
+        current = config._attn_implementation or "sdpa"
+        if current.startswith(_PREFIX):
+            continue
+        name = _PREFIX + current
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, functools.partial(row_attention, _base_function(current)))
+        config._attn_implementation = name
+
+
+def attention_configs(layers: Iterable[nn.Module]) -> list[PretrainedConfig]:
+    """The distinct configs the attention modules of ``layers`` read their implementation from."""
+    found: dict[int, PretrainedConfig] = {}
+    for layer in layers:
+        for module in layer.modules():
+            config = getattr(module, "config", None)
+            if isinstance(config, PretrainedConfig):
+                found[id(config)] = config
+    return list(found.values())
