@@ -4,7 +4,9 @@
 (``splitspec/models/row_attention.py``), each layer copied every row's committed keys and values
 into one batch padded to the longest context, and transformers then copied them again per query
 head (``repeat_kv``): O(rows x context) per layer and step. Now each row attends over views of its
-own cache. This times ``forward_batch`` over B rows of q query tokens after a C-token context, on
+own cache, and a masked step of several query tokens on a CPU attends grouped query heads to their
+shared key/value heads without that copy (``grouped_sdpa``, which a lone step uses too: the 1 x q
+rows). This times ``forward_batch`` over B rows of q query tokens after a C-token context, on
 the demo base model as ``splitspec serve`` loads it (float32, prepacked, one CPU thread): the edge's
 head layers and the trunk's middle layers.
 
@@ -35,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-SHAPES = ((2, 2), (8, 1), (8, 2), (8, 5), (16, 2), (32, 1))  # (rows, query tokens per row)
+SHAPES = ((1, 1), (1, 5), (2, 2), (8, 1), (8, 2), (8, 5), (16, 2), (32, 1))  # (rows, query tokens per row)
 CONTEXTS = (200, 1000)  # committed tokens per row
 
 
