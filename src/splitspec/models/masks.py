@@ -72,13 +72,12 @@ def step_mask(
 ) -> torch.Tensor:
     """Additive mask (1, 1, q, past_length + q) on ``device``: 0 where attention is allowed, dtype-min elsewhere.
 
-    The one-step case of :func:`ragged_masks` (one row, no padding). The committed prefix holds
-    positions 0 .. past_length-1 in order. With ``sliding_window`` w, a query at position p also
-    stops seeing keys at positions <= p - w.
+    Query i sees the committed prefix (positions 0 .. past_length-1, in order) and, among the step's
+    tokens, itself and its ancestors (:func:`ancestor_matrix`). With ``sliding_window`` w, a query at
+    position p also stops seeing keys at positions <= p - w. ``parents`` and ``positions`` (each (q,))
+    are host tensors (they came off the wire); the mask is built on the host and copied once.
     """
-    q = parents.shape[0]
-    masks = ragged_masks([parents], [positions], [past_length], {sliding_window}, past_length, q, dtype, device)
-    return masks[sliding_window]
+    return _mask(~ancestor_matrix(parents), positions, past_length, dtype, sliding_window, device)
 
 
 def step_masks(
@@ -92,49 +91,30 @@ def step_masks(
     """A step's mask per sliding window, as its layers take them: None where it needs none (one query token
     with the whole prefix in view), else :func:`step_mask`'s (1, 1, q, past_length + q)."""
     q = parents.shape[0]
-    needed = {w for w in windows if not (q == 1 and (w is None or past_length < w))}
-    built = ragged_masks([parents], [positions], [past_length], needed, past_length, q, dtype, device) if needed else {}
-    return {w: built.get(w) for w in windows}
-
-
-def ragged_masks(
-    parents: Sequence[torch.Tensor],
-    positions: Sequence[torch.Tensor],
-    past: Sequence[int],
-    windows: set[int | None],
-    past_max: int,
-    q_max: int,
-    dtype: torch.dtype,
-    device: torch.device | None,
-) -> dict[int | None, torch.Tensor]:
-    """Additive masks (B, 1, q_max, past_max + q_max) for B rows, one per sliding window: the one mask builder.
-
-    Row b's query i (i < q_b) may see the row's committed prefix (columns < past[b]) and, among the
-    step's columns (past_max onwards), itself and its ancestors (:func:`ancestor_matrix`); a
-    sliding window w also hides keys at positions <= p - w. Everything else, padding included, is
-    masked. ``parents`` and ``positions`` (each (q_b,)) are host tensors (they came off the wire);
-    the masks are built on the host and copied once.
-    """
-    batch = len(parents)
-    lengths = torch.tensor([p.shape[0] for p in parents])  # (B,)
-    committed = torch.tensor(list(past))  # (B,)
-    tree = torch.zeros(batch, q_max, q_max, dtype=torch.bool)  # (B, q_max, q_max)
-    query_pos = torch.zeros(batch, q_max, dtype=torch.long)  # (B, q_max)
-    for b, (row_parents, row_positions) in enumerate(zip(parents, positions, strict=True)):
-        q = row_parents.shape[0]
-        tree[b, :q, :q] = ancestor_matrix(row_parents)
-        query_pos[b, :q] = row_positions.to(torch.long)
-    real_query = torch.arange(q_max)[None, :] < lengths[:, None]  # (B, q_max)
-    prefix = torch.arange(past_max)[None, :] < committed[:, None]  # (B, past_max)
-    allowed = torch.cat([prefix[:, None, :].expand(batch, q_max, past_max), tree], dim=2) & real_query[:, :, None]
-    allowed = allowed.to(device, non_blocking=True)  # (B, q_max, past_max + q_max)
-    query_pos = query_pos.to(device, non_blocking=True)
-    # key positions: the prefix's column j holds position j; the step's columns hold the step's positions
-    key_pos = torch.cat([torch.arange(past_max, device=device).expand(batch, past_max), query_pos], dim=1)
-    floor = torch.finfo(dtype).min
-    masks: dict[int | None, torch.Tensor] = {}
-    for window in windows:
-        seen = allowed if window is None else allowed & (key_pos[:, None, :] > query_pos[:, :, None] - window)
-        mask = torch.zeros(batch, 1, q_max, past_max + q_max, dtype=dtype, device=device)
-        masks[window] = mask.masked_fill_(~seen[:, None], floor)
+    masks: dict[int | None, torch.Tensor | None] = dict.fromkeys(windows)
+    needed = [w for w in windows if not (q == 1 and (w is None or past_length < w))]
+    if needed:
+        hidden = ~ancestor_matrix(parents)  # (q, q): the step's keys a query does not see
+        for w in needed:
+            masks[w] = _mask(hidden, positions, past_length, dtype, w, device)
     return masks
+
+
+def _mask(
+    hidden: torch.Tensor,
+    positions: torch.Tensor,
+    past_length: int,
+    dtype: torch.dtype,
+    sliding_window: int | None,
+    device: torch.device | None,
+) -> torch.Tensor:
+    """:func:`step_mask` given the step's hidden pairs ``hidden`` (q, q) bool."""
+    q = hidden.shape[0]
+    floor = torch.finfo(dtype).min
+    mask = torch.zeros(q, past_length + q, dtype=dtype)  # (q, past + q)
+    mask[:, past_length:].masked_fill_(hidden, floor)
+    if sliding_window is not None:
+        query_pos = positions.to(torch.long)  # (q,)
+        key_pos = torch.cat([torch.arange(past_length), query_pos])  # (past + q,): the prefix holds 0 .. past - 1
+        mask.masked_fill_(key_pos[None, :] <= query_pos[:, None] - sliding_window, floor)
+    return mask.to(device, non_blocking=True)[None, None]
