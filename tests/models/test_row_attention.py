@@ -12,22 +12,30 @@ from splitspec.models.row_attention import ROWS_KWARG, attention_configs, groupe
 
 
 class _Attention(nn.Module):
-    num_key_value_groups = 2  # 4 query heads over 2 key/value heads
     is_causal = True
     layer_idx = 0
 
+    def __init__(self, groups: int = 2) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups  # query heads per key/value head
 
-@pytest.mark.parametrize(("q", "keys", "masked"), [(2, 9, True), (5, 40, True), (1, 9, False), (1, 9, True)])
-def test_grouped_sdpa_equals_transformers_sdpa(q: int, keys: int, masked: bool) -> None:
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize(
+    ("q", "keys", "masked"), [(2, 9, True), (5, 40, True), (1, 9, False), (1, 9, True), (3, 9, False)]
+)
+def test_grouped_sdpa_equals_transformers_sdpa(q: int, keys: int, masked: bool, groups: int) -> None:
+    """Several query tokens (grouped by torch), one (packed), and an unmasked causal step (transformers')."""
     torch.manual_seed(0)
-    query, key, value = torch.randn(2, 4, q, 8), torch.randn(2, 2, keys, 8), torch.randn(2, 2, keys, 8)
+    kv = 4 // groups
+    query, key, value = torch.randn(2, 4, q, 8), torch.randn(2, kv, keys, 8), torch.randn(2, kv, keys, 8)
     mask = None
     if masked:  # a tree: every query sees the prefix, and only some of the step's keys
         mask = torch.zeros(2, 1, q, keys)
         mask[..., keys - q :] = torch.where(torch.rand(q, q) < 0.5, torch.finfo(torch.float32).min, 0.0)
         mask[..., keys - q :].diagonal(dim1=-2, dim2=-1).zero_()
-    want, _ = sdpa_attention_forward(_Attention(), query, key, value, mask, scaling=0.3)
-    got, weights = grouped_sdpa(_Attention(), query, key, value, mask, scaling=0.3, dropout=0.0)
+    want, _ = sdpa_attention_forward(_Attention(groups), query, key, value, mask, scaling=0.3)
+    got, weights = grouped_sdpa(_Attention(groups), query, key, value, mask, scaling=0.3, dropout=0.0)
     assert weights is None
     assert got.shape == (2, q, 4, 8)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
