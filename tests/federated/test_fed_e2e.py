@@ -126,8 +126,10 @@ async def test_worker_drop_and_rejoin(models: dict[str, LoadedModel]) -> None:
 
 
 async def test_slow_worker_is_dropped_for_the_round(models: dict[str, LoadedModel]) -> None:
-    async with worker(models["a"]) as wa, worker(models["b"], delay_s=0.6) as wb:
-        async with Coordinator(config(wa.url, wb.url, round_timeout_s=0.3), models["draft"]) as coord:
+    # the fast worker's round must fit in the timeout on a loaded 2-core machine (0.3 s did not, once in a
+    # full suite run); the slow one sleeps well past it
+    async with worker(models["a"]) as wa, worker(models["b"], delay_s=1.6) as wb:
+        async with Coordinator(config(wa.url, wb.url, round_timeout_s=0.8), models["draft"]) as coord:
             result = await coord.generate(PROMPT, 4, SamplingParams())
     assert len(result.token_ids) == 4
     assert any(w.status == "dropped" and w.error == "timed out" for r in result.rounds for w in r.workers)
