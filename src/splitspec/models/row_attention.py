@@ -150,7 +150,7 @@ def use_row_attention(configs: Sequence[PretrainedConfig]) -> None:
         if current.startswith(_PREFIX):
             continue
         name = _PREFIX + current
-        if name not in AttentionInterface._global_mapping:
+        if name not in ALL_ATTENTION_FUNCTIONS:
             AttentionInterface.register(name, functools.partial(row_attention, _base_function(current)))
         config._attn_implementation = name
 
