@@ -74,7 +74,7 @@ def row_masks(
     rows: Sequence[BatchRow], windows: set[int | None], dtype: torch.dtype, device: torch.device
 ) -> dict[int | None, list[torch.Tensor | None]]:
     """Each row's additive mask (1, 1, q_b, past_b + q_b) per sliding window of the stack's layers: the mask
-    its step gets alone (:meth:`~splitspec.models.stack.LayerStack.step_masks`)."""
+    its step gets alone (:func:`~splitspec.models.masks.step_masks`)."""
     per_row = [step_masks(row.parents, row.positions, len(row.cache), windows, dtype, device) for row in rows]
     return {w: [masks[w] for masks in per_row] for w in windows}
 
