@@ -50,6 +50,7 @@ from splitspec.models.batcher import RowBatcher
 from splitspec.models.features import edge_feature_sources, trunk_feature_layer
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, step_positions
+from splitspec.models.wave_batcher import WaveBatcher
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
 from splitspec.protocol.codec import wire_bytes_per_token
 from splitspec.protocol.messages import Message, Step, StepResult
@@ -59,6 +60,8 @@ log = logging.getLogger(__name__)
 
 _HEADER_RESERVE = 2048  # bytes kept free in every step frame for the prefix and JSON header
 EDGE_BIG_STEPS = 8  # prefills whose chunks share one head (tail) forward: a burst of new requests is batched too
+# drafting threads of an engine with a draft model: sequences whose proposals run (and batch) at once, at most
+DRAFT_THREADS = 16
 MAX_CAPACITY_BACKOFF_S = 5.0  # longest wait between two tries of a step the trunk refused for capacity, seconds
 
 
@@ -147,8 +150,11 @@ class EdgeEngine:
         # step-time estimates describe the link and the trunk, so every sequence's controller shares them
         self.step_times = StepTimes()
         self._populations: dict[tuple[str, ...], SpeculationController] = {}
-        # drafting (a draft model's forwards) runs here, off the event loop, one draft at a time
-        self.draft_executor = DraftExecutor()
+        # drafting runs off the event loop, on threads of its own: one per sequence in flight (up to
+        # DRAFT_THREADS) when a draft model's forwards batch across sequences (models/wave_batcher.py)
+        model = runtime.draft_model
+        self.draft_waves = None if model is None else WaveBatcher(model, max_rows=DRAFT_THREADS)
+        self.draft_executor = DraftExecutor(workers=1 if model is None else DRAFT_THREADS)
 
     # -- sequences -----------------------------------------------------------------------------
 
