@@ -62,7 +62,8 @@ def test_concurrent_proposals_batch_and_draft_what_each_drafts_alone(
             if ref.probs is not None:
                 assert got.probs is not None
                 torch.testing.assert_close(got.probs, ref.probs, rtol=1e-4, atol=1e-6)
-    assert max(waves.batch_sizes) > 1, f"no forward ran several sequences' waves: {dict(waves.batch_sizes)}"
+    sizes = waves.log.snapshot()
+    assert max(sizes) > 1, f"no forward ran several sequences' waves: {sizes}"
 
 
 def test_a_lone_forward_runs_at_once(make_checkpoint: Callable[..., Path]) -> None:
@@ -72,7 +73,7 @@ def test_a_lone_forward_runs_at_once(make_checkpoint: Callable[..., Path]) -> No
     reference = DraftModel(model, SamplingParams())
     draft = drafter.propose(CONTEXTS[0], 6)
     assert (draft.tokens, draft.parents) == (reference.propose(CONTEXTS[0], 6).tokens, draft.parents)
-    assert set(waves.batch_sizes) == {1}
+    assert set(waves.log.snapshot()) == {1}
     assert len(drafter.sequence.cache) == len(CONTEXTS[0])  # the tree's entries are gone, the context stays
 
 
@@ -137,3 +138,29 @@ def test_tree_waves_batch_with_steps_each_as_alone(tmp_path: Path, family: str) 
     for out, want, (solo, batched) in zip(forward_batch(stack, rows), expected, pairs, strict=True):
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
         assert len(batched) == len(solo)
+
+
+def test_a_waiting_forward_runs_after_its_patience_when_another_proposal_never_asks(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    model = load_full(Checkpoint(make_checkpoint("llama", layers=2)), torch.float32)
+    waves = WaveBatcher(model, patience_s=0.05)
+    entered, release = threading.Event(), threading.Event()
+
+    def idle_proposal() -> None:  # in progress, but building its tree in Python: no forward asked yet
+        with waves.drafting():
+            entered.set()
+            release.wait(10)
+
+    with ThreadPoolExecutor(1) as pool:
+        idle = pool.submit(idle_proposal)
+        assert entered.wait(5)
+        with waves.drafting():
+            visible = torch.ones(2, 2, dtype=torch.bool).tril()
+            at = torch.arange(2, dtype=torch.int32)
+            logits = waves.forward(KVCache(), torch.tensor([3, 4]), at, visible, at)  # waits 50 ms, then runs
+        assert not idle.done()  # it ran while the other proposal was still in progress
+        release.set()
+        idle.result(timeout=5)
+    assert logits.shape == (2, model.vocab_size)
+    assert waves.log.forwards == {1: 1}

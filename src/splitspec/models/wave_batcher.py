@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.models.batched import BatchRow, forward_batch
+from splitspec.models.batcher import BatchLog
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
@@ -60,7 +60,7 @@ class WaveBatcher:
         self._drafting = 0  # proposals in progress (inside drafting())
         self._waiting: list[_Wave] = []
         self._running = False  # a thread is computing a batch
-        self.batch_sizes: Counter[int] = Counter()  # rows per batched forward -> forwards run
+        self.log = BatchLog()  # the batched forwards by rows, and their compute
 
     @contextmanager
     def drafting(self) -> Iterator[None]:
@@ -117,6 +117,7 @@ class WaveBatcher:
 
     def _run(self, batch: list[_Wave]) -> None:
         """One batched forward over ``batch``'s rows (outside the lock); each wave gets its logits or the error."""
+        t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 streams = forward_batch(self.model.layers, [wave.row for wave in batch])  # each (1, q_b, H)
@@ -125,6 +126,6 @@ class WaveBatcher:
             for wave in batch:
                 wave.error, wave.done = error, True
             return
-        self.batch_sizes[len(batch)] += 1
+        self.log.observe(len(batch), (time.perf_counter() - t0) * 1e3)
         for wave, rows in zip(batch, logits, strict=True):
             wave.logits, wave.done = rows[0], True
