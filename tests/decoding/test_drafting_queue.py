@@ -50,24 +50,6 @@ def test_expected_wait_counts_the_jobs_ahead_at_the_mean_job_time() -> None:
         executor.shutdown()
 
 
-def test_with_several_threads_a_job_waits_only_once_every_thread_is_busy() -> None:
-    executor = DraftExecutor(workers=2)
-    try:
-        executor.submit(time.sleep, 0.05).result(timeout=5)
-        release = threading.Event()
-        first = executor.submit(release.wait, 5)
-        wait_until(lambda: executor.expected_wait() == 0.0)  # one job running, a thread free
-        second = executor.submit(release.wait, 5)
-        assert 0.05 <= executor.expected_wait() < 0.5  # both threads busy: one job time ahead
-        release.set()
-        assert first.result(timeout=5)
-        assert second.result(timeout=5)
-    finally:
-        executor.shutdown()
-    with pytest.raises(ValueError, match="at least one worker"):
-        DraftExecutor(workers=0)
-
-
 def test_the_mean_job_time_follows_the_jobs() -> None:
     executor = DraftExecutor(job_decay=0.5)
     try:

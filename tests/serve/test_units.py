@@ -13,10 +13,8 @@ from splitspec.bench.scenario import DEFAULT_CORPUS_DIR as HELDOUT
 from splitspec.demo import embedded_model
 from splitspec.detokenize import IncrementalText
 from splitspec.edge import EdgeConfig
-from splitspec.models.batcher import BatchLog
 from splitspec.serve.app import create_app
 from splitspec.serve.config import ServeConfig
-from splitspec.serve.metrics import ServeMetrics
 from splitspec.serve.prefix_cache import PrefixCache
 from splitspec.serve.state import ServeState
 from splitspec.serve.text import StopTextStream
@@ -199,22 +197,3 @@ def test_a_stop_stream_releases_held_utf8_at_the_end() -> None:
     assert stream.push(-1) == ""  # unfinished, and nothing completes it
     assert stream.push(-1) == ""
     assert stream.flush() == "\ufffd\ufffd"
-
-
-def test_metrics_expose_the_edge_forwards_by_part_and_rows_draft_included() -> None:
-    class Engine:  # what the collector reads of an engine
-        def __init__(self) -> None:
-            self.head_batches, self.tail_batches, self.draft_batches = BatchLog(), BatchLog(), BatchLog()
-
-    engine = Engine()
-    engine.head_batches.observe(4, 2.0)
-    engine.draft_batches.observe(8, 3.0)
-    engine.draft_batches.observe(8, 5.0)
-    metrics = ServeMetrics()
-    metrics.watch_engine(engine)  # type: ignore[arg-type]
-    text = metrics.render().decode()
-    assert 'splitspec_serve_edge_forwards_total{part="draft",rows="8"} 2.0' in text
-    assert 'splitspec_serve_edge_forward_milliseconds_total{part="draft",rows="8"} 8.0' in text
-    assert 'splitspec_serve_edge_forwards_total{part="head",rows="4"} 1.0' in text
-    engine.draft_batches = None  # type: ignore[assignment]  # an engine without a draft model
-    assert 'part="draft"' not in metrics.render().decode()

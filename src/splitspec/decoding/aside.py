@@ -43,19 +43,11 @@ T = TypeVar("T")
 
 
 class DraftExecutor(ThreadPoolExecutor):
-    """The drafting threads of an engine, knowing whether any work is queued or running on them, how long
-    its jobs take and how many sequences are decoding with them.
+    """The one drafting thread of an engine, knowing whether any work is queued or running on it, how long
+    its jobs take and how many sequences are decoding with it."""
 
-    ``workers`` threads: one runs every draft in turn; several let different sequences' proposals run at
-    once, so that a draft model's forwards of every sequence in flight batch
-    (:class:`~splitspec.models.wave_batcher.WaveBatcher`; a draft model takes one proposal of its own
-    sequence at a time)."""
-
-    def __init__(self, thread_name_prefix: str = "edge-draft", job_decay: float = 0.9, workers: int = 1) -> None:
-        if workers < 1:
-            raise ValueError(f"a draft executor needs at least one worker thread, got {workers}")
-        super().__init__(max_workers=workers, thread_name_prefix=thread_name_prefix)
-        self.workers = workers
+    def __init__(self, thread_name_prefix: str = "edge-draft", job_decay: float = 0.9) -> None:
+        super().__init__(max_workers=1, thread_name_prefix=thread_name_prefix)
         self._lock = threading.Lock()  # submit runs on the event loop, completion on the thread
         self._outstanding = 0  # jobs submitted and not yet finished
         self._decoding = 0  # sequences inside decoding()
@@ -98,12 +90,12 @@ class DraftExecutor(ThreadPoolExecutor):
             self._outstanding -= 1
 
     def expected_wait(self) -> float:
-        """Seconds a job submitted now would wait before it runs: the rounds of jobs queued or running ahead of
-        it, ``workers`` at a time, at the mean job time (0 before any job was timed, or with a thread free)."""
+        """Seconds a job submitted now would wait before it runs: the jobs queued or running ahead of it at the
+        mean job time (0 before any job was timed, or with none outstanding)."""
         with self._lock:
             if self._outstanding == 0 or math.isnan(self._job_s.value):
                 return 0.0
-            return (self._outstanding // self.workers) * self._job_s.value
+            return self._outstanding * self._job_s.value
 
     @property
     def idle(self) -> bool:

@@ -17,8 +17,6 @@ pool, prompt lookup) give no probabilities: their q is one-hot. The draft model 
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -32,11 +30,9 @@ from splitspec.decoding.trees import Draft as Draft
 from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
-from splitspec.models.wave_batcher import WaveBatcher
 from splitspec.prefix import common_prefix
 
 PREPARE_CHUNK = 512  # prompt tokens a draft model's prepare feeds at once: bounds its attention masks
-WAVE_CATCH_UP = 64  # tokens a draft model catches up on in a batched forward at most; more run alone
 
 
 def build_tree(chains: Sequence[Sequence[int]], budget: int) -> Draft:
@@ -202,14 +198,8 @@ class DraftModel:
         generator: torch.Generator | None = None,
         top_k: int = 4,
         depth: int | None = 8,
-        waves: WaveBatcher | None = None,
     ) -> None:
         self.sequence = LocalSequence(model)
-        # the engine's batcher of its sequences' draft forwards (models/wave_batcher.py); None: each runs alone
-        self.waves = waves
-        # one proposal or preparation at a time over the one cache (drafting threads may offer two at once:
-        # a greedy "draft" drafter and the mixed tree sharing it, judged aside)
-        self._busy = threading.Lock()
         self.params = params
         if generator is None and not params.greedy:
             raise ValueError("a sampling draft model needs its own seeded generator")
@@ -229,26 +219,12 @@ class DraftModel:
         seq = self.sequence
         common = common_prefix(seq.tokens, context, len(context) - 1)  # always re-run the last context token
         seq.truncate(common)
-        new = list(context[common:])
-        if self.waves is None or len(new) > WAVE_CATCH_UP:
-            return seq.run(new)[-1]
-        q = len(new)
-        visible = torch.ones(q, common + q, dtype=torch.bool)  # (q, past + q): the prefix, then causal
-        visible[:, common:] = torch.ones(q, q, dtype=torch.bool).tril()
-        key_positions = torch.arange(common + q, dtype=torch.int32)
-        ids = torch.tensor(new, dtype=torch.long)
-        logits = self.waves.forward(seq.cache, ids, key_positions[common:], visible, key_positions)  # (q, V)
-        seq.tokens.extend(new)
-        return logits[-1]
+        return seq.run(context[common:])[-1]
 
     @torch.inference_mode()
     def prepare(self, context: Sequence[int]) -> None:
         """Bring the cache to all of ``context`` (the prompt), without computing logits: the first
         :meth:`propose` on ``context`` plus the first token then runs that token alone."""
-        with self._busy:
-            self._prepare(context)
-
-    def _prepare(self, context: Sequence[int]) -> None:
         seq = self.sequence
         if self.max_positions is not None and len(context) >= self.max_positions:
             return  # it will not draft for this context: nothing to prepare
@@ -272,15 +248,10 @@ class DraftModel:
         model, cache = self.sequence.model, self.sequence.cache
         rows: dict[int, torch.Tensor] = {-1: root.float()}  # (V,) scoring the children of each node run
 
-        waves = self.waves
-
         def expand(tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
             for wave in run.waves(parents, expanding):
                 ids = torch.tensor([tokens[j] for j in wave.nodes], dtype=torch.long)
-                if waves is None:
-                    logits = model.forward_visible(ids, wave.positions, wave.visible, wave.key_positions, cache)
-                else:
-                    logits = waves.forward(cache, ids, wave.positions, wave.visible, wave.key_positions)  # (q, V)
+                logits = model.forward_visible(ids, wave.positions, wave.visible, wave.key_positions, cache)  # (q, V)
                 rows.update(zip(wave.nodes, logits.float(), strict=True))
             return torch.stack([rows[j] for j in expanding])  # (len(expanding), V)
 
@@ -295,15 +266,14 @@ class DraftModel:
             before, last = self._last
             if len(context) > len(before) and list(context[: len(before)]) == before:
                 self.siblings.observe(last, context[len(before) :])
-        with self._busy, self.waves.drafting() if self.waves is not None else contextlib.nullcontext():
-            root = self._sync(context)  # (V,)
-            depth = budget if self.depth is None else self.depth
-            expand = self._expander(len(context), root)
-            rates = self.siblings.rates()
-            try:
-                draft = dynamic_tree(expand, budget, self.params, self.generator, self.top_k, depth, rates)
-            finally:
-                self.sequence.truncate(len(context))  # the tree's entries go: the next draft runs what was accepted
+        root = self._sync(context)  # (V,)
+        depth = budget if self.depth is None else self.depth
+        expand = self._expander(len(context), root)
+        rates = self.siblings.rates()
+        try:
+            draft = dynamic_tree(expand, budget, self.params, self.generator, self.top_k, depth, rates)
+        finally:
+            self.sequence.truncate(len(context))  # the tree's entries go: the next draft runs what was accepted
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
         return draft
 

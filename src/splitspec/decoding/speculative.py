@@ -21,7 +21,6 @@ from splitspec.devices import device_generator
 from splitspec.exceptions import ConfigError
 from splitspec.models.draft_head import DraftHead
 from splitspec.models.stack import FullModel, ModelEnds
-from splitspec.models.wave_batcher import WaveBatcher
 
 __all__ = ["SPECULATE_MODES", "SpecStep", "TreeVerifier", "draft_depth", "make_drafters", "speculative_decode"]
 
@@ -67,7 +66,6 @@ def make_drafters(
     ends: Callable[[], ModelEnds] | None = None,
     features: KeepsFeatures | None = None,
     tree_width: int = 4,
-    draft_waves: WaveBatcher | None = None,
 ) -> dict[str, Drafter]:
     """The drafters a ``--speculate`` mode uses (``auto``: every one available).
 
@@ -76,7 +74,6 @@ def make_drafters(
     (``eagle``) drafts from the target's ``ends`` (embedding, final norm, LM head) and the
     verifier's ``features`` (see :mod:`splitspec.decoding.eagle`); without features it offers nothing.
     ``tree_width``: children per expanded node of the draft model's and the head's trees (1: a chain).
-    ``draft_waves``: the engine's batcher of the draft model's forwards across its sequences (None: alone).
     """
     if mode not in SPECULATE_MODES:
         raise ConfigError(f"--speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
@@ -96,11 +93,7 @@ def make_drafters(
     if mode in ("draft", "auto") and draft_model is not None:
         seed = _seed(generator)
         drafters["draft"] = DraftModel(
-            draft_model,
-            params,
-            None if seed is None else device_generator(draft_model.device, seed),
-            tree_width,
-            waves=draft_waves,
+            draft_model, params, None if seed is None else device_generator(draft_model.device, seed), tree_width
         )
     if mode in ("mix", "auto"):
         # deterministic sources only: the draft model proposes its greedy tree here
@@ -109,9 +102,7 @@ def make_drafters(
             # a greedy "draft" drafter is this one already: share it (one cache to fill, not two)
             shared = drafters.get("draft") if params.greedy else None
             sources.append(
-                shared
-                if shared is not None
-                else DraftModel(draft_model, SamplingParams(), top_k=tree_width, waves=draft_waves)
+                shared if shared is not None else DraftModel(draft_model, SamplingParams(), top_k=tree_width)
             )
         drafters["mix"] = MixedDrafter(sources)
     return drafters

@@ -352,7 +352,7 @@ class SplitClient:
         runtime = self.runtime
         drafters = make_drafters(
             speculate, draft_params, self.draft_model, generator, runtime.draft_head, runtime.ends, self.sequence,
-            self.config.draft_tree_width, self.engine.draft_waves,
+            self.config.draft_tree_width,
         )  # fmt: skip
         if "eagle" in drafters and fresh and runtime.draft_head is not None:
             self.sequence.reset()  # a new sequence keeps its tokens' features from the prefill on

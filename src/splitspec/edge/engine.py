@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -44,11 +46,10 @@ from splitspec.exceptions import (
     UnknownSession,
 )
 from splitspec.models.batched import BatchRow, forward_batch
-from splitspec.models.batcher import BatchLog, RowBatcher
+from splitspec.models.batcher import RowBatcher
 from splitspec.models.features import edge_feature_sources, trunk_feature_layer
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, step_positions
-from splitspec.models.wave_batcher import WaveBatcher
 from splitspec.privacy.defences import add_send_noise, noise_for_tokens, prefix_digests
 from splitspec.protocol.codec import wire_bytes_per_token
 from splitspec.protocol.messages import Message, Step, StepResult
@@ -58,9 +59,26 @@ log = logging.getLogger(__name__)
 
 _HEADER_RESERVE = 2048  # bytes kept free in every step frame for the prefix and JSON header
 EDGE_BIG_STEPS = 8  # prefills whose chunks share one head (tail) forward: a burst of new requests is batched too
-# drafting threads of an engine with a draft model: sequences whose proposals run (and batch) at once, at most
-DRAFT_THREADS = 16
 MAX_CAPACITY_BACKOFF_S = 5.0  # longest wait between two tries of a step the trunk refused for capacity, seconds
+
+
+class BatchLog:
+    """The forwards one of the engine's workers ran: per batch size (rows), how many and their total time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the worker thread writes, the event loop reads
+        self.forwards: Counter[int] = Counter()  # rows -> forwards of that many rows
+        self.total_ms: dict[int, float] = {}  # rows -> their total compute, milliseconds
+
+    def observe(self, rows: int, ms: float) -> None:
+        with self._lock:
+            self.forwards[rows] += 1
+            self.total_ms[rows] = self.total_ms.get(rows, 0.0) + ms
+
+    def snapshot(self) -> dict[int, tuple[int, float]]:
+        """rows -> (forwards, mean compute ms per forward), sorted by rows."""
+        with self._lock:
+            return {rows: (n, self.total_ms[rows] / n) for rows, n in sorted(self.forwards.items())}
 
 
 class _HeadBatcher(RowBatcher):
@@ -129,11 +147,8 @@ class EdgeEngine:
         # step-time estimates describe the link and the trunk, so every sequence's controller shares them
         self.step_times = StepTimes()
         self._populations: dict[tuple[str, ...], SpeculationController] = {}
-        # drafting runs off the event loop, on threads of its own: one per sequence in flight (up to
-        # DRAFT_THREADS) when a draft model's forwards batch across sequences (models/wave_batcher.py)
-        model = runtime.draft_model
-        self.draft_waves = None if model is None else WaveBatcher(model, max_rows=DRAFT_THREADS)
-        self.draft_executor = DraftExecutor(workers=1 if model is None else DRAFT_THREADS)
+        # drafting (a draft model's forwards) runs here, off the event loop, one draft at a time
+        self.draft_executor = DraftExecutor()
 
     # -- sequences -----------------------------------------------------------------------------
 
@@ -146,11 +161,6 @@ class EdgeEngine:
     def tail_batches(self) -> BatchLog:
         """The tail worker's forwards by batch size."""
         return self._tail.log
-
-    @property
-    def draft_batches(self) -> BatchLog | None:
-        """The draft model's batched forwards by batch size (None: no draft model)."""
-        return None if self.draft_waves is None else self.draft_waves.log
 
     def new_sequence(self) -> EdgeSequence:
         return EdgeSequence(self.runtime)

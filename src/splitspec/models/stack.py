@@ -39,7 +39,7 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.family import Skeleton, published_dtype, skeleton
 from splitspec.models.fixed_decode import FixedShapeDecode
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import step_masks, visible_masks
+from splitspec.models.masks import step_masks
 from splitspec.models.precision import dtype_name, resolve_compute_dtype
 from splitspec.models.quantization import plan_quantization
 from splitspec.models.row_attention import ROWS_KWARG, RowAttention, attention_configs, use_row_attention
@@ -234,6 +234,7 @@ class LayerStack(nn.Module):
         earlier levels in the cache, and a node sees its own ancestors only. Appends q entries to the cache."""
         if not len(self.layers):
             return hidden
+        floor = torch.finfo(hidden.dtype).min
         inputs: dict[torch.device, tuple[torch.Tensor, dict[str, PositionEmbeddings], dict[Any, torch.Tensor]]] = {}
         try:
             for j in range(len(self.layers)):
@@ -241,8 +242,13 @@ class LayerStack(nn.Module):
                 device = hidden.device
                 if device not in inputs:
                     pos = positions.to(device, torch.long)[None]  # (1, q)
-                    masks = visible_masks(visible, key_positions, positions, set(self.windows), hidden.dtype, device)
-                    inputs[device] = (pos, self.position_embeddings(hidden, pos), dict(masks))
+                    seen, keys = visible.to(device), key_positions.to(device, torch.long)
+                    masks: dict[Any, torch.Tensor] = {}
+                    for w in set(self.windows):
+                        window = seen if w is None else seen & (keys[None, :] > pos[0, :, None] - w)
+                        additive = torch.zeros(window.shape, dtype=hidden.dtype, device=device)
+                        masks[w] = additive.masked_fill_(~window, floor)[None, None]  # (1, 1, q, past + q)
+                    inputs[device] = (pos, self.position_embeddings(hidden, pos), masks)
                 pos, rope, masks = inputs[device]
                 hidden = self.run_layer(j, hidden, pos, rope, masks, cache)
         except BaseException:

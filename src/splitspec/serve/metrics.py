@@ -8,9 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitspec.edge.engine import EdgeEngine
+from splitspec.edge.engine import BatchLog, EdgeEngine
 from splitspec.edge.sequence import StepStats
-from splitspec.models.batcher import BatchLog
 
 _MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560)
 _S_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
@@ -70,9 +69,8 @@ class ServeMetrics:
 
 
 class _EngineCollector(Collector):
-    """``splitspec_serve_edge_forwards_total`` and ``..._edge_forward_milliseconds_total`` by part (head, tail,
-    and draft: the draft model's forwards) and rows: the edge compute per forward (and per sequence: divide by
-    rows) against the batch size."""
+    """``splitspec_serve_edge_forwards_total`` and ``..._edge_forward_milliseconds_total`` by part and rows:
+    the edge compute per forward (and per sequence: divide by rows) against the batch size."""
 
     def __init__(self, engine: EdgeEngine) -> None:
         self.engine = engine
@@ -82,8 +80,6 @@ class _EngineCollector(Collector):
         forwards = CounterMetricFamily(p + "forwards", "batched edge forwards", labels=["part", "rows"])
         ms = CounterMetricFamily(p + "forward_milliseconds", "their compute, milliseconds", labels=["part", "rows"])
         logs: dict[str, BatchLog] = {"head": self.engine.head_batches, "tail": self.engine.tail_batches}
-        if self.engine.draft_batches is not None:  # the draft model's forwards, batched across sequences
-            logs["draft"] = self.engine.draft_batches
         for part, log in logs.items():
             for rows, (count, mean_ms) in log.snapshot().items():
                 forwards.add_metric([part, str(rows)], count)
