@@ -31,20 +31,28 @@ async def test_prepacked_edge_equals_the_whole_model(make_checkpoint: Callable[.
     model = make_checkpoint(family)
     async with TrunkServer(CloudConfig(model_dir=model, port=0, dtype="float32")) as server:
         outputs = {}
-        for prepack in ("auto", "off"):
+        for prepack in ("on", "auto", "off"):
             config = EdgeConfig(
                 allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, dtype="float32", prepack=prepack
             )
             runtime = EdgeRuntime(config)
             plain, packed = _linears(runtime)
-            if prepack == "auto":
+            if prepack == "on":
                 assert plain == 0
                 assert packed == 2 * 2 * 7 + 1  # 2 + 2 layers of q, k, v, o, gate, up, down; the LM head
+            elif prepack == "auto":  # the shapes measured faster packed on this CPU: all of a shape, or none
+                assert plain + packed == 2 * 2 * 7 + 1
+                by_shape: dict[tuple[int, int, bool], set[bool]] = {}
+                for m in [*runtime.model.head.modules(), *runtime.model.tail.modules()]:
+                    if isinstance(m, nn.Linear | PackedLinear):
+                        shape = (m.in_features, m.out_features, m.bias is not None)
+                        by_shape.setdefault(shape, set()).add(isinstance(m, PackedLinear))
+                assert all(len(kinds) == 1 for kinds in by_shape.values()), by_shape
             else:
                 assert packed == 0
             async with SplitClient(config, runtime=runtime) as client:
                 outputs[prepack] = (await client.generate(PROMPT, 24, speculate="ngram")).token_ids
-    assert outputs["auto"] == outputs["off"] == local_greedy(model, PROMPT, 24)
+    assert outputs["on"] == outputs["auto"] == outputs["off"] == local_greedy(model, PROMPT, 24)
 
 
 def test_prepack_on_refuses_what_it_cannot_pack(make_checkpoint: Callable[..., Path]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,9 +14,10 @@ from torch import nn
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.exceptions import ConfigError
+from splitspec.models import prepack
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.prepack import PackedLinear, prepack_available, prepack_linears, row_bucket
+from splitspec.models.prepack import PackedLinear, fastest, prepack_available, prepack_linears, row_bucket
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk
 
@@ -106,3 +108,48 @@ def test_padded_rows_compute_what_the_linear_does(rows: int) -> None:
     out = PackedLinear(linear)(x)
     assert out.shape == (1, rows, 80)
     torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
+
+
+class _Slow(nn.Module):
+    """A module as fast as ``inner`` plus a sleep: the slower of two candidates, unmistakably."""
+
+    def __init__(self, inner: nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.inner, self.seconds = inner, seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+def test_fastest_picks_the_module_that_takes_less_time() -> None:
+    linear = nn.Linear(32, 32)
+    assert fastest([_Slow(linear, 0.002), linear], 32, rows=(1, 4), calls=3) == 1
+    assert fastest([linear, _Slow(linear, 0.002)], 32, rows=(1, 4), calls=3) == 0
+
+
+def test_where_faster_packs_each_shape_as_measured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[tuple[int, int]] = []
+
+    def wider_is_faster(linear: nn.Linear, batch_hint: int = 16) -> bool:  # a CPU where packing pays when widening
+        asked.append((linear.in_features, linear.out_features))
+        return linear.out_features > linear.in_features
+
+    monkeypatch.setattr(prepack, "packed_is_faster", wider_is_faster)
+    block = nn.ModuleDict(
+        {
+            "up": nn.Linear(16, 64),
+            "down": nn.Linear(64, 16),
+            "inner": nn.ModuleDict({"up": nn.Linear(16, 64), "down": nn.Linear(64, 16)}),
+        }
+    )
+    assert prepack.prepack_linears(block, where_faster=True) == 2
+    assert isinstance(block["up"], PackedLinear)
+    assert isinstance(block["inner"]["up"], PackedLinear)  # type: ignore[index]
+    assert isinstance(block["down"], nn.Linear)
+    assert isinstance(block["inner"]["down"], nn.Linear)  # type: ignore[index]
+    assert sorted(asked) == [(16, 64), (64, 16)]  # each shape timed once
+    everything = nn.ModuleDict({"up": nn.Linear(16, 64), "down": nn.Linear(64, 16)})
+    assert prepack.prepack_linears(everything) == 2  # without where_faster: every one, nothing timed
+    assert len(asked) == 2

@@ -44,7 +44,8 @@ class EdgeConfig:
     compile_backend: str = "inductor"  # torch.compile backend of compile; tests pass "eager" (graph capture only)
     trunk_fingerprint: str | None = None  # pinned trunk content fingerprint; None = hash model_dir's own trunk
     # linear layers and LM head reordered once for oneDNN (models/prepack.py): auto = on a float32 CPU
-    # edge without --compile or quantization; on = refuse anything else; off = PyTorch's matmul
+    # edge without --compile or quantization, each layer shape only where it runs faster packed (timed at
+    # load); on = every one, and refuse anything else; off = PyTorch's matmul
     prepack: str = "auto"
     # sessions one trunk connection carries at once (their steps multiplexed); the trunk's
     # --max-sessions-per-connection (default 4) caps it, and the engine opens more connections as needed

@@ -31,7 +31,7 @@ from splitspec.models.features import edge_feature_sources
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.precision import dtype_from_name
 from splitspec.models.precision import dtype_name as dtype_name_of
-from splitspec.models.prepack import PackedLinear, prepack_linears, prepack_obstacle
+from splitspec.models.prepack import PackedLinear, packed_is_faster, prepack_linears, prepack_obstacle
 from splitspec.models.quantization import published_method
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
@@ -160,7 +160,9 @@ class EdgeRuntime:
     def _prepack(self) -> None:
         """``prepack``: the head's and tail's linear layers, and the LM head up to :data:`PACKED_HEAD_MAX_BYTES`,
         reordered once for oneDNN (MKL repacks a weight on every call: a 16-row (256 x 8192) LM-head
-        product took 0.99 ms, prepacked 0.35 ms, on this project's 2-core AMD EPYC)."""
+        product took 0.99 ms, prepacked 0.35 ms, on this project's 2-core AMD EPYC). Under ``auto`` only the
+        shapes measured faster packed here: oneDNN's call costs more for a small weight (the demo's 256-wide
+        layers ran 2-2.8x slower packed at 1-8 rows on an Intel Xeon, where its LM head ran 2x faster at 8)."""
         config = self.config
         if config.prepack == "off":
             return
@@ -171,10 +173,16 @@ class EdgeRuntime:
                 raise ConfigError(f"cannot prepack the edge's linear layers: {why_not}")
             return
         model = self.model
-        packed = prepack_linears(model.head) + prepack_linears(model.tail)
+        # auto: each shape only where it runs faster packed on this CPU (measured at load); on: all of them
+        measure = config.prepack == "auto"
+        packed = prepack_linears(model.head, where_faster=measure) + prepack_linears(model.tail, where_faster=measure)
         head = model.lm_head
         # the packed copy sits beside the embedding's (a tied head) or the skeleton's: one more copy of it
-        if isinstance(head, nn.Linear) and head.weight.nelement() * head.weight.element_size() <= PACKED_HEAD_MAX_BYTES:
+        if (
+            isinstance(head, nn.Linear)
+            and head.weight.nelement() * head.weight.element_size() <= PACKED_HEAD_MAX_BYTES
+            and (not measure or packed_is_faster(head))
+        ):
             model.lm_head = PackedLinear(head)
             packed += 1
         if packed:

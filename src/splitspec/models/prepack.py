@@ -22,11 +22,17 @@ to one of a few sizes (:func:`row_bucket`): exact up to 16, then 8 sizes per dou
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 BATCH_HINT = 16  # rows the weight layout is chosen for: a decode batch (1-64 rows measured within 1.2x of best)
 EXACT_ROWS = 16  # row counts up to this run as they are; above it they are padded to a bucket
+PROBE_ROWS = (1, 4, 16)  # row counts at which where_faster times a linear both ways: decode, speculation, a batch
+PROBE_CALLS = 15  # timed calls per way and row count (interleaved; their median counts)
 BUCKETS_PER_DOUBLING = 8  # sizes per doubling of the row count above EXACT_ROWS: at most 1/8 padding
 
 
@@ -92,13 +98,57 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def prepack_linears(module: nn.Module, batch_hint: int = BATCH_HINT) -> int:
-    """Swap every ``nn.Linear`` inside ``module`` for a :class:`PackedLinear`; return how many."""
-    swapped = 0
-    for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(child, batch_hint))
-            swapped += 1
-        else:
-            swapped += prepack_linears(child, batch_hint)
-    return swapped
+def prepack_linears(module: nn.Module, batch_hint: int = BATCH_HINT, *, where_faster: bool = False) -> int:
+    """Swap every ``nn.Linear`` inside ``module`` for a :class:`PackedLinear`; return how many.
+
+    ``where_faster``: only the linears whose shape (in, out, bias) :func:`packed_is_faster` finds faster on
+    this CPU, measured once per shape. The oneDNN call costs more than MKL's for a small weight: on an Intel
+    Xeon, a (3 x 256) x (256 x 256) product took 31 us packed against 12 us through ``F.linear``, while the
+    (16 x 1024) x (1024 x 2816) products of a real trunk run 2.6x faster packed (docs/trunk-batching.md).
+    """
+    decided: dict[tuple[int, int, bool], bool] = {}
+
+    def swap(parent: nn.Module) -> int:
+        swapped = 0
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                swapped += swap(child)
+                continue
+            shape = (child.in_features, child.out_features, child.bias is not None)
+            if where_faster and shape not in decided:
+                decided[shape] = packed_is_faster(child, batch_hint)
+            if not where_faster or decided[shape]:
+                setattr(parent, name, PackedLinear(child, batch_hint))
+                swapped += 1
+        return swapped
+
+    return swap(module)
+
+
+def packed_is_faster(linear: nn.Linear, batch_hint: int = BATCH_HINT) -> bool:
+    """Whether ``linear`` computes faster prepacked than through MKL on this CPU, at the row counts of
+    :data:`PROBE_ROWS` (summed medians of :data:`PROBE_CALLS` interleaved calls each)."""
+    packed = PackedLinear(linear, batch_hint)
+    return fastest([linear, packed], linear.in_features) == 1
+
+
+def fastest(
+    modules: Sequence[nn.Module], in_features: int, rows: Sequence[int] = PROBE_ROWS, calls: int = PROBE_CALLS
+) -> int:
+    """The index of the module of ``modules`` (each (..., in_features) -> (..., out)) whose summed median time
+    over ``rows`` row counts is least: the calls alternate between them, after one warm-up call each."""
+    seconds = [0.0] * len(modules)
+    with torch.inference_mode():
+        for n in rows:
+            x = torch.randn(1, n, in_features)  # (1, n, in)
+            times: list[list[float]] = [[] for _ in modules]
+            for module in modules:
+                module(x)  # warm-up: oneDNN builds its kernel for this row count
+            for _ in range(calls):
+                for i, module in enumerate(modules):
+                    t0 = time.perf_counter()
+                    module(x)
+                    times[i].append(time.perf_counter() - t0)
+            for i, measured in enumerate(times):
+                seconds[i] += statistics.median(measured)
+    return min(range(len(modules)), key=seconds.__getitem__)
