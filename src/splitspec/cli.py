@@ -234,8 +234,9 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=("auto", "on", "off"),
         default="auto",
         help="prepack the trunk's linear weights for oneDNN once at load: batched forwards on a CPU ran 1.3-1.5x "
-        "faster than with PyTorch's default matmul (auto, the default: on for a batching float32 trunk wholly on "
-        "the CPU; on: required; off: PyTorch's default)",
+        "faster than with PyTorch's default matmul (auto, the default: for a batching float32 trunk wholly on "
+        "the CPU, each layer shape that runs faster packed on this CPU, timed at load; on: every one, required; "
+        "off: PyTorch's default)",
     )
     p.add_argument(
         "--prefill-chunk",

@@ -14,7 +14,7 @@ from torch import nn
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.exceptions import ConfigError
-from splitspec.models import prepack
+from splitspec.models import prepack as prepack_module
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.prepack import PackedLinear, fastest, prepack_available, prepack_linears, row_bucket
@@ -62,12 +62,24 @@ def test_a_prepacked_trunk_computes_what_the_trunk_does(make_checkpoint: Callabl
 
 
 @pytest.mark.parametrize(
-    ("prepack", "batching", "packed"),
-    [("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)],
+    ("prepack", "batching", "faster", "packed"),
+    [
+        ("auto", True, True, True),  # auto packs a batching trunk's shapes measured faster packed ...
+        ("auto", True, False, False),  # ... and only those
+        ("auto", False, True, False),
+        ("on", False, False, True),  # on packs whatever the timing says
+        ("off", True, True, False),
+    ],
 )
 def test_the_server_prepacks_where_it_is_asked_or_helps(
-    make_checkpoint: Callable[..., Path], prepack: str, batching: bool, packed: bool
+    make_checkpoint: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    prepack: str,
+    batching: bool,
+    faster: bool,
+    packed: bool,
 ) -> None:
+    monkeypatch.setattr(prepack_module, "packed_is_faster", lambda linear, batch_hint=16: faster)
     config = CloudConfig(model_dir=make_checkpoint("llama"), port=0, prepack=prepack, batching=batching, device="cpu")
     trunk = TrunkServer(config).trunk
     assert any(isinstance(m, PackedLinear) for m in trunk.modules()) is packed
@@ -136,7 +148,7 @@ def test_where_faster_packs_each_shape_as_measured_once(monkeypatch: pytest.Monk
         asked.append((linear.in_features, linear.out_features))
         return linear.out_features > linear.in_features
 
-    monkeypatch.setattr(prepack, "packed_is_faster", wider_is_faster)
+    monkeypatch.setattr(prepack_module, "packed_is_faster", wider_is_faster)
     block = nn.ModuleDict(
         {
             "up": nn.Linear(16, 64),
@@ -144,12 +156,12 @@ def test_where_faster_packs_each_shape_as_measured_once(monkeypatch: pytest.Monk
             "inner": nn.ModuleDict({"up": nn.Linear(16, 64), "down": nn.Linear(64, 16)}),
         }
     )
-    assert prepack.prepack_linears(block, where_faster=True) == 2
+    assert prepack_module.prepack_linears(block, where_faster=True) == 2
     assert isinstance(block["up"], PackedLinear)
     assert isinstance(block["inner"]["up"], PackedLinear)  # type: ignore[index]
     assert isinstance(block["down"], nn.Linear)
     assert isinstance(block["inner"]["down"], nn.Linear)  # type: ignore[index]
     assert sorted(asked) == [(16, 64), (64, 16)]  # each shape timed once
     everything = nn.ModuleDict({"up": nn.Linear(16, 64), "down": nn.Linear(64, 16)})
-    assert prepack.prepack_linears(everything) == 2  # without where_faster: every one, nothing timed
+    assert prepack_module.prepack_linears(everything) == 2  # without where_faster: every one, nothing timed
     assert len(asked) == 2

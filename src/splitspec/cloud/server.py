@@ -111,7 +111,9 @@ class TrunkServer:
             self.checkpoint, self.plan, self.dtype, config.attn_implementation, devices, config.quantize
         )
         if self._should_prepack(devices):
-            log.info("trunk: %d linear layers prepacked for oneDNN", prepack_linears(self.trunk))
+            # auto: each layer shape only where it runs faster packed on this CPU (timed at load); on: every one
+            packed = prepack_linears(self.trunk, where_faster=config.prepack == "auto")
+            log.info("trunk: %d linear layers prepacked for oneDNN", packed)
         self.trunk_fingerprint = trunk_fingerprint(self.checkpoint, self.plan, config.quantize)  # in every Welcome
         self._into_trunk = HostStaging(self.trunk.input_device)
         self._out_of_trunk = HostStaging(self.trunk.output_device)
