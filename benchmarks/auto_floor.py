@@ -4,7 +4,8 @@ The demo base model split 2+2 over a real trunk server (``splitspec cloud serve`
 process, one torch thread) on loopback, through the WAN emulator at each RTT (``splitspec netem``, a
 process of its own; ``--link in-process`` runs it on the edge's event loop, as this benchmark did
 before stop 36, where a draft on the edge delays the link's bytes). Three modes, run in
-turn on every case (repeats interleaved; the RTT order alternates between repeats):
+turn on every case (repeats interleaved, the modes' order rotated each repeat; the RTT order alternates between
+repeats):
 
 * ``off``: one round trip per token;
 * ``auto``: the adaptive controller with the drafters an edge has without a draft model
@@ -204,7 +205,10 @@ async def measure(
                     await one_run(configs["auto+draft"][0], edge, draft, Case("warm", cases[0].prompt[:64], 4), "auto")
                 for case in cases:
                     reference: list[int] | None = None
-                    order = MODES if repeat % 2 == 0 else MODES[::-1]
+                    # a cyclic rotation: over len(MODES) repeats each mode runs first, second and last once
+                    # (alternating forward and reverse left "auto" always in the middle)
+                    turn = repeat % len(MODES)
+                    order = MODES[turn:] + MODES[:turn]
                     for mode in order:
                         config, drafter = configs[mode]
                         result = await one_run(config, edge, drafter, case, mode)
