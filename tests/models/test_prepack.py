@@ -165,3 +165,7 @@ def test_where_faster_packs_each_shape_as_measured_once(monkeypatch: pytest.Monk
     everything = nn.ModuleDict({"up": nn.Linear(16, 64), "down": nn.Linear(64, 16)})
     assert prepack_module.prepack_linears(everything) == 2  # without where_faster: every one, nothing timed
     assert len(asked) == 2
+    # several modules at once (an edge's head and tail): each shape timed once across them all
+    head, tail = nn.ModuleDict({"up": nn.Linear(16, 64)}), nn.ModuleDict({"up": nn.Linear(16, 64)})
+    assert prepack_module.prepack_linears(head, tail, where_faster=True) == 2
+    assert asked[2:] == [(16, 64)]

@@ -175,7 +175,7 @@ class EdgeRuntime:
         model = self.model
         # auto: each shape only where it runs faster packed on this CPU (measured at load); on: all of them
         measure = config.prepack == "auto"
-        packed = prepack_linears(model.head, where_faster=measure) + prepack_linears(model.tail, where_faster=measure)
+        packed = prepack_linears(model.head, model.tail, where_faster=measure)
         head = model.lm_head
         # the packed copy sits beside the embedding's (a tied head) or the skeleton's: one more copy of it
         if (

@@ -98,13 +98,14 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def prepack_linears(module: nn.Module, batch_hint: int = BATCH_HINT, *, where_faster: bool = False) -> int:
-    """Swap every ``nn.Linear`` inside ``module`` for a :class:`PackedLinear`; return how many.
+def prepack_linears(*modules: nn.Module, batch_hint: int = BATCH_HINT, where_faster: bool = False) -> int:
+    """Swap every ``nn.Linear`` inside ``modules`` for a :class:`PackedLinear`; return how many.
 
     ``where_faster``: only the linears whose shape (in, out, bias) :func:`packed_is_faster` finds faster on
-    this CPU, measured once per shape. The oneDNN call costs more than MKL's for a small weight: on an Intel
-    Xeon, a (3 x 256) x (256 x 256) product took 31 us packed against 12 us through ``F.linear``, while the
-    (16 x 1024) x (1024 x 2816) products of a real trunk run 2.6x faster packed (docs/trunk-batching.md).
+    this CPU, measured once per shape across all of ``modules`` (an edge's head and tail share their
+    shapes). The oneDNN call costs more than MKL's for a small weight: on an Intel Xeon, a (3 x 256) x
+    (256 x 256) product took 31 us packed against 12 us through ``F.linear``, while the (16 x 1024) x
+    (1024 x 2816) products of a real trunk run 2.6x faster packed (docs/trunk-batching.md).
     """
     decided: dict[tuple[int, int, bool], bool] = {}
 
@@ -122,7 +123,7 @@ def prepack_linears(module: nn.Module, batch_hint: int = BATCH_HINT, *, where_fa
                 swapped += 1
         return swapped
 
-    return swap(module)
+    return sum(swap(module) for module in modules)
 
 
 def packed_is_faster(linear: nn.Linear, batch_hint: int = BATCH_HINT) -> bool:
