@@ -16,7 +16,12 @@ paired per-repeat ratios draft / no-draft. Writes ``draft_under_load.json``, ``.
     python benchmarks/draft_under_load.py [--repeats 3] [--streams 1 16] [--seconds 25] [--baseline REF]
 
 ``--baseline REF``: a third arm, commit REF's code with the draft model (a git worktree, same venv), to
-compare a change of the drafting's policy with what it replaces.
+compare a change of the drafting's policy with what it replaces. ``--workers N``: another arm, the draft
+model's stack with ``splitspec serve --workers N`` (N interpreters, each batching its own streams).
+
+Beside each arm's tok/s: its multiple of its own one-stream rate (issue #24's targets are 10x at 16
+streams and 16x at 32), and the whole machine's CPU per output token (busy cores / tok/s: the edge, the
+trunk, the emulator and the load generator together), which bounds what the machine's cores can deliver.
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ async def closed_loop(url: str, texts: list[str], streams: int, seconds: float) 
 def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: Path | None) -> list[dict[str, Any]]:
     """One arm's stack, warmed, then each load level; ``baseline``: the baseline's code (its ``src``)."""
     src = baseline if arm == "baseline" else None
-    procs, urls, pids = start_stack(args.rtt_ms, None, draft_model=arm != "no-draft", engine_src=src)
+    workers = args.workers if arm.startswith("workers") else 1
+    procs, urls, pids = start_stack(args.rtt_ms, None, workers, draft_model=arm != "no-draft", engine_src=src)
     try:
         url, serve = urls["engine"], pids["engine"]["serve"]
         asyncio.run(closed_loop(url, texts, 8, args.warm_s))
@@ -93,6 +99,7 @@ def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: 
                 "serve_cpu_ms_per_token": 1e3 * (cpu1 - cpu0) / max(1, tokens),
                 "machine_busy_cores": (os.cpu_count() or 1) * (busy1 - busy0) / max(1, all1 - all0),
             }
+            row["machine_cpu_ms_per_token"] = 1e3 * row["machine_busy_cores"] * wall / max(1, tokens)
             print(f"{arm:9s} {streams:3d} streams: {row['tok_s']:6.1f} tok/s, serve {row['serve_cpu_ms_per_token']:.2f}"
                   f" CPU ms/token, machine {row['machine_busy_cores']:.2f} cores busy", flush=True)  # fmt: skip
             out.append(row)
@@ -102,21 +109,29 @@ def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: 
 
 
 def summarise(rows: list[dict[str, Any]], streams: list[int], repeats: int, arms: list[str]) -> dict[str, Any]:
-    """Per level: each arm's medians, and the paired per-repeat ratios of draft over each other arm."""
+    """Per level: each arm's medians (with its multiple of its own one-stream tok/s, median of per-repeat
+    multiples, when 1 is a level), and the paired per-repeat ratios of draft over each other arm."""
     summary: dict[str, Any] = {}
     for n in streams:
         cell: dict[str, Any] = {}
         for arm in arms:
             mine = [r for r in rows if r["arm"] == arm and r["streams"] == n]
-            for key in ("tok_s", "serve_cpu_ms_per_token", "machine_busy_cores"):
+            for key in ("tok_s", "serve_cpu_ms_per_token", "machine_busy_cores", "machine_cpu_ms_per_token"):
                 cell[f"{arm}:{key}"] = statistics.median(r[key] for r in mine)
+            lone = {r["repeat"]: r["tok_s"] for r in rows if r["arm"] == arm and r["streams"] == 1}
+            if lone:
+                cell[f"{arm}:x_one_stream"] = statistics.median(r["tok_s"] / lone[r["repeat"]] for r in mine)
 
         def tok_s(arm: str, k: int, n: int = n) -> float:
             return float(next(r for r in rows if r["arm"] == arm and r["streams"] == n and r["repeat"] == k)["tok_s"])
 
-        for other, key in (("no-draft", "ratio"), ("baseline", "ratio_baseline")):
+        others = [("no-draft", "ratio"), ("baseline", "ratio_baseline")]
+        others += [(arm, "ratio_workers") for arm in arms if arm.startswith("workers")]
+        for other, key in others:
             if other in arms:
                 pairs = [tok_s("draft", k) / tok_s(other, k) for k in range(repeats)]
+                if key == "ratio_workers":  # the workers' gain: their tok/s over one process's
+                    pairs = [1.0 / x for x in pairs]
                 cell[f"{key}_per_repeat"] = pairs
                 cell[key] = statistics.median(pairs)
         summary[str(n)] = cell
@@ -158,6 +173,28 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {n} | {c['draft:tok_s']:.1f} | {c['baseline:tok_s']:.1f} | {c['ratio_baseline']:.2f} | {per} "
                 f"| {c['baseline:serve_cpu_ms_per_token']:.2f} |"
             )
+    lines += [
+        "",
+        "Each arm against its own one stream, and the whole machine's CPU per output token (busy cores / tok/s: "
+        "edge, trunk, emulator and load generator together).",
+        "",
+        "| streams | arm | tok/s | x its one stream | serve CPU ms/token | machine busy cores | machine CPU ms/token |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for n, c in results["summary"].items():
+        for arm in results["arms"]:
+            multiple = c.get(f"{arm}:x_one_stream")
+            lines.append(
+                f"| {n} | {arm} | {c[f'{arm}:tok_s']:.1f} | {'' if multiple is None else f'{multiple:.2f}'} "
+                f"| {c[f'{arm}:serve_cpu_ms_per_token']:.2f} | {c[f'{arm}:machine_busy_cores']:.2f} "
+                f"| {c[f'{arm}:machine_cpu_ms_per_token']:.2f} |"
+            )
+    if any("ratio_workers" in c for c in results["summary"].values()):
+        per = "; ".join(
+            f"{n} streams {c['ratio_workers']:.2f} ({', '.join(f'{x:.2f}' for x in c['ratio_workers_per_repeat'])})"
+            for n, c in results["summary"].items()
+        )
+        lines += ["", f"`--workers` over one process (paired per repeat): {per}."]
     return "\n".join(lines) + "\n"
 
 
@@ -187,12 +224,15 @@ def main() -> None:
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_under_load")
     parser.add_argument("--baseline", help="a commit whose code runs a third arm (with the draft model), in turn")
+    parser.add_argument("--workers", type=int, help="N >= 2: an arm with the draft model and `serve --workers N`")
     args = parser.parse_args()
     if args.repeats < 1 or args.seconds <= 0 or not args.streams or min(args.streams) < 1:
         parser.error("--repeats, --seconds and every --streams level must be positive")
+    if args.workers is not None and args.workers < 2:
+        parser.error("--workers adds an arm of N >= 2 serve processes")
     texts = prompts(200, 128)
     rows: list[dict[str, Any]] = []
-    arms = [*ARMS, *(["baseline"] if args.baseline else [])]
+    arms = [*ARMS, *(["baseline"] if args.baseline else []), *([f"workers{args.workers}"] if args.workers else [])]
     with baseline_checkout(args.baseline) as baseline:
         for repeat in range(args.repeats):
             shift = repeat % len(arms)  # each repeat starts with another arm
