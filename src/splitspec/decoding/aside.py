@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 from splitspec.decoding.controller import PROBE_BUDGET, BlindPolicy, Choice, Ema, SpeculationPolicy
+from splitspec.decoding.dear_gate import DearGate
 from splitspec.decoding.drafters import Draft, Drafter, is_cheap, is_dear
 from splitspec.decoding.shadow import score_proposal
 
@@ -44,15 +45,18 @@ T = TypeVar("T")
 
 class DraftExecutor(ThreadPoolExecutor):
     """The one drafting thread of an engine, knowing whether any work is queued or running on it, how long
-    its jobs take and how many sequences are decoding with it."""
+    its jobs take and how many sequences are decoding with it; with the engine's :class:`DearGate`."""
 
-    def __init__(self, thread_name_prefix: str = "edge-draft", job_decay: float = 0.9) -> None:
+    def __init__(
+        self, thread_name_prefix: str = "edge-draft", job_decay: float = 0.9, gate: DearGate | None = None
+    ) -> None:
         super().__init__(max_workers=1, thread_name_prefix=thread_name_prefix)
         self._lock = threading.Lock()  # submit runs on the event loop, completion on the thread
         self._outstanding = 0  # jobs submitted and not yet finished
         self._decoding = 0  # sequences inside decoding()
         self._job_decay = job_decay  # per-job decay of the mean job time: it follows the load
         self._job_s = Ema()  # mean seconds of a job running on the thread (not its wait in the queue)
+        self.gate = gate or DearGate()  # whether dear drafters pay while several sequences decode (event loop only)
 
     @contextmanager
     def decoding(self) -> Iterator[None]:
@@ -96,6 +100,12 @@ class DraftExecutor(ThreadPoolExecutor):
             if self._outstanding == 0 or math.isnan(self._job_s.value):
                 return 0.0
             return self._outstanding * self._job_s.value
+
+    def allows_dear(self) -> bool:
+        """Whether a step starting now may ask a dear drafter (:class:`DearGate`; always for a lone sequence)."""
+        with self._lock:
+            decoding = self._decoding
+        return self.gate.allows(decoding, time.monotonic())
 
     @property
     def idle(self) -> bool:

@@ -54,7 +54,7 @@ from splitspec.decoding.aside import (
     start_aside,
 )
 from splitspec.decoding.controller import BlindPolicy, Choice, SpeculationPolicy
-from splitspec.decoding.drafters import Draft, Drafter, is_cheap
+from splitspec.decoding.drafters import Draft, Drafter, is_cheap, is_dear
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.shadow import score_shadows
@@ -264,6 +264,8 @@ async def decode(
         processor.accept([pending])
     context.append(pending)
     produced = 1
+    if isinstance(draft_executor, DraftExecutor):
+        draft_executor.gate.delivered(1)  # the engine's output, as every step's below
     yield first
     await finish_prepare(prepared)
     if pending in stop_token_ids:
@@ -279,11 +281,21 @@ async def decode(
         # what a lone greedy sequence proposes during this step's round trip instead (decoding/aside.py)
         shadowing = params.greedy and not processors
         aside = plan_aside(drafters, controller, draft_executor) if shadowing else AsidePlan()
+        # under load, dear drafters are asked only while the engine measures that they pay (decoding/dear_gate.py);
+        # a mode of one drafter asks it, as its user chose
+        gated = (
+            isinstance(draft_executor, DraftExecutor)
+            and len(drafters) > 1
+            and any(is_dear(d) for d in drafters.values())
+            and not draft_executor.allows_dear()
+        )
         for choice in choices:
             if choice.drafter is None:
                 break
             if choice.drafter in aside.off_step:
                 continue  # not paid for on the critical path until judged aside often enough
+            if gated and is_dear(drafters[choice.drafter]):
+                continue
             budget = min(choice.budget, max_new_tokens - produced - 1)
             if budget < 1:
                 break
@@ -353,6 +365,8 @@ async def decode(
         for emitted in _emit(raw, rows[: len(new)], new, logprobs):
             yield emitted
         produced += len(new)
+        if isinstance(draft_executor, DraftExecutor):
+            draft_executor.gate.delivered(len(new))
         context += new
         pending = verdict.next_token
         if new[-1] in stop_token_ids:
