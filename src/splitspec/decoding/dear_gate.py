@@ -6,8 +6,8 @@ tokens it saves (decoding/controller.py). Under load the sequences share the eng
 and, on a small machine, its cores: a second of drafting is then also a second the other sequences'
 head, tail and I/O wait, which no sequence's own estimates see (its measured step times T(q) rise for
 every choice alike). Whether drafting still pays then depends on the machine: on one 2-core machine
-the gateway delivered 1.14x the tokens at 16 streams with the draft model; on another, 0.85x
-(benchmarks/results/draft_under_load/).
+the gateway delivered 1.14x the tokens at 16 streams with the draft model; on another, 0.92x, and
+0.81x at 32 (benchmarks/results/draft_under_load/).
 
 So the engine measures it. While two or more sequences decode, :class:`DearGate` runs in epochs of
 ``epoch_s`` seconds, each with dear drafters allowed or not (an *arm*), and keeps, per load band (the
@@ -22,10 +22,13 @@ Sans-I/O: the caller passes the clock's readings, so the tests drive it with lit
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 ARMS = (True, False)  # dear drafters allowed, not allowed
+
+log = logging.getLogger(__name__)
 
 
 def load_band(decoding: int) -> int:
@@ -94,5 +97,12 @@ class DearGate:
         else:
             best = band.rate[True] >= band.rate[False]  # ties keep the drafters: the controller asked for them
             explore = (band.epochs + 1) % self.explore_every == 0
-            self._arm = (not best) if explore else best
+            arm = (not best) if explore else best
+            if arm != self._arm:
+                log.debug(
+                    "dear drafters %s (load band %d; tok/s with them %.1f, without %.1f%s)",
+                    "allowed" if arm else "held back", band_index, band.rate[True], band.rate[False],
+                    ", exploring" if explore else "",
+                )  # fmt: skip
+            self._arm = arm
         self._band, self._start, self._tokens, self._max_decoding = band_index, now, 0, 0
