@@ -11,6 +11,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from splitspec.decoding.dear_gate import DearGate
 from tests.serve.conftest import MODEL_NAME, SPECIALS, Stack
 from tests.serve.helpers import generate_cli, rendered
 
@@ -168,6 +169,24 @@ def test_models_health_and_metrics(stack: Stack, sync_client: openai.OpenAI) -> 
         assert values[f'splitspec_serve_step_milliseconds_count{{part="{part}"}}'] > 0
     assert "splitspec_serve_tokens_per_round_trip_count" in values
     assert "splitspec_serve_decode_tokens_per_second_count" in values
+    assert values["splitspec_serve_edge_dear_drafters_held_back"] == 0.0  # one request: never gated
+    # the engine's gate under load, as measured: 16 sequences, 100 tok/s with dear drafters, 150 without
+    gate = stack.state.engine.draft_executor.gate
+    gate.allows(16, -10.0)
+    gate.delivered(200)
+    gate.allows(16, -8.0)
+    gate.delivered(300)
+    gate.allows(16, -6.0)  # without them measured better: the epoch in progress holds them back
+    metrics = httpx.get(f"{root}/metrics").text
+    assert (
+        'splitspec_serve_edge_dear_gate_tokens_per_second{dear_drafters="allowed",sequences_from="16"} 100.0' in metrics
+    )
+    assert (
+        'splitspec_serve_edge_dear_gate_tokens_per_second{dear_drafters="held_back",sequences_from="16"} 150.0'
+        in metrics
+    )
+    assert "splitspec_serve_edge_dear_drafters_held_back 1.0" in metrics
+    stack.state.engine.draft_executor.gate = DearGate()  # the other tests' requests start from nothing measured
 
 
 def test_speculation_estimates_are_shared_across_requests(stack: Stack, sync_client: openai.OpenAI) -> None:

@@ -77,6 +77,15 @@ class DearGate:
         if self._band is not None:
             self._tokens += tokens
 
+    @property
+    def holding_back(self) -> bool:
+        """Whether the epoch in progress holds dear drafters back (False alone, or with no epoch running)."""
+        return self._band is not None and not self._arm
+
+    def rates(self) -> dict[int, dict[bool, float]]:
+        """The measured tokens per second by load band (see :func:`load_band`) and arm."""
+        return {index: dict(band.rate) for index, band in self._bands.items()}
+
     def rate(self, decoding: int, allowed: bool) -> float | None:
         """The measured tokens per second with ``decoding`` sequences under an arm (None: not measured)."""
         band = self._bands.get(load_band(decoding))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from splitspec.edge.engine import BatchLog, EdgeEngine
@@ -86,3 +86,19 @@ class _EngineCollector(Collector):
                 ms.add_metric([part, str(rows)], count * mean_ms)
         yield forwards
         yield ms
+        # the engine's measured choice on dear drafters under load (decoding/dear_gate.py)
+        gate = self.engine.draft_executor.gate
+        held = GaugeMetricFamily(
+            p + "dear_drafters_held_back", "1 while the engine holds dear drafters back under load"
+        )
+        held.add_metric([], 1.0 if gate.holding_back else 0.0)
+        yield held
+        rates = GaugeMetricFamily(
+            p + "dear_gate_tokens_per_second",
+            "engine output tokens per second measured with dear drafters and without, by load band",
+            labels=["sequences_from", "dear_drafters"],
+        )
+        for band, arms in sorted(gate.rates().items()):
+            for allowed, value in arms.items():
+                rates.add_metric([str(2**band), "allowed" if allowed else "held_back"], value)
+        yield rates
