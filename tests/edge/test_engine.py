@@ -82,6 +82,7 @@ async def test_sixteen_mixed_sequences_through_one_engine_equal_each_run_alone(m
                 await client.connect()
             together = await asyncio.gather(*(_run(c, r) for c, r in zip(clients, requests, strict=True)))
             connections = len(engine.link.connections)
+            steps = [step for client in clients for step in client.steps]
         finally:
             for client in clients:
                 await client.close()
@@ -90,6 +91,9 @@ async def test_sixteen_mixed_sequences_through_one_engine_equal_each_run_alone(m
     assert connections == 4  # 16 sessions multiplexed, 4 per connection
     batched = max(engine.head_batches.snapshot()), max(engine.tail_batches.snapshot())
     assert min(batched) >= 4, batched  # rows of several sequences really shared forwards
+    # each step's edge time holds its wait for the head's and the tail's batches; some waited
+    assert all(0.0 <= step.edge_queue_ms <= step.edge_ms for step in steps)
+    assert any(step.edge_queue_ms > 0.0 for step in steps)
     assert any(request.params.temperature > 0 for request in requests)  # sampled requests were among them
 
 

@@ -317,7 +317,7 @@ class EdgeEngine:
             t0 = time.perf_counter()
             with torch.inference_mode():  # as the head's own forward (a compiled step guards on it)
                 embedded = runtime.model.embed(ids[None])  # (1, q, H) on the device
-            hidden, _, _ = await self._head.submit(embedded, positions, parent_t, sequence.head_cache)  # (1, q, H)
+            hidden, _, head_queue_ms = await self._head.submit(embedded, positions, parent_t, sequence.head_cache)
             head_out = hidden  # before the send noise: the head's output, as a whole model computes it
             digests: list[bytes] = []
             noise = runtime.send_noise
@@ -342,7 +342,7 @@ class EdgeEngine:
             t4 = time.perf_counter()
             stream = None if sequence.features is None else self._tail.want_stream(sequence.tail_cache)
             tail = self._tail.submit(trunk_out, positions, parent_t, sequence.tail_cache, logits_from)
-            logits, _, _ = await tail  # (1, q - logits_from, V)
+            logits, _, tail_queue_ms = await tail  # (1, q - logits_from, V)
             if stream is not None and sequence.features is not None:
                 middle = None if reply.feature is None else runtime.staging.to_device(reply.feature)[0]  # (q, H)
                 features = self._features(sequence.features.layers, head_out[0], trunk_out[0], stream, middle)
@@ -376,6 +376,7 @@ class EdgeEngine:
                 bytes_up=exchange.bytes_up,
                 bytes_down=exchange.bytes_down,
                 feature_bytes_down=0 if asked is None else len(tokens) * self._hidden_bytes(),
+                edge_queue_ms=head_queue_ms + tail_queue_ms,
             )
         )
         return logits[0]

@@ -36,6 +36,8 @@ class StepStats:
     bytes_up: int  # request frame, bytes
     bytes_down: int  # reply frame, bytes
     feature_bytes_down: int = 0  # of bytes_down: the state inside the trunk a draft head reads (asked per step), bytes
+    # of edge_ms: waiting for the head's and the tail's batches (gathering, and the batches ahead), milliseconds
+    edge_queue_ms: float = 0.0
 
 
 class EdgeSequence:
