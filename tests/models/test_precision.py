@@ -79,3 +79,20 @@ def test_the_shipped_float16_model_computes_in_float32_on_this_cpu(caplog: pytes
 def test_a_float32_checkpoint_stays_float32(make_checkpoint: Callable[..., Path]) -> None:
     ckpt = Checkpoint(make_checkpoint("llama"))
     assert resolve_dtype(ckpt, "auto", CPU) == (torch.float32, "float32")
+
+
+def test_a_quantized_role_computes_in_the_published_dtype_on_any_cpu(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--quantize` on the shipped float16 model: its quantized layers and its unquantized parts load in float16,
+    so under auto both ends compute in it, even on a CPU whose plain float16 weights would go to float32."""
+    import splitspec
+
+    base = Checkpoint(Path(splitspec.__file__).parent / "assets" / "models" / "base")
+    monkeypatch.setattr(precision, "cpu_capabilities", lambda: BARE_CPU)  # no native half matrix instructions
+    precision._log_choice.cache_clear()
+    assert resolve_dtype(base, "auto", CPU, "trunk") == (torch.float32, "float32")  # plain weights: upcast
+    with caplog.at_level(logging.INFO, logger="splitspec.models.stack"):
+        assert resolve_dtype(base, "auto", CPU, "trunk", quantize="int8") == (torch.float16, "float16")
+    assert "trunk: quantized, computes in the checkpoint's own float16" in [r.getMessage() for r in caplog.records]
+    assert resolve_dtype(base, "float32", CPU, "trunk", quantize="int8") == (torch.float32, "float32")  # pinned

@@ -106,7 +106,7 @@ class TrunkServer:
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
         devices = parse_devices(",".join(config.devices)) if config.devices else (resolve_device(config.device),)
         slowest = next((d for d in devices if d.type == "cpu"), devices[0])  # a CPU share sets auto's choice
-        self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype, slowest, "trunk")
+        self.dtype, dtype_name = resolve_dtype(self.checkpoint, config.dtype, slowest, "trunk", config.quantize)
         self.trunk = load_trunk(
             self.checkpoint, self.plan, self.dtype, config.attn_implementation, devices, config.quantize
         )

@@ -68,7 +68,7 @@ class EdgeRuntime:
         if config.wire_codec not in WIRE_CODECS:
             raise ConfigError(f"--wire-codec must be one of {', '.join(WIRE_CODECS)}, got {config.wire_codec!r}")
         self.device = edge.device if edge is not None else resolve_device(config.device)
-        self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype, self.device, "edge")
+        self.dtype, dtype_name = resolve_dtype(ckpt, config.dtype, self.device, "edge", config.quantize)
         if edge is not None:  # already loaded: its dtype is the one it computes in
             self.dtype, dtype_name = edge.dtype, dtype_name_of(edge.dtype)
         self.model = (

@@ -40,8 +40,8 @@ from splitspec.models.family import Skeleton, published_dtype, skeleton
 from splitspec.models.fixed_decode import FixedShapeDecode
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import step_masks
-from splitspec.models.precision import dtype_name, resolve_compute_dtype
-from splitspec.models.quantization import plan_quantization
+from splitspec.models.precision import AUTO, dtype_name, resolve_compute_dtype
+from splitspec.models.quantization import plan_quantization, published_method
 from splitspec.models.row_attention import ROWS_KWARG, RowAttention, attention_configs, use_row_attention
 from splitspec.models.split import SplitPlan
 from splitspec.models.static_kv import StaticKVCache
@@ -365,11 +365,21 @@ class FullModel(ModelEnds):
 # -- loading --------------------------------------------------------------------------------------
 
 
-def resolve_dtype(ckpt: Checkpoint, name: str, device: torch.device, what: str = "model") -> tuple[torch.dtype, str]:
+def resolve_dtype(
+    ckpt: Checkpoint, name: str, device: torch.device, what: str = "model", quantize: str | None = None
+) -> tuple[torch.dtype, str]:
     """The compute dtype and its name (the raw wire codec carries it; protocol.codec's bf16 and int8 carry their
     own): ``name`` when pinned, else (``auto``) the checkpoint's published dtype as
-    :func:`~splitspec.models.precision.resolve_compute_dtype` fits it to ``device``."""
-    dtype = resolve_compute_dtype(name, published_dtype(ckpt.config), device, what)
+    :func:`~splitspec.models.precision.resolve_compute_dtype` fits it to ``device``; but a quantized role
+    (``quantize``, or a checkpoint published quantized) computes under ``auto`` in the published dtype
+    whatever the device: its quantized layers are built for it and its unquantized parts load in it, as
+    transformers loads them (a half-precision upcast to float32 on a CPU without native half matrix
+    instructions applies to plain weights only; both ends resolve alike, so their wire dtypes agree)."""
+    if name == AUTO and (quantize is not None or published_method(ckpt.config) is not None):
+        dtype = published_dtype(ckpt.config)
+        log.info("%s: quantized, computes in the checkpoint's own %s", what, dtype_name(dtype))
+    else:
+        dtype = resolve_compute_dtype(name, published_dtype(ckpt.config), device, what)
     return dtype, dtype_name(dtype)
 
 
