@@ -125,13 +125,12 @@ def summarise(rows: list[dict[str, Any]], streams: list[int], repeats: int, arms
         def tok_s(arm: str, k: int, n: int = n) -> float:
             return float(next(r for r in rows if r["arm"] == arm and r["streams"] == n and r["repeat"] == k)["tok_s"])
 
-        others = [("no-draft", "ratio"), ("baseline", "ratio_baseline")]
-        others += [(arm, "ratio_workers") for arm in arms if arm.startswith("workers")]
-        for other, key in others:
-            if other in arms:
-                pairs = [tok_s("draft", k) / tok_s(other, k) for k in range(repeats)]
-                if key == "ratio_workers":  # the workers' gain: their tok/s over one process's
-                    pairs = [1.0 / x for x in pairs]
+        # (numerator, denominator, key): draft over the others; the workers' arm over one process's draft
+        pairings = [("draft", "no-draft", "ratio"), ("draft", "baseline", "ratio_baseline")]
+        pairings += [(arm, "draft", "ratio_workers") for arm in arms if arm.startswith("workers")]
+        for top, bottom, key in pairings:
+            if top in arms and bottom in arms:
+                pairs = [tok_s(top, k) / tok_s(bottom, k) for k in range(repeats)]
                 cell[f"{key}_per_repeat"] = pairs
                 cell[key] = statistics.median(pairs)
         summary[str(n)] = cell

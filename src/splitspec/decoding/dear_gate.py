@@ -53,7 +53,7 @@ class DearGate:
         self.decay = decay  # weight of a band's earlier epochs in its rate per arm
         self._bands: dict[int, _Band] = {}
         self._arm = True  # the arm of the epoch in progress
-        self._band: int | None = None  # its band; None: no epoch in progress (fewer than two decoding)
+        self._running = False  # an epoch is in progress (False while fewer than two sequences decode)
         self._start = math.nan  # when it started, seconds
         self._tokens = 0  # tokens delivered in it
         self._max_decoding = 0  # the most sequences decoding during it (its band at the end)
@@ -62,9 +62,9 @@ class DearGate:
         """Whether a step starting at ``now`` seconds, with ``decoding`` sequences decoding, may ask a dear
         drafter. Ends the epoch in progress once it has run ``epoch_s`` and starts the next one."""
         if decoding < 2:
-            self._band = None  # alone: not gated, and nothing of this moment is measured
+            self._running = False  # alone: not gated, and nothing of this moment is measured
             return True
-        if self._band is None:
+        if not self._running:
             self._begin(load_band(decoding), now)
         elif now - self._start >= self.epoch_s:
             self._finish(now)
@@ -74,13 +74,13 @@ class DearGate:
 
     def delivered(self, tokens: int) -> None:
         """A step emitted ``tokens`` tokens (counted into the epoch in progress, if any)."""
-        if self._band is not None:
+        if self._running:
             self._tokens += tokens
 
     @property
     def holding_back(self) -> bool:
         """Whether the epoch in progress holds dear drafters back (False alone, or with no epoch running)."""
-        return self._band is not None and not self._arm
+        return self._running and not self._arm
 
     def rates(self) -> dict[int, dict[bool, float]]:
         """The measured tokens per second by load band (see :func:`load_band`) and arm."""
@@ -114,4 +114,4 @@ class DearGate:
                     ", exploring" if explore else "",
                 )  # fmt: skip
             self._arm = arm
-        self._band, self._start, self._tokens, self._max_decoding = band_index, now, 0, 0
+        self._running, self._start, self._tokens, self._max_decoding = True, now, 0, 0

@@ -264,8 +264,12 @@ async def decode(
         processor.accept([pending])
     context.append(pending)
     produced = 1
-    if isinstance(draft_executor, DraftExecutor):
-        draft_executor.gate.delivered(1)  # the engine's output, as every step's below
+    # the engine's gate on dear drafters under load (decoding/dear_gate.py) counts its output; it gates a choice
+    # that holds a dear drafter only (a mode of one drafter asks it, as its user chose)
+    gate = draft_executor.gate if isinstance(draft_executor, DraftExecutor) else None
+    gateable = gate is not None and len(drafters) > 1 and any(is_dear(d) for d in drafters.values())
+    if gate is not None:
+        gate.delivered(1)
     yield first
     await finish_prepare(prepared)
     if pending in stop_token_ids:
@@ -281,14 +285,8 @@ async def decode(
         # what a lone greedy sequence proposes during this step's round trip instead (decoding/aside.py)
         shadowing = params.greedy and not processors
         aside = plan_aside(drafters, controller, draft_executor) if shadowing else AsidePlan()
-        # under load, dear drafters are asked only while the engine measures that they pay (decoding/dear_gate.py);
-        # a mode of one drafter asks it, as its user chose
-        gated = (
-            isinstance(draft_executor, DraftExecutor)
-            and len(drafters) > 1
-            and any(is_dear(d) for d in drafters.values())
-            and not draft_executor.allows_dear()
-        )
+        # under load, dear drafters are asked only while the engine measures that they pay
+        gated = gateable and isinstance(draft_executor, DraftExecutor) and not draft_executor.allows_dear()
         for choice in choices:
             if choice.drafter is None:
                 break
@@ -365,8 +363,8 @@ async def decode(
         for emitted in _emit(raw, rows[: len(new)], new, logprobs):
             yield emitted
         produced += len(new)
-        if isinstance(draft_executor, DraftExecutor):
-            draft_executor.gate.delivered(len(new))
+        if gate is not None:
+            gate.delivered(len(new))
         context += new
         pending = verdict.next_token
         if new[-1] in stop_token_ids:
