@@ -273,7 +273,7 @@ def per_step(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
     delta = {k: after[k] - before.get(k, 0.0) for k in after}
     out = {
         f"{part}_ms": delta[f"{part}_ms"] / delta[f"{part}_n"]
-        for part in ("network", "edge", "edge_queue", "cloud", "serialize")
+        for part in ("network", "cloud_queue", "edge", "edge_queue", "cloud", "serialize")
         if delta.get(f"{part}_n")
     }
     if delta.get("decode_trips"):
@@ -503,15 +503,17 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "`serve` is one process whose Python work shares one interpreter lock: past about one core "
                   "its threads (event loop, head, tail, drafting) wait for each other.", "",
                   "## One round trip, by part (engine, mean ms per trip; from serve's /metrics)", "",
-                  "| streams | network | edge | of which queued | cloud | serialize | tokens per decode trip |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "| streams | network | of which trunk queue | edge | of which queued | cloud | serialize "
+                  "| tokens per decode trip |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for r in cpu_rows:
             p = r.get("per_step", {})
-            parts = ("network_ms", "edge_ms", "edge_queue_ms", "cloud_ms", "serialize_ms")
+            parts = ("network_ms", "cloud_queue_ms", "edge_ms", "edge_queue_ms", "cloud_ms", "serialize_ms")
             cells = [f"{p[k]:.1f}" if k in p else "" for k in parts]
             trips = f"{p['tokens_per_trip']:.2f}" if "tokens_per_trip" in p else ""
             lines.append(f"| {r['streams']} | " + " | ".join(cells) + f" | {trips} |")
-        lines += ["", "network: the round trip less the trunk's compute (its queue included); edge: the head's and "
+        lines += ["", "network: the round trip less the trunk's compute; of which trunk queue: the step's wait on the "
+                  "trunk before its compute (its batches), as the trunk reports it; edge: the head's and "
                   "the tail's forwards with their queues; of which queued: the wait for their batches (gathering, "
                   "and the batches ahead).", ""]  # fmt: skip
     lines += ["", "## Edge compute per sequence against the batch size (engine, medians over levels)", "",

@@ -94,6 +94,9 @@ async def test_sixteen_mixed_sequences_through_one_engine_equal_each_run_alone(m
     # each step's edge time holds its wait for the head's and the tail's batches; some waited
     assert all(0.0 <= step.edge_queue_ms <= step.edge_ms for step in steps)
     assert any(step.edge_queue_ms > 0.0 for step in steps)
+    # and the trunk reports each step's wait for its batches, which is part of the network time
+    assert all(0.0 <= step.cloud_queue_ms <= step.network_ms for step in steps)
+    assert any(step.cloud_queue_ms > 0.0 for step in steps)
     assert any(request.params.temperature > 0 for request in requests)  # sampled requests were among them
 
 

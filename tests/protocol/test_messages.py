@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from typing import Any
@@ -88,6 +89,10 @@ def test_round_trip_step_with_cache_command() -> None:
     back = decode_message(encode_message(result))
     assert isinstance(back, StepResult)
     assert back.cloud_ms == 1.25
+    assert back.queue_ms == 0.0  # none reported: absent on the wire, as from a trunk that predates the field
+    queued = decode_message(encode_message(dataclasses.replace(result, queue_ms=3.5)))
+    assert isinstance(queued, StepResult)
+    assert queued.queue_ms == 3.5
 
 
 @pytest.mark.parametrize("codec", ["raw", "bf16", "int8"])

@@ -165,7 +165,7 @@ def test_models_health_and_metrics(stack: Stack, sync_client: openai.OpenAI) -> 
     assert values["splitspec_serve_time_to_first_token_seconds_count"] >= 1
     assert values['splitspec_serve_wire_bytes_total{direction="up"}'] > 0
     assert values['splitspec_serve_wire_bytes_total{direction="down"}'] > 0
-    for part in ("network", "edge", "cloud", "serialize", "edge_queue"):
+    for part in ("network", "edge", "cloud", "serialize", "edge_queue", "cloud_queue"):
         assert values[f'splitspec_serve_step_milliseconds_count{{part="{part}"}}'] > 0
     assert "splitspec_serve_tokens_per_round_trip_count" in values
     assert "splitspec_serve_decode_tokens_per_second_count" in values

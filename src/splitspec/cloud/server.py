@@ -373,7 +373,7 @@ class TrunkServer:
         feature = None
         if step.return_layer is not None:  # the trunk's output, then the state after the return layer
             out, feature = out.chunk(2, dim=-1)
-        return StepResult(step.session_id, step.seq, out, cloud_ms, step.codec, feature)
+        return StepResult(step.session_id, step.seq, out, cloud_ms, step.codec, feature, queue_ms)
 
 
 class _TrunkPeer(MessagePeer[Message]):

@@ -377,6 +377,7 @@ class EdgeEngine:
                 bytes_down=exchange.bytes_down,
                 feature_bytes_down=0 if asked is None else len(tokens) * self._hidden_bytes(),
                 edge_queue_ms=head_queue_ms + tail_queue_ms,
+                cloud_queue_ms=reply.queue_ms,
             )
         )
         return logits[0]

@@ -27,7 +27,7 @@ class StepStats:
 
     kind: str  # "prefill", "decode" or "replay"
     query_tokens: int  # tokens in the step
-    network_ms: float  # round trip minus the cloud's compute, milliseconds
+    network_ms: float  # round trip minus the cloud's compute (its queue included: see cloud_queue_ms), milliseconds
     edge_ms: float  # head + tail compute on the edge, batch waits included (see serialize_ms), milliseconds
     cloud_ms: float  # trunk compute reported by the cloud, milliseconds
     # copying the hidden state to the host and back + encoding the request + decoding the reply, on
@@ -38,6 +38,8 @@ class StepStats:
     feature_bytes_down: int = 0  # of bytes_down: the state inside the trunk a draft head reads (asked per step), bytes
     # of edge_ms: waiting for the head's and the tail's batches (gathering, and the batches ahead), milliseconds
     edge_queue_ms: float = 0.0
+    # of network_ms: the step's wait on the cloud before its compute (the trunk's batches), as the trunk reported it, ms
+    cloud_queue_ms: float = 0.0
 
 
 class EdgeSequence:

@@ -332,9 +332,14 @@ class StepResult:
     cloud_ms: float  # trunk compute on the cloud, with its copies to and from the device, milliseconds
     codec: str = "raw"  # the hidden state's wire codec: the step's
     feature: torch.Tensor | None = None  # (1, q, H): the state after the step's return_layer, in codec; None: unasked
+    # the step's wait on the cloud before its compute began (the trunk's batch gathering and the
+    # batches ahead of it, or the thread pool), milliseconds; absent on the wire when 0
+    queue_ms: float = 0.0
 
     def to_wire(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         header = {"session_id": self.session_id, "seq": self.seq, "cloud_ms": self.cloud_ms, "codec": self.codec}
+        if self.queue_ms > 0.0:
+            header["queue_ms"] = self.queue_ms
         tensors = encode_hidden(self.codec, self.hidden)
         if self.feature is not None:
             tensors |= {FEATURE_PREFIX + k: v for k, v in encode_hidden(self.codec, self.feature).items()}
@@ -362,6 +367,7 @@ class StepResult:
             cloud_ms=number_field(h, "cloud_ms"),
             codec=codec,
             feature=feature,
+            queue_ms=number_field(h, "queue_ms", optional=True) or 0.0,
         )
 
 

@@ -57,7 +57,7 @@ class ServeMetrics:
             self.round_trips.labels(s.kind).inc()
             self.wire_bytes.labels("up").inc(s.bytes_up)
             self.wire_bytes.labels("down").inc(s.bytes_down)
-            for part in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms", "edge_queue_ms"):
+            for part in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms", "edge_queue_ms", "cloud_queue_ms"):
                 self.step_ms.labels(part.removesuffix("_ms")).observe(getattr(s, part))
 
     def watch_engine(self, engine: EdgeEngine) -> None:
