@@ -226,8 +226,8 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=0.5,
         metavar="FRACTION",
         help="a free batch worker waits up to this fraction of a decode batch's forward time for the next steps "
-        "of the sessions active in the last second, so they run in one batch rather than two (default 0.5; "
-        "0 = start at once; a lone session never waits)",
+        "of the active sessions due meanwhile (each one its last measured away time after its last reply), so "
+        "they run in one batch rather than two (default 0.5; 0 = start at once; a lone session never waits)",
     )
     p.add_argument(
         "--prepack",

@@ -36,7 +36,7 @@ class CloudConfig:
     batching: bool = True  # continuous batching of steps across sessions; False = each step alone on the pool
     max_batch_steps: int = 64  # most small steps (decode, draft trees) in one batched forward
     # a free batch worker waits up to this fraction of a decode batch's forward time for the next steps of the
-    # sessions active in the last second (0 = start at once; a lone session never waits)
+    # active sessions due meanwhile (splitspec.models.batcher; 0 = start at once; a lone session never waits)
     batch_gather: float = 0.5
     prefill_chunk_tokens: int = 256  # most tokens of a big prefill per batching iteration (fewer among decode traffic)
     # the trunk's linear weights prepacked for oneDNN (splitspec.models.prepack): "auto" = for a batching float32
