@@ -80,7 +80,8 @@ def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: 
     """One arm's stack, warmed, then each load level; ``baseline``: the baseline's code (its ``src``)."""
     src = baseline if arm == "baseline" else None
     workers = args.workers if arm.startswith("workers") else 1
-    procs, urls, pids = start_stack(args.rtt_ms, None, workers, draft_model=arm != "no-draft", engine_src=src)
+    draft_model = arm == "draft" or arm.startswith("workers") or (arm == "baseline" and args.baseline_draft == "on")
+    procs, urls, pids = start_stack(args.rtt_ms, None, workers, draft_model=draft_model, engine_src=src)
     try:
         url, serve = urls["engine"], pids["engine"]["serve"]
         asyncio.run(closed_loop(url, texts, 8, args.warm_s))
@@ -108,9 +109,12 @@ def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: 
         _stop(procs)
 
 
-def summarise(rows: list[dict[str, Any]], streams: list[int], repeats: int, arms: list[str]) -> dict[str, Any]:
+def summarise(
+    rows: list[dict[str, Any]], streams: list[int], repeats: int, arms: list[str], beside: str = "draft"
+) -> dict[str, Any]:
     """Per level: each arm's medians (with its multiple of its own one-stream tok/s, median of per-repeat
-    multiples, when 1 is a level), and the paired per-repeat ratios of draft over each other arm."""
+    multiples, when 1 is a level), and the paired per-repeat ratios of draft over no-draft and of ``beside``
+    (the arm the baseline's is compared with: draft, or no-draft) over the baseline."""
     summary: dict[str, Any] = {}
     for n in streams:
         cell: dict[str, Any] = {}
@@ -126,7 +130,7 @@ def summarise(rows: list[dict[str, Any]], streams: list[int], repeats: int, arms
             return float(next(r for r in rows if r["arm"] == arm and r["streams"] == n and r["repeat"] == k)["tok_s"])
 
         # (numerator, denominator, key): draft over the others; the workers' arm over one process's draft
-        pairings = [("draft", "no-draft", "ratio"), ("draft", "baseline", "ratio_baseline")]
+        pairings = [("draft", "no-draft", "ratio"), (beside, "baseline", "ratio_baseline")]
         pairings += [(arm, "draft", "ratio_workers") for arm in arms if arm.startswith("workers")]
         for top, bottom, key in pairings:
             if top in arms and bottom in arms:
@@ -151,7 +155,7 @@ def markdown(results: dict[str, Any]) -> str:
         "| machine busy cores draft, no-draft |",
         "|---:|---:|---:|---:|---|---|---|",
     ]
-    for n, c in results["summary"].items():
+    for n, c in results["summary"].items() if "draft" in results["arms"] and "no-draft" in results["arms"] else ():
         per = ", ".join(f"{x:.2f}" for x in c["ratio_per_repeat"])
         lines.append(
             f"| {n} | {c['draft:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c['ratio']:.2f} | {per} "
@@ -159,17 +163,20 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {c['draft:machine_busy_cores']:.2f}, {c['no-draft:machine_busy_cores']:.2f} |"
         )
     if results.get("baseline"):
+        beside = results.get("beside", "draft")  # results saved before --baseline-draft: with the draft model
         lines += [
             "",
-            f"Beside the baseline: commit `{results['baseline']}`'s code with the draft model (its own stack).",
+            f"Beside the baseline: commit `{results['baseline']}`'s code with"
+            + (" the draft model (its own stack)." if beside == "draft" else "out the draft model (its own stack)."),
             "",
-            "| streams | draft tok/s | baseline tok/s | draft / baseline | per repeat | serve CPU ms/token baseline |",
+            f"| streams | {beside} tok/s | baseline tok/s | {beside} / baseline | per repeat "
+            "| serve CPU ms/token baseline |",
             "|---:|---:|---:|---:|---|---|",
         ]
         for n, c in results["summary"].items():
             per = ", ".join(f"{x:.2f}" for x in c["ratio_baseline_per_repeat"])
             lines.append(
-                f"| {n} | {c['draft:tok_s']:.1f} | {c['baseline:tok_s']:.1f} | {c['ratio_baseline']:.2f} | {per} "
+                f"| {n} | {c[f'{beside}:tok_s']:.1f} | {c['baseline:tok_s']:.1f} | {c['ratio_baseline']:.2f} | {per} "
                 f"| {c['baseline:serve_cpu_ms_per_token']:.2f} |"
             )
     lines += [
@@ -224,6 +231,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_under_load")
     parser.add_argument("--baseline", help="a commit whose code runs a third arm (with the draft model), in turn")
     parser.add_argument("--workers", type=int, help="N >= 2: an arm with the draft model and `serve --workers N`")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="this checkout's arms to run")
+    parser.add_argument(
+        "--baseline-draft",
+        choices=("on", "off"),
+        default="on",
+        help="the baseline's arm with the draft model (on: beside the draft arm) or without it (off: beside no-draft)",
+    )
     args = parser.parse_args()
     if args.repeats < 1 or args.seconds <= 0 or not args.streams or min(args.streams) < 1:
         parser.error("--repeats, --seconds and every --streams level must be positive")
@@ -231,7 +245,10 @@ def main() -> None:
         parser.error("--workers adds an arm of N >= 2 serve processes")
     texts = prompts(200, 128)
     rows: list[dict[str, Any]] = []
-    arms = [*ARMS, *(["baseline"] if args.baseline else []), *([f"workers{args.workers}"] if args.workers else [])]
+    beside = "draft" if args.baseline_draft == "on" else "no-draft"
+    if args.baseline and beside not in args.arms:
+        parser.error(f"--baseline-draft {args.baseline_draft} compares the baseline with the {beside} arm: add it")
+    arms = [*args.arms, *(["baseline"] if args.baseline else []), *([f"workers{args.workers}"] if args.workers else [])]
     with baseline_checkout(args.baseline) as baseline:
         for repeat in range(args.repeats):
             shift = repeat % len(arms)  # each repeat starts with another arm
@@ -242,12 +259,13 @@ def main() -> None:
         "command": "python benchmarks/draft_under_load.py " + " ".join(sys.argv[1:]),
         "arms": arms,
         "baseline": args.baseline,
+        "beside": beside,
         "repeats": args.repeats,
         "seconds": args.seconds,
         "warm_s": args.warm_s,
         "rtt_ms": args.rtt_ms,
         "rows": rows,
-        "summary": summarise(rows, args.streams, args.repeats, arms),
+        "summary": summarise(rows, args.streams, args.repeats, arms, beside),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "draft_under_load.json").write_text(json.dumps(results, indent=1))
