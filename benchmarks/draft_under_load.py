@@ -150,12 +150,16 @@ def markdown(results: dict[str, Any]) -> str:
         f"closed-loop load per level after an {results['warm_s']:g} s warm-up, {results['rtt_ms']:g} ms RTT; "
         "128-token prompts, 64 tokens out, greedy. Medians; the ratio is the median of paired per-repeat ratios.",
         f"Reproduce: `{results['command']}`.",
-        "",
-        "| streams | draft tok/s | no-draft tok/s | draft / no-draft | per repeat | serve CPU ms/token draft, no-draft "
-        "| machine busy cores draft, no-draft |",
-        "|---:|---:|---:|---:|---|---|---|",
     ]
-    for n, c in results["summary"].items() if "draft" in results["arms"] and "no-draft" in results["arms"] else ():
+    both = "draft" in results["arms"] and "no-draft" in results["arms"]
+    if both:
+        lines += [
+            "",
+            "| streams | draft tok/s | no-draft tok/s | draft / no-draft | per repeat | serve CPU ms/token draft, "
+            "no-draft | machine busy cores draft, no-draft |",
+            "|---:|---:|---:|---:|---|---|---|",
+        ]
+    for n, c in results["summary"].items() if both else ():
         per = ", ".join(f"{x:.2f}" for x in c["ratio_per_repeat"])
         lines.append(
             f"| {n} | {c['draft:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c['ratio']:.2f} | {per} "
