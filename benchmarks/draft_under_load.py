@@ -151,21 +151,20 @@ def markdown(results: dict[str, Any]) -> str:
         "128-token prompts, 64 tokens out, greedy. Medians; the ratio is the median of paired per-repeat ratios.",
         f"Reproduce: `{results['command']}`.",
     ]
-    both = "draft" in results["arms"] and "no-draft" in results["arms"]
-    if both:
+    if "draft" in results["arms"] and "no-draft" in results["arms"]:
         lines += [
             "",
             "| streams | draft tok/s | no-draft tok/s | draft / no-draft | per repeat | serve CPU ms/token draft, "
             "no-draft | machine busy cores draft, no-draft |",
             "|---:|---:|---:|---:|---|---|---|",
         ]
-    for n, c in results["summary"].items() if both else ():
-        per = ", ".join(f"{x:.2f}" for x in c["ratio_per_repeat"])
-        lines.append(
-            f"| {n} | {c['draft:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c['ratio']:.2f} | {per} "
-            f"| {c['draft:serve_cpu_ms_per_token']:.2f}, {c['no-draft:serve_cpu_ms_per_token']:.2f} "
-            f"| {c['draft:machine_busy_cores']:.2f}, {c['no-draft:machine_busy_cores']:.2f} |"
-        )
+        for n, c in results["summary"].items():
+            per = ", ".join(f"{x:.2f}" for x in c["ratio_per_repeat"])
+            lines.append(
+                f"| {n} | {c['draft:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c['ratio']:.2f} | {per} "
+                f"| {c['draft:serve_cpu_ms_per_token']:.2f}, {c['no-draft:serve_cpu_ms_per_token']:.2f} "
+                f"| {c['draft:machine_busy_cores']:.2f}, {c['no-draft:machine_busy_cores']:.2f} |"
+            )
     if results.get("baseline"):
         beside = results.get("beside", "draft")  # results saved before --baseline-draft: with the draft model
         lines += [

@@ -61,6 +61,13 @@ class _ChunkFlags(StepBatcher):
         self.chunk_flags.append(chunk is not None)
 
 
+async def _decode_step(batcher: StepBatcher, cache: KVCache) -> float:
+    """One decode step of a random hidden state on ``cache`` through ``batcher`` -> its queue wait, ms."""
+    at = torch.tensor([len(cache)], dtype=torch.int32)
+    _, _, queue_ms = await batcher.submit(torch.randn(1, 1, 64), at, torch.tensor([-1], dtype=torch.int32), cache)
+    return queue_ms
+
+
 @pytest.fixture(scope="module")
 def trunk(make_checkpoint: Callable[..., Path]) -> LayerStack:
     ckpt = Checkpoint(make_checkpoint("llama"))
@@ -105,9 +112,7 @@ async def test_a_free_worker_gathers_the_active_sessions_steps(trunk: LayerStack
     caches = [KVCache(), KVCache()]
 
     async def step(cache: KVCache) -> float:
-        at = torch.tensor([len(cache)], dtype=torch.int32)
-        _, _, queue_ms = await batcher.submit(torch.randn(1, 1, 64), at, torch.tensor([-1], dtype=torch.int32), cache)
-        return queue_ms
+        return await _decode_step(batcher, cache)
 
     await asyncio.gather(*(step(c) for c in caches))  # both sessions active, a decode batch's time measured
     assert batcher.chunks.decode_ms is not None
@@ -141,9 +146,7 @@ async def test_a_free_worker_waits_only_for_sessions_due_within_its_window(trunk
     caches = [KVCache(), KVCache()]
 
     async def step(cache: KVCache) -> float:
-        at = torch.tensor([len(cache)], dtype=torch.int32)
-        _, _, queue_ms = await batcher.submit(torch.randn(1, 1, 64), at, torch.tensor([-1], dtype=torch.int32), cache)
-        return queue_ms
+        return await _decode_step(batcher, cache)
 
     async def away_then_step(cache: KVCache) -> float:
         await asyncio.sleep(away_s)
@@ -173,8 +176,7 @@ async def test_a_prefill_with_nobody_else_active_runs_whole_chunks_without_waiti
     batcher.start()
     decoder = KVCache()
     for _ in range(3):  # a decode batch's time is measured, and decode traffic counts as live for a second
-        at = torch.tensor([len(decoder)], dtype=torch.int32)
-        await batcher.submit(torch.randn(1, 1, 64), at, torch.tensor([-1], dtype=torch.int32), decoder)
+        await _decode_step(batcher, decoder)
     batcher._delivered.clear()  # the decoding session closed (its cache freed)
     metrics.forwards.clear()
     batcher.chunk_flags.clear()

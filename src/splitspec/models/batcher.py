@@ -212,13 +212,9 @@ class RowBatcher:
     def _due(self, now: float, deadline: float, window: float) -> bool:
         """Whether an active sequence with no step waiting is due to send one by ``deadline``: one away
         time after its last delivery (unmeasured: due; overdue by more than the ``window``: not)."""
-        self._active(now)  # drops the sequences silent for ACTIVE_S
-        waiting = {p.cache for p in self._pending}
-        for cache, delivered in self._delivered.items():
-            if cache in waiting:
-                continue
+        for cache in self._active(now) - {p.cache for p in self._pending}:  # delivered, none waiting
             away = self._away.get(cache)
-            if away is None or now - window <= delivered + away <= deadline:
+            if away is None or now - window <= self._delivered[cache] + away <= deadline:
                 return True
         return False
 
