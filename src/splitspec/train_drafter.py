@@ -88,6 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         save_dtype=args.save_dtype,
         device=args.device,
         progress=not args.no_progress,
+        draft_vocab=args.draft_vocab,
     )
     if args.cloud is not None:
         if args.eval_corpus:
@@ -181,6 +182,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=("float32", "float16", "bfloat16"),
         default="float32",
         help="dtype of the saved head (default float32; float16 halves it for shipping)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        metavar="N",
+        help="save a head that drafts over the N target tokens most frequent in --corpus only (EAGLE-3's reduced "
+        "draft vocabulary): its logits are N rows of the target's LM head instead of all of them, which makes "
+        "drafting cheaper where the LM head is large; tokens outside are never drafted, and decoding stays "
+        "lossless (default: the whole vocabulary). With --resume and the saved --steps, reduces a head "
+        "without training it further",
     )
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument(

@@ -34,6 +34,7 @@ from splitspec.models.checkpoint import Checkpoint, load_tokenizer
 from splitspec.models.draft_head import DraftHead, default_config
 from splitspec.models.draft_head_eval import greedy_chains
 from splitspec.models.draft_head_io import load_draft_head
+from splitspec.models.draft_vocab import with_draft_vocab
 from splitspec.models.stack import load_full
 from splitspec.models.train_draft_head import LocalFeatures, TrainConfig, local_source, train
 from tests.conftest import TOKENIZER_TEXT, joint_law_pvalue, local_greedy
@@ -172,12 +173,18 @@ class Recording:
         return draft
 
 
-async def test_the_heads_sampled_trees_keep_the_model_law(make_checkpoint: Callable[..., Path]) -> None:
-    """Joint law of the first two tokens when the second comes from a verified tree of the head's draws."""
+@pytest.mark.parametrize("draft_vocab", [None, (0, 2, 3, 5, 8, 9, 11, 12, 13, 15)])
+async def test_the_heads_sampled_trees_keep_the_model_law(
+    make_checkpoint: Callable[..., Path], draft_vocab: tuple[int, ...] | None
+) -> None:
+    """Joint law of the first two tokens when the second comes from a verified tree of the head's draws (over the
+    whole vocabulary, and over a reduced one of 10 of its 16 tokens)."""
     directory = make_checkpoint("llama", vocab=16, layers=4, logit_scale=5.0)
     model = load_full(Checkpoint(directory), torch.float32)
     torch.manual_seed(3)
     head = DraftHead(default_config(Checkpoint(directory)), torch.device("cpu"), torch.float32).eval()
+    if draft_vocab is not None:
+        head = with_draft_vocab(head, model, torch.tensor(draft_vocab))
     params = SamplingParams(temperature=0.9, top_p=0.95)
     prompt = [0, 13, 2, 8, 0, 0, 15, 12, 11, 15]
     with torch.no_grad():

@@ -260,6 +260,9 @@ def load_draft_head(
             log.warning("%s: loaded anyway (target check off)", message)
         if ckpt is not None:
             check_feature_layers(config.feature_layers, int(ckpt.config.num_hidden_layers))
+        if config.draft_vocab is not None:  # a reduced vocabulary (splitspec.models.draft_vocab)
+            vocab = int(config.layer_config.get("vocab_size", 0)) if ckpt is None else int(ckpt.config.vocab_size)
+            _check_d2t(state.get("d2t", torch.zeros(0)), config.draft_vocab, vocab, where)
     else:
         if target_check:
             raise ConfigError(

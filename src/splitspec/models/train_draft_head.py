@@ -14,7 +14,9 @@ generator seeded with (seed, s), so a resumed run draws what the uninterrupted o
 
 The out directory holds the head (splitspec's layout, :mod:`splitspec.models.draft_head_io`),
 ``trainer_state.json`` (the step, the arguments) and ``optimizer.safetensors`` (AdamW's moments):
-``resume`` continues from them.
+``resume`` continues from them. With ``draft_vocab`` N the head trains against the target's whole LM
+head, and is saved drafting over the N target tokens most frequent in the corpus
+(:mod:`~splitspec.models.draft_vocab`); ``resume`` drops that vocabulary again before training on.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint, load_tokenizer
 from splitspec.models.draft_head import DraftHead, check_feature_layers, default_config
 from splitspec.models.draft_head_io import WEIGHTS_FILE, load_draft_head, save_draft_head
+from splitspec.models.draft_vocab import frequent_tokens, token_counts, with_draft_vocab, without_draft_vocab
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel, ModelEnds, load_full
@@ -114,6 +117,7 @@ class TrainConfig:
     save_dtype: str = "float32"  # of model.safetensors; float16 to ship (resume then reads it back)
     device: str = "auto"  # where the model and the head compute (splitspec.devices.resolve_device)
     progress: bool = True
+    draft_vocab: int | None = None  # tokens the saved head drafts over (the corpus's most frequent); None: all
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.seq_len < 3 or self.batch < 1 or self.save_every < 1:
@@ -124,6 +128,8 @@ class TrainConfig:
             raise ConfigError("--save-dtype must be float32, float16 or bfloat16")
         if not self.corpus:
             raise ConfigError("--corpus needs at least one file")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ConfigError("--draft-vocab must be at least 1")
 
 
 def read_corpus(files: Sequence[Path], tokenizer_dir: Path, min_tokens: int) -> list[torch.Tensor]:
@@ -191,10 +197,23 @@ def _lr_at(step: int, config: TrainConfig) -> float:
 
 
 def _save(
-    head: DraftHead, opt: torch.optim.AdamW, step: int, config: TrainConfig, wall_s: float, notes: dict[str, object]
+    head: DraftHead,
+    opt: torch.optim.AdamW,
+    step: int,
+    config: TrainConfig,
+    wall_s: float,
+    notes: dict[str, object],
+    shipped: DraftHead | None = None,
 ) -> None:
+    """Write the head (``shipped``: what is saved as the head, the trained head with a reduced vocabulary) and
+    the training state."""
     dtype = getattr(torch, config.save_dtype)
-    save_draft_head(head, config.out, dtype=dtype, notes={**notes, "steps": step, "train_wall_s": round(wall_s, 1)})
+    save_draft_head(
+        shipped if shipped is not None else head,
+        config.out,
+        dtype=dtype,
+        notes={**notes, "steps": step, "train_wall_s": round(wall_s, 1)},
+    )
     names = {id(p): n for n, p in head.named_parameters()}
     moments: dict[str, torch.Tensor] = {}
     for param, state in opt.state.items():
@@ -239,7 +258,8 @@ async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
     if config.resume:
         if not (config.out / WEIGHTS_FILE).is_file():
             raise ConfigError(f"--resume: {config.out} holds no draft head to continue")
-        head = load_draft_head(config.out, target, device=ends.device, dtype=torch.float32)
+        # a head saved with a reduced vocabulary trains on against the target's whole LM head
+        head = without_draft_vocab(load_draft_head(config.out, target, device=ends.device, dtype=torch.float32))
         if head.config.feature_layers != source.feature_layers:
             raise ConfigError(f"--resume: {config.out} reads feature layers {list(head.config.feature_layers)}")
     else:
@@ -258,6 +278,14 @@ async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
         "batch": config.batch,
         "seed": config.seed,
     }
+    vocab_ids = None
+    if config.draft_vocab is not None:
+        vocab_ids = frequent_tokens(token_counts(streams, int(ends.vocab_size)), config.draft_vocab)
+        notes["draft_vocab"] = f"the {config.draft_vocab} target tokens most frequent in the corpus"
+
+    def shipped() -> DraftHead | None:
+        return None if vocab_ids is None else with_draft_vocab(head, ends, vocab_ids)
+
     log.info(
         "training a draft head for %s: %d parameters, features from layers %s, steps %d..%d",
         target.directory.name,
@@ -286,14 +314,16 @@ async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{parts['top1']:.2f}")
         if (step + 1) % config.save_every == 0 and step + 1 < config.steps:
-            _save(head, opt, step + 1, config, wall_before + time.perf_counter() - began, notes)
+            _save(head, opt, step + 1, config, wall_before + time.perf_counter() - began, notes, shipped())
         if step % 50 == 0:
             log.debug("step %d: loss %.4f, reg %.4f, cls %.4f, top1 %.3f", step, float(loss.detach()), *parts.values())
     bar.close()
     wall = wall_before + time.perf_counter() - began
-    _save(head, opt, config.steps, config, wall, notes)
+    _save(head, opt, config.steps, config, wall, notes, shipped())
     log.info("draft head saved to %s after %d steps (%.1f s of training)", config.out, config.steps, wall)
-    return head.eval().requires_grad_(False)
+    head.eval().requires_grad_(False)
+    reduced = shipped()
+    return head if reduced is None else reduced
 
 
 def train_local(config: TrainConfig) -> tuple[DraftHead, LocalFeatures]:
