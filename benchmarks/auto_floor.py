@@ -10,7 +10,9 @@ repeats):
 * ``off``: one round trip per token;
 * ``auto``: the adaptive controller with the drafters an edge has without a draft model
   (n-grams, prompt lookup, their mixed tree);
-* ``auto+draft``: the same with the demo draft model as well.
+* ``auto+draft``: the same with the demo draft model as well;
+* ``auto+head`` (with ``--head``): the same with the shipped EAGLE head (``embedded_model("base-eagle")``) and no
+  draft model.
 
 Cases: a 2,000-token prompt of third-party code (the source of ``tqdm/std.py`` from the installed
 ``tqdm`` package, read at run time: a package the demo models never saw) with a 32-token and a
@@ -64,6 +66,7 @@ from splitspec.run_info import run_environment
 log = logging.getLogger("bench.auto_floor")
 
 MODES = ("off", "auto", "auto+draft")
+HEAD_MODE = "auto+head"  # with --head: auto with the shipped EAGLE head (no draft model)
 LINKS = ("process", "in-process")  # where the WAN emulator runs: see wan_link
 POSITIONS = 4096  # max_position_embeddings of the extended config copies
 CODE_PACKAGE = "tqdm"  # third-party code the demo models never saw (their code corpus is CPython's stdlib)
@@ -185,10 +188,15 @@ async def one_run(
         return await client.generate(list(case.prompt), case.new_tokens, SamplingParams(), (), speculate)
 
 
+def modes(args: argparse.Namespace) -> tuple[str, ...]:
+    return (*MODES, HEAD_MODE) if args.head else MODES
+
+
 async def measure(
     args: argparse.Namespace, base: Path, draft_dir: Path, cases: list[Case], port: int
 ) -> list[dict[str, Any]]:
     common = {"allow_stock_edge_weights": True, "model_dir": base, "dtype": args.dtype}
+    all_modes = modes(args)
     loader = SplitClient(EdgeConfig(**common, cloud_url=f"ws://127.0.0.1:{port}", draft_model_dir=draft_dir))
     edge, draft = loader.model, loader.draft_model
     records: list[dict[str, Any]] = []
@@ -200,15 +208,16 @@ async def measure(
                     "off": (EdgeConfig(**common, cloud_url=url), None),
                     "auto": (EdgeConfig(**common, cloud_url=url), None),
                     "auto+draft": (EdgeConfig(**common, cloud_url=url, draft_model_dir=draft_dir), draft),
+                    HEAD_MODE: (EdgeConfig(**common, cloud_url=url, draft_head_dir=embedded_model("base-eagle")), None),
                 }
                 if repeat == 0:  # warm-up, not recorded
                     await one_run(configs["auto+draft"][0], edge, draft, Case("warm", cases[0].prompt[:64], 4), "auto")
                 for case in cases:
                     reference: list[int] | None = None
-                    # a cyclic rotation: over len(MODES) repeats each mode runs first, second and last once
+                    # a cyclic rotation: over len(modes) repeats each mode runs first, second and last once
                     # (alternating forward and reverse left "auto" always in the middle)
-                    turn = repeat % len(MODES)
-                    order = MODES[turn:] + MODES[:turn]
+                    turn = repeat % len(all_modes)
+                    order = all_modes[turn:] + all_modes[:turn]
                     for mode in order:
                         config, drafter = configs[mode]
                         result = await one_run(config, edge, drafter, case, mode)
@@ -237,22 +246,26 @@ def ratio(runs: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> fl
 
 def summarize(records: list[dict[str, Any]], rtts: list[float], cases: list[Case]) -> list[dict[str, Any]]:
     rows = []
+    measured = [m for m in (*MODES, HEAD_MODE) if any(r["mode"] == m for r in records)]
     for rtt in rtts:
         for case in cases:
             runs = {
                 m: [r for r in records if r["rtt_ms"] == rtt and r["case"] == case.name and r["mode"] == m]
-                for m in MODES
+                for m in measured
             }
 
             row: dict[str, Any] = {"rtt_ms": rtt, "case": case.name}
-            for m in MODES:
+            for m in measured:
                 for key in ("decode_tok_s", "e2e_tok_s", "tokens_per_trip"):
                     row[f"{m}:{key}"] = statistics.median(r[key] for r in runs[m])
             for key in ("decode_tok_s", "e2e_tok_s"):
                 row[f"auto/off:{key}"] = ratio(runs, "auto", "off", key)
                 row[f"auto+draft/off:{key}"] = ratio(runs, "auto+draft", "off", key)
                 row[f"auto+draft/auto:{key}"] = ratio(runs, "auto+draft", "auto", key)
-            row["all_match_off"] = all(r["matches_off"] for m in MODES for r in runs[m])
+                if HEAD_MODE in runs:
+                    row[f"{HEAD_MODE}/off:{key}"] = ratio(runs, HEAD_MODE, "off", key)
+                    row[f"{HEAD_MODE}/auto:{key}"] = ratio(runs, HEAD_MODE, "auto", key)
+            row["all_match_off"] = all(r["matches_off"] for m in measured for r in runs[m])
             rows.append(row)
     return rows
 
@@ -280,6 +293,23 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {r['auto+draft/auto:decode_tok_s']:.2f} "
             f"| {r['auto:tokens_per_trip']:.2f}, {r['auto+draft:tokens_per_trip']:.2f} | {r['all_match_off']} |"
         )
+    head_rows = [r for r in results["summary"] if f"{HEAD_MODE}:decode_tok_s" in r]
+    if head_rows:
+        lines += [
+            "",
+            "With the shipped EAGLE head (`auto+head`: auto with the head, no draft model):",
+            "",
+            "| RTT ms | case | auto+head decode | +head/off decode | +head/off e2e | +head/auto decode "
+            "| +head/auto e2e | tok/trip +head |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in head_rows:
+            lines.append(
+                f"| {r['rtt_ms']:g} | {r['case']} | {r[f'{HEAD_MODE}:decode_tok_s']:.1f} "
+                f"| {r[f'{HEAD_MODE}/off:decode_tok_s']:.2f} | {r[f'{HEAD_MODE}/off:e2e_tok_s']:.2f} "
+                f"| {r[f'{HEAD_MODE}/auto:decode_tok_s']:.2f} | {r[f'{HEAD_MODE}/auto:e2e_tok_s']:.2f} "
+                f"| {r[f'{HEAD_MODE}:tokens_per_trip']:.2f} |"
+            )
     lines += ["", f"Reproduce: `{results['command']}`", ""]
     return "\n".join(lines)
 
@@ -370,6 +400,7 @@ def main() -> int:
     parser.add_argument("--long-tokens", type=int, default=2000)
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])
     parser.add_argument("--quick", action="store_true", help="1 repeat, 20 ms, 32-token answers")
+    parser.add_argument("--head", action="store_true", help="also auto with the shipped EAGLE head (auto+head)")
     parser.add_argument("--baseline", help="a commit whose code is measured beside this checkout's, in blocks")
     where = "the WAN emulator in a process of its own (default) or on the edge's event loop"
     parser.add_argument("--link", choices=LINKS, default="process", help=where)
