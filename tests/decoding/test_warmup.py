@@ -1,9 +1,11 @@
 """Drafters catch up with the prompt during the prefill: a draft model's cache holds the prompt before
-the first draft is asked, proposals are unchanged, and greedy output stays one-token greedy."""
+the first draft is asked, proposals are unchanged, and greedy output stays one-token greedy. A drafter
+that reads the verifier's features (an EAGLE head) catches up during the first decode steps instead."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -13,11 +15,14 @@ import torch
 
 from splitspec.decoding.controller import FixedPolicy
 from splitspec.decoding.drafters import Draft, DraftModel, MixedDrafter, NgramPool, Preparable, PromptLookup
+from splitspec.decoding.eagle import EagleDrafter
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.loop import decode
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import make_drafters
+from splitspec.decoding.warmup import CATCH_UP_MIN_TOKENS, start_catch_up
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.draft_head import DraftHead, default_config
 from splitspec.models.stack import FullModel, load_full
 from tests.conftest import local_greedy
 
@@ -142,3 +147,108 @@ async def test_the_draft_model_is_prepared_during_the_prefill(make_checkpoint: C
     assert verifier.cached_when_prefill_returned == len(PROMPT)  # the prefill waited for it, and it came
     assert drafter.cached_at_propose[0] == len(PROMPT)  # the first draft found the prompt cached
     assert tokens == local_greedy(directory, PROMPT, 30)  # and greedy output is one-token greedy
+
+
+def test_a_head_catches_up_while_the_next_step_is_in_flight(make_checkpoint: Callable[..., Path]) -> None:
+    """An EAGLE head fed the prompt's pairs by ``catch_up`` (before or after the verifier commits its next step)
+    proposes what a head fed by its first proposal does, and the catch-up did that work."""
+    directory = make_checkpoint("llama", layers=4)
+    model = full(directory)
+    torch.manual_seed(1)
+    head = DraftHead(default_config(Checkpoint(directory)), torch.device("cpu"), torch.float32).eval()
+    for commit_first in (False, True):
+        verifier = LocalSequence(model)
+        verifier.keep_features((4,))
+        verifier.run(PROMPT)
+        caught = EagleDrafter(head, lambda: model, verifier, SamplingParams())
+        if commit_first:  # the step went and came back before the drafting thread got to it
+            verifier.run([7, 11])
+        caught.catch_up([*PROMPT, 7])
+        assert len(caught.cache) == len(PROMPT)  # the prompt's pairs, whatever the verifier holds by now
+        if not commit_first:
+            verifier.run([7, 11])
+        fresh = EagleDrafter(head, lambda: model, verifier, SamplingParams())
+        context = [*PROMPT, 7, 11, 30]
+        got, want = caught.propose(context, 8), fresh.propose(context, 8)
+        assert len(got) == 8
+        assert (got.tokens, got.parents) == (want.tokens, want.parents)
+    stale = EagleDrafter(head, lambda: model, verifier, SamplingParams())
+    stale.catch_up([*PROMPT[:-1], 99, 7])  # not the verifier's tokens: nothing is fed
+    assert len(stale.cache) == 0
+
+
+class SlowReader:
+    """A drafter reading the verifier's features whose catch-up ends only once ``release`` is set."""
+
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.caught_up: int | None = None  # the context it caught up with
+        self.asked: list[tuple[int, int | None]] = []  # (context length, caught up by then) at each proposal
+
+    def catch_up(self, context: Sequence[int]) -> None:
+        if not self.release.wait(10):
+            raise TimeoutError("the catch-up was never released")
+        self.caught_up = len(context)
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        self.asked.append((len(context), self.caught_up))
+        return Draft.empty()
+
+
+class ReleasesAtDecodeStep:
+    """A local verifier that releases the reader's catch-up when its ``at``-th decode step is sent."""
+
+    def __init__(self, model: FullModel, reader: SlowReader, at: int) -> None:
+        self.inner = LocalSequence(model)
+        self.reader, self.at, self.steps = reader, at, -1  # the prefill is step 0's predecessor
+
+    async def forward(
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        self.steps += 1
+        if self.steps == self.at:
+            self.reader.release.set()
+            await asyncio.sleep(0.05)  # the step's round trip: the catch-up finishes meanwhile
+        return await self.inner.forward(tokens, parents, logits_from, sent=sent)
+
+    def keep(self, indices: Sequence[int]) -> None:
+        self.inner.keep(indices)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+async def test_after_a_long_prompt_the_feature_reader_is_asked_once_caught_up(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """The catch-up runs on the drafting thread during the first decode steps (two of them here), which go out
+    without the reader; it is asked from then on, and greedy output stays one-token greedy."""
+    directory = make_checkpoint("llama")
+    prompt = (PROMPT * 20)[: CATCH_UP_MIN_TOKENS + 20]
+    reader = SlowReader()
+    verifier = ReleasesAtDecodeStep(full(directory), reader, at=2)
+    executor = ThreadPoolExecutor(max_workers=1)
+    try:
+        out = decode(
+            verifier, prompt, 8, SamplingParams(), torch.Generator(), {"slow": reader}, FixedPolicy("slow", 4),
+            draft_executor=executor,
+        )  # fmt: skip
+        tokens = [emitted.token async for emitted in out]
+    finally:
+        executor.shutdown()
+    assert reader.caught_up == len(prompt) + 1  # the prompt and its first token
+    assert reader.asked, "the reader was never asked"
+    assert all(caught == len(prompt) + 1 for _, caught in reader.asked)  # never before it had caught up
+    assert reader.asked[0][0] >= len(prompt) + 3  # two decode steps went out without it
+    assert tokens == local_greedy(directory, prompt, 8)
+
+
+def test_a_short_context_starts_no_catch_up() -> None:
+    assert start_catch_up({"slow": SlowReader()}, PROMPT, ThreadPoolExecutor(max_workers=1)) is None

@@ -85,6 +85,20 @@ class Preparable(Protocol):
     def prepare(self, context: Sequence[int]) -> None: ...
 
 
+@runtime_checkable
+class CatchesUp(Protocol):
+    """A drafter that reads the verifier's features of committed tokens (an EAGLE head), so that it can catch up
+    with a prompt only once the prefill's features are in.
+
+    ``catch_up(context)`` feeds it what its first ``propose`` on ``context`` would (the prompt's pairs), reading
+    the verifier's features while the verifier's next step may already be in flight; it changes no proposal. The
+    decode loop calls it after the prefill, during the first decode steps' round trips
+    (:mod:`splitspec.decoding.warmup`).
+    """
+
+    def catch_up(self, context: Sequence[int]) -> None: ...
+
+
 class NgramPool:
     """Recent n-grams of the prompt and output, indexed by their first ``key_len`` tokens."""
 

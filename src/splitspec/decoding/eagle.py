@@ -90,15 +90,24 @@ class EagleDrafter:
     def feature_layers(self) -> tuple[int, ...]:
         return self.head.config.feature_layers
 
-    def _sync(self, context: Sequence[int]) -> torch.Tensor | None:
+    def catch_up(self, context: Sequence[int]) -> None:
+        """Feed the head the committed pairs of ``context`` (what the first proposal on it would), on the drafting
+        thread while the verifier's next step is in flight: its features of those tokens are settled, and the
+        step may commit more (the log only grows past them, or its last step's rows are kept)."""
+        self._sync(context, in_flight=True)
+
+    def _sync(self, context: Sequence[int], in_flight: bool = False) -> torch.Tensor | None:
         """Feed the pairs of committed tokens the cache lacks; the last pair's predicted feature (H,), or None
-        when the verifier has no features for the context."""
+        when the verifier has no features for the context. ``in_flight``: the verifier may have committed more
+        tokens since ``context`` (a catch-up); only the context's own must be there."""
         source = self.source
         committed = len(context) - 1  # the last context token is pending: no feature yet
         log = None if source is None else source.features
         if source is None or log is None or committed < 1:
             return None
-        if len(source.tokens) != committed or len(log) != committed or source.tokens[-1] != context[-2]:
+        tokens, features = len(source.tokens), len(log)
+        ready = tokens >= committed and features >= committed if in_flight else tokens == features == committed
+        if not ready or source.tokens[committed - 1] != context[-2]:
             return None  # the verifier's features are not this context's (tokens committed before they were kept)
         wanted = list(context[1:])  # x_{i+1} for pairs i = 0 .. committed - 1
         # always run the last pair again: its output is the root feature

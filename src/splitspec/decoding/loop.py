@@ -59,7 +59,7 @@ from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.shadow import score_shadows
 from splitspec.decoding.trees import draft_depth
-from splitspec.decoding.warmup import finish_prepare, start_prepare
+from splitspec.decoding.warmup import catching_up, finish_prepare, start_catch_up, start_prepare
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
 PROMPT_ROWS_PER_CHUNK = 256  # prefill rows turned into logprobs at once: bounds the (rows, V) float32 copies
@@ -264,6 +264,9 @@ async def decode(
         processor.accept([pending])
     context.append(pending)
     produced = 1
+    # a drafter reading the verifier's features (an EAGLE head) catches up with the prompt's now, during the first
+    # decode steps' round trips; no drafter on the drafting thread is asked until it has (decoding/warmup.py)
+    catching = None if isinstance(controller, SequentialPolicy) else start_catch_up(drafters, context, draft_executor)
     # the engine's gate on dear drafters under load (decoding/dear_gate.py) counts its output; it gates a choice
     # that holds a dear drafter only (a mode of one drafter asks it, as its user chose)
     gate = draft_executor.gate if isinstance(draft_executor, DraftExecutor) else None
@@ -292,6 +295,8 @@ async def decode(
                 break
             if choice.drafter in aside.off_step:
                 continue  # not paid for on the critical path until judged aside often enough
+            if draft_executor is not None and not is_cheap(drafters[choice.drafter]) and catching_up(catching):
+                continue  # the drafting thread is catching a feature reader up with the prompt: it would wait
             if gated and is_dear(drafters[choice.drafter]):
                 continue
             budget = min(choice.budget, max_new_tokens - produced - 1)
