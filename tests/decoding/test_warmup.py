@@ -14,7 +14,15 @@ from pathlib import Path
 import torch
 
 from splitspec.decoding.controller import FixedPolicy
-from splitspec.decoding.drafters import Draft, DraftModel, MixedDrafter, NgramPool, Preparable, PromptLookup
+from splitspec.decoding.drafters import (
+    Draft,
+    Drafter,
+    DraftModel,
+    MixedDrafter,
+    NgramPool,
+    Preparable,
+    PromptLookup,
+)
 from splitspec.decoding.eagle import EagleDrafter
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.loop import decode
@@ -45,16 +53,14 @@ class RecordingDraftModel(DraftModel):
         return super().propose(context, budget)
 
 
-class PrefillWaitsForDrafter:
-    """A local verifier whose prefill does not return before the drafter's cache holds the prompt:
-    the prefill can only finish if the drafter was prepared while it was in flight."""
+class WaitingVerifier:
+    """A local verifier that awaits :meth:`before` ahead of each forward (a round trip in flight)."""
 
-    def __init__(self, model: FullModel, drafter: DraftModel, prompt_len: int, timeout_s: float = 10.0) -> None:
+    def __init__(self, model: FullModel) -> None:
         self.inner = LocalSequence(model)
-        self.drafter = drafter
-        self.prompt_len = prompt_len
-        self.timeout_s = timeout_s
-        self.cached_when_prefill_returned = -1
+
+    async def before(self, tokens: Sequence[int]) -> None:
+        """What happens while the forward of ``tokens`` is in flight."""
 
     async def forward(
         self,
@@ -64,13 +70,7 @@ class PrefillWaitsForDrafter:
         *,
         sent: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        if not self.inner.tokens:  # the prefill: the round trip is in flight while the drafter prepares
-            deadline = time.monotonic() + self.timeout_s
-            while len(self.drafter.sequence.tokens) < self.prompt_len:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the drafter was not prepared during the prefill")
-                await asyncio.sleep(0.005)
-            self.cached_when_prefill_returned = len(self.drafter.sequence.tokens)
+        await self.before(tokens)
         return await self.inner.forward(tokens, parents, logits_from, sent=sent)
 
     def keep(self, indices: Sequence[int]) -> None:
@@ -78,6 +78,41 @@ class PrefillWaitsForDrafter:
 
     def reset(self) -> None:
         self.inner.reset()
+
+
+class PrefillWaitsForDrafter(WaitingVerifier):
+    """A local verifier whose prefill does not return before the drafter's cache holds the prompt:
+    the prefill can only finish if the drafter was prepared while it was in flight."""
+
+    def __init__(self, model: FullModel, drafter: DraftModel, prompt_len: int, timeout_s: float = 10.0) -> None:
+        super().__init__(model)
+        self.drafter = drafter
+        self.prompt_len = prompt_len
+        self.timeout_s = timeout_s
+        self.cached_when_prefill_returned = -1
+
+    async def before(self, tokens: Sequence[int]) -> None:
+        if not self.inner.tokens:  # the prefill: the round trip is in flight while the drafter prepares
+            deadline = time.monotonic() + self.timeout_s
+            while len(self.drafter.sequence.tokens) < self.prompt_len:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the drafter was not prepared during the prefill")
+                await asyncio.sleep(0.005)
+            self.cached_when_prefill_returned = len(self.drafter.sequence.tokens)
+
+
+async def decode_on_a_drafting_thread(
+    verifier: WaitingVerifier, prompt: list[int], n: int, drafters: dict[str, Drafter], policy: FixedPolicy
+) -> list[int]:
+    """Greedy :func:`decode` of ``n`` tokens with the drafters on a drafting thread of their own."""
+    executor = ThreadPoolExecutor(max_workers=1)
+    try:
+        out = decode(
+            verifier, prompt, n, SamplingParams(), torch.Generator(), drafters, policy, draft_executor=executor
+        )
+        return [emitted.token async for emitted in out]
+    finally:
+        executor.shutdown()
 
 
 def test_draft_model_prepare_fills_the_cache_and_changes_no_proposal(make_checkpoint: Callable[..., Path]) -> None:
@@ -135,15 +170,7 @@ async def test_the_draft_model_is_prepared_during_the_prefill(make_checkpoint: C
     model = full(directory)
     drafter = RecordingDraftModel(full(make_checkpoint("llama", layers=2, seed=99)))
     verifier = PrefillWaitsForDrafter(model, drafter, len(PROMPT))
-    executor = ThreadPoolExecutor(max_workers=1)
-    try:
-        out = decode(
-            verifier, PROMPT, 30, SamplingParams(), torch.Generator(), {"draft": drafter}, FixedPolicy("draft", 4),
-            draft_executor=executor,
-        )  # fmt: skip
-        tokens = [emitted.token async for emitted in out]
-    finally:
-        executor.shutdown()
+    tokens = await decode_on_a_drafting_thread(verifier, PROMPT, 30, {"draft": drafter}, FixedPolicy("draft", 4))
     assert verifier.cached_when_prefill_returned == len(PROMPT)  # the prefill waited for it, and it came
     assert drafter.cached_at_propose[0] == len(PROMPT)  # the first draft found the prompt cached
     assert tokens == local_greedy(directory, PROMPT, 30)  # and greedy output is one-token greedy
@@ -197,32 +224,18 @@ class SlowReader:
         return Draft.empty()
 
 
-class ReleasesAtDecodeStep:
+class ReleasesAtDecodeStep(WaitingVerifier):
     """A local verifier that releases the reader's catch-up when its ``at``-th decode step is sent."""
 
     def __init__(self, model: FullModel, reader: SlowReader, at: int) -> None:
-        self.inner = LocalSequence(model)
+        super().__init__(model)
         self.reader, self.at, self.steps = reader, at, -1  # the prefill is step 0's predecessor
 
-    async def forward(
-        self,
-        tokens: Sequence[int],
-        parents: Sequence[int] | None = None,
-        logits_from: int = 0,
-        *,
-        sent: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
+    async def before(self, tokens: Sequence[int]) -> None:
         self.steps += 1
         if self.steps == self.at:
             self.reader.release.set()
             await asyncio.sleep(0.05)  # the step's round trip: the catch-up finishes meanwhile
-        return await self.inner.forward(tokens, parents, logits_from, sent=sent)
-
-    def keep(self, indices: Sequence[int]) -> None:
-        self.inner.keep(indices)
-
-    def reset(self) -> None:
-        self.inner.reset()
 
 
 async def test_after_a_long_prompt_the_feature_reader_is_asked_once_caught_up(
@@ -234,15 +247,7 @@ async def test_after_a_long_prompt_the_feature_reader_is_asked_once_caught_up(
     prompt = (PROMPT * 20)[: CATCH_UP_MIN_TOKENS + 20]
     reader = SlowReader()
     verifier = ReleasesAtDecodeStep(full(directory), reader, at=2)
-    executor = ThreadPoolExecutor(max_workers=1)
-    try:
-        out = decode(
-            verifier, prompt, 8, SamplingParams(), torch.Generator(), {"slow": reader}, FixedPolicy("slow", 4),
-            draft_executor=executor,
-        )  # fmt: skip
-        tokens = [emitted.token async for emitted in out]
-    finally:
-        executor.shutdown()
+    tokens = await decode_on_a_drafting_thread(verifier, prompt, 8, {"slow": reader}, FixedPolicy("slow", 4))
     assert reader.caught_up == len(prompt) + 1  # the prompt and its first token
     assert reader.asked, "the reader was never asked"
     assert all(caught == len(prompt) + 1 for _, caught in reader.asked)  # never before it had caught up
