@@ -15,8 +15,8 @@ decode step cost that step 141-178 ms after 2,000 tokens of code (``benchmarks/a
 not ask those drafters until it is done, so it runs during the first decode steps' round trips. After a
 short context (at most :data:`CATCH_UP_MIN_TOKENS`) the first proposal does it instead: the demo head
 caught up with 64 tokens in 2.6 ms and 128 in 4.2 ms (256: 8.1 ms, 1,000: 43.5 ms) on this project's
-2-core machine, less than a step without the drafter costs. Every other drafter that proposes on the executor waits too: a
-proposal queued behind the catch-up would hold its step back as long.
+2-core machine, less than a step without the drafter costs. Every other drafter that proposes on the
+executor waits too: a proposal queued behind the catch-up would hold its step back as long.
 """
 
 from __future__ import annotations
