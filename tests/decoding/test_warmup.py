@@ -5,15 +5,16 @@ that reads the verifier's features (an EAGLE head) catches up during the first d
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from splitspec.decoding.controller import FixedPolicy
+from splitspec.decoding.controller import BlindPolicy, Choice, FixedPolicy, SpeculationPolicy
 from splitspec.decoding.drafters import (
     Draft,
     Drafter,
@@ -22,6 +23,7 @@ from splitspec.decoding.drafters import (
     NgramPool,
     Preparable,
     PromptLookup,
+    is_cheap,
 )
 from splitspec.decoding.eagle import EagleDrafter
 from splitspec.decoding.local import LocalSequence
@@ -102,7 +104,7 @@ class PrefillWaitsForDrafter(WaitingVerifier):
 
 
 async def decode_on_a_drafting_thread(
-    verifier: WaitingVerifier, prompt: list[int], n: int, drafters: dict[str, Drafter], policy: FixedPolicy
+    verifier: WaitingVerifier, prompt: list[int], n: int, drafters: dict[str, Drafter], policy: SpeculationPolicy
 ) -> list[int]:
     """Greedy :func:`decode` of ``n`` tokens with the drafters on a drafting thread of their own."""
     executor = ThreadPoolExecutor(max_workers=1)
@@ -257,3 +259,52 @@ async def test_after_a_long_prompt_the_feature_reader_is_asked_once_caught_up(
 
 def test_a_short_context_starts_no_catch_up() -> None:
     assert start_catch_up({"slow": SlowReader()}, PROMPT, ThreadPoolExecutor(max_workers=1)) is None
+
+
+class RankedPolicy(BlindPolicy):
+    """Ask ``drafters`` in this order, each at ``budget`` tokens, every step."""
+
+    def __init__(self, drafters: Sequence[str], budget: int) -> None:
+        self.choices = [*(Choice(name, budget, math.inf) for name in drafters), Choice(None, 0, 0.0)]
+
+    def ranked(self, context_tokens: int = 0, waits: Mapping[str, float] | None = None) -> list[Choice]:
+        return self.choices
+
+
+class ThreadRecordingMix(MixedDrafter):
+    """A mix of lookups that records, at each proposal, its thread and whether ``reader`` had caught up."""
+
+    def __init__(self, reader: SlowReader) -> None:
+        super().__init__([PromptLookup(), NgramPool()])
+        self.reader = reader
+        self.asked: list[tuple[int, int | None]] = []  # (thread id, the reader's caught-up context)
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        self.asked.append((threading.get_ident(), self.reader.caught_up))
+        return super().propose(context, budget)
+
+
+def test_a_mix_of_lookups_is_cheap_and_a_mix_with_a_draft_model_is_not(make_checkpoint: Callable[..., Path]) -> None:
+    assert is_cheap(MixedDrafter([PromptLookup(), NgramPool()]))
+    model = full(make_checkpoint("llama", layers=2, seed=99))
+    assert not is_cheap(MixedDrafter([PromptLookup(), NgramPool(), DraftModel(model, SamplingParams())]))
+
+
+async def test_a_mix_of_lookups_drafts_inline_while_a_feature_reader_catches_up(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """A mix of lookups proposes on the decoding thread, so the steps that go out while the feature reader
+    catches up on the drafting thread still carry its drafts; greedy output stays one-token greedy."""
+    directory = make_checkpoint("llama")
+    prompt = (PROMPT * 20)[: CATCH_UP_MIN_TOKENS + 20]
+    reader = SlowReader()
+    mix = ThreadRecordingMix(reader)
+    verifier = ReleasesAtDecodeStep(full(directory), reader, at=2)
+    policy = RankedPolicy(["slow", "mix"], 4)
+    tokens = await decode_on_a_drafting_thread(verifier, prompt, 12, {"slow": reader, "mix": mix}, policy)
+    here = threading.get_ident()
+    assert mix.asked[0] == (here, None)  # asked before the reader had caught up, on this thread
+    assert all(thread == here for thread, _ in mix.asked)
+    assert reader.asked
+    assert all(caught == len(prompt) + 1 for _, caught in reader.asked)
+    assert tokens == local_greedy(directory, prompt, 12)

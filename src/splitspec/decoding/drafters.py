@@ -321,6 +321,9 @@ class MixedDrafter:
         # dear to ask when a source is (a draft model): judged during a lone greedy step's round trip first
         # (decoding/aside.py)
         self.aside = any(is_dear(source) for source in self.sources)
+        # a mix of lookups only is a lookup too: it proposes inline, not behind other sequences' drafts on the
+        # drafting thread, and is scored against greedy steps it was not chosen for
+        self.shadow = all(is_cheap(source) for source in self.sources)
 
     def prepare(self, context: Sequence[int]) -> None:
         for source in self.sources:
