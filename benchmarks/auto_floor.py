@@ -351,7 +351,9 @@ def beside(args: argparse.Namespace) -> int:
     from splitspec.bench.beside import measure_beside
 
     child = ["--repeats", str(args.repeats), "--long-tokens", str(args.long_tokens), "--dtype", args.dtype,
-             "--rtt-ms", *map(str, args.rtt_ms), "--answers", *map(str, args.answers), "--link", args.link]  # fmt: skip
+             "--rtt-ms", *map(str, args.rtt_ms), "--answers", *map(str, args.answers), "--link", args.link,
+             *(["--head"] if args.head else [])]  # fmt: skip
+    pairs = (*PAIRS, ("auto+head", "auto")) if args.head else PAIRS
     root = Path(__file__).resolve().parents[1]
     runs = measure_beside(Path(__file__).resolve(), root, args.blocks, args.baseline, child)
     rows = []
@@ -361,7 +363,7 @@ def beside(args: argparse.Namespace) -> int:
     for key in keys:
         row: dict[str, Any] = {"rtt_ms": float(key.split("|")[0]), "case": key.split("|", 1)[1]}
         for label, blocks in runs.items():
-            for a, b in PAIRS:
+            for a, b in pairs:
                 ratios = [block[f"{key}|{a}|{r}"] / block[f"{key}|{b}|{r}"] for block in blocks
                           for r in range(args.repeats)]  # fmt: skip
                 row[f"{label}:{a}/{b}"] = statistics.median(ratios)
@@ -377,11 +379,11 @@ def beside(args: argparse.Namespace) -> int:
         " medians of the paired per-repeat ratios of decode tok/s.",
         "",
         "| RTT ms | case | +draft/auto this | +draft/auto before | auto/off this | auto/off before "
-        "| +draft/off this | +draft/off before |",
-        "|---|---|---|---|---|---|---|---|",
+        "| +draft/off this | +draft/off before |" + (" +head/auto this | +head/auto before |" if args.head else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if args.head else ""),
     ]
     for r in rows:
-        cells = " | ".join(f"{r[f'{label}:{a}/{b}']:.3f}" for a, b in PAIRS for label in ("this", "before"))
+        cells = " | ".join(f"{r[f'{label}:{a}/{b}']:.3f}" for a, b in pairs for label in ("this", "before"))
         lines.append(f"| {r['rtt_ms']:g} | {r['case']} | {cells} |")
     lines += ["", f"Reproduce: `{command}`", ""]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from splitspec.decoding.drafters import is_cheap, is_dear
 from splitspec.decoding.eagle import EagleDrafter
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
@@ -101,3 +102,20 @@ def test_a_head_reading_several_layers_is_refused(make_checkpoint: Callable[...,
     head = DraftHead(default_config(Checkpoint(directory), (2, 4)), torch.device("cpu"), torch.float32)
     with pytest.raises(ConfigError, match="several feature layers"):
         EagleDrafter(head, lambda: model, None, SamplingParams())
+
+
+def test_a_head_proposed_aside_proposes_what_it_would_before_the_step_came_back(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """The head is dear (judged aside during a lone greedy step's round trip, decoding/aside.py): proposing there,
+    it may run after the verifier committed the step in flight, and must still draft the context it was given."""
+    model, head, verifier = _setup(make_checkpoint, "llama")
+    context = [*PROMPT, 11]  # 11 pending: the step in flight verifies it
+    drafter = EagleDrafter(head, lambda: model, verifier, SamplingParams())
+    assert is_dear(drafter)
+    assert not is_cheap(drafter)
+    before = drafter.propose(context, 8)
+    verifier.run([11, 4])  # the step came back: 11 and the next one committed, with their features
+    late = EagleDrafter(head, lambda: model, verifier, SamplingParams()).propose(context, 8)
+    assert len(before) == 8
+    assert (late.tokens, late.parents) == (before.tokens, before.parents)

@@ -50,6 +50,9 @@ class EagleDrafter:
     """Drafts a dynamic tree with a draft head over the verifier's features (see the module docstring)."""
 
     name = "eagle"
+    # dear to ask (a head's forwards at each level of its tree): judged during a lone greedy step's round trip
+    # first (decoding/aside.py), and gated under load (decoding/dear_gate.py), as a draft model is
+    aside = True
 
     def __init__(
         self,
@@ -130,7 +133,9 @@ class EagleDrafter:
             if len(context) > len(before) and list(context[: len(before)]) == before:
                 self.siblings.observe(last, context[len(before) :])
             self._last = None
-        root = self._sync(context)
+        # in flight: proposed aside, the verifier's step may commit more tokens meanwhile (their features are
+        # appended past the context's own, which stay put)
+        root = self._sync(context, in_flight=True)
         if root is None:
             return Draft.empty()
         committed = len(context) - 1
