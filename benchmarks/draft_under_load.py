@@ -18,6 +18,7 @@ paired per-repeat ratios draft / no-draft. Writes ``draft_under_load.json``, ``.
 ``--baseline REF``: a third arm, commit REF's code with the draft model (a git worktree, same venv), to
 compare a change of the drafting's policy with what it replaces. ``--workers N``: another arm, the draft
 model's stack with ``splitspec serve --workers N`` (N interpreters, each batching its own streams).
+``--arms no-draft head``: the shipped EAGLE head without the draft model (``head``) against neither.
 
 Beside each arm's tok/s: its multiple of its own one-stream rate (issue #24's targets are 10x at 16
 streams and 16x at 32), and the whole machine's CPU per output token (busy cores / tok/s: the edge, the
@@ -48,7 +49,7 @@ from gateway_load import baseline_checkout, prompts, start_stack, stream_one, tr
 from splitspec.demo import _stop
 from splitspec.run_info import run_environment
 
-ARMS = ("draft", "no-draft")
+ARMS = ("draft", "no-draft", "head")  # head: the shipped EAGLE head, no draft model
 
 
 def busy_jiffies() -> tuple[int, int]:
@@ -81,7 +82,9 @@ def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: 
     src = baseline if arm == "baseline" else None
     workers = args.workers if arm.startswith("workers") else 1
     draft_model = arm == "draft" or arm.startswith("workers") or (arm == "baseline" and args.baseline_draft == "on")
-    procs, urls, pids = start_stack(args.rtt_ms, None, workers, draft_model=draft_model, engine_src=src)
+    procs, urls, pids = start_stack(
+        args.rtt_ms, None, workers, draft_model=draft_model, engine_src=src, draft_head=arm == "head"
+    )
     try:
         url, serve = urls["engine"], pids["engine"]["serve"]
         asyncio.run(closed_loop(url, texts, 8, args.warm_s))
@@ -130,7 +133,8 @@ def summarise(
             return float(next(r for r in rows if r["arm"] == arm and r["streams"] == n and r["repeat"] == k)["tok_s"])
 
         # (numerator, denominator, key): draft over the others; the workers' arm over one process's draft
-        pairings = [("draft", "no-draft", "ratio"), (beside, "baseline", "ratio_baseline")]
+        pairings = [("draft", "no-draft", "ratio"), ("head", "no-draft", "ratio_head")]
+        pairings += [(beside, "baseline", "ratio_baseline")]
         pairings += [(arm, "draft", "ratio_workers") for arm in arms if arm.startswith("workers")]
         for top, bottom, key in pairings:
             if top in arms and bottom in arms:
@@ -164,6 +168,20 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {n} | {c['draft:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c['ratio']:.2f} | {per} "
                 f"| {c['draft:serve_cpu_ms_per_token']:.2f}, {c['no-draft:serve_cpu_ms_per_token']:.2f} "
                 f"| {c['draft:machine_busy_cores']:.2f}, {c['no-draft:machine_busy_cores']:.2f} |"
+            )
+    if "head" in results["arms"] and "no-draft" in results["arms"]:
+        lines += [
+            "",
+            "With the shipped EAGLE head and no draft model (`head`), against neither (`no-draft`):",
+            "",
+            "| streams | head tok/s | no-draft tok/s | head / no-draft | per repeat | serve CPU ms/token head |",
+            "|---:|---:|---:|---:|---|---:|",
+        ]
+        for n, c in results["summary"].items():
+            per = ", ".join(f"{x:.2f}" for x in c["ratio_head_per_repeat"])
+            lines.append(
+                f"| {n} | {c['head:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c['ratio_head']:.2f} | {per} "
+                f"| {c['head:serve_cpu_ms_per_token']:.2f} |"
             )
     if results.get("baseline"):
         beside = results.get("beside", "draft")  # results saved before --baseline-draft: with the draft model
@@ -234,7 +252,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_under_load")
     parser.add_argument("--baseline", help="a commit whose code runs a third arm (with the draft model), in turn")
     parser.add_argument("--workers", type=int, help="N >= 2: an arm with the draft model and `serve --workers N`")
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="this checkout's arms to run")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS[:2]), help="this checkout's arms to run")
     parser.add_argument(
         "--baseline-draft",
         choices=("on", "off"),

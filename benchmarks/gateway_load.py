@@ -114,11 +114,13 @@ def start_stack(
     workers: int = 1,
     draft_model: bool = True,
     engine_src: Path | None = None,
+    draft_head: bool = False,
 ) -> tuple[list[Any], dict[str, str], dict[str, dict[str, int]]]:
     """The engine's server (``workers`` processes) and, with ``baseline_src``, the baseline's (one process),
     each with its own trunk and link (an older commit may speak an older protocol); with each server's
     process ids (trunk, link, serve) for their CPU time. ``draft_model`` False: ``auto`` without the draft model.
-    ``engine_src``: the engine's server runs that checkout's code (None: this one's)."""
+    ``engine_src``: the engine's server runs that checkout's code (None: this one's). ``draft_head``: the engine's
+    server also has the shipped EAGLE head."""
     base, draft = embedded_model("base"), embedded_model("draft")
     procs: list[Any] = []
     urls = {}
@@ -131,6 +133,7 @@ def start_stack(
         port = free_port()
         procs.append(spawn([
             "serve", "--model", str(base), *(["--draft-model", str(draft)] if draft_model else []),
+            *(["--draft-head", str(embedded_model("base-eagle"))] if draft_head and label == "engine" else []),
             "--cloud", f"ws://127.0.0.1:{link_port}",
             "--served-model-name", "demo", "--port", str(port), "--dtype", "float32", "--threads", "1",
             "--max-active", "64", "--speculate", "auto", "--allow-stock-edge-weights",
