@@ -7,12 +7,11 @@ where the model is near break-even the probes cost more than they win: on 2,000-
 
 While a step's round trip is in flight the edge sits idle, and a greedy step's tokens do not
 depend on its draft. So a drafter that declares itself dear to ask (``aside = True``: the draft
-model, a mixed tree holding it, an EAGLE head) is not asked on the step until its controller has
-judged it often enough, and after that while the optimistic prior still lifts its estimate above
-what its drafts showed (:meth:`~splitspec.decoding.controller.SpeculationController.wants_evidence`):
-it proposes on the drafting thread during the round trip instead, and once the step is verified
-its proposal is scored against the step's tokens exactly as a shadow proposal is
-(:func:`~splitspec.decoding.shadow.score_proposal`). Its cost is measured there too.
+model, and a mixed tree holding it) and that its controller has not judged often enough
+(:meth:`~splitspec.decoding.controller.SpeculationController.wants_shadow`) is not asked on the
+step: it proposes on the drafting thread during the round trip instead, and
+once the step is verified its proposal is scored against the step's tokens exactly as a shadow
+proposal is (:func:`~splitspec.decoding.shadow.score_proposal`). Its cost is measured there too.
 The cheap deterministic drafters not asked (prompt lookup, n-grams) are scored there at every
 step, so their estimates follow the text even while a drafter ranked above them is chosen.
 
@@ -135,7 +134,7 @@ def plan_aside(drafters: Mapping[str, Drafter], controller: SpeculationPolicy, e
     # a dear drafter is kept off the step only where another one could be asked instead: a mode of one drafter
     # (``--speculate draft``) asks it on the steps, as its user chose
     choice = len(drafters) > 1
-    dear = [n for n, d in drafters.items() if choice and is_dear(d) and controller.wants_evidence(n)]
+    dear = [n for n, d in drafters.items() if choice and is_dear(d) and controller.wants_shadow(n)]
     cheap = [name for name, d in drafters.items() if is_cheap(d)]
     return AsidePlan(frozenset(dear), (*dear, *cheap))
 

@@ -103,8 +103,6 @@ class SpeculationPolicy(Protocol):
 
     def wants_shadow(self, drafter: str) -> bool: ...
 
-    def wants_evidence(self, drafter: str) -> bool: ...
-
 
 class BlindPolicy:
     """A policy that learns nothing: every observation is dropped (a base for fixed policies)."""
@@ -125,9 +123,6 @@ class BlindPolicy:
         return None
 
     def wants_shadow(self, drafter: str) -> bool:
-        return False
-
-    def wants_evidence(self, drafter: str) -> bool:
         return False
 
 
@@ -499,19 +494,6 @@ class SpeculationController:
         step's tokens anyway (see :data:`SHADOW_UNTIL`)."""
         reached = self._stats[drafter].reached
         return not reached or reached[0] < SHADOW_UNTIL
-
-    def wants_evidence(self, drafter: str) -> bool:
-        """Whether ``drafter`` should rather be judged where its drafts cost nothing (a dear drafter: during a lone
-        greedy step's round trip, decoding/aside.py) than asked on a step: until judged :data:`SHADOW_UNTIL` times,
-        and after that while the optimistic prior still flatters it (judged fewer than :data:`PRIOR_FADE` times,
-        and accepted at its first depth less often than the prior says). A drafter whose drafts bear the prior out
-        is asked on the steps once judged; a doubtful one only once its estimate is its drafts' alone: on 2,000
-        tokens of code, an EAGLE head released after four judgements was asked on steps where 0-1 of its tokens
-        were accepted (``benchmarks/auto_floor.py --head``)."""
-        stats = self._stats[drafter]
-        if not stats.reached or stats.reached[0] < SHADOW_UNTIL:
-            return True
-        return stats.reached[0] < PRIOR_FADE and stats.accepted[0] < self.prior_alpha * stats.reached[0]
 
     def observe_draft(
         self,
