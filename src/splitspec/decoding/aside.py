@@ -7,7 +7,7 @@ where the model is near break-even the probes cost more than they win: on 2,000-
 
 While a step's round trip is in flight the edge sits idle, and a greedy step's tokens do not
 depend on its draft. So a drafter that declares itself dear to ask (``aside = True``: the draft
-model, and a mixed tree holding it) and that its controller has not judged often enough
+model, a mixed tree holding it, an EAGLE head) and that its controller has not judged often enough
 (:meth:`~splitspec.decoding.controller.SpeculationController.wants_shadow`) is not asked on the
 step: it proposes on the drafting thread during the round trip instead, and
 once the step is verified its proposal is scored against the step's tokens exactly as a shadow
