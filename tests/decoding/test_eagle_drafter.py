@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitspec.decoding.drafters import is_cheap, is_dear
-from splitspec.decoding.eagle import EagleDrafter
+from splitspec.decoding.eagle import HEAD_WINDOW, EagleDrafter, window_start
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.trees import dynamic_tree
@@ -35,15 +35,19 @@ def _setup(make_checkpoint: Callable[..., Path], family: str) -> tuple[FullModel
     return model, head, verifier
 
 
-def _reference(model: FullModel, head: DraftHead, verifier: LocalSequence, context: list[int]) -> Callable[..., object]:
-    """An expander that re-runs the whole tree each call (the standard tree mask within one step)."""
+def _reference(
+    model: FullModel, head: DraftHead, verifier: LocalSequence, context: list[int], start: int = 0
+) -> Callable[..., object]:
+    """An expander that re-runs the whole tree each call (the standard tree mask within one step), over the
+    committed pairs from ``start`` on, at their own positions."""
     log = verifier.features
     assert log is not None
     committed = len(context) - 1
     cache = KVCache()
     with torch.inference_mode():
-        out = head(model, torch.tensor(context[1:]), log.rows(), torch.arange(committed, dtype=torch.int32),
-                   torch.tensor(chain(committed), dtype=torch.int32), cache)  # fmt: skip
+        out = head(model, torch.tensor(context[start + 1 :]), log.rows(start, committed),
+                   torch.arange(start, committed, dtype=torch.int32),
+                   torch.tensor(chain(committed - start), dtype=torch.int32), cache)  # fmt: skip
     root = out[-1]
     root_logits = head.logits(model, root[None])
     predicted: list[torch.Tensor] = []
@@ -54,7 +58,7 @@ def _reference(model: FullModel, head: DraftHead, verifier: LocalSequence, conte
             return root_logits.expand(len(expanding), -1)
         inputs = torch.stack([root if p < 0 else predicted[p] for p in parents])
         parent_t = torch.tensor(parents, dtype=torch.int32)
-        cache.truncate(committed)
+        cache.truncate(committed - start)
         rows = head(
             model, torch.tensor(tokens), inputs, (committed + depths(parent_t)).to(torch.int32), parent_t, cache
         )
@@ -119,3 +123,47 @@ def test_a_head_proposed_aside_proposes_what_it_would_before_the_step_came_back(
     late = EagleDrafter(head, lambda: model, verifier, SamplingParams()).propose(context, 8)
     assert len(before) == 8
     assert (late.tokens, late.parents) == (before.tokens, before.parents)
+
+
+def test_the_window_holds_half_to_all_of_its_pairs_and_moves_by_half() -> None:
+    assert [window_start(n, 8) for n in (0, 5, 8)] == [0, 0, 0]
+    assert [window_start(n, 8) for n in (9, 11, 12, 15, 16)] == [4, 4, 8, 8, 12]
+    for n in range(9, 200):
+        assert 4 <= n - window_start(n, 8) <= 8
+    assert window_start(10_000, None) == 0
+    assert HEAD_WINDOW == 512
+
+
+def test_a_windowed_head_drafts_the_tree_of_its_window_alone(make_checkpoint: Callable[..., Path]) -> None:
+    """With a window of 8 pairs over a 15-token context, the head's tree is the whole tree re-run over the
+    committed pairs from its window's start, at their own positions; and as the context grows (the window
+    moving), each draft is a fresh head's."""
+    model, head, verifier = _setup(make_checkpoint, "llama")
+    context = [*PROMPT, 11]
+    start = window_start(len(PROMPT), 8)
+    assert start > 0
+    sampled = SamplingParams(temperature=0.8)  # q, not only its argmax, shows what the head saw
+    drafter = EagleDrafter(head, lambda: model, verifier, sampled, torch.Generator().manual_seed(3), 3, 4, window=8)
+    draft = drafter.propose(context, 12)
+    expand = _reference(model, head, verifier, context, start)
+    reference = dynamic_tree(expand, 12, sampled, torch.Generator().manual_seed(3), 3, 4)  # type: ignore[arg-type]
+    assert len(drafter.cache) == len(PROMPT) - start  # the window's pairs alone
+    assert (draft.tokens, draft.parents) == (reference.tokens, reference.parents)
+    assert draft.probs is not None
+    assert reference.probs is not None
+    torch.testing.assert_close(draft.probs, reference.probs, rtol=1e-4, atol=1e-5)
+    every_pair = _reference(model, head, verifier, context)
+    whole = dynamic_tree(every_pair, 12, sampled, torch.Generator().manual_seed(3), 3, 4)  # type: ignore[arg-type]
+    assert whole.probs is not None
+    assert not torch.allclose(whole.probs, draft.probs, rtol=1e-4, atol=1e-5)  # all the pairs: another q
+    drafter = EagleDrafter(head, lambda: model, verifier, SamplingParams(), top_k=3, depth=4, window=8)
+    for pending in (4, 30, 2, 9, 17, 5):
+        verifier.run([context[-1]])
+        context = [*context, pending]
+        got = drafter.propose(context, 8)
+        fresh = EagleDrafter(head, lambda: model, verifier, SamplingParams(), top_k=3, depth=4, window=8)
+        want = fresh.propose(context, 8)
+        assert (got.tokens, got.parents) == (want.tokens, want.parents)
+        assert 4 <= len(drafter.cache) <= 8
+    with pytest.raises(ValueError, match="window"):
+        EagleDrafter(head, lambda: model, verifier, SamplingParams(), window=1)

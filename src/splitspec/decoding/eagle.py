@@ -18,6 +18,13 @@ sampling, children are draws from the head's q without replacement, which the ve
 multi-draft rejection sampling keeps lossless. Each level runs the head over the nodes the builder
 expands alone (:mod:`~splitspec.decoding.tree_run`: their inputs, the parents' predicted features,
 are known from the level before), in one forward and one LM head per level.
+
+The head attends to the latest committed pairs only (``window``, :data:`HEAD_WINDOW` by default), at their
+true positions: the shipped head was trained on windows of 128 tokens, and after 2,000 tokens of third-party
+code its teacher-forced first-depth accuracy was 0.346 with the last 512 pairs against 0.289 with all of them
+(0.912 either way on prose), while catching up with that prompt fed 512 pairs (19 ms) instead of 2,000
+(142 ms). The window moves in steps of half its size, so the cache holds between half a window and a window
+of pairs and is fed again once every half window of tokens.
 """
 
 from __future__ import annotations
@@ -37,6 +44,18 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain
 from splitspec.models.stack import ModelEnds
 from splitspec.prefix import common_prefix
+
+HEAD_WINDOW = 512  # committed pairs the head attends to, at most (see the module docstring)
+
+
+def window_start(committed: int, window: int | None) -> int:
+    """The position of the first of ``committed`` pairs a head with ``window`` attends to (None: 0, all of them):
+    0 up to the window, then moving in steps of half of it, so that committed - start stays in
+    [window // 2, window]."""
+    if window is None or committed <= window:
+        return 0
+    half = window // 2
+    return ((committed - window) // half + 1) * half
 
 
 class KeepsFeatures(Protocol):
@@ -63,6 +82,7 @@ class EagleDrafter:
         generator: torch.Generator | None = None,
         top_k: int = 4,
         depth: int = 6,
+        window: int | None = HEAD_WINDOW,
     ) -> None:
         if generator is None and not params.greedy:
             raise ValueError("a sampling draft head needs its own seeded generator")
@@ -71,6 +91,9 @@ class EagleDrafter:
             raise ConfigError("drafting with a head that reads several feature layers is not supported yet")
         if top_k < 1 or depth < 1:
             raise ValueError(f"top_k ({top_k}) and depth ({depth}) must be >= 1")
+        if window is not None and window < 2:
+            raise ValueError(f"the head's window must hold at least 2 pairs, got {window}")
+        self.window = window  # committed pairs the head attends to, at most (None: all)
         self.top_k = top_k  # children per expanded node, and nodes expanded per level (EAGLE-2)
         self.depth = depth  # levels of the tree at most (EAGLE-2's default 6)
         self.siblings = SiblingStats()  # sampling: how often each sibling rank is accepted, measured
@@ -82,7 +105,8 @@ class EagleDrafter:
         self.source = source  # where the committed tokens' features are read; None: nothing to draft from
         self.params = params
         self.generator = generator
-        self.cache = KVCache()  # the head's own keys and values, one entry per committed pair
+        self.cache = KVCache()  # the head's own keys and values, one entry per committed pair from self.start
+        self.start = 0  # the position of the first pair in the cache (window_start)
         self._fed: list[int] = []  # x_{i+1} of every pair i in the cache
 
     @property
@@ -112,14 +136,18 @@ class EagleDrafter:
         ready = tokens >= committed and features >= committed if in_flight else tokens == features == committed
         if not ready or source.tokens[committed - 1] != context[-2]:
             return None  # the verifier's features are not this context's (tokens committed before they were kept)
-        wanted = list(context[1:])  # x_{i+1} for pairs i = 0 .. committed - 1
+        start = window_start(committed, self.window)
+        if start != self.start:  # the window moved: its pairs are fed again from its new start
+            self.cache.truncate(0)
+            self._fed, self.start = [], start
+        wanted = list(context[start + 1 :])  # x_{i+1} for pairs i = start .. committed - 1
         # always run the last pair again: its output is the root feature
-        common = common_prefix(self._fed, wanted, committed - 1)
+        common = common_prefix(self._fed, wanted, len(wanted) - 1)  # pairs kept, from start
         self.cache.truncate(common)
         ids = torch.tensor(wanted[common:], dtype=torch.long)  # (m,)
-        feats = log.rows(common, committed).to(self.ends.device)  # (m, F * H)
-        positions = torch.arange(common, committed, dtype=torch.int32)
-        parents = torch.tensor(chain(committed - common), dtype=torch.int32)
+        feats = log.rows(start + common, committed).to(self.ends.device)  # (m, F * H)
+        positions = torch.arange(start + common, committed, dtype=torch.int32)
+        parents = torch.tensor(chain(committed - start - common), dtype=torch.int32)
         with torch.inference_mode():
             out = self.head.forward(self.ends, ids, feats, positions, parents, self.cache)  # (m, H)
         self._fed = wanted
@@ -142,13 +170,14 @@ class EagleDrafter:
         ends = self.ends
         with torch.inference_mode():
             root_logits = self.head.logits(ends, root[None])  # (1, V)
-        expand = _HeadExpander(self.head, ends, self.cache, committed, root, root_logits)
+        expand = _HeadExpander(self.head, ends, self.cache, TreeRun(committed, self.start), root, root_logits)
         try:
             draft = dynamic_tree(
                 expand, budget, self.params, self.generator, self.top_k, self.depth, self.siblings.rates()
             )
         finally:
-            self.cache.truncate(committed)  # the tree's entries go: the next draft starts from committed pairs
+            # the tree's entries go: the next draft starts from the committed pairs
+            self.cache.truncate(committed - self.start)
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
         return draft
 
@@ -167,12 +196,12 @@ class _HeadExpander:
         head: DraftHead,
         ends: ModelEnds,
         cache: KVCache,
-        committed: int,
+        run: TreeRun,
         root: torch.Tensor,
         root_logits: torch.Tensor,
     ) -> None:
         self.head, self.ends, self.cache = head, ends, cache
-        self.run = TreeRun(committed)
+        self.run = run  # the committed pairs the cache holds, and the nodes run
         self.root = root  # (H,): the last committed pair's predicted feature, the roots' parent
         self.root_logits = root_logits  # (1, V): scores the roots
         self.predicted: dict[int, torch.Tensor] = {}  # ĥ (H,) of every node run

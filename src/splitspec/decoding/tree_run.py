@@ -4,9 +4,10 @@ EAGLE-2 runs the frontier alone: at each depth the builder (:func:`~splitspec.de
 asks for the children of its ``top_k`` best nodes, so only those nodes need a forward and an LM head,
 not every node the tree holds (``top_k`` times fewer rows per depth, and no level is run twice).
 
-The drafter's cache holds the committed prefix, ``committed`` entries at positions 0 .. committed - 1.
-Each wave appends the nodes it runs, in run order; node j's query sits at position
-``committed + depth(j)`` and sees the committed prefix, its ancestors (wherever they sit in the cache)
+The drafter's cache holds the committed prefix, ``committed`` entries at positions 0 .. committed - 1
+(or only its latest pairs, at positions ``start`` .. committed - 1: a drafter attending to a window of
+them). Each wave appends the nodes it runs, in run order; node j's query sits at position
+``committed + depth(j)`` and sees the cached prefix, its ancestors (wherever they sit in the cache)
 and itself. :meth:`TreeRun.wave` builds that mask and the keys' positions, from which the layer
 stack applies each layer's sliding window. The drafter truncates its cache back to the committed
 prefix once the draft is built.
@@ -33,9 +34,13 @@ class Wave:
 class TreeRun:
     """Which tree nodes have run, where their cache entries sit, and the mask of the next wave."""
 
-    def __init__(self, committed: int) -> None:
-        self.committed = committed
-        self.slot: dict[int, int] = {}  # node -> its cache entry (committed + run order)
+    def __init__(self, committed: int, start: int = 0) -> None:
+        if not 0 <= start <= committed:
+            raise ValueError(f"the cache's first position {start} is not in 0..{committed}")
+        self.committed = committed  # the tree's roots sit at this position
+        self.start = start  # the position of the cache's first entry (0: the whole prefix)
+        self.entries = committed - start  # cache entries before the tree's
+        self.slot: dict[int, int] = {}  # node -> its cache entry (entries + run order)
         self.ancestors: dict[int, list[int]] = {}  # node -> its ancestors, root first
         self.node_positions: list[int] = []  # the position of every node run, in run order
 
@@ -67,10 +72,10 @@ class TreeRun:
                 nodes.append(node)
         if not nodes:
             raise ValueError("no pending node has a parent that has run")
-        past = self.committed + len(self.node_positions)
+        past = self.entries + len(self.node_positions)
         q = len(nodes)
         visible = torch.zeros(q, past + q, dtype=torch.bool)
-        visible[:, : self.committed] = True
+        visible[:, : self.entries] = True
         positions: list[int] = []
         for i, node in enumerate(nodes):
             parent = parents[node]
@@ -84,5 +89,5 @@ class TreeRun:
             self.slot[node] = past + i
         keys = torch.tensor([*self.node_positions, *positions], dtype=torch.int32)
         self.node_positions.extend(positions)
-        key_positions = torch.cat([torch.arange(self.committed, dtype=torch.int32), keys])
+        key_positions = torch.cat([torch.arange(self.start, self.committed, dtype=torch.int32), keys])
         return Wave(nodes, torch.tensor(positions, dtype=torch.int32), visible, key_positions)
