@@ -22,9 +22,9 @@ are known from the level before), in one forward and one LM head per level.
 The head attends to the latest committed pairs only (``window``, :data:`HEAD_WINDOW` by default), at their
 true positions: the shipped head was trained on windows of 128 tokens, and after 2,000 tokens of third-party
 code its teacher-forced first-depth accuracy was 0.346 with the last 512 pairs against 0.289 with all of them
-(0.912 either way on prose), while catching up with that prompt fed 512 pairs (19 ms) instead of 2,000
-(142 ms). The window moves in steps of half its size, so the cache holds between half a window and a window
-of pairs and is fed again once every half window of tokens.
+(0.912 either way on prose), while catching up with that prompt fed 512 pairs (16 ms) instead of 2,000
+(128 ms; ``benchmarks/head_window.py``). The window moves in steps of half its size, so the cache holds
+between half a window and a window of pairs and is fed again once every half window of tokens.
 """
 
 from __future__ import annotations
