@@ -145,6 +145,23 @@ def summarise(
     return summary
 
 
+def against_no_draft(results: dict[str, Any], arm: str, key: str) -> list[str]:
+    """The table of ``arm`` against ``no-draft`` per level (``key``: their paired ratio in the summary)."""
+    lines = [
+        f"| streams | {arm} tok/s | no-draft tok/s | {arm} / no-draft | per repeat | serve CPU ms/token {arm}, "
+        f"no-draft | machine busy cores {arm}, no-draft |",
+        "|---:|---:|---:|---:|---|---|---|",
+    ]
+    for n, c in results["summary"].items():
+        per = ", ".join(f"{x:.2f}" for x in c[f"{key}_per_repeat"])
+        lines.append(
+            f"| {n} | {c[f'{arm}:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c[key]:.2f} | {per} "
+            f"| {c[f'{arm}:serve_cpu_ms_per_token']:.2f}, {c['no-draft:serve_cpu_ms_per_token']:.2f} "
+            f"| {c[f'{arm}:machine_busy_cores']:.2f}, {c['no-draft:machine_busy_cores']:.2f} |"
+        )
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
     env = results["environment"]
     lines = [
@@ -156,33 +173,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"Reproduce: `{results['command']}`.",
     ]
     if "draft" in results["arms"] and "no-draft" in results["arms"]:
-        lines += [
-            "",
-            "| streams | draft tok/s | no-draft tok/s | draft / no-draft | per repeat | serve CPU ms/token draft, "
-            "no-draft | machine busy cores draft, no-draft |",
-            "|---:|---:|---:|---:|---|---|---|",
-        ]
-        for n, c in results["summary"].items():
-            per = ", ".join(f"{x:.2f}" for x in c["ratio_per_repeat"])
-            lines.append(
-                f"| {n} | {c['draft:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c['ratio']:.2f} | {per} "
-                f"| {c['draft:serve_cpu_ms_per_token']:.2f}, {c['no-draft:serve_cpu_ms_per_token']:.2f} "
-                f"| {c['draft:machine_busy_cores']:.2f}, {c['no-draft:machine_busy_cores']:.2f} |"
-            )
+        lines += ["", *against_no_draft(results, "draft", "ratio")]
     if "head" in results["arms"] and "no-draft" in results["arms"]:
-        lines += [
-            "",
-            "With the shipped EAGLE head and no draft model (`head`), against neither (`no-draft`):",
-            "",
-            "| streams | head tok/s | no-draft tok/s | head / no-draft | per repeat | serve CPU ms/token head |",
-            "|---:|---:|---:|---:|---|---:|",
-        ]
-        for n, c in results["summary"].items():
-            per = ", ".join(f"{x:.2f}" for x in c["ratio_head_per_repeat"])
-            lines.append(
-                f"| {n} | {c['head:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c['ratio_head']:.2f} | {per} "
-                f"| {c['head:serve_cpu_ms_per_token']:.2f} |"
-            )
+        lines += ["", "With the shipped EAGLE head and no draft model (`head`), against neither (`no-draft`):", ""]
+        lines += against_no_draft(results, "head", "ratio_head")
     if results.get("baseline"):
         beside = results.get("beside", "draft")  # results saved before --baseline-draft: with the draft model
         lines += [

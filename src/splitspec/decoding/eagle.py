@@ -137,8 +137,7 @@ class EagleDrafter:
         if not ready or source.tokens[committed - 1] != context[-2]:
             return None  # the verifier's features are not this context's (tokens committed before they were kept)
         start = window_start(committed, self.window)
-        if start != self.start:  # the window moved: its pairs are fed again from its new start
-            self.cache.truncate(0)
+        if start != self.start:  # the window moved: its pairs are fed again from its new start (common is 0)
             self._fed, self.start = [], start
         wanted = list(context[start + 1 :])  # x_{i+1} for pairs i = start .. committed - 1
         # always run the last pair again: its output is the root feature
