@@ -105,7 +105,10 @@ async def test_greedy_split_output_with_the_head_equals_one_token_greedy(
     asked = [s.feature_bytes_down for s in result.steps]
     assert all(asked) if feature_layers else not any(asked)  # the trunk's state is asked for only when read
     if feature_layers is None:  # a tiny random model's next token comes from its last layers, not its middle
-        assert sum(s.accepted for s in drafted) >= 10, "the trained head's drafts were hardly ever accepted"
+        # per drafted step, not in all: how many steps the controller drafts on follows the machine's timings
+        # (19 of 20 here, fewer on a loaded CI runner); an untrained head's tokens are ~never accepted
+        rate = sum(s.accepted for s in drafted) / len(drafted)
+        assert rate >= 0.5, f"the trained head's drafts were hardly ever accepted ({rate:.2f} tokens per drafted step)"
         assert len(result.steps) < 40, "speculation saved no round trip"
 
 
