@@ -177,6 +177,7 @@ class _EchoPeer:
     """The server's side of a step without a model: decode, copy to the device and back, encode."""
 
     ready = True  # no handshake: the echo measures steps only
+    concurrent = False  # one frame at a time, as an edge session sends them
 
     def __init__(self, staging: HostStaging) -> None:
         self.staging = staging

@@ -43,7 +43,35 @@ if [[ "${1:-}" == "prepare" ]]; then
         --python-version 3.12 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
         --implementation cp \
         "websockets>=14,<18" "pytest-asyncio>=0.24" "transformers==5.23.0" "prometheus-client>=0.20" \
-        "bitsandbytes==0.50.2" "accelerate==1.15.0" "compressed-tensors==0.20.0" "loguru>=0.7"
+        "accelerate==1.15.0" "compressed-tensors==0.20.0" "loguru>=0.7" \
+        "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types>=0.6" "typing-inspection>=0.4.4" \
+        "typing-extensions>=4.16"
+    # bitsandbytes' wheel is tagged manylinux_2_24 and holds a 20-MB library per CUDA version (130 MB)
+    "$PY" -m pip download --no-deps -d "$WHEELS" --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_24_x86_64 --implementation cp "bitsandbytes==0.50.2"
+    # the tool carries at most 64 MiB, the tree included: keep bitsandbytes' CPU and CUDA 13.0 libraries (the
+    # GPU image's torch is cu130) and the transformers model packages the device checks and their imports use
+    "$PY" - "$WHEELS"/bitsandbytes-*.whl "$WHEELS"/transformers-*.whl <<'EOF'
+import os, sys, zipfile
+LIBS = {"libbitsandbytes_cpu.so", "libbitsandbytes_cuda130.so"}
+MODELS = {"auto", "encoder_decoder", "llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma",
+          "gemma2", "gemma3", "phi", "phi3", "granite", "olmo2", "smollm3", "cohere", "gpt2"}
+def dropped(name: str) -> bool:
+    parts = name.split(",")[0].split("/")
+    if parts[-1].startswith("libbitsandbytes_"):
+        return parts[-1] not in LIBS
+    return parts[:2] == ["transformers", "models"] and len(parts) > 3 and parts[2] not in MODELS
+for wheel in sys.argv[1:]:
+    with zipfile.ZipFile(wheel) as zin, zipfile.ZipFile(wheel + ".tmp", "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            if dropped(info.filename):
+                continue
+            data = zin.read(info.filename)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = "".join(l + "\n" for l in data.decode().splitlines() if not dropped(l)).encode()
+            zout.writestr(info, data)
+    os.replace(wheel + ".tmp", wheel)
+EOF
     ls -l "$WHEELS"
     exit 0
 fi
@@ -75,6 +103,9 @@ need=()
 "$PY" -c 'import bitsandbytes' 2>/dev/null || need+=("bitsandbytes==0.50.2")
 "$PY" -c 'import accelerate' 2>/dev/null || need+=("accelerate==1.15.0")
 "$PY" -c 'import compressed_tensors' 2>/dev/null || need+=("compressed-tensors==0.20.0")
+# compressed-tensors' config models (pydantic 2.14 wants typing-extensions >= 4.16)
+"$PY" -c 'import pydantic' 2>/dev/null || need+=("pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types>=0.6" \
+    "typing-inspection>=0.4.4" "typing-extensions>=4.16")
 "$PY" -c 'import loguru' 2>/dev/null || need+=("loguru>=0.7")  # compressed-tensors' logger
 "$PY" - <<'EOF' || need+=("transformers==5.23.0")
 import sys
