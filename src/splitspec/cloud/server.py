@@ -42,6 +42,7 @@ from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_trunk, resolve_dtype
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
+from splitspec.models.warm_up import WARM_UP_WIDTHS, pays_cold_start, warm_up_stack
 from splitspec.protocol.codec import WIRE_CODECS
 from splitspec.protocol.messages import (
     CloseSession,
@@ -130,6 +131,9 @@ class TrunkServer:
         self.cache_size = static_cache_size(config.compile, config.max_cache_tokens, self.max_positions)
         if config.compile is not None and self.cache_size is not None:
             self.trunk.enable_fixed_decode(config.compile, config.compile_backend).warm_up(self.cache_size)
+        elif pays_cold_start(devices):  # each step width once, so no edge measures a cold GPU (models/warm_up.py)
+            seconds = warm_up_stack(self.trunk, self.dtype)
+            log.info("trunk: warmed up at step widths %s in %.0f ms", WARM_UP_WIDTHS, seconds * 1e3)
         self.budget = KVBudget(
             budget_bytes=default_budget_bytes(devices)
             if config.kv_budget_mb is None

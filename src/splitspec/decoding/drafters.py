@@ -17,6 +17,7 @@ pool, prompt lookup) give no probabilities: their q is one-hot. The draft model 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -30,6 +31,7 @@ from splitspec.decoding.trees import Draft as Draft
 from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
+from splitspec.models.warm_up import WARM_UP_CONTEXT, WARM_UP_WIDTHS
 from splitspec.prefix import common_prefix
 
 PREPARE_CHUNK = 512  # prompt tokens a draft model's prepare feeds at once: bounds its attention masks
@@ -290,6 +292,17 @@ class DraftModel:
             self.sequence.truncate(len(context))  # the tree's entries go: the next draft runs what was accepted
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
         return draft
+
+
+def warm_up_draft_model(model: FullModel) -> float:
+    """One greedy proposal at the largest budget after a short context, on a scratch cache; returns the seconds.
+
+    A draft model's first proposal on a GPU pays its kernels' cold start (821 ms on an H200, 5-8 ms once warm),
+    which the speculation controller would take for what the drafter costs (see :mod:`splitspec.models.warm_up`).
+    """
+    t0 = time.perf_counter()
+    DraftModel(model, SamplingParams()).propose(list(range(WARM_UP_CONTEXT)), WARM_UP_WIDTHS[-1] - 1)
+    return time.perf_counter() - t0
 
 
 def leaf_chains(draft: Draft) -> list[list[int]]:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from splitspec.decoding.drafters import warm_up_draft_model
 from splitspec.decoding.published import published_sampling, sampling_settings
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.devices import HostStaging, resolve_device
@@ -37,6 +38,7 @@ from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
+from splitspec.models.warm_up import WARM_UP_WIDTHS, pays_cold_start, warm_up_edge
 from splitspec.protocol.codec import WIRE_CODECS
 from splitspec.protocol.messages import AUTO_DTYPE, Hello
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
@@ -81,6 +83,8 @@ class EdgeRuntime:
         self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
         self.vocab_size = int(ckpt.config.vocab_size)
         self.cache_size = self._compile_fixed_decode()  # static KV entries with --compile, else None
+        if edge is None:  # a shared model was warmed where it was loaded
+            self._warm_up()
         self.hello = Hello(
             fingerprint=fingerprint(ckpt.config),
             layer_start=self.plan.trunk_layers.start,
@@ -105,6 +109,9 @@ class EdgeRuntime:
                 )
             draft_dtype, _ = resolve_dtype(draft_ckpt, config.dtype, self.device, "draft")  # auto: its own, fitted
             self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation, self.device)
+            if pays_cold_start([self.device]):
+                seconds = warm_up_draft_model(self.draft_model)
+                log.info("draft model: a proposal warmed up in %.0f ms", seconds * 1e3)
         # an EAGLE head drafts from this model's features: it computes in the edge's dtype, on its device
         self.draft_head: DraftHead | None = None
         if config.draft_head_dir is not None:
@@ -152,10 +159,19 @@ class EdgeRuntime:
             )
             self._prepack()
             self.cache_size = self._compile_fixed_decode()
+            self._warm_up()
             if self.draft_head is not None:
                 self.draft_head.to(self.dtype)  # it reads the features this dtype computes
         self.hello = dataclasses.replace(self.hello, dtype=trunk_dtype)
         return self.hello
+
+    def _warm_up(self) -> None:
+        """On an accelerator, each step width once through the edge's layers (models/warm_up.py): its cold kernels
+        are paid here, not measured by the first steps' speculation estimates."""
+        if not pays_cold_start([self.device]):
+            return
+        seconds = warm_up_edge(self.model)
+        log.info("edge: warmed up at step widths %s in %.0f ms", WARM_UP_WIDTHS, seconds * 1e3)
 
     def _prepack(self) -> None:
         """``prepack``: the head's and tail's linear layers, and the LM head up to :data:`PACKED_HEAD_MAX_BYTES`,
