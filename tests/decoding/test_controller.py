@@ -65,6 +65,28 @@ def test_probes_again_after_a_long_sequential_run() -> None:
     assert ctl.ranked()[0].budget == 1
 
 
+def test_short_answers_re_probe_a_drafter_the_engine_judged_too_dear() -> None:
+    """Every sequence starts from the engine-wide estimates; answers shorter than ``probe_every`` one-token steps
+    still re-probe, on the engine's count (a cold GPU's first proposals once locked the draft model out for good)."""
+    population = SpeculationController(["draft"])
+    population.observe_step(1, 0.06)
+    population.observe_step(3, 0.07)
+    for _ in range(3):  # cold proposals: 400 ms a token, as the draft model's first ones on a cold H200
+        population.observe_draft("draft", 2, 1, 2, 0.8)
+    probed_in = []
+    for answer in range(4):  # answers of 10 tokens, each a new sequence
+        ctl = SpeculationController(["draft"], step_times=population.step_times, population=population)
+        for _ in range(10):
+            best = ctl.ranked()[0]
+            if best.drafter is not None:
+                assert best.budget == 1  # a probe: the cheapest draft
+                probed_in.append(answer)
+                ctl.observe_step(2, 0.065)
+                break
+            ctl.observe_step(1, 0.06)
+    assert probed_in == [2]  # after 24 one-token steps of the engine (20 in answers 0-1, 4 in answer 2)
+
+
 def test_step_times_follow_the_load_at_every_size() -> None:
     """Step times rise for every size under load; once one-token steps are fast again, a big step's
     prediction comes down with them, though no big step was measured since (it would otherwise

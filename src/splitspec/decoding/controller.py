@@ -473,7 +473,7 @@ class SpeculationController:
             reverse=True,
         )
         options = ask + options[cut:]
-        if options[0].drafter is None and self.drafters and self._since_speculation >= self.probe_every:
+        if options[0].drafter is None and self.drafters and self.sequential_run() >= self.probe_every:
             # re-probe cheaply: estimates of a drafter we stopped using cannot improve otherwise
             k = self.budgets[0]
             best_drafter = max(self.drafters, key=lambda name: self.value(name, k, n, wait.get(name, 0.0)))
@@ -482,12 +482,23 @@ class SpeculationController:
 
     # -- observations ------------------------------------------------------------------------------
 
+    def sequential_run(self) -> int:
+        """One-token steps since the last draft: this sequence's, or the engine's (its population's) when longer.
+
+        The engine's count lets short answers re-probe too. A drafter judged too dear from a few slow
+        observations (a GPU's cold start; the H200s here also drop from 1,980 to 345 MHz when idle) is otherwise
+        never measured again by answers shorter than ``probe_every`` tokens, each starting from those estimates."""
+        population = 0 if self.population is None else self.population.sequential_run()
+        return max(self._since_speculation, population)
+
     def observe_step(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
         self.step_times.observe(query_tokens, seconds, context_tokens)
-        if query_tokens == 1:
-            self._since_speculation += 1
-        else:
-            self._since_speculation = 0
+        self._count_step(query_tokens)
+        if self.population is not None:  # the engine's run (its step times are observed by whoever holds them)
+            self.population._count_step(query_tokens)
+
+    def _count_step(self, query_tokens: int) -> None:
+        self._since_speculation = self._since_speculation + 1 if query_tokens == 1 else 0
 
     def wants_shadow(self, drafter: str) -> bool:
         """Whether ``drafter``, cheap and deterministic but not chosen, should be scored against this greedy
