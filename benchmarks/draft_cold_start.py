@@ -1,0 +1,155 @@
+"""Benchmark: does the draft model keep drafting after the edge's first steps on a device?
+
+Fresh edge engines (``--clients``, one after another, in one process) with the demo base model, the demo draft
+model and ``--speculate draft`` answer ``--answers`` greedy 16-token prompts each over an emulated RTT. Per
+answer: the draft model's proposals, their wall times, decode steps and tokens per step, and the engine's
+estimates afterwards (predicted step times at 1, 3 and 9 query tokens; the draft model's cost per drafted token).
+
+On a CPU every answer makes about 7 proposals of 5-15 ms. On an H200 before the warm-up at load
+(``models/warm_up.py``) the first proposal took 821 ms and 3- and 9-token steps were predicted at 498 and
+1,315 ms: the controller judged drafting too dear and the first engine's later answers made 0-1 proposals.
+
+    python benchmarks/draft_cold_start.py --device cuda [--rtt-ms 40] [--clients 2] [--answers 5] [--out DIR]
+
+Writes draft_cold_start.json and draft_cold_start.md into --out (default benchmarks/results/draft_cold_start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from splitspec.bench.scenario import ASSETS_DIR
+from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.server import TrunkServer
+from splitspec.decoding import drafters
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.netem.emulator import WanEmulator
+from splitspec.netem.schedule import NetemConfig
+from splitspec.run_info import run_environment
+
+BASE, DRAFT = ASSETS_DIR / "models" / "base", ASSETS_DIR / "models" / "draft"
+PROMPT = list(range(40, 104))  # 64 token ids of the demo vocabulary
+NEW_TOKENS = 16
+
+
+class ProposalTimer:
+    """Wraps :meth:`DraftModel.propose` (the class, for every engine of the run) to time each proposal."""
+
+    def __init__(self) -> None:
+        self.proposals: list[tuple[int, int, float]] = []  # (budget, drafted tokens, ms)
+        real = drafters.DraftModel.propose
+
+        def propose(model: drafters.DraftModel, context: Sequence[int], budget: int) -> drafters.Draft:
+            t0 = time.perf_counter()
+            draft = real(model, context, budget)
+            self.proposals.append((budget, len(draft), (time.perf_counter() - t0) * 1e3))
+            return draft
+
+        drafters.DraftModel.propose = propose  # type: ignore[method-assign]
+
+
+async def run(device: str, rtt_ms: float, clients: int, answers: int) -> list[dict[str, Any]]:
+    timer = ProposalTimer()
+    rows: list[dict[str, Any]] = []
+    async with (
+        TrunkServer(CloudConfig(model_dir=BASE, port=0, device=device)) as server,
+        WanEmulator(NetemConfig(upstream_port=server.port, rtt_ms=rtt_ms)) as link,
+    ):
+        for client_no in range(clients):
+            edge = EdgeConfig(
+                model_dir=BASE,
+                cloud_url=f"ws://127.0.0.1:{link.port}",
+                device=device,
+                allow_stock_edge_weights=True,
+                draft_model_dir=DRAFT,
+            )
+            async with SplitClient(edge) as client:
+                for answer in range(answers):
+                    start = len(timer.proposals)
+                    t0 = time.perf_counter()
+                    result = await client.generate(
+                        PROMPT, NEW_TOKENS, SamplingParams(temperature=0.0), speculate="draft"
+                    )
+                    wall_ms = (time.perf_counter() - t0) * 1e3
+                    made = timer.proposals[start:]
+                    engine = client.engine
+                    stats = engine.population(["draft"])._stats["draft"]
+                    steps = [s for s in result.steps if s.kind == "decode"]
+                    rows.append(
+                        {
+                            "client": client_no,
+                            "answer": answer,
+                            "wall_ms": wall_ms,
+                            "tokens": len(result.token_ids),
+                            "decode_steps": len(steps),
+                            "tokens_per_step": len(result.token_ids) / max(1, len(steps)),
+                            "proposals": len(made),
+                            "proposal_ms": [round(ms, 2) for _, _, ms in made],
+                            "predicted_step_ms": {q: engine.step_times.predict(q) * 1e3 for q in (1, 3, 9)},
+                            "draft_cost_per_token_ms": stats.cost_per_token.value * 1e3,
+                        }
+                    )
+                    log.info("client %d answer %d: %d proposals, %s", client_no, answer, len(made), rows[-1])
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str) -> str:
+    lines = [
+        "# Draft model after a cold start: proposals per answer",
+        "",
+        f"commit {env.get('commit')}, `{command}`; device {env.get('device')}. 16-token greedy answers to a "
+        "64-token prompt, `--speculate draft`, demo base + draft models.",
+        "",
+        "| engine | answer | proposals | proposal ms (median; first) | decode steps | tokens/step | "
+        "predicted T(1) / T(3) / T(9) ms | draft ms per token (estimate) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ms = r["proposal_ms"]
+        times = f"{statistics.median(ms):.1f}; {ms[0]:.1f}" if ms else "-"
+        t = r["predicted_step_ms"]
+        lines.append(
+            f"| {r['client']} | {r['answer']} | {r['proposals']} | {times} | {r['decode_steps']} | "
+            f"{r['tokens_per_step']:.2f} | {t[1]:.0f} / {t[3]:.0f} / {t[9]:.0f} | {r['draft_cost_per_token_ms']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+log = logging.getLogger("draft_cold_start")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--device", default="auto", help="the trunk's and the edge's device (default auto)")
+    parser.add_argument("--rtt-ms", type=float, default=40.0, help="emulated round trip, ms (default 40)")
+    parser.add_argument("--clients", type=int, default=2, help="fresh edge engines, one after another (default 2)")
+    parser.add_argument("--answers", type=int, default=5, help="answers per engine (default 5)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_cold_start")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    rows = asyncio.run(run(args.device, args.rtt_ms, args.clients, args.answers))
+    env = run_environment()
+    env["device"] = args.device
+    command = "python benchmarks/draft_cold_start.py " + " ".join(sys.argv[1:])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "draft_cold_start.json").write_text(
+        json.dumps({"environment": env, "command": command, "rows": rows}, indent=1)
+    )
+    (args.out / "draft_cold_start.md").write_text(markdown(rows, env, command))
+    log.info("\n%s", markdown(rows, env, command))
+
+
+if __name__ == "__main__":
+    main()
