@@ -17,11 +17,13 @@ from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.decoding import drafters
 from splitspec.decoding.controller import DEFAULT_BUDGETS
+from splitspec.decoding.eagle import warm_up_draft_head
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge import runtime as runtime_module
 from splitspec.edge.runtime import EdgeRuntime
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.draft_head_io import load_draft_head
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import load_edge, load_full, load_trunk
 from splitspec.models.warm_up import (
@@ -35,7 +37,7 @@ from splitspec.models.warm_up import (
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
 
-BASE, DRAFT = ASSETS_DIR / "models" / "base", ASSETS_DIR / "models" / "draft"
+BASE, DRAFT, HEAD = (ASSETS_DIR / "models" / name for name in ("base", "draft", "base-eagle"))
 REAL_PROPOSE = drafters.DraftModel.propose
 
 
@@ -97,17 +99,28 @@ def test_the_draft_model_proposes_a_tree(make_checkpoint: Callable[..., Path]) -
     assert len(widths) >= 3  # two waves of the tree at least: its first level, and the best nodes' children
 
 
-def _forwards_at_load(monkeypatch: pytest.MonkeyPatch, accelerator: bool) -> tuple[int, int, int]:
-    """Forwards of the trunk, the edge and the draft model while a server and a runtime load, with the warm-up's
-    device test answering ``accelerator``."""
+def test_the_draft_head_proposes_a_tree_from_made_up_features() -> None:
+    ckpt = Checkpoint(BASE)
+    edge = load_edge(ckpt, SplitPlan(ckpt.config.num_hidden_layers, 2, 2), torch.float32)
+    head = load_draft_head(HEAD, ckpt, torch.device("cpu"), torch.float32)
+    widths = _record_widths(head.layer)
+    assert warm_up_draft_head(head, edge) > 0
+    assert widths[0] == WARM_UP_CONTEXT  # the context's pairs, then the tree's levels
+    assert len(widths) >= 3
+
+
+def _warm_ups_at_load(monkeypatch: pytest.MonkeyPatch, accelerator: bool) -> tuple[int, ...]:
+    """Warm-ups of the trunk, the edge, the draft model and the draft head while a server and a runtime load,
+    with the warm-up's device test answering ``accelerator``."""
     if accelerator:  # what an accelerator would answer; the layers still run on this CPU
         monkeypatch.setattr(server_module, "pays_cold_start", lambda devices: True)
         monkeypatch.setattr(runtime_module, "pays_cold_start", lambda devices: True)
-    counts = {"trunk": 0, "edge": 0, "draft": 0}
+    counts = {"trunk": 0, "edge": 0, "draft": 0, "head": 0}
     for name, module, attr in (
         ("trunk", server_module, "warm_up_stack"),
         ("edge", runtime_module, "warm_up_edge"),
         ("draft", runtime_module, "warm_up_draft_model"),
+        ("head", runtime_module, "warm_up_draft_head"),
     ):
         real = getattr(module, attr)
 
@@ -117,21 +130,23 @@ def _forwards_at_load(monkeypatch: pytest.MonkeyPatch, accelerator: bool) -> tup
 
         monkeypatch.setattr(module, attr, run)
     TrunkServer(CloudConfig(model_dir=BASE, port=0, device="cpu"))
-    EdgeRuntime(
-        EdgeConfig(
-            model_dir=BASE,
-            cloud_url="ws://127.0.0.1:1",
-            device="cpu",
-            allow_stock_edge_weights=True,
-            draft_model_dir=DRAFT,
-        )
+    config = EdgeConfig(
+        model_dir=BASE,
+        cloud_url="ws://127.0.0.1:1",
+        device="cpu",
+        allow_stock_edge_weights=True,
+        draft_model_dir=DRAFT,
+        draft_head_dir=HEAD,
     )
-    return counts["trunk"], counts["edge"], counts["draft"]
+    runtime = EdgeRuntime(config)
+    EdgeRuntime(config, edge=runtime.model, draft_model=runtime.draft_model)  # shared weights: warmed already
+    return tuple(counts.values())
 
 
 def test_an_accelerator_warms_up_at_load_a_cpu_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _forwards_at_load(monkeypatch, accelerator=False) == (0, 0, 0)
-    assert _forwards_at_load(monkeypatch, accelerator=True) == (1, 1, 1)
+    assert _warm_ups_at_load(monkeypatch, accelerator=False) == (0, 0, 0, 0)
+    # the second runtime shares the first's edge and draft model, and loads its own head
+    assert _warm_ups_at_load(monkeypatch, accelerator=True) == (1, 1, 1, 2)
 
 
 def _slow_first_proposal(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[int]:

@@ -29,7 +29,9 @@ between half a window and a window of pairs and is fed again once every half win
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -43,6 +45,7 @@ from splitspec.models.features import FeatureLog
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain
 from splitspec.models.stack import ModelEnds
+from splitspec.models.warm_up import WARM_UP_CONTEXT, WARM_UP_WIDTHS
 from splitspec.prefix import common_prefix
 
 HEAD_WINDOW = 512  # committed pairs the head attends to, at most (see the module docstring)
@@ -179,6 +182,27 @@ class EagleDrafter:
             self.cache.truncate(committed - self.start)
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
         return draft
+
+
+@dataclass
+class _Committed:
+    """A verifier's committed tokens and their features, made up (a warm-up's)."""
+
+    tokens: list[int]
+    features: FeatureLog | None
+
+
+def warm_up_draft_head(head: DraftHead, ends: ModelEnds) -> float:
+    """One greedy proposal at the largest budget after a short context of zero features, on a scratch cache (see
+    :mod:`splitspec.models.warm_up`: a GPU's cold kernels would otherwise be taken for what the head costs).
+    Returns the seconds it took."""
+    t0 = time.perf_counter()
+    log = FeatureLog(head.config.feature_layers)
+    log.append(torch.zeros(WARM_UP_CONTEXT, head.config.feature_width, dtype=head.dtype, device=head.device))
+    source = _Committed(list(range(WARM_UP_CONTEXT)), log)
+    drafter = EagleDrafter(head, lambda: ends, source, SamplingParams())
+    drafter.propose(list(range(WARM_UP_CONTEXT + 1)), WARM_UP_WIDTHS[-1] - 1)
+    return time.perf_counter() - t0
 
 
 class _HeadExpander:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from splitspec.decoding.drafters import warm_up_draft_model
+from splitspec.decoding.eagle import warm_up_draft_head
 from splitspec.decoding.published import published_sampling, sampling_settings
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.devices import HostStaging, resolve_device
@@ -83,8 +84,6 @@ class EdgeRuntime:
         self.max_positions = int(ckpt.config.max_position_embeddings)  # longest sequence, tokens
         self.vocab_size = int(ckpt.config.vocab_size)
         self.cache_size = self._compile_fixed_decode()  # static KV entries with --compile, else None
-        if edge is None:  # a shared model was warmed where it was loaded
-            self._warm_up()
         self.hello = Hello(
             fingerprint=fingerprint(ckpt.config),
             layer_start=self.plan.trunk_layers.start,
@@ -109,9 +108,6 @@ class EdgeRuntime:
                 )
             draft_dtype, _ = resolve_dtype(draft_ckpt, config.dtype, self.device, "draft")  # auto: its own, fitted
             self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation, self.device)
-            if pays_cold_start([self.device]):
-                seconds = warm_up_draft_model(self.draft_model)
-                log.info("draft model: a proposal warmed up in %.0f ms", seconds * 1e3)
         # an EAGLE head drafts from this model's features: it computes in the edge's dtype, on its device
         self.draft_head: DraftHead | None = None
         if config.draft_head_dir is not None:
@@ -121,6 +117,8 @@ class EdgeRuntime:
                 config.draft_head_dir, ckpt, self.device, self.dtype, target_check=config.draft_head_target_check
             )
             edge_feature_sources(self.draft_head.config.feature_layers, self.plan.num_layers, *config.edge_layers)
+        # a shared edge model (and draft model) was warmed where it was loaded
+        self._warm_up(edge=edge is None, draft_model=draft_model is None)
 
     def ends(self) -> EdgeModel:
         """The edge model's embedding, final norm and LM head, as loaded now (an auto edge may load them again
@@ -159,19 +157,27 @@ class EdgeRuntime:
             )
             self._prepack()
             self.cache_size = self._compile_fixed_decode()
-            self._warm_up()
             if self.draft_head is not None:
                 self.draft_head.to(self.dtype)  # it reads the features this dtype computes
+            self._warm_up(edge=True, draft_model=False)
         self.hello = dataclasses.replace(self.hello, dtype=trunk_dtype)
         return self.hello
 
-    def _warm_up(self) -> None:
-        """On an accelerator, each step width once through the edge's layers (models/warm_up.py): its cold kernels
-        are paid here, not measured by the first steps' speculation estimates."""
+    def _warm_up(self, edge: bool, draft_model: bool) -> None:
+        """On an accelerator, every step width once through the edge's layers (``edge``), the draft model
+        (``draft_model``) and the draft head (models/warm_up.py): their cold kernels are paid here, not measured by
+        the first steps' speculation estimates."""
         if not pays_cold_start([self.device]):
             return
-        seconds = warm_up_edge(self.model)
-        log.info("edge: warmed up at step widths %s in %.0f ms", WARM_UP_WIDTHS, seconds * 1e3)
+        seconds = {}
+        if edge:
+            seconds["edge"] = warm_up_edge(self.model)
+        if draft_model and self.draft_model is not None:
+            seconds["draft model"] = warm_up_draft_model(self.draft_model)
+        if self.draft_head is not None:
+            seconds["draft head"] = warm_up_draft_head(self.draft_head, self.model)
+        times = ", ".join(f"{name} {s * 1e3:.0f} ms" for name, s in seconds.items())
+        log.info("warmed up at step widths %s: %s", WARM_UP_WIDTHS, times or "nothing to warm")
 
     def _prepack(self) -> None:
         """``prepack``: the head's and tail's linear layers, and the LM head up to :data:`PACKED_HEAD_MAX_BYTES`,
