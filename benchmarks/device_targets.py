@@ -128,6 +128,27 @@ async def split_generate(client: SplitClient, prompt: list[int], n: int) -> tupl
     return len(result.token_ids) / result.wall_s, result.token_ids, result.summary()
 
 
+def divergence(
+    model: Any, prompt: list[int], whole: list[int], split: list[int], device: torch.device
+) -> dict[str, Any]:
+    """Where two greedy continuations first differ, and the whole model's logit gap there between its token and
+    the split's: a gap within the dtype's rounding (bfloat16 on random weights, whose top logits are near ties)
+    is a tie broken differently, not a wrong split."""
+    i = next(j for j, (a, b) in enumerate(zip(whole, split, strict=False)) if a != b)
+    ids = torch.tensor([prompt + whole[:i]], device=device)
+    with torch.inference_mode():
+        logits = model(ids).logits[0, -1].float()  # (V,)
+    top2 = torch.topk(logits, 2).values
+    return {
+        "index": i,
+        "whole_token": whole[i],
+        "split_token": split[i],
+        "gap_to_split_token": float(logits[whole[i]] - logits[split[i]]),
+        "top2_gap": float(top2[0] - top2[1]),
+        "top_logit": float(top2[0]),
+    }
+
+
 async def split_vs_whole(
     directory: Path, dtype_name: str, device: torch.device, prompt: list[int], n: int, repeats: int
 ) -> dict[str, Any]:
@@ -135,6 +156,7 @@ async def split_vs_whole(
     whole = whole_model(directory, dtype, device)
     cloud = CloudConfig(model_dir=directory, port=0, dtype=dtype_name, device=str(device), edge_layers=EDGE_LAYERS)
     whole_tps, split_tps, ratios, summaries, identical = [], [], [], [], []
+    divergences: list[dict[str, Any]] = []
     async with TrunkServer(cloud) as server:
         edge = EdgeConfig(
             allow_stock_edge_weights=True,
@@ -158,6 +180,9 @@ async def split_vs_whole(
                 summaries.append(summary)
                 identical.append(stoks == wtoks)
                 log.info("repeat %d: whole %.1f tok/s, split %.1f tok/s, identical %s", r, wt, st, stoks == wtoks)
+                if stoks != wtoks:
+                    divergences.append(divergence(whole, prompt, wtoks, stoks, device))
+                    log.info("repeat %d: first divergence %s", r, divergences[-1])
     del whole
 
     def med(key: str) -> float:
@@ -171,6 +196,7 @@ async def split_vs_whole(
         "whole_tok_s_median": statistics.median(whole_tps),
         "split_tok_s_median": statistics.median(split_tps),
         "greedy_tokens_identical": identical,
+        "divergences": divergences,
         "split_step_ms_median": {k: med(k) for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")},
     }
 
@@ -369,6 +395,11 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         f"| split at zero added RTT, tok/s | {sv['split_tok_s_median']:.1f} | |",
         f"| split / whole ratio | {sv['ratio_median']:.3f} | >= 0.9 (hidden >= 2048) |",
         f"| greedy tokens identical in every repeat | {all(sv['greedy_tokens_identical'])} | True |",
+        *(
+            f"| repeat's first divergence: token {d['index']}, whole's logit gap to the split's token "
+            f"{d['gap_to_split_token']:.4f} (top-2 gap {d['top2_gap']:.4f}, top logit {d['top_logit']:.3f}) | | |"
+            for d in sv.get("divergences", [])
+        ),
         *[f"| split step {k}, median | {v:.3f} ms | |" for k, v in sv["split_step_ms_median"].items()],
         f"| framework overhead per step, {fo['width']}-wide {fo['dtype']} | {fo['step_overhead_ms_median']:.3f} ms"
         f" (p90 {fo['step_overhead_ms_p90']:.3f}) | <= 1 ms |",
