@@ -1,15 +1,16 @@
 """Warm-up: run every step width once at load, so that nothing measures a cold start.
 
 On a GPU the first call of each kernel shape pays lazy kernel loading, cuBLAS set-up and
-algorithm choice. On an H200 (``scripts/gpu_check.sh`` and ``.diag``-style probes, 2026-12-04),
+algorithm choice. On an H200 (``benchmarks/results/gpu/h200-2026-12-04/``, 2026-12-04),
 after the demo's first steps the edge's speculation controller predicted a 3-token step at 498 ms
 and a 9-token one at 1,315 ms, and the draft model's first proposal took 821 ms, against 5-8 ms
 once warm. The controller takes such times for what steps and drafts cost: it judged drafting too
 dear and, a 16-token answer never re-probing it, drafted nothing afterwards (``--speculate draft``
 accepted 1.00 token per step on the GPU, 2-3 on a CPU). So the trunk server and the edge runtime
 run their layers once at each width a step can have, after a short context, on a scratch cache,
-before the first request; the draft model's proposal is warmed the same way
-(:func:`splitspec.decoding.drafters.warm_up_draft_model`).
+before the first request; the draft model's and the draft head's proposals are warmed the same way
+(:func:`splitspec.decoding.drafters.warm_up_draft_model`, :func:`splitspec.decoding.eagle.warm_up_draft_head`).
+``benchmarks/draft_cold_start.py`` measures what the drafters do after a start.
 
 A CPU has no such cold start: on this project's 2-core machine the demo edge's first warm-up took
 83 ms and its fourth 70 ms (the trunk's 45 and 46 ms, the draft model's 18 and 16 ms), so there
@@ -18,7 +19,6 @@ the warm-up would only delay every start, and only an accelerator's is warmed (:
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable, Sequence
 
@@ -27,8 +27,6 @@ import torch
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, step_positions
 from splitspec.models.stack import EdgeModel, LayerStack
-
-log = logging.getLogger(__name__)
 
 # query tokens of the warm-up steps: one token (a greedy step), and one plus each of the speculation
 # controller's budgets (decoding.controller.DEFAULT_BUDGETS: a step carries its token and the draft)
