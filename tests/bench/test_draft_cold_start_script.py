@@ -1,0 +1,23 @@
+"""benchmarks/draft_cold_start.py, short: on a CPU (no cold start) the draft model drafts in every answer, and the
+run writes its report (the GPU check reads it: 0-1 proposals per answer there before the warm-up at load)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.bench.scripts import BENCHMARKS
+
+
+def test_a_short_run_drafts_in_every_answer_and_writes_its_report(tmp_path: Path) -> None:
+    args = ["--device", "cpu", "--clients", "1", "--answers", "2", "--out", str(tmp_path)]
+    script = str(BENCHMARKS / "draft_cold_start.py")
+    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "draft_cold_start.json").read_text())["rows"]
+    assert [(r["client"], r["answer"], r["tokens"]) for r in rows] == [(0, 0, 16), (0, 1, 16)]
+    assert all(r["proposals"] >= 3 and len(r["proposal_ms"]) == r["proposals"] for r in rows), rows
+    assert all(r["decode_steps"] < 16 for r in rows)  # drafts were accepted: fewer steps than tokens
+    assert (tmp_path / "draft_cold_start.md").read_text().startswith("# Draft model after a cold start")
