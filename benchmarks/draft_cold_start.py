@@ -51,13 +51,13 @@ class ProposalTimer:
         self.proposals: list[tuple[int, int, float]] = []  # (budget, drafted tokens, ms)
         real = drafters.DraftModel.propose
 
-        def propose(model: drafters.DraftModel, context: Sequence[int], budget: int) -> drafters.Draft:
+        def propose(self_: drafters.DraftModel, context: Sequence[int], budget: int) -> drafters.Draft:
             t0 = time.perf_counter()
-            draft = real(model, context, budget)
+            draft = real(self_, context, budget)
             self.proposals.append((budget, len(draft), (time.perf_counter() - t0) * 1e3))
             return draft
 
-        drafters.DraftModel.propose = propose  # type: ignore[method-assign]
+        drafters.DraftModel.propose = propose  # type: ignore[method-assign,assignment]
 
 
 async def run(device: str, rtt_ms: float, clients: int, answers: int) -> list[dict[str, Any]]:
