@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The prepared GPU check of issue 14: one command, about 7 minutes on one H200 (first run: 2026-12-04).
+# The prepared GPU check of issue 14: one command, 8-10 minutes on one H200 (first run: 2026-12-04).
 #
 #   scripts/gpu_check.sh prepare   # HERE, with network: fetch the wheels the GPU image lacks into .wheelhouse/
 #   scripts/gpu_check.sh           # THERE, on the GPU machine (the device tool: carry [".wheelhouse"])
+#
+# Through the device tool run `timeout 560 bash scripts/gpu_check.sh` with the tool's timeout_s 600: a TERM from
+# timeout still packs what was written (the EXIT trap below), which the tool's own kill at its limit would not.
 #
 # On the GPU machine it
 #   1. checks that python3's torch sees CUDA; installs torch==2.13.0 (PyPI's default CUDA build)
@@ -146,24 +149,24 @@ echo "== compile tests exit status $status"
 "$PY" -m pytest -q -p no:cacheprovider --device cuda -o timeout=240 tests/e2e/test_quantized_cuda.py || status=$?
 echo "== quantized trunk tests exit status $status"
 
-# 4. benchmarks on the GPU
-# trunk step: transformers vs ours with growable KV, static KV (fixed-shape, eager) and compiled
-# (--compile auto = reduce-overhead, CUDA graphs), static KV of 1024 entries at context 512
-"$PY" benchmarks/device_targets.py --device cuda --dtype bfloat16 --shape llama-3.2-1b \
-    --repeats 3 --new-tokens 64 --compile auto --cache-tokens 1024 --out "$RESULTS/targets" || status=$?
+# 4. benchmarks on the GPU, most wanted first, each bounded (about 10 minutes at most in all; on the H200 on
+# 2026-12-04 steps 1-3 took 130 s, device_targets 80 s, the speculative quick run 110 s)
 # the draft model after a cold start: proposals per 16-token answer on fresh engines (about 7 on a CPU; 0-1 on the
 # H200 before the warm-up at load)
-"$PY" benchmarks/draft_cold_start.py --device cuda --out "$RESULTS/draft_cold_start" || status=$?
+timeout 90 "$PY" benchmarks/draft_cold_start.py --device cuda --out "$RESULTS/draft_cold_start" || status=$?
 # greedy split decoding over emulated RTTs; the draft rows' accepted/step should be 2-3 as on a CPU: before the
 # warm-up at load (9f311b7, models/warm_up.py) the H200's cold first steps locked the draft model out (1.00)
-"$PY" -m splitspec.cli --log-level WARNING bench speculative --quick --device cuda --no-progress --no-runs \
-    --out "$RESULTS/speculative" || status=$?
-# the trunk's load time, weight memory and peak host RSS per quantization (the host-side figures)
-"$PY" benchmarks/quant_load.py --repeats 1 --out "$RESULTS/quant_load" || status=$?
-# continuous batching on the GPU: batched vs per-session steps/s at 1 and 16 sessions, and the prefill mix; last and
-# bounded: on the H200 (2026-12-04) the run at 1, 16 and 32 sessions outlasted 3.5 minutes, and with --sessions 1 16
-# --seconds 0.5 --models random-llama-1024 --prefill 1024 it had not finished in 110 s
-timeout 150 "$PY" benchmarks/trunk_load.py --device cuda --repeats 3 --seconds 0.5 --sessions 1 16 \
+timeout 150 "$PY" -m splitspec.cli --log-level WARNING bench speculative --quick --device cuda --no-progress \
+    --no-runs --out "$RESULTS/speculative" || status=$?
+# trunk step: transformers vs ours with growable KV, static KV (fixed-shape, eager) and compiled
+# (--compile auto = reduce-overhead, CUDA graphs), static KV of 1024 entries at context 512
+timeout 150 "$PY" benchmarks/device_targets.py --device cuda --dtype bfloat16 --shape llama-3.2-1b \
+    --repeats 3 --new-tokens 64 --compile auto --cache-tokens 1024 --out "$RESULTS/targets" || status=$?
+# continuous batching on the GPU: batched vs per-session steps/s at 1 and 16 sessions, and the prefill mix: on the
+# H200 the run at 1, 16 and 32 sessions outlasted 3.5 minutes, and with these arguments 110 s
+timeout 120 "$PY" benchmarks/trunk_load.py --device cuda --repeats 3 --seconds 0.5 --sessions 1 16 \
     --models random-llama-1024 --prefill 1024 --out "$RESULTS/trunk_load" || status=$?
+# the trunk's load time, weight memory and peak host RSS per quantization (host-side figures: last)
+timeout 90 "$PY" benchmarks/quant_load.py --repeats 1 --out "$RESULTS/quant_load" || status=$?
 echo "== gpu_check done, exit status $status; results in $RESULTS"
 exit $status
