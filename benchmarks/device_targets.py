@@ -48,7 +48,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LlamaModel
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.devices import HostStaging, resolve_device
+from splitspec.devices import HostStaging, resolve_device, synchronize
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.compile_modes import COMPILE_MODES
@@ -90,14 +90,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 EDGE_LAYERS = (2, 2)
 
 
-def sync(device: torch.device) -> None:
-    """Wait for the device (timing only; the library never needs this)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
-
-
 def build_checkpoint(directory: Path, shape: str, dtype: torch.dtype, device: torch.device) -> None:
     """A random checkpoint of ``shape``, initialised on ``device`` (fast for 1B parameters) and saved."""
     torch.manual_seed(0)
@@ -115,7 +107,7 @@ def whole_model(directory: Path, dtype: torch.dtype, device: torch.device) -> An
 
 def hf_generate(model: Any, prompt: list[int], n: int, device: torch.device) -> tuple[float, list[int]]:
     ids = torch.tensor([prompt], device=device)
-    sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -234,7 +226,7 @@ async def framework_overhead(width: int, dtype: torch.dtype, device: torch.devic
     copies, codec, trips_ms = [], [], []
     try:
         for i in range(trips + 20):  # the first 20 warm up
-            sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             host = staging.to_host(hidden)
             t1 = time.perf_counter()
@@ -243,7 +235,7 @@ async def framework_overhead(width: int, dtype: torch.dtype, device: torch.devic
             assert isinstance(reply, StepResult)
             t2 = time.perf_counter()
             back = staging.to_device(reply.hidden)
-            sync(device)
+            synchronize(device)
             t3 = time.perf_counter()
             if i >= 20:
                 copies.append(((t1 - t0) + (t3 - t2)) * 1e3)
@@ -269,11 +261,11 @@ def _time_steps(step: Callable[[], Any], device: torch.device, n: int) -> tuple[
     """(launch ms, synced ms) of ``n`` calls of ``step``."""
     launch, total = [], []
     for _ in range(n):
-        sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         step()
         t1 = time.perf_counter()
-        sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
         launch.append((t1 - t0) * 1e3)
         total.append((t2 - t0) * 1e3)

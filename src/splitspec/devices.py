@@ -131,3 +131,11 @@ class HostStaging:
 def device_generator(device: torch.device, seed: int) -> torch.Generator:
     """A seeded random generator on ``device`` (sampling draws where the logits are)."""
     return torch.Generator(device=device).manual_seed(seed)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (an accelerator's kernels run asynchronously): for timing only."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from splitspec.devices import synchronize
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, step_positions
 from splitspec.models.stack import EdgeModel, LayerStack
@@ -64,7 +65,7 @@ def warm_up_stack(stack: LayerStack, dtype: torch.dtype, widths: Sequence[int] =
         for width in widths:
             step = torch.zeros(1, width, stack.hidden_size, dtype=dtype, device=device)  # (1, q, H)
             stack(step, *_step(len(cache), tree_parents(width)), cache)
-        _synchronize(stack.output_device)
+        synchronize(stack.output_device)
     return time.perf_counter() - t0
 
 
@@ -84,10 +85,5 @@ def warm_up_edge(model: EdgeModel, widths: Sequence[int] = WARM_UP_WIDTHS) -> fl
         positions, parents = _step(len(head), tree_parents(width))
         hidden = model.run_head(torch.zeros(width, dtype=torch.long, device=device), positions, parents, head)
         model.run_tail(hidden, positions, parents, tail)  # (q, V)
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - t0
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
