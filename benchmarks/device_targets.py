@@ -275,6 +275,62 @@ def _time_steps(step: Callable[[], Any], device: torch.device, n: int) -> tuple[
 VARIANTS = ("growable", "static", "compiled")  # our trunk step: growable KV / static KV (fixed shape) / compiled
 
 
+def trunk_and_transformers(
+    directory: Path, dtype: torch.dtype, device: torch.device, context: int
+) -> tuple[LayerStack, Any, LlamaConfig, torch.Tensor, torch.Tensor]:
+    """The checkpoint's trunk layers, transformers' own model of the same layers (a LlamaModel of that many
+    layers with the trunk's weights) and its config, a random ``context``-token prefix (1, C, H) and a step's
+    token (1, 1, H), on ``device``."""
+    ckpt = Checkpoint(directory)
+    plan = SplitPlan(ckpt.config.num_hidden_layers, *EDGE_LAYERS)
+    trunk = load_trunk(ckpt, plan, dtype, devices=(device,))
+    hf_config = LlamaConfig(**{**ckpt.config.to_dict(), "num_hidden_layers": len(plan.trunk_layers)})
+    hf_config._attn_implementation = "sdpa"
+    with device:
+        hf = LlamaModel(hf_config).to(dtype).eval()
+    state = {f"layers.{j}.{k}": v for j, layer in enumerate(trunk.layers) for k, v in layer.state_dict().items()}
+    hf.load_state_dict(state, strict=False)  # embed_tokens and the final norm are unused/identity-like extras
+    hidden_size = int(ckpt.config.hidden_size)
+    gen = torch.Generator().manual_seed(0)
+    prefix = (torch.randn(1, context, hidden_size, generator=gen) * 0.5).to(device, dtype)  # (1, C, H)
+    token = (torch.randn(1, 1, hidden_size, generator=gen) * 0.5).to(device, dtype)  # (1, 1, H)
+    return trunk, hf, hf_config, prefix, token
+
+
+def trunk_step(stack: LayerStack, cache: KVCache, prefix: torch.Tensor, token: torch.Tensor) -> Callable[[], Any]:
+    """Our decode step of ``token`` (1, 1, H) on ``stack`` after ``prefix`` (1, C, H) in ``cache``, which every
+    call leaves at C entries (so every timed step sees the same context); positions stay on the host."""
+    context = prefix.shape[1]
+    stack(prefix, torch.arange(context, dtype=torch.int32), torch.arange(-1, context - 1, dtype=torch.int32), cache)
+    pos = torch.tensor([context], dtype=torch.int32)
+    parent = torch.tensor([-1], dtype=torch.int32)
+
+    def step() -> Any:
+        out = stack(token, pos, parent, cache)
+        cache.truncate(context)  # every timed step sees the same context
+        return out
+
+    return step
+
+
+def transformers_step(hf: Any, hf_config: Any, prefix: torch.Tensor, token: torch.Tensor) -> Callable[[], Any]:
+    """transformers' decode step of ``token`` (1, 1, H) after ``prefix`` (1, T, H) with its DynamicCache, which
+    every call leaves at T entries (so every timed step sees the same context)."""
+    context = prefix.shape[1]
+    hf_cache = DynamicCache(config=hf_config)
+    with torch.inference_mode():
+        hf(inputs_embeds=prefix, past_key_values=hf_cache, use_cache=True)
+    hf_pos = torch.tensor([[context]], device=prefix.device)
+
+    def bare() -> Any:
+        with torch.inference_mode():
+            out = hf(inputs_embeds=token, position_ids=hf_pos, past_key_values=hf_cache, use_cache=True)
+        hf_cache.crop(-1)  # transformers 5: crop(-n) drops the last n tokens
+        return out
+
+    return bare
+
+
 def trunk_vs_transformers(
     directory: Path,
     dtype: torch.dtype,
@@ -288,57 +344,19 @@ def trunk_vs_transformers(
     """One decode step of the trunk's layers, transformers' model of those layers against ours in
     three variants, interleaved: growable KVCache (eager), static KV buffers through the fixed-shape
     step (eager), and that step compiled (``compile_mode``)."""
-    ckpt = Checkpoint(directory)
-    plan = SplitPlan(ckpt.config.num_hidden_layers, *EDGE_LAYERS)
-    trunk = load_trunk(ckpt, plan, dtype, devices=(device,))
-    n_layers = len(plan.trunk_layers)
-    # transformers' own model of the same layers: a LlamaModel of n_layers with the trunk's weights
-    hf_config = LlamaConfig(**{**ckpt.config.to_dict(), "num_hidden_layers": n_layers})
-    hf_config._attn_implementation = "sdpa"
-    with device:
-        hf = LlamaModel(hf_config).to(dtype).eval()
-    state = {f"layers.{j}.{k}": v for j, layer in enumerate(trunk.layers) for k, v in layer.state_dict().items()}
-    hf.load_state_dict(state, strict=False)  # embed_tokens and the final norm are unused/identity-like extras
-    hidden_size = int(ckpt.config.hidden_size)
-    gen = torch.Generator().manual_seed(0)
-    prefix = (torch.randn(1, context, hidden_size, generator=gen) * 0.5).to(device, dtype)  # (1, C, H)
-    token = (torch.randn(1, 1, hidden_size, generator=gen) * 0.5).to(device, dtype)  # (1, 1, H)
-    chain = torch.arange(-1, context - 1, dtype=torch.int32)
-    pos = torch.tensor([context], dtype=torch.int32)
-    parent = torch.tensor([-1], dtype=torch.int32)
-
-    def ours(stack: LayerStack, cache: KVCache) -> Callable[[], Any]:
-        stack(prefix, torch.arange(context, dtype=torch.int32), chain, cache)
-
-        def step() -> Any:
-            out = stack(token, pos, parent, cache)
-            cache.truncate(context)  # every timed step sees the same context
-            return out
-
-        return step
-
-    fns: dict[str, Callable[[], Any]] = {"growable": ours(trunk, KVCache())}
+    trunk, hf, hf_config, prefix, token = trunk_and_transformers(directory, dtype, device, context)
+    n_layers = len(trunk.layers)
+    fns: dict[str, Callable[[], Any]] = {"growable": trunk_step(trunk, KVCache(), prefix, token)}
     static = LayerStack(trunk._skeleton, trunk.layer_indices).eval()  # the same modules
     static.enable_fixed_decode()
-    fns["static"] = ours(static, StaticKVCache(cache_tokens))
+    fns["static"] = trunk_step(static, StaticKVCache(cache_tokens), prefix, token)
     compiled = LayerStack(trunk._skeleton, trunk.layer_indices).eval()
     compile_s = compiled.enable_fixed_decode(compile_mode).warm_up(cache_tokens)
-    fns["compiled"] = ours(compiled, StaticKVCache(cache_tokens))
+    fns["compiled"] = trunk_step(compiled, StaticKVCache(cache_tokens), prefix, token)
     outs = {name: fn() for name, fn in fns.items()}
     max_diff = {name: float((out.float() - outs["growable"].float()).abs().max()) for name, out in outs.items()}
 
-    hf_cache = DynamicCache(config=hf_config)
-    with torch.inference_mode():
-        hf(inputs_embeds=prefix, past_key_values=hf_cache, use_cache=True)
-    hf_pos = torch.tensor([[context]], device=device)
-
-    def bare() -> Any:
-        with torch.inference_mode():
-            out = hf(inputs_embeds=token, position_ids=hf_pos, past_key_values=hf_cache, use_cache=True)
-        hf_cache.crop(-1)  # transformers 5: crop(-n) drops the last n tokens
-        return out
-
-    fns["transformers"] = bare
+    fns["transformers"] = transformers_step(hf, hf_config, prefix, token)
     step_ms: dict[str, list[float]] = {name: [] for name in fns}
     launch_ms: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():  # warm-up

@@ -76,6 +76,8 @@ async def test_trunk_split_over_two_devices_keeps_greedy_identity(
         # every trunk layer's weights sit on its own device
         for layer, where in zip(server.trunk.layers, placed, strict=True):
             assert {p.device for p in layer.parameters()} == {where}
+        if placed[0].type == "cuda":  # a stack on CUDA takes cuDNN out of sdpa (a plan per new step shape)
+            assert not torch.backends.cuda.cudnn_sdp_enabled()
     draft = make_checkpoint("llama", layers=2, seed=99)
     expected = local_greedy(model, PROMPT, 24, device=device)
     # sequential, and speculative (tree steps and keep_last on caches spread over both devices)

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from splitspec.models.row_attention import ROWS_KWARG, attention_configs, grouped_sdpa, use_row_attention
+from splitspec.models.row_attention import (
+    ROWS_KWARG,
+    attention_configs,
+    grouped_sdpa,
+    keep_sdpa_off_cudnn,
+    use_row_attention,
+)
 
 
 class _Attention(nn.Module):
@@ -45,6 +53,28 @@ def test_soft_capping_is_still_refused_as_transformers_does() -> None:
     query, key = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match="softcap"):
         grouped_sdpa(_Attention(), query, key, key, torch.zeros(1, 1, 2, 4), softcap=30.0)
+
+
+@pytest.fixture
+def cudnn_sdp_restored() -> Iterator[None]:
+    """torch's cuDNN-sdpa flag is process-wide: put it back as it was."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    yield
+    torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.usefixtures("cudnn_sdp_restored")
+def test_a_cuda_device_takes_cudnn_out_of_sdpa_and_a_cpu_does_not(caplog: pytest.LogCaptureFixture) -> None:
+    """torch's flag is settable without CUDA: a CPU stack leaves it, a CUDA one (even beside a CPU) clears it."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    assert keep_sdpa_off_cudnn([torch.device("cpu")]) is False
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with caplog.at_level("INFO", logger="splitspec.models.row_attention"):
+        assert keep_sdpa_off_cudnn([torch.device("cpu"), torch.device("cuda", 1)]) is True
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert "cuDNN attention off" in caplog.text
+    assert keep_sdpa_off_cudnn([torch.device("cuda", 0)]) is False  # already off: nothing to do, no second line
+    assert caplog.text.count("cuDNN attention off") == 1
 
 
 def test_use_row_attention_wraps_the_configs_implementation_once() -> None:

@@ -16,11 +16,17 @@ through :func:`row_attention`, registered with transformers' ``AttentionInterfac
 So soft-capping, sinks and scaling stay the family's, and each row computes what its step computes
 alone, with the same shapes. Where the family attends with sdpa, the function run is
 :func:`grouped_sdpa`: transformers' sdpa without its per-head copy of the keys on a CPU.
+
+On CUDA, :func:`keep_sdpa_off_cudnn` takes cuDNN out of torch's sdpa backends (every stack on a CUDA
+device calls it): cuDNN's attention builds an execution plan for every new query/key shape it sees,
+tens to hundreds of milliseconds each, and a split step's shape is new on nearly every step (the
+context grows, a speculative step's width and tree mask change).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -31,6 +37,8 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+log = logging.getLogger(__name__)
 
 ROWS_KWARG = "splitspec_rows"  # the keyword a decoder layer passes through to its attention function
 _PREFIX = "splitspec_rows:"  # registered name = prefix + the family's own implementation
@@ -130,6 +138,25 @@ def grouped_sdpa(
         query, key, value, attn_mask=attention_mask, enable_gqa=groups > 1, **options
     )  # (B, heads, q, d)
     return out.transpose(1, 2).contiguous(), None
+
+
+def keep_sdpa_off_cudnn(devices: Iterable[torch.device]) -> bool:
+    """Take cuDNN out of torch's sdpa backends (process-wide) when any of ``devices`` is CUDA; True if it did.
+
+    torch (2.5 and later, on compute capability 9.0 and up) tries cuDNN's attention first, and cuDNN
+    builds an execution plan for each query/key shape it has not seen: 55-440 ms each as others measured
+    (FunASR issue 3704, flashinfer PR 5245). A split step's shape is new on nearly every step: the context
+    grows by the tokens accepted, and a speculative step's width and mask vary. On the H200 (2026-12-04,
+    torch 2.11, cuDNN attention on) the demo edge predicted a 9-token tree step at 540-730 ms however long
+    it ran, against 5-8 ms for a warm draft proposal, and speculated on no step; this is the likely cause,
+    not yet confirmed on a GPU with cuDNN off. Flash and memory-efficient attention take any shape at no
+    set-up cost. The results are the same up to floating-point rounding; a torch flag, the choice holds
+    for the whole process (every model in it)."""
+    if not any(device.type == "cuda" for device in devices) or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    log.info("sdpa: cuDNN attention off for this process (a plan built per new step shape); flash/efficient run")
+    return True
 
 
 def _base_function(name: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:

@@ -42,7 +42,13 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import step_masks
 from splitspec.models.precision import AUTO, dtype_name, resolve_compute_dtype
 from splitspec.models.quantization import plan_quantization, published_method
-from splitspec.models.row_attention import ROWS_KWARG, RowAttention, attention_configs, use_row_attention
+from splitspec.models.row_attention import (
+    ROWS_KWARG,
+    RowAttention,
+    attention_configs,
+    keep_sdpa_off_cudnn,
+    use_row_attention,
+)
 from splitspec.models.split import SplitPlan
 from splitspec.models.static_kv import StaticKVCache
 
@@ -83,6 +89,7 @@ class LayerStack(nn.Module):
         self.hidden_size = int(skel.config.hidden_size)
         self.fixed_decode: FixedShapeDecode | None = None  # see enable_fixed_decode
         use_row_attention(attention_configs(self.layers))  # batched steps attend row by row (run_layer)
+        keep_sdpa_off_cudnn(self.devices)  # no cuDNN plan build per new step shape on CUDA
 
     def enable_fixed_decode(self, compile_mode: str | None = None, backend: str = "inductor") -> FixedShapeDecode:
         """Run one-token steps on a :class:`StaticKVCache` through the fixed-shape decode step,

@@ -12,6 +12,12 @@ before the first request; the draft model's and the draft head's proposals are w
 (:func:`splitspec.decoding.drafters.warm_up_draft_model`, :func:`splitspec.decoding.eagle.warm_up_draft_head`).
 ``benchmarks/draft_cold_start.py`` measures what the drafters do after a start.
 
+Measured on the H200 after this warm-up (``benchmarks/results/gpu/h200-2026-12-04b/``): the draft model then
+drafted on 6-7 of 8 steps of every answer (0-1 before), but each fresh engine's first proposals still took
+110-160 ms and 9-token steps stayed predicted at 540-730 ms; the likely rest of the cause is cuDNN's attention
+plan per new shape, which the warm-up's shapes cannot cover and which
+:func:`splitspec.models.row_attention.keep_sdpa_off_cudnn` takes away.
+
 A CPU has no such cold start: on this project's 2-core machine the demo edge's first warm-up took
 83 ms and its fourth 70 ms (the trunk's 45 and 46 ms, the draft model's 18 and 16 ms), so there
 the warm-up would only delay every start, and only an accelerator's is warmed (:func:`pays_cold_start`).
