@@ -8,8 +8,14 @@ estimates afterwards (predicted step times at 1, 3 and 9 query tokens; the draft
 On a CPU every answer makes about 7 proposals of 5-15 ms. On an H200 before the warm-up at load
 (``models/warm_up.py``) the first proposal took 821 ms and 3- and 9-token steps were predicted at 498 and
 1,315 ms: the controller judged drafting too dear and the first engine's later answers made 0-1 proposals.
+After the warm-up (2026-12-04, ``benchmarks/results/gpu/h200-2026-12-04b/``) every answer made 6-7 proposals,
+but each engine's first 6-8 still took 110-160 ms and 9-token steps stayed predicted at 540-730 ms; the likely
+cause, cuDNN's attention building a plan per new shape, is why every stack on CUDA now takes cuDNN out of sdpa
+(``models/row_attention.keep_sdpa_off_cudnn``). ``--cudnn-sdpa`` puts it back after each load, to compare.
+The compute columns split each answer's decode steps into one-token steps and longer (speculative) ones.
 
-    python benchmarks/draft_cold_start.py --device cuda [--rtt-ms 40] [--clients 2] [--answers 5] [--out DIR]
+    python benchmarks/draft_cold_start.py --device cuda [--rtt-ms 40] [--clients 2] [--answers 5] [--cudnn-sdpa]
+        [--out DIR]
 
 Writes draft_cold_start.json and draft_cold_start.md into --out (default benchmarks/results/draft_cold_start).
 """
@@ -27,6 +33,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from splitspec.bench.scenario import ASSETS_DIR
@@ -35,6 +43,7 @@ from splitspec.cloud.server import TrunkServer
 from splitspec.decoding import drafters
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.edge.sequence import StepStats
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
 from splitspec.run_info import run_environment
@@ -60,13 +69,20 @@ class ProposalTimer:
         drafters.DraftModel.propose = propose  # type: ignore[method-assign,assignment]
 
 
-async def run(device: str, rtt_ms: float, clients: int, answers: int) -> list[dict[str, Any]]:
+def _compute_ms(steps: Sequence[StepStats]) -> list[float]:
+    """Each step's edge + cloud compute, ms."""
+    return [round(s.edge_ms + s.cloud_ms, 2) for s in steps]
+
+
+async def run(device: str, rtt_ms: float, clients: int, answers: int, cudnn_sdpa: bool) -> list[dict[str, Any]]:
     timer = ProposalTimer()
     rows: list[dict[str, Any]] = []
     async with (
         TrunkServer(CloudConfig(model_dir=BASE, port=0, device=device)) as server,
         WanEmulator(NetemConfig(upstream_port=server.port, rtt_ms=rtt_ms)) as link,
     ):
+        if cudnn_sdpa:  # the trunk's stacks took it out
+            torch.backends.cuda.enable_cudnn_sdp(True)
         for client_no in range(clients):
             edge = EdgeConfig(
                 model_dir=BASE,
@@ -76,6 +92,8 @@ async def run(device: str, rtt_ms: float, clients: int, answers: int) -> list[di
                 draft_model_dir=DRAFT,
             )
             async with SplitClient(edge) as client:
+                if cudnn_sdpa:  # and so did the edge's and the draft model's
+                    torch.backends.cuda.enable_cudnn_sdp(True)
                 for answer in range(answers):
                     start = len(timer.proposals)
                     t0 = time.perf_counter()
@@ -97,12 +115,19 @@ async def run(device: str, rtt_ms: float, clients: int, answers: int) -> list[di
                             "tokens_per_step": len(result.token_ids) / max(1, len(steps)),
                             "proposals": len(made),
                             "proposal_ms": [round(ms, 2) for _, _, ms in made],
+                            "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(),
+                            "one_token_step_compute_ms": _compute_ms([s for s in steps if s.query_tokens == 1]),
+                            "longer_step_compute_ms": _compute_ms([s for s in steps if s.query_tokens > 1]),
                             "predicted_step_ms": {q: engine.step_times.predict(q) * 1e3 for q in (1, 3, 9)},
                             "draft_cost_per_token_ms": stats.cost_per_token.value * 1e3,
                         }
                     )
                     log.info("client %d answer %d: %d proposals, %s", client_no, answer, len(made), rows[-1])
     return rows
+
+
+def _median_max(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):.1f}; {max(values):.1f}" if values else "-"
 
 
 def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str) -> str:
@@ -113,8 +138,9 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str) -> s
         "64-token prompt, `--speculate draft`, demo base + draft models.",
         "",
         "| engine | answer | proposals | proposal ms (median; first) | decode steps | tokens/step | "
-        "predicted T(1) / T(3) / T(9) ms | draft ms per token (estimate) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "predicted T(1) / T(3) / T(9) ms | draft ms per token (estimate) | compute ms, 1-token steps "
+        "(median; max) | compute ms, longer steps (median; max) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ms = r["proposal_ms"]
@@ -122,7 +148,8 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str) -> s
         t = r["predicted_step_ms"]
         lines.append(
             f"| {r['client']} | {r['answer']} | {r['proposals']} | {times} | {r['decode_steps']} | "
-            f"{r['tokens_per_step']:.2f} | {t[1]:.0f} / {t[3]:.0f} / {t[9]:.0f} | {r['draft_cost_per_token_ms']:.1f} |"
+            f"{r['tokens_per_step']:.2f} | {t[1]:.0f} / {t[3]:.0f} / {t[9]:.0f} | {r['draft_cost_per_token_ms']:.1f} | "
+            f"{_median_max(r['one_token_step_compute_ms'])} | {_median_max(r['longer_step_compute_ms'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -136,10 +163,15 @@ def main() -> None:
     parser.add_argument("--rtt-ms", type=float, default=40.0, help="emulated round trip, ms (default 40)")
     parser.add_argument("--clients", type=int, default=2, help="fresh edge engines, one after another (default 2)")
     parser.add_argument("--answers", type=int, default=5, help="answers per engine (default 5)")
+    parser.add_argument(
+        "--cudnn-sdpa",
+        action="store_true",
+        help="put cuDNN back into sdpa after each load (torch's default; every stack on CUDA takes it out)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_cold_start")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    rows = asyncio.run(run(args.device, args.rtt_ms, args.clients, args.answers))
+    rows = asyncio.run(run(args.device, args.rtt_ms, args.clients, args.answers, args.cudnn_sdpa))
     env = run_environment()
     env["device"] = args.device
     command = "python benchmarks/draft_cold_start.py " + " ".join(sys.argv[1:])

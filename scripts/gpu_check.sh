@@ -30,7 +30,7 @@
 #      the draft model's proposals after a cold start (benchmarks/draft_cold_start.py), the speculative
 #      scenario quick run, and the trunk under 1 and 16 concurrent sessions, batched vs
 #      per-session (benchmarks/trunk_load.py, issue 15's >= 4x at 16 sessions on an accelerator);
-#   5. writes gpu_check.log, targets/device_targets.{json,md,png}, draft_cold_start/draft_cold_start.{json,md},
+#   5. writes gpu_check.log, targets/device_targets.{json,md,png}, draft_cold_start{,_cudnn}/draft_cold_start.{json,md},
 #      speculative/summary.{json,md} and its
 #      two plots, quant_load/{quant_load.json,quant_load.md} and trunk_load/{trunk_load.json,trunk_load.md,
 #      trunk_load.png,runs.jsonl.gz} under benchmarks/results/gpu/; with $OUT set (the device tool's folder,
@@ -150,12 +150,15 @@ echo "== compile tests exit status $status"
 echo "== quantized trunk tests exit status $status"
 
 # 4. benchmarks on the GPU, most wanted first, each bounded (about 10 minutes at most in all; on the H200 on
-# 2026-12-04 steps 1-3 took 130 s, device_targets 80 s, the speculative quick run 110 s)
+# 2026-12-04 steps 1-3 took 75-130 s, draft_cold_start 20 s, the speculative quick run 116 s, device_targets 100 s)
 # the draft model after a cold start: proposals per 16-token answer on fresh engines (about 7 on a CPU; 0-1 on the
-# H200 before the warm-up at load)
+# H200 before the warm-up at load, 6-7 after it but 110-160 ms each at first), with cuDNN out of sdpa (bb3cf23) and,
+# to compare in the same session, put back (--cudnn-sdpa): the compute columns show the steps' cost either way
 timeout 90 "$PY" benchmarks/draft_cold_start.py --device cuda --out "$RESULTS/draft_cold_start" || status=$?
-# greedy split decoding over emulated RTTs; the draft rows' accepted/step should be 2-3 as on a CPU: before the
-# warm-up at load (9f311b7, models/warm_up.py) the H200's cold first steps locked the draft model out (1.00)
+timeout 90 "$PY" benchmarks/draft_cold_start.py --device cuda --cudnn-sdpa --out "$RESULTS/draft_cold_start_cudnn" \
+    || status=$?
+# greedy split decoding over emulated RTTs; the draft rows' accepted/step should be 2-3 as on a CPU: with the
+# warm-up at load alone (9f311b7, models/warm_up.py) every mode still accepted 1.00 token per step on the H200
 timeout 150 "$PY" -m splitspec.cli --log-level WARNING bench speculative --quick --device cuda --no-progress \
     --no-runs --out "$RESULTS/speculative" || status=$?
 # trunk step: transformers vs ours with growable KV, static KV (fixed-shape, eager) and compiled
@@ -163,8 +166,8 @@ timeout 150 "$PY" -m splitspec.cli --log-level WARNING bench speculative --quick
 timeout 150 "$PY" benchmarks/device_targets.py --device cuda --dtype bfloat16 --shape llama-3.2-1b \
     --repeats 3 --new-tokens 64 --compile auto --cache-tokens 1024 --out "$RESULTS/targets" || status=$?
 # continuous batching on the GPU: batched vs per-session steps/s at 1 and 16 sessions, and the prefill mix: on the
-# H200 the run at 1, 16 and 32 sessions outlasted 3.5 minutes, and with these arguments 110 s
-timeout 120 "$PY" benchmarks/trunk_load.py --device cuda --repeats 3 --seconds 0.5 --sessions 1 16 \
+# H200 the run at 1, 16 and 32 sessions outlasted 3.5 minutes; at 1 and 16 one repeat took 69 s (3.86x at 16)
+timeout 150 "$PY" benchmarks/trunk_load.py --device cuda --repeats 3 --seconds 0.3 --sessions 1 16 \
     --models random-llama-1024 --prefill 1024 --out "$RESULTS/trunk_load" || status=$?
 # the trunk's load time, weight memory and peak host RSS per quantization (host-side figures: last)
 timeout 90 "$PY" benchmarks/quant_load.py --repeats 1 --out "$RESULTS/quant_load" || status=$?

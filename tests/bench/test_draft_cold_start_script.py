@@ -20,4 +20,8 @@ def test_a_short_run_drafts_in_every_answer_and_writes_its_report(tmp_path: Path
     assert [(r["client"], r["answer"], r["tokens"]) for r in rows] == [(0, 0, 16), (0, 1, 16)]
     assert all(r["proposals"] >= 3 and len(r["proposal_ms"]) == r["proposals"] for r in rows), rows
     assert all(r["decode_steps"] < 16 for r in rows)  # drafts were accepted: fewer steps than tokens
+    for r in rows:  # every decode step's compute, split into one-token and longer (speculative) steps
+        assert len(r["one_token_step_compute_ms"]) + len(r["longer_step_compute_ms"]) == r["decode_steps"]
+        assert r["longer_step_compute_ms"]
+        assert min(r["longer_step_compute_ms"]) > 0
     assert (tmp_path / "draft_cold_start.md").read_text().startswith("# Draft model after a cold start")
