@@ -4,7 +4,10 @@ Three figures, each a median over interleaved repeats (>= 3), with the ratio the
 
   1. split vs whole: greedy tok/s of the split model (edge + trunk server in this process, over
      loopback, zero added RTT) against transformers ``generate`` of the whole model on the same
-     device (target >= 0.9 on a model with hidden size >= 2048);
+     device (target >= 0.9 on a model with hidden size >= 2048); with ``--split-compile MODE`` also the split
+     with the trunk's and the edge's decode steps compiled over static KV buffers (``auto``: CUDA graphs on
+     CUDA), interleaved with the others: on the H200 (2026-12-04) the eager split ran at 0.51x, each side
+     launch bound;
   2. framework overhead per step for a (1, 1, width) hidden state in the compute dtype: the host
      copies both ways on both sides, frame encode/decode and the loopback WebSocket round trip to
      an echo server, with no model compute (target <= 1 ms at width 4096 in bfloat16);
@@ -17,7 +20,7 @@ Three figures, each a median over interleaved repeats (>= 3), with the ratio the
 Shapes: ``--shape llama-3.2-1b`` (hidden 2048, 16 layers, GQA 32/8, vocab 128256, random weights)
 for the GPU; ``--shape tiny`` (hidden 256, 8 layers) runs anywhere in seconds.
 
-    python benchmarks/device_targets.py --device cuda --dtype bfloat16 --shape llama-3.2-1b
+    python benchmarks/device_targets.py --device cuda --dtype bfloat16 --shape llama-3.2-1b --split-compile auto
     python benchmarks/device_targets.py --device cpu --dtype float32 --shape tiny --repeats 3
 
 Writes device_targets.json, device_targets.md and device_targets.png into --out
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import statistics
@@ -95,7 +99,8 @@ def build_checkpoint(directory: Path, shape: str, dtype: torch.dtype, device: to
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPES[shape], eos_token_id=None, bos_token_id=0, pad_token_id=None)
     with device:
-        model = LlamaForCausalLM(config).to(dtype).eval()
+        model: Any = LlamaForCausalLM(config)
+        model = model.to(dtype).eval()
     model.save_pretrained(directory)
     del model
 
@@ -142,43 +147,69 @@ def divergence(
 
 
 async def split_vs_whole(
-    directory: Path, dtype_name: str, device: torch.device, prompt: list[int], n: int, repeats: int
+    directory: Path,
+    dtype_name: str,
+    device: torch.device,
+    prompt: list[int],
+    n: int,
+    repeats: int,
+    compile_mode: str | None = None,
+    compile_backend: str = "inductor",
 ) -> dict[str, Any]:
+    """Whole model against the split, eager, and with ``compile_mode`` also the split with the trunk's and the
+    edge's decode steps compiled over static KV buffers (CUDA graphs with ``auto`` on CUDA), interleaved."""
     dtype = dtype_from_name(dtype_name)
     whole = whole_model(directory, dtype, device)
-    cloud = CloudConfig(model_dir=directory, port=0, dtype=dtype_name, device=str(device), edge_layers=EDGE_LAYERS)
+    common: dict[str, Any] = {
+        "model_dir": directory,
+        "dtype": dtype_name,
+        "device": str(device),
+        "edge_layers": EDGE_LAYERS,
+    }
+    compiled: dict[str, Any] = {"compile": compile_mode, "compile_backend": compile_backend}
+    compiled["max_cache_tokens"] = len(prompt) + n + 8  # static KV: the prompt, the answer and a margin
     whole_tps, split_tps, ratios, summaries, identical = [], [], [], [], []
+    compiled_tps: list[float] = []
     divergences: list[dict[str, Any]] = []
-    async with TrunkServer(cloud) as server:
-        edge = EdgeConfig(
-            allow_stock_edge_weights=True,
-            model_dir=directory,
-            cloud_url=server.url,
-            dtype=dtype_name,
-            device=str(device),
-            edge_layers=EDGE_LAYERS,
-        )
-        async with SplitClient(edge) as client:
-            # warm-up, both sides, as long as a timed run: on the H200 a 4-token warm-up left the first repeat at
-            # 14 (whole) and 6 (split) tok/s against 66-91 and 15-50 later (clocks and kernels still cold)
-            hf_generate(whole, prompt, n, device)
-            await split_generate(client, prompt, n)
-            for r in range(repeats):
-                wt, wtoks = hf_generate(whole, prompt, n, device)
-                st, stoks, summary = await split_generate(client, prompt, n)
-                whole_tps.append(wt)
-                split_tps.append(st)
-                ratios.append(st / wt)
-                summaries.append(summary)
-                identical.append(stoks == wtoks)
-                log.info("repeat %d: whole %.1f tok/s, split %.1f tok/s, identical %s", r, wt, st, stoks == wtoks)
-                if stoks != wtoks:
-                    divergences.append(divergence(whole, prompt, wtoks, stoks, device))
-                    log.info("repeat %d: first divergence %s", r, divergences[-1])
+    async with contextlib.AsyncExitStack() as stack:
+        server = await stack.enter_async_context(TrunkServer(CloudConfig(port=0, **common)))
+        edge = EdgeConfig(allow_stock_edge_weights=True, cloud_url=server.url, **common)
+        client = await stack.enter_async_context(SplitClient(edge))
+        compiled_client: SplitClient | None = None
+        if compile_mode is not None:  # one session at a time, each decode step alone: no batching
+            cloud = CloudConfig(port=0, batching=False, **common, **compiled)
+            compiled_server = await stack.enter_async_context(TrunkServer(cloud))
+            edge = EdgeConfig(allow_stock_edge_weights=True, cloud_url=compiled_server.url, **common, **compiled)
+            compiled_client = await stack.enter_async_context(SplitClient(edge))
+        # warm-up, every side, as long as a timed run: on the H200 a 4-token warm-up left the first repeat at
+        # 14 (whole) and 6 (split) tok/s against 66-91 and 15-50 later (clocks and kernels still cold)
+        hf_generate(whole, prompt, n, device)
+        await split_generate(client, prompt, n)
+        if compiled_client is not None:
+            await split_generate(compiled_client, prompt, n)  # and the compiles
+        for r in range(repeats):
+            wt, wtoks = hf_generate(whole, prompt, n, device)
+            st, stoks, summary = await split_generate(client, prompt, n)
+            whole_tps.append(wt)
+            split_tps.append(st)
+            ratios.append(st / wt)
+            summaries.append(summary)
+            identical.append(stoks == wtoks)
+            log.info("repeat %d: whole %.1f tok/s, split %.1f tok/s, identical %s", r, wt, st, stoks == wtoks)
+            if stoks != wtoks:
+                divergences.append(divergence(whole, prompt, wtoks, stoks, device))
+                log.info("repeat %d: first divergence %s", r, divergences[-1])
+            if compiled_client is not None:
+                ct, ctoks, _ = await split_generate(compiled_client, prompt, n)
+                compiled_tps.append(ct)
+                identical.append(ctoks == wtoks)
+                log.info("repeat %d: split compiled %.1f tok/s, identical %s", r, ct, ctoks == wtoks)
+                if ctoks != wtoks:
+                    divergences.append(divergence(whole, prompt, wtoks, ctoks, device))
     del whole
 
     def med(key: str) -> float:
-        return statistics.median(s["median_step_ms"][key] for s in summaries)
+        return float(statistics.median(s["median_step_ms"][key] for s in summaries))
 
     return {
         "whole_tok_s": whole_tps,
@@ -190,6 +221,11 @@ async def split_vs_whole(
         "greedy_tokens_identical": identical,
         "divergences": divergences,
         "split_step_ms_median": {k: med(k) for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")},
+        "compile_mode": compile_mode,
+        "compiled_split_tok_s": compiled_tps,
+        "compiled_ratio_median": (
+            statistics.median(c / w for c, w in zip(compiled_tps, whole_tps, strict=True)) if compiled_tps else None
+        ),
     }
 
 
@@ -287,7 +323,8 @@ def trunk_and_transformers(
     hf_config = LlamaConfig(**{**ckpt.config.to_dict(), "num_hidden_layers": len(plan.trunk_layers)})
     hf_config._attn_implementation = "sdpa"
     with device:
-        hf = LlamaModel(hf_config).to(dtype).eval()
+        hf: Any = LlamaModel(hf_config)
+        hf = hf.to(dtype).eval()
     state = {f"layers.{j}.{k}": v for j, layer in enumerate(trunk.layers) for k, v in layer.state_dict().items()}
     hf.load_state_dict(state, strict=False)  # embed_tokens and the final norm are unused/identity-like extras
     hidden_size = int(ckpt.config.hidden_size)
@@ -404,7 +441,16 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         f"| whole model, HF generate, tok/s | {sv['whole_tok_s_median']:.1f} | |",
         f"| split at zero added RTT, tok/s | {sv['split_tok_s_median']:.1f} | |",
         f"| split / whole ratio | {sv['ratio_median']:.3f} | >= 0.9 (hidden >= 2048) |",
-        f"| greedy tokens identical in every repeat | {all(sv['greedy_tokens_identical'])} | True |",
+        *(
+            [
+                f"| split compiled ({sv['compile_mode']}: trunk, head and tail over static KV), tok/s"
+                f" | {statistics.median(sv['compiled_split_tok_s']):.1f} | |",
+                f"| split compiled / whole ratio | {sv['compiled_ratio_median']:.3f} | >= 0.9 (hidden >= 2048) |",
+            ]
+            if sv.get("compiled_split_tok_s")
+            else []
+        ),
+        f"| greedy tokens identical in every repeat (every split) | {all(sv['greedy_tokens_identical'])} | True |",
         *(
             f"| repeat's first divergence: token {d['index']}, whole's logit gap to the split's token "
             f"{d['gap_to_split_token']:.4f} (top-2 gap {d['top2_gap']:.4f}, top logit {d['top_logit']:.3f}) | | |"
@@ -472,6 +518,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile", default="auto", choices=COMPILE_MODES, help="torch.compile mode of the compiled trunk step"
     )
+    parser.add_argument(
+        "--split-compile",
+        choices=COMPILE_MODES,
+        help="also time the split with the trunk's and the edge's decode steps compiled in this mode (default: not)",
+    )
+    parser.add_argument(
+        "--compile-backend", default="inductor", help="torch.compile backend of --split-compile (eager: capture only)"
+    )
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, help="output folder")
     args = parser.parse_args(argv)
@@ -490,7 +544,18 @@ def main(argv: list[str] | None = None) -> int:
         build_checkpoint(directory, args.shape, dtype, device)
         vocab = int(SHAPES[args.shape]["vocab_size"])
         prompt = torch.randint(0, vocab, (32,), generator=torch.Generator().manual_seed(1)).tolist()
-        split = asyncio.run(split_vs_whole(directory, args.dtype, device, prompt, args.new_tokens, args.repeats))
+        split = asyncio.run(
+            split_vs_whole(
+                directory,
+                args.dtype,
+                device,
+                prompt,
+                args.new_tokens,
+                args.repeats,
+                args.split_compile,
+                args.compile_backend,
+            )
+        )
         overhead = asyncio.run(framework_overhead(args.width, dtype, device, args.trips))
         trunk = trunk_vs_transformers(
             directory, dtype, device, args.context, args.steps, args.repeats, args.cache_tokens, args.compile

@@ -1,0 +1,33 @@
+"""benchmarks/device_targets.py, short, on a CPU (the GPU check runs it on CUDA): every figure is written, and the
+split, eager and with its decode steps compiled (capture only here), gives the whole model's greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.bench.scripts import BENCHMARKS
+
+
+def test_a_short_cpu_run_writes_every_figure_and_keeps_greedy_identity(tmp_path: Path) -> None:
+    args = [
+        *("--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--repeats", "3", "--new-tokens", "8"),
+        *("--trips", "20", "--steps", "5", "--context", "64", "--split-compile", "auto", "--compile-backend", "eager"),
+        *("--out", str(tmp_path)),
+    ]
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "device_targets.py"), *args], capture_output=True, text=True, timeout=400
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "device_targets.json").read_text())
+    split = results["split_vs_whole"]
+    assert len(split["split_tok_s"]) == len(split["compiled_split_tok_s"]) == 3
+    assert split["greedy_tokens_identical"] == [True] * 6  # eager and compiled, every repeat
+    assert split["compiled_ratio_median"] > 0
+    assert results["framework_overhead"]["step_overhead_ms_median"] > 0
+    assert set(results["trunk_vs_transformers"]["ratio_median"]) == {"growable", "static", "compiled"}
+    report = (tmp_path / "device_targets.md").read_text()
+    assert "split compiled / whole ratio" in report
+    assert (tmp_path / "device_targets.png").stat().st_size > 0
