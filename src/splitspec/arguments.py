@@ -8,26 +8,41 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
 from splitspec.models.compile_modes import COMPILE_MODES
 from splitspec.models.precision import AUTO, DTYPE_CHOICES
+from splitspec.models.quantize_choices import QUANTIZE_CHOICES, QUANTIZE_HELP
 from splitspec.models.split import parse_edge_layers
 from splitspec.protocol.codec import WIRE_CODECS
+
+if TYPE_CHECKING:
+    from splitspec.decoding.sampling import SamplingParams
+    from splitspec.edge import EdgeConfig
 
 __all__ = [
     "DTYPE_HELP",
     "MODEL_HELP",
     "add_compile_args",
     "add_connection_limit_args",
+    "add_draft_head_arg",
     "add_dtype_arg",
+    "add_edge_args",
+    "add_edge_link_args",
+    "add_speculation_args",
+    "add_split_args",
     "add_tls_ca",
     "add_token_file",
     "add_wire_codec",
     "add_wire_codecs",
+    "edge_config",
     "edge_layers",
     "model_dir",
     "read_token_file",
+    "sampling_params",
+    "set_threads",
     "wire_codecs",
 ]
 
@@ -160,3 +175,163 @@ def edge_layers(text: str) -> tuple[int, int]:
         return parse_edge_layers(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# -- shared by the commands that run a split model ------------------------------------------------
+
+
+def set_threads(threads: int | None) -> None:
+    """Pin torch's intra-op threads (small models run fastest on one thread of a shared CPU)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise ConfigError("--threads must be at least 1")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def add_split_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=model_dir, required=True, help=MODEL_HELP)
+    p.add_argument(
+        "--edge-layers",
+        type=edge_layers,
+        default=(2, 2),
+        metavar="HEAD,TAIL",
+        help="decoder layers kept on the edge before and after the trunk (default 2,2)",
+    )
+    add_dtype_arg(
+        p,
+        ". With the raw wire codec it is the wire's dtype too: an auto edge follows the trunk's (stated at the "
+        "handshake); a pinned one must equal it (--wire-codec bf16 and int8 carry their own)",
+    )
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_token_file(p)
+    p.add_argument("--threads", type=int, help="CPU threads for this side's compute (default: torch's choice)")
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    from splitspec.decoding.speculative import SPECULATE_MODES
+
+    p.add_argument(
+        "--speculate",
+        choices=SPECULATE_MODES,
+        default="auto",
+        help="draft tokens locally and verify several per round trip; auto (default) picks the drafter "
+        "and draft length from measured RTT, step cost (per context length) and acceptance, and falls "
+        "back to one token per trip when speculation would not pay; it starts with a one-token step and "
+        "probes each drafter with a short draft, so a short answer is not slower than off",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=model_dir,
+        help="small local model sharing the tokenizer, for --speculate draft: it drafts a dynamic tree "
+        "(EAGLE-2), greedy or sampled (a directory or a cached org/name[@revision])",
+    )
+    p.add_argument(
+        "--draft-tree-width",
+        type=int,
+        default=4,
+        metavar="K",
+        help="children per expanded node, and nodes expanded per level, of the draft model's and the head's "
+        "trees (default 4, as EAGLE-2); 1 drafts a single chain",
+    )
+    add_draft_head_arg(p, "")
+
+
+def add_draft_head_arg(p: argparse.ArgumentParser, default_help: str) -> None:
+    p.add_argument(
+        "--draft-head",
+        type=Path,
+        metavar="DIR",
+        help="EAGLE draft head trained for this model (splitspec train-drafter), for --speculate eagle and auto; "
+        "a head trained for another model is refused" + default_help,
+    )
+    p.add_argument(
+        "--draft-head-target-check",
+        choices=("on", "off"),
+        default="on",
+        help="on (default): refuse a draft head pinned to another model; off: warn instead, and load a published "
+        "EAGLE-layout head (it carries no pin) when its shapes fit this model",
+    )
+
+
+def add_edge_link_args(p: argparse.ArgumentParser) -> None:
+    """Arguments of every edge-side command that talks to a trunk server."""
+    add_split_args(p)
+    p.add_argument("--cloud", required=True, help="trunk server URL, e.g. ws://127.0.0.1:8765 or wss://HOST:PORT")
+    add_wire_codec(p)
+    add_tls_ca(p)
+    p.add_argument(
+        "--allow-stock-edge-weights",
+        action="store_true",
+        help="run the published edge weights anyway (the cloud can invert its hidden states; warned every session)",
+    )
+    p.add_argument(
+        "--published-model",
+        type=model_dir,
+        help="published checkpoint to compare the edge weights with (a directory or a cached org/name[@revision])",
+    )
+    p.add_argument(
+        "--trunk-fingerprint",
+        metavar="START-END:DTYPE:DIGEST",
+        help="the trunk the cloud must serve, as its server logs it at start (default: hash the trunk layers of "
+        "--model; needed when that copy lacks them)",
+    )
+    add_speculation_args(p)
+    add_compile_args(p, "the edge's (head and tail layers)")
+
+
+def add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
+    """The link arguments plus one generation's length and sampling."""
+    add_edge_link_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=64, help=f"{tokens_help} (default 64)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        help="0 = greedy; > 0 samples (default: the checkpoint's generation_config.json: its temperature "
+        "when it sets do_sample, else greedy, which is logged)",
+    )
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass (default: generation_config.json's, else 1.0)")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        help="sample from the k likeliest tokens, 0 = all (default: generation_config.json's, else 50)",
+    )
+    p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
+
+
+def edge_config(args: argparse.Namespace) -> EdgeConfig:
+    from splitspec.edge import EdgeConfig
+
+    if getattr(args, "max_new_tokens", 1) < 1:  # serve has no --max-new-tokens: requests say
+        raise ConfigError("--max-new-tokens must be at least 1")
+    set_threads(args.threads)
+    return EdgeConfig(
+        model_dir=args.model,
+        cloud_url=args.cloud,
+        edge_layers=args.edge_layers,
+        dtype=args.dtype,
+        wire_codec=args.wire_codec,
+        quantize=args.quantize,
+        device=args.device,
+        auth_token=read_token_file(args.token_file),
+        draft_model_dir=args.draft_model,
+        draft_head_dir=args.draft_head,
+        draft_head_target_check=args.draft_head_target_check == "on",
+        draft_tree_width=args.draft_tree_width,
+        allow_stock_edge_weights=args.allow_stock_edge_weights,
+        published_model_dir=args.published_model,
+        trunk_fingerprint=args.trunk_fingerprint,
+        tls_ca_file=args.tls_ca,
+        compile=args.compile,
+        max_cache_tokens=args.max_cache_tokens,
+    )
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The flags given, else the checkpoint's generation_config.json: the same rule as SplitClient.sampling."""
+    from splitspec.decoding.published import published_sampling, sampling_settings
+
+    return sampling_settings(published_sampling(args.model), args.temperature, args.top_p, args.top_k, args.seed)

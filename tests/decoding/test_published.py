@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import GenerationConfig
 
-from splitspec.cli import _sampling, build_parser
+from splitspec.arguments import sampling_params
+from splitspec.cli import build_parser
 from splitspec.decoding import published as pub
 from splitspec.decoding.published import published_sampling, sampling_settings
 from splitspec.decoding.sampling import SamplingParams
@@ -67,7 +68,7 @@ def test_a_broken_generation_config_is_named(tmp_path: Path, bad: dict[str, obje
 def test_the_cli_resolves_like_the_python_api(tmp_path: Path) -> None:
     model = checkpoint_with(tmp_path, do_sample=True, temperature=0.7, top_k=8)
     base = ["generate", "--model", str(model), "--cloud", "ws://x", "--prompt", "p"]
-    assert _sampling(build_parser().parse_args(base)) == SamplingParams(temperature=0.7, top_p=1.0, top_k=8)
+    assert sampling_params(build_parser().parse_args(base)) == SamplingParams(temperature=0.7, top_p=1.0, top_k=8)
     args = build_parser().parse_args([*base, "--top-k", "3", "--top-p", "0.5", "--seed", "9"])
-    assert _sampling(args) == sampling_settings(published_sampling(model), None, 0.5, 3, 9)
-    assert _sampling(build_parser().parse_args([*base, "--temperature", "0"])).greedy
+    assert sampling_params(args) == sampling_settings(published_sampling(model), None, 0.5, 3, 9)
+    assert sampling_params(build_parser().parse_args([*base, "--temperature", "0"])).greedy
