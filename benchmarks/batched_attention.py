@@ -50,7 +50,7 @@ def child(out: Path, calls: int) -> None:
     from splitspec.edge.runtime import EdgeRuntime
     from splitspec.models.batched import BatchRow, forward_batch
     from splitspec.models.checkpoint import Checkpoint
-    from splitspec.models.stack import load_trunk
+    from splitspec.models.loading import load_trunk
 
     torch.set_num_threads(1)
     base = embedded_model("base")

@@ -23,9 +23,10 @@ import torch
 from splitspec.demo import embedded_model
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_full
 from splitspec.models.masks import chain
 from splitspec.models.precision import auto_dtype, dtype_name
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.stack import FullModel
 from splitspec.run_info import run_environment
 
 PREFIX = 64  # committed tokens before each timed decode step

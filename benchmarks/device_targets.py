@@ -57,9 +57,10 @@ from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.compile_modes import COMPILE_MODES
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_trunk
 from splitspec.models.precision import dtype_from_name
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import LayerStack, load_trunk
+from splitspec.models.stack import LayerStack
 from splitspec.models.static_kv import StaticKVCache
 from splitspec.protocol.messages import Step, StepResult, decode_message, encode_message
 from splitspec.run_info import run_environment

@@ -43,7 +43,7 @@ def measure() -> dict[str, float]:
     from splitspec.demo import ASSETS, embedded_model
     from splitspec.models.checkpoint import Checkpoint
     from splitspec.models.draft_head_io import load_draft_head
-    from splitspec.models.stack import load_full
+    from splitspec.models.loading import load_full
 
     torch.set_num_threads(1)
     base = embedded_model("base")

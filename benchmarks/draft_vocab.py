@@ -45,8 +45,9 @@ from splitspec.models.draft_head import DraftHead
 from splitspec.models.draft_head_eval import greedy_chains, heldout_prompts
 from splitspec.models.draft_head_io import load_draft_head
 from splitspec.models.draft_vocab import frequent_tokens, token_counts, with_draft_vocab
+from splitspec.models.loading import load_full
 from splitspec.models.prepack import PackedLinear, packed_is_faster
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.stack import FullModel
 from splitspec.models.train_draft_head import LocalFeatures, read_corpus
 from splitspec.run_info import run_environment
 

@@ -36,8 +36,9 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head import DraftHead
 from splitspec.models.draft_head_io import load_draft_head
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_full
 from splitspec.models.masks import chain
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.stack import FullModel
 from splitspec.run_info import run_environment
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

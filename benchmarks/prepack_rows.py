@@ -36,8 +36,8 @@ def linears() -> list[Any]:
 
     from splitspec.demo import embedded_model
     from splitspec.models.checkpoint import Checkpoint
+    from splitspec.models.loading import load_full
     from splitspec.models.prepack import PackedLinear
-    from splitspec.models.stack import load_full
 
     model = load_full(Checkpoint(embedded_model("base")), torch.float32)
     layer = model.layers.layers[0]  # the first decoder layer (transformers module)

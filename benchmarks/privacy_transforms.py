@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from splitspec.models.checkpoint import Checkpoint
-from splitspec.models.stack import load_full
+from splitspec.models.loading import load_full
 from splitspec.privacy.activations import collect_layers
 from splitspec.privacy.corpus import DEFAULT_CORPUS, corpus_windows
 from splitspec.run_info import run_environment

@@ -2,7 +2,7 @@
 
 A random Llama of about 0.55B parameters (hidden 1536, 16 layers, vocab 32000, about 1.1 GB in
 bfloat16) is saved with ``save_pretrained`` into a temporary directory; its trunk (layers 2..13,
-edge 2+2) is then loaded by :func:`splitspec.models.stack.load_trunk`, what ``cloud serve``
+edge 2+2) is then loaded by :func:`splitspec.models.loading.load_trunk`, what ``cloud serve``
 calls, in a fresh process per quantization (none, nf4, int8), repeats interleaved. Each process
 reports:
 
@@ -108,8 +108,8 @@ def child(model: Path, method: str, device_name: str) -> dict[str, Any]:
 
     from splitspec.models.checkpoint import Checkpoint
     from splitspec.models.kv_cache import KVCache
+    from splitspec.models.loading import load_trunk, trunk_tensor_names
     from splitspec.models.split import SplitPlan
-    from splitspec.models.stack import load_trunk, trunk_tensor_names
 
     torch.set_num_threads(1)
     device = torch.device(device_name)

@@ -42,8 +42,8 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head_io import load_draft_head
 from splitspec.models.features import full_model_step
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_full
 from splitspec.models.masks import chain
-from splitspec.models.stack import load_full
 from splitspec.run_info import run_environment
 
 REPO = Path(__file__).resolve().parents[1]

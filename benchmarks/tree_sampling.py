@@ -48,7 +48,8 @@ from splitspec.demo import embedded_model
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head import DraftHead
 from splitspec.models.draft_head_io import load_draft_head
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.loading import load_full
+from splitspec.models.stack import FullModel
 from splitspec.paths import display_path
 from splitspec.run_info import run_environment
 

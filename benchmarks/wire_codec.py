@@ -45,7 +45,7 @@ from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.models.checkpoint import Checkpoint
-from splitspec.models.stack import load_full
+from splitspec.models.loading import load_full
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
 from splitspec.protocol.codec import WIRE_CODECS, wire_bytes_per_token

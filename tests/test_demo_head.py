@@ -14,7 +14,7 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint, load_tokenizer
 from splitspec.models.draft_head_eval import greedy_chains
 from splitspec.models.draft_head_io import load_draft_head
-from splitspec.models.stack import load_full
+from splitspec.models.loading import load_full
 from splitspec.models.train_draft_head import LocalFeatures
 
 ASSETS = Path(splitspec.__file__).parent / "assets"

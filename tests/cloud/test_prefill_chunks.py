@@ -17,9 +17,10 @@ from splitspec.cloud.metrics import TrunkMetrics
 from splitspec.cloud.sessions import SessionStore
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_trunk
 from splitspec.models.prefill_chunks import DECODE_LIVE_S, ChunkSizer
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import LayerStack, load_trunk
+from splitspec.models.stack import LayerStack
 
 
 def test_chunk_size_follows_the_decode_batch_time() -> None:

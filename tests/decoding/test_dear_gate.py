@@ -18,7 +18,7 @@ from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.loop import decode
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.models.checkpoint import Checkpoint
-from splitspec.models.stack import load_full
+from splitspec.models.loading import load_full
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61]
 

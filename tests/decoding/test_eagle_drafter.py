@@ -18,8 +18,9 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head import DraftHead, default_config
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_full
 from splitspec.models.masks import chain, depths
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.stack import FullModel
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7]
 

@@ -27,7 +27,8 @@ from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_
 from splitspec.edge.config import EdgeConfig
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.loading import load_full
+from splitspec.models.stack import FullModel
 from tests.conftest import local_greedy
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9]

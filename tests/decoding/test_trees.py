@@ -19,7 +19,8 @@ from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, speculative_decode
 from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree, gumbel_top_k, rank_values
 from splitspec.models.checkpoint import Checkpoint
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.loading import load_full
+from splitspec.models.stack import FullModel
 from tests.conftest import joint_law_pvalue, law_fit_pvalue, local_greedy
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9]

@@ -33,7 +33,8 @@ from splitspec.decoding.speculative import make_drafters
 from splitspec.decoding.warmup import CATCH_UP_MIN_TOKENS, start_catch_up
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head import DraftHead, default_config
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.loading import load_full
+from splitspec.models.stack import FullModel
 from tests.conftest import local_greedy
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9, 40, 41, 42, 5, 9, 17]

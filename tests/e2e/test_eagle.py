@@ -35,7 +35,7 @@ from splitspec.models.draft_head import DraftHead, default_config
 from splitspec.models.draft_head_eval import greedy_chains
 from splitspec.models.draft_head_io import load_draft_head
 from splitspec.models.draft_vocab import with_draft_vocab
-from splitspec.models.stack import load_full
+from splitspec.models.loading import load_full
 from splitspec.models.train_draft_head import LocalFeatures, TrainConfig, local_source, train
 from tests.conftest import TOKENIZER_TEXT, joint_law_pvalue, local_greedy
 from tests.e2e.test_trunk_fingerprint import edge_only_copy

@@ -29,8 +29,8 @@ from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import CheckpointError, ConfigError
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.loading import load_trunk
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_trunk
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from tests.quantized import hf_greedy, save_bnb, save_ct_fp8, save_fp8, save_plain
 

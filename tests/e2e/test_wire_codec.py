@@ -37,7 +37,8 @@ from splitspec.edge.engine import _checked_reply as checked_reply
 from splitspec.exceptions import BadTensor, ConfigError, HandshakeMismatch
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.loading import load_full
+from splitspec.models.stack import FullModel
 from splitspec.protocol.codec import wire_bytes_per_token
 from splitspec.protocol.messages import Hello, Step, StepResult, Welcome, decode_message, encode_message
 

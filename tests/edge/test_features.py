@@ -21,7 +21,7 @@ from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.features import FeatureLog, edge_feature_sources, full_model_step, trunk_feature_layer
-from splitspec.models.stack import load_full
+from splitspec.models.loading import load_full
 
 LAYERS = 6  # the tiny model's decoder layers; the edge keeps 2 + 2 (head ends at 2, trunk at 4)
 

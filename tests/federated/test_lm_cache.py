@@ -10,7 +10,7 @@ import torch
 
 from splitspec.decoding.local import LocalSequence
 from splitspec.models.checkpoint import Checkpoint
-from splitspec.models.stack import load_full
+from splitspec.models.loading import load_full
 from tests.conftest import local_model
 
 

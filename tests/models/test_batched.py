@@ -12,9 +12,9 @@ import torch
 from splitspec.models.batched import BatchedCaches, BatchRow, forward_batch
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_edge, load_trunk
 from splitspec.models.masks import depths
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_edge, load_trunk
 from tests.families import FAMILIES, save_family_checkpoint
 
 # (committed prefix, parents of the step): decode, a draft tree, a prefill chunk, an empty cache

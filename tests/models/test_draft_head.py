@@ -15,7 +15,8 @@ from splitspec.models.draft_head import DraftHead, default_config, target_finger
 from splitspec.models.draft_head_eval import greedy_chains
 from splitspec.models.draft_head_io import load_draft_head, save_draft_head
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.loading import load_full
+from splitspec.models.stack import FullModel
 from splitspec.models.train_draft_head import LocalFeatures, TrainConfig, train_local
 from tests.conftest import TOKENIZER_TEXT, local_greedy
 

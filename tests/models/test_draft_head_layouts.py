@@ -22,7 +22,8 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head_io import load_draft_head
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.loading import load_full
+from splitspec.models.stack import FullModel
 from tests.conftest import tiny_config
 
 LAYERS = 4

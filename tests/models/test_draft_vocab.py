@@ -24,7 +24,8 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head import DraftHead, default_config
 from splitspec.models.draft_head_io import load_draft_head, save_draft_head
 from splitspec.models.draft_vocab import frequent_tokens, token_counts, with_draft_vocab, without_draft_vocab
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.loading import load_full
+from splitspec.models.stack import FullModel
 from splitspec.models.train_draft_head import read_corpus
 from tests.conftest import TOKENIZER_TEXT, local_greedy
 

@@ -13,8 +13,8 @@ import transformers
 from splitspec.exceptions import CheckpointError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.family import published_dtype, skeleton
+from splitspec.models.loading import load_edge, load_trunk
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_edge, load_trunk
 from tests.families import LAYERS, family_config, save_family_checkpoint
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")

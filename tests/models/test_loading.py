@@ -13,8 +13,8 @@ from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.exceptions import CheckpointError, ConfigError
 from splitspec.models.checkpoint import Checkpoint, fingerprint
+from splitspec.models.loading import load_edge
 from splitspec.models.split import SplitPlan, parse_edge_layers
-from splitspec.models.stack import load_edge
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -10,9 +10,10 @@ import torch
 
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_edge
 from splitspec.models.masks import ancestor_matrix, depths, step_mask, step_positions
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import EdgeModel, load_edge
+from splitspec.models.stack import EdgeModel
 
 # step: 0 <- prefix, 1 <- 0, 2 <- prefix (sibling branch of 0), 3 <- 2, 4 <- 1
 PARENTS = torch.tensor([-1, 0, -1, 2, 1], dtype=torch.int32)

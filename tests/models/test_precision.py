@@ -13,8 +13,8 @@ import torch
 from splitspec.exceptions import ConfigError
 from splitspec.models import precision
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.loading import resolve_dtype
 from splitspec.models.precision import auto_dtype, cpu_capabilities, resolve_compute_dtype
-from splitspec.models.stack import resolve_dtype
 
 CPU, CUDA, MPS = torch.device("cpu"), torch.device("cuda", 0), torch.device("mps")
 BARE_CPU = {"avx2": True, "avx512_f": True, "avx512_bf16": False, "avx512_fp16": False, "amx_bf16": False}
@@ -92,7 +92,7 @@ def test_a_quantized_role_computes_in_the_published_dtype_on_any_cpu(
     monkeypatch.setattr(precision, "cpu_capabilities", lambda: BARE_CPU)  # no native half matrix instructions
     precision._log_choice.cache_clear()
     assert resolve_dtype(base, "auto", CPU, "trunk") == (torch.float32, "float32")  # plain weights: upcast
-    with caplog.at_level(logging.INFO, logger="splitspec.models.stack"):
+    with caplog.at_level(logging.INFO, logger="splitspec.models.loading"):
         assert resolve_dtype(base, "auto", CPU, "trunk", quantize="int8") == (torch.float16, "float16")
     assert "trunk: quantized, computes in the checkpoint's own float16" in [r.getMessage() for r in caplog.records]
     assert resolve_dtype(base, "float32", CPU, "trunk", quantize="int8") == (torch.float32, "float32")  # pinned

@@ -17,9 +17,9 @@ from splitspec.exceptions import ConfigError
 from splitspec.models import prepack as prepack_module
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_trunk
 from splitspec.models.prepack import PackedLinear, fastest, prepack_available, prepack_linears, row_bucket
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_trunk
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build lacks oneDNN's packed linear")
 

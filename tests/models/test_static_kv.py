@@ -27,8 +27,9 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.family import skeleton
 from splitspec.models.fixed_decode import compile_mode_for
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_trunk
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import EdgeModel, LayerStack, load_trunk
+from splitspec.models.stack import EdgeModel, LayerStack
 from splitspec.models.static_kv import StaticKVCache
 
 H = 64  # the tiny checkpoints' hidden size

@@ -24,8 +24,8 @@ from splitspec.edge import runtime as runtime_module
 from splitspec.edge.runtime import EdgeRuntime
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head_io import load_draft_head
+from splitspec.models.loading import load_edge, load_full, load_trunk
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_edge, load_full, load_trunk
 from splitspec.models.warm_up import (
     WARM_UP_CONTEXT,
     WARM_UP_WIDTHS,

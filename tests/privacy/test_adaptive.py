@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from splitspec.models.checkpoint import Checkpoint
-from splitspec.models.stack import load_full
+from splitspec.models.loading import load_full
 from splitspec.privacy import adaptive
 from splitspec.privacy.activations import collect_layers
 from splitspec.privacy.adaptive import Traffic, align, self_train

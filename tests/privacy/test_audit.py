@@ -15,8 +15,8 @@ from splitspec.edge.provenance import check_edge_weights, edge_provenance
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_edge, load_full, load_trunk
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_edge, load_full, load_trunk
 from splitspec.privacy import cli
 from splitspec.privacy.activations import collect_layers, stock_tail_top5
 from splitspec.privacy.attackers import TrainConfig, whitebox_search_top5

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.loading import load_full
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_full
 from splitspec.privacy.activations import cloud_view, collect_layers
 from splitspec.privacy.corpus import CorpusWindows, corpus_windows
 from splitspec.privacy.defences import (

@@ -63,7 +63,7 @@ from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
 from splitspec.measure import median
 from splitspec.models.checkpoint import Checkpoint
-from splitspec.models.stack import resolve_dtype
+from splitspec.models.loading import resolve_dtype
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
 from splitspec.run_info import run_environment, write_jsonl_gz

@@ -35,11 +35,11 @@ from splitspec.exceptions import (
 )
 from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_trunk, resolve_dtype
 from splitspec.models.masks import depths
 from splitspec.models.prepack import prepack_linears, prepack_obstacle
 from splitspec.models.quantization import published_method
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_trunk, resolve_dtype
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.models.warm_up import WARM_UP_WIDTHS, pays_cold_start, warm_up_stack

@@ -31,12 +31,13 @@ from splitspec.exceptions import CheckpointError, ConfigError, HandshakeMismatch
 from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop_ids
 from splitspec.models.features import edge_feature_sources
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_edge, load_full, resolve_dtype
 from splitspec.models.precision import dtype_from_name
 from splitspec.models.precision import dtype_name as dtype_name_of
 from splitspec.models.prepack import PackedLinear, packed_is_faster, prepack_linears, prepack_obstacle
 from splitspec.models.quantization import published_method
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import EdgeModel, FullModel, load_edge, load_full, resolve_dtype
+from splitspec.models.stack import EdgeModel, FullModel
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.models.warm_up import WARM_UP_WIDTHS, pays_cold_start, warm_up_edge

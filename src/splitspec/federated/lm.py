@@ -15,8 +15,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from splitspec.models.checkpoint import Checkpoint, fingerprint, load_tokenizer
+from splitspec.models.loading import load_full, resolve_dtype
 from splitspec.models.precision import AUTO
-from splitspec.models.stack import FullModel, load_full, resolve_dtype
+from splitspec.models.stack import FullModel
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

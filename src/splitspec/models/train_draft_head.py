@@ -44,8 +44,9 @@ from splitspec.models.draft_head import DraftHead, check_feature_layers, default
 from splitspec.models.draft_head_io import WEIGHTS_FILE, load_draft_head, save_draft_head
 from splitspec.models.draft_vocab import frequent_tokens, token_counts, with_draft_vocab, without_draft_vocab
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_full
 from splitspec.models.masks import chain
-from splitspec.models.stack import FullModel, ModelEnds, load_full
+from splitspec.models.stack import FullModel, ModelEnds
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The content fingerprint of a checkpoint's trunk, computed from its safetensors and cached beside it.
 
 Edge and cloud each compute it from their own copy of the checkpoint, the same way: blake2b-128
-over every trunk tensor (the names :func:`~splitspec.models.stack.trunk_tensor_names` gives, in
+over every trunk tensor (the names :func:`~splitspec.models.loading.trunk_tensor_names` gives, in
 sorted order) fed as ``name NUL dtype NUL shape NUL`` and then the tensor's stored bytes. Sharding,
 file names and tensor order inside the files do not matter; any changed weight, dtype, shape or
 layer does.
@@ -37,9 +37,9 @@ from safetensors import SafetensorError, safe_open
 from splitspec.exceptions import CheckpointError
 from splitspec.models.checkpoint import INDEX_FILE, Checkpoint
 from splitspec.models.hub import side_file
+from splitspec.models.loading import trunk_tensor_names
 from splitspec.models.quantization import published_method, quantized_dtype_label
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import trunk_tensor_names
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,9 @@ import torch
 
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.loading import load_full
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.stack import FullModel
 from splitspec.paths import display_path
 from splitspec.privacy import attackers as atk
 from splitspec.privacy.activations import collect_layers, stock_tail_top5

@@ -41,8 +41,9 @@ from tqdm import tqdm
 
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.loading import load_full
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import FullModel, load_full
+from splitspec.models.stack import FullModel
 from splitspec.paths import display_path
 from splitspec.privacy.activations import residual_stream, split_forward
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows

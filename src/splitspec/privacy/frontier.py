@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.loading import load_full
 from splitspec.models.split import SplitPlan
-from splitspec.models.stack import load_full
 from splitspec.paths import display_path
 from splitspec.privacy import attackers as atk
 from splitspec.privacy.activations import cloud_view, collect_layers, stock_tail_top5
