@@ -35,7 +35,8 @@ def measure(calls: int) -> dict[str, float]:
     import random
     import time
 
-    from splitspec.decoding.controller import SpeculationController, StepTimes
+    from splitspec.decoding.controller import SpeculationController
+    from splitspec.decoding.estimates import StepTimes
 
     out: dict[str, float] = {}
     for label, drafters in DRAFTER_SETS.items():

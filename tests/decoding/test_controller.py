@@ -8,13 +8,12 @@ import random
 import pytest
 
 from splitspec.decoding.controller import (
-    MEMO_ENTRIES,
     PRIOR_FADE,
     PROBE_BUDGET,
     SHADOW_UNTIL,
     SpeculationController,
-    StepTimes,
 )
+from splitspec.decoding.estimates import MEMO_ENTRIES, StepTimes
 
 
 def trained(rtt_s: float, per_token_s: float, accept_rate: float, steps: int = 200) -> SpeculationController:

@@ -34,9 +34,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
-from splitspec.decoding.controller import PROBE_BUDGET, BlindPolicy, Choice, Ema, SpeculationPolicy
+from splitspec.decoding.controller import PROBE_BUDGET, BlindPolicy, Choice, SpeculationPolicy
 from splitspec.decoding.dear_gate import DearGate
 from splitspec.decoding.drafters import Draft, Drafter, is_cheap, is_dear
+from splitspec.decoding.estimates import Ema
 from splitspec.decoding.shadow import score_proposal
 
 P = ParamSpec("P")

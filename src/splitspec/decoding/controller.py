@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from splitspec.decoding.estimates import Ema, StepTimes
+
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
-CONTEXT_BAND_TOKENS = 256  # step times are kept per context band: [0, 256), [256, 512), [512, 1024), ...
-MEMO_ENTRIES = 1024  # step-time predictions kept between two observations, at most
 PROBE_BUDGET = 2  # most tokens a drafter is asked for until its acceptance has been judged
 POPULATION_WEIGHT = 8.0  # observations the engine-wide estimates are worth to a new sequence's controller
 # a cheap deterministic drafter not chosen is scored against the greedy target's tokens until its first depth
@@ -32,18 +32,6 @@ POPULATION_WEIGHT = 8.0  # observations the engine-wide estimates are worth to a
 SHADOW_UNTIL = 4.0
 # judgements of a depth (decayed count) after which its prior has no weight left (it fades linearly from SHADOW_UNTIL)
 PRIOR_FADE = 8.0
-
-
-@dataclass
-class Ema:
-    """A decayed running mean: each update weighs ``decay`` times the weight of everything before it."""
-
-    value: float = math.nan
-    weight: float = 0.0
-
-    def update(self, x: float, decay: float) -> None:
-        self.weight = decay * self.weight + 1.0
-        self.value = x if math.isnan(self.value) else self.value + (x - self.value) / self.weight
 
 
 @dataclass
@@ -134,153 +122,6 @@ class FixedPolicy(BlindPolicy):
 
     def ranked(self, context_tokens: int = 0, waits: Mapping[str, float] | None = None) -> list[Choice]:
         return [self.choice, Choice(None, 0, 0.0)]
-
-
-class _WidthTimes:
-    """Measured seconds of a step of q query tokens at one context band.
-
-    A step of q tokens is modelled as T(1) + extra(q). Load (other sequences queueing at the trunk
-    and at the edge's workers) moves every T(q) together, and a big step measured under load and
-    not tried since would otherwise keep a lone sequence from drafting long after the load has
-    gone. So each step, whatever its size, moves the level T(1): a one-token step directly, a
-    bigger one by half of its surprise (the other half goes to its extra cost). Until a one-token
-    step is measured, the measured T(q) are interpolated as they are.
-    """
-
-    def __init__(self, decay: float = 0.97) -> None:
-        self.decay = decay  # per-observation decay of every estimate
-        self._times: dict[int, Ema] = {}  # query tokens -> seconds, as measured
-        self._one = Ema()  # T(1), seconds
-        self._extra: dict[int, Ema] = {}  # query tokens > 1 -> seconds over T(1)
-        self._extra_sorted: list[tuple[int, float]] | None = None  # _extra as sorted points, until it changes
-
-    def observe(self, query_tokens: int, seconds: float) -> None:
-        self._extra_sorted = None
-        self._times.setdefault(query_tokens, Ema()).update(seconds, self.decay)
-        one = self._one.value
-        if query_tokens == 1:
-            self._one.update(seconds, self.decay)
-        elif not math.isnan(one):
-            extra = self._extra.get(query_tokens)
-            if extra is None:
-                self._extra[query_tokens] = extra = Ema()
-                extra.update(seconds - one, self.decay)
-                return
-            surprise = seconds - (one + extra.value)
-            self._one.update(one + surprise / 2, self.decay)
-            extra.update(extra.value + surprise / 2, self.decay)
-
-    @property
-    def level(self) -> float:
-        """T(1), seconds (nan until a one-token step is measured)."""
-        return self._one.value
-
-    @property
-    def has_extra(self) -> bool:
-        """Whether a step wider than one token has been measured (so :meth:`extra` answers)."""
-        return bool(self._extra)
-
-    def _extra_points(self) -> list[tuple[int, float]]:
-        """(q, seconds over T(1)) of every measured width, with (1, 0), sorted: kept until the next observation."""
-        if self._extra_sorted is None:
-            self._extra_sorted = [(1, 0.0), *sorted((k, e.value) for k, e in self._extra.items())]
-        return self._extra_sorted
-
-    def extra(self, q: int) -> float | None:
-        """Seconds a step of q tokens costs over T(1), interpolated; None until a wider step is measured."""
-        if not self._extra:
-            return None
-        return _interpolate(self._extra_points(), q)
-
-    def predict(self, q: int) -> float:
-        """Predicted seconds for a step of q query tokens."""
-        one = self._one.value
-        if not math.isnan(one) and self._extra:
-            return max(1e-6, one + _interpolate(self._extra_points(), q))
-        known = sorted((k, e.value) for k, e in self._times.items() if not math.isnan(e.value))
-        if not known:
-            return 1.0
-        if len(known) == 1:
-            k0, t0 = known[0]
-            return t0 * (1 + 0.02 * (q - k0))  # before any slope is measured: +2% per extra token
-        return max(1e-6, _interpolate(known, q))
-
-
-class StepTimes:
-    """Measured seconds of a step of q query tokens at a context length: what the link and the trunk cost.
-
-    Every sequence on one link shares them (a sequence's own acceptance estimates are its own).
-    Attention over a long context makes each extra query token cost more (measured on the demo
-    split at 20 ms: a 17-token step cost 12 ms over a one-token one after 2,000 tokens, 6.5 ms after
-    100), so estimates are kept per context band (:func:`context_band`: below 256 tokens, then one
-    band per doubling). A band with no wide step measured yet borrows the extra cost of the nearest
-    band that has one, over its own T(1); a band with no T(1) yet reads the nearest band that has one.
-    """
-
-    def __init__(self, decay: float = 0.97) -> None:
-        self.decay = decay  # per-observation decay of every estimate
-        self._bands: dict[int, _WidthTimes] = {}  # context band -> its estimates
-        # (q, band) -> what predict answers until the next observation: a controller's ranking asks for the same
-        # few widths once per drafter and budget (about 80 predictions a step, 9 distinct), and each prediction
-        # walks every band's sorted estimates in Python (under load, 10 % of the edge server's interpreter time)
-        self._memo: dict[tuple[int, int], float] = {}
-
-    @property
-    def measured(self) -> bool:
-        """Whether any step was measured yet (at any context length)."""
-        return bool(self._bands)
-
-    def observe(self, query_tokens: int, seconds: float, context_tokens: int = 0) -> None:
-        band = context_band(context_tokens)
-        self._bands.setdefault(band, _WidthTimes(self.decay)).observe(query_tokens, seconds)
-        self._memo.clear()  # any prediction may have moved
-
-    def predict(self, q: int, context_tokens: int = 0) -> float:
-        """Predicted seconds for a step of q query tokens after ``context_tokens`` tokens."""
-        key = (q, context_band(context_tokens))
-        seconds = self._memo.get(key)
-        if seconds is None:
-            if len(self._memo) >= MEMO_ENTRIES:  # odd widths asked between two observations: stay bounded
-                self._memo.clear()
-            seconds = self._memo[key] = self._predict(q, key[1])
-        return seconds
-
-    def _predict(self, q: int, band: int) -> float:
-        if not self._bands:
-            return 1.0
-        own = self._bands.get(band)
-        if own is None or math.isnan(own.level):  # no T(1) here yet: the nearest band that has one
-            levelled = [b for b, times in self._bands.items() if not math.isnan(times.level)]
-            if not levelled:
-                return (own or self._nearest(band, list(self._bands))).predict(q)
-            own = self._nearest(band, levelled)
-        donors = [b for b, times in self._bands.items() if times.has_extra]
-        if q == 1 or own.has_extra or not donors:
-            return own.predict(q)
-        extra = self._nearest(band, donors).extra(q)
-        return own.predict(q) if extra is None else max(1e-6, own.level + extra)
-
-    def _nearest(self, band: int, candidates: list[int]) -> _WidthTimes:
-        """The estimates of the candidate band nearest ``band`` (the longer context on a tie: the dearer)."""
-        return self._bands[min(candidates, key=lambda b: (abs(b - band), -b))]
-
-
-def context_band(context_tokens: int) -> int:
-    """Band of a context length for step times: 0 below CONTEXT_BAND_TOKENS, then one per doubling."""
-    return (max(0, context_tokens) // CONTEXT_BAND_TOKENS).bit_length()
-
-
-def _interpolate(known: list[tuple[int, float]], q: int) -> float:
-    """Linear interpolation between the (q, value) points, sorted by q; beyond them, the nearest two's
-    slope (never decreasing)."""
-    below = [(k, t) for k, t in known if k <= q]
-    above = [(k, t) for k, t in known if k >= q]
-    if below and above:
-        (k0, t0), (k1, t1) = below[-1], above[0]
-        return t0 if k1 == k0 else t0 + (t1 - t0) * (q - k0) / (k1 - k0)
-    (k0, t0), (k1, t1) = (known[-2], known[-1]) if not above else (known[0], known[1])
-    slope = max(0.0, (t1 - t0) / (k1 - k0))
-    return t0 + slope * (q - k0)
 
 
 class SpeculationController:

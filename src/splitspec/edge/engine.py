@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from splitspec.decoding.aside import DraftExecutor
-from splitspec.decoding.controller import SpeculationController, StepTimes
+from splitspec.decoding.controller import SpeculationController
+from splitspec.decoding.estimates import StepTimes
 from splitspec.edge.link import TrunkLink
 from splitspec.edge.runtime import EdgeRuntime
 from splitspec.edge.sequence import EdgeSequence, StepStats
