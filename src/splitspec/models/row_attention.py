@@ -143,13 +143,14 @@ def grouped_sdpa(
 def keep_sdpa_off_cudnn(devices: Iterable[torch.device]) -> bool:
     """Take cuDNN out of torch's sdpa backends (process-wide) when any of ``devices`` is CUDA; True if it did.
 
-    torch (2.5 and later, on compute capability 9.0 and up) tries cuDNN's attention first, and cuDNN
-    builds an execution plan for each query/key shape it has not seen: 55-440 ms each as others measured
-    (FunASR issue 3704, flashinfer PR 5245). A split step's shape is new on nearly every step: the context
-    grows by the tokens accepted, and a speculative step's width and mask vary. On the H200 (2026-12-04,
-    torch 2.11, cuDNN attention on) the demo edge predicted a 9-token tree step at 540-730 ms however long
-    it ran, against 5-8 ms for a warm draft proposal, and speculated on no step; this is the likely cause,
-    not yet confirmed on a GPU with cuDNN off. Flash and memory-efficient attention take any shape at no
+    torch 2.11 ran sdpa through cuDNN's attention on the H200 (its profile shows
+    ``aten::_cudnn_attention_forward``; others saw the same on sm_100), and cuDNN builds an execution plan
+    for each query/key shape it has not seen: 55-440 ms each as others measured (FunASR issue 3704,
+    flashinfer PR 5245). A split step's shape is new on nearly every step: the context grows by the tokens
+    accepted, and a speculative step's width and mask vary. On that H200 (2026-12-04) the demo edge
+    predicted a 9-token tree step at 540-730 ms however long it ran, against 5-8 ms for a warm draft
+    proposal, and ``bench speculative`` accepted one token per step in every mode; this is the likely
+    cause, not yet confirmed on a GPU with cuDNN off. Flash and memory-efficient attention take any shape at no
     set-up cost. The results are the same up to floating-point rounding; a torch flag, the choice holds
     for the whole process (every model in it)."""
     if not any(device.type == "cuda" for device in devices) or not torch.backends.cuda.cudnn_sdp_enabled():
