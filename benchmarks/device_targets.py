@@ -171,23 +171,27 @@ async def split_vs_whole(
     compiled["max_cache_tokens"] = len(prompt) + n + 8  # static KV: the prompt, the answer and a margin
     whole_tps, split_tps, ratios, summaries, identical = [], [], [], [], []
     compiled_tps: list[float] = []
+    compiled_error: str | None = None  # the compiled split's failure, reported rather than losing the other figures
     divergences: list[dict[str, Any]] = []
     async with contextlib.AsyncExitStack() as stack:
         server = await stack.enter_async_context(TrunkServer(CloudConfig(port=0, **common)))
         edge = EdgeConfig(allow_stock_edge_weights=True, cloud_url=server.url, **common)
         client = await stack.enter_async_context(SplitClient(edge))
         compiled_client: SplitClient | None = None
-        if compile_mode is not None:  # one session at a time, each decode step alone: no batching
-            cloud = CloudConfig(port=0, batching=False, **common, **compiled)
-            compiled_server = await stack.enter_async_context(TrunkServer(cloud))
-            edge = EdgeConfig(allow_stock_edge_weights=True, cloud_url=compiled_server.url, **common, **compiled)
-            compiled_client = await stack.enter_async_context(SplitClient(edge))
         # warm-up, every side, as long as a timed run: on the H200 a 4-token warm-up left the first repeat at
         # 14 (whole) and 6 (split) tok/s against 66-91 and 15-50 later (clocks and kernels still cold)
         hf_generate(whole, prompt, n, device)
         await split_generate(client, prompt, n)
-        if compiled_client is not None:
-            await split_generate(compiled_client, prompt, n)  # and the compiles
+        if compile_mode is not None:  # one session at a time, each decode step alone: no batching
+            try:
+                cloud = CloudConfig(port=0, batching=False, **common, **compiled)
+                compiled_server = await stack.enter_async_context(TrunkServer(cloud))
+                edge = EdgeConfig(allow_stock_edge_weights=True, cloud_url=compiled_server.url, **common, **compiled)
+                compiled_client = await stack.enter_async_context(SplitClient(edge))
+                await split_generate(compiled_client, prompt, n)  # warm-up, and the compiles
+            except Exception as exc:  # a compiler's failure: keep every other figure of the run, and say why
+                log.exception("the compiled split failed; the report carries the error")
+                compiled_error, compiled_client = f"{type(exc).__name__}: {exc}", None
         for r in range(repeats):
             wt, wtoks = hf_generate(whole, prompt, n, device)
             st, stoks, summary = await split_generate(client, prompt, n)
@@ -223,6 +227,7 @@ async def split_vs_whole(
         "divergences": divergences,
         "split_step_ms_median": {k: med(k) for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")},
         "compile_mode": compile_mode,
+        "compiled_split_error": compiled_error,
         "compiled_split_tok_s": compiled_tps,
         "compiled_ratio_median": (
             statistics.median(c / w for c, w in zip(compiled_tps, whole_tps, strict=True)) if compiled_tps else None
@@ -451,6 +456,7 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             if sv.get("compiled_split_tok_s")
             else []
         ),
+        *([f"| split compiled: failed ({sv['compiled_split_error']}) | | |"] if sv.get("compiled_split_error") else []),
         f"| greedy tokens identical in every repeat (every split) | {all(sv['greedy_tokens_identical'])} | True |",
         *(
             f"| repeat's first divergence: token {d['index']}, whole's logit gap to the split's token "
