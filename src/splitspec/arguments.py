@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
@@ -17,10 +16,6 @@ from splitspec.models.precision import AUTO, DTYPE_CHOICES
 from splitspec.models.quantize_choices import QUANTIZE_CHOICES, QUANTIZE_HELP
 from splitspec.models.split import parse_edge_layers
 from splitspec.protocol.codec import WIRE_CODECS
-
-if TYPE_CHECKING:
-    from splitspec.decoding.sampling import SamplingParams
-    from splitspec.edge import EdgeConfig
 
 __all__ = [
     "DTYPE_HELP",
@@ -37,11 +32,9 @@ __all__ = [
     "add_token_file",
     "add_wire_codec",
     "add_wire_codecs",
-    "edge_config",
     "edge_layers",
     "model_dir",
     "read_token_file",
-    "sampling_params",
     "set_threads",
     "wire_codecs",
 ]
@@ -300,38 +293,3 @@ def add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
         help="sample from the k likeliest tokens, 0 = all (default: generation_config.json's, else 50)",
     )
     p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
-
-
-def edge_config(args: argparse.Namespace) -> EdgeConfig:
-    from splitspec.edge import EdgeConfig
-
-    if getattr(args, "max_new_tokens", 1) < 1:  # serve has no --max-new-tokens: requests say
-        raise ConfigError("--max-new-tokens must be at least 1")
-    set_threads(args.threads)
-    return EdgeConfig(
-        model_dir=args.model,
-        cloud_url=args.cloud,
-        edge_layers=args.edge_layers,
-        dtype=args.dtype,
-        wire_codec=args.wire_codec,
-        quantize=args.quantize,
-        device=args.device,
-        auth_token=read_token_file(args.token_file),
-        draft_model_dir=args.draft_model,
-        draft_head_dir=args.draft_head,
-        draft_head_target_check=args.draft_head_target_check == "on",
-        draft_tree_width=args.draft_tree_width,
-        allow_stock_edge_weights=args.allow_stock_edge_weights,
-        published_model_dir=args.published_model,
-        trunk_fingerprint=args.trunk_fingerprint,
-        tls_ca_file=args.tls_ca,
-        compile=args.compile,
-        max_cache_tokens=args.max_cache_tokens,
-    )
-
-
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The flags given, else the checkpoint's generation_config.json: the same rule as SplitClient.sampling."""
-    from splitspec.decoding.published import published_sampling, sampling_settings
-
-    return sampling_settings(published_sampling(args.model), args.temperature, args.top_p, args.top_k, args.seed)

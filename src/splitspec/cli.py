@@ -25,14 +25,13 @@ from splitspec.arguments import (
     add_dtype_arg,
     add_edge_args,
     add_wire_codec,
-    edge_config,
     edge_layers,
     model_dir,
-    sampling_params,
     set_threads,
 )
 from splitspec.detokenize import IncrementalText
 from splitspec.devices import DEVICE_HELP
+from splitspec.edge_cli import edge_config, sampling_params
 from splitspec.exceptions import ConfigError, SplitspecError
 
 if TYPE_CHECKING:

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from transformers import GenerationConfig
 
-from splitspec.arguments import sampling_params
 from splitspec.cli import build_parser
 from splitspec.decoding import published as pub
 from splitspec.decoding.published import published_sampling, sampling_settings
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.edge_cli import sampling_params
 from splitspec.exceptions import CheckpointError
 
 

@@ -7,7 +7,8 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-from splitspec.arguments import add_edge_link_args, edge_config, read_token_file
+from splitspec.arguments import add_edge_link_args, read_token_file
+from splitspec.edge_cli import edge_config
 from splitspec.exceptions import ConfigError
 
 
