@@ -83,10 +83,27 @@ EOF
 fi
 
 RESULTS=$ROOT/benchmarks/results/gpu
+# at the end, even when stopped: the reports that answer the open questions, in the log's last lines (the device
+# tool returns the last 12,000 characters of the output whatever else comes back)
+summary() {
+    local report
+    echo "== summary"
+    for report in draft_cold_start/draft_cold_start.md draft_cold_start_cudnn/draft_cold_start.md \
+        targets/device_targets.md; do
+        [[ -f "$RESULTS/$report" ]] && { echo "-- $report"; grep '^|' "$RESULTS/$report"; }
+    done
+    if [[ -f "$RESULTS/speculative/summary.md" ]]; then
+        echo "-- speculative: mode, RTT ms, decode tok/s, accepted/step (draft and auto rows)"
+        grep -E '^\| split (draft|auto) ' "$RESULTS/speculative/summary.md" | cut -d'|' -f2,3,5,9
+    fi
+    return 0
+}
 if [[ -n "${OUT:-}" ]]; then
     RESULTS=$(mktemp -d)
     # shellcheck disable=SC2064  # expand now: the paths are fixed
-    trap "tar czf '$OUT/gpu_check.tgz' -C '$RESULTS' . && cp '$RESULTS/gpu_check.log' '$OUT/'" EXIT
+    trap "summary; tar czf '$OUT/gpu_check.tgz' -C '$RESULTS' . && cp '$RESULTS/gpu_check.log' '$OUT/'" EXIT
+else
+    trap summary EXIT
 fi
 mkdir -p "$RESULTS"
 LOG=$RESULTS/gpu_check.log
