@@ -81,7 +81,7 @@ async def run(device: str, rtt_ms: float, clients: int, answers: int, cudnn_sdpa
         TrunkServer(CloudConfig(model_dir=BASE, port=0, device=device)) as server,
         WanEmulator(NetemConfig(upstream_port=server.port, rtt_ms=rtt_ms)) as link,
     ):
-        if cudnn_sdpa:  # the trunk's stacks took it out
+        if cudnn_sdpa:  # the trunk's stacks took it out (after their warm-up, whose shapes no real step has anyway)
             torch.backends.cuda.enable_cudnn_sdp(True)
         for client_no in range(clients):
             edge = EdgeConfig(
