@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 
 def edge_config(args: argparse.Namespace) -> EdgeConfig:
+    """The edge's frozen config from the arguments of :func:`splitspec.arguments.add_edge_link_args`; pins the
+    torch threads (``--threads``) on the way."""
     from splitspec.edge import EdgeConfig
 
     if getattr(args, "max_new_tokens", 1) < 1:  # serve has no --max-new-tokens: requests say
