@@ -18,7 +18,15 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from splitspec.arguments import MODEL_HELP, add_tls_ca, add_token_file, edge_layers, model_dir, read_token_file
+from splitspec.arguments import (
+    MODEL_HELP,
+    add_tls_ca,
+    add_token_file,
+    edge_layers,
+    model_dir,
+    read_token_file,
+    set_threads,
+)
 from splitspec.devices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
 
@@ -61,15 +69,10 @@ async def _train_through_the_split(config: TrainConfig, args: argparse.Namespace
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
-
     from splitspec.models.draft_head_eval import greedy_chains, heldout_prompts
     from splitspec.models.train_draft_head import STATE_FILE, LocalFeatures, TrainConfig, read_corpus, train_local
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError("--threads must be at least 1")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     config = TrainConfig(
         model=args.model,
         corpus=tuple(args.corpus),

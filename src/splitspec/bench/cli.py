@@ -34,6 +34,7 @@ from splitspec.arguments import (
     edge_layers,
     model_dir,
     read_token_file,
+    set_threads,
 )
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
 from splitspec.devices import DEVICE_HELP
@@ -102,10 +103,7 @@ def run_probe(args: argparse.Namespace) -> int:
         dollars_per_hour=args.dollars_per_hour,
         tls_ca_file=args.tls_ca,
     )
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     report = asyncio.run(probe(config))
     if args.json:
         print(json.dumps(report.to_json(), indent=2))

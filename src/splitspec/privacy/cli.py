@@ -17,7 +17,7 @@ import json
 import logging
 from pathlib import Path
 
-from splitspec.arguments import MODEL_HELP, model_dir
+from splitspec.arguments import MODEL_HELP, model_dir, set_threads
 from splitspec.exceptions import ConfigError
 from splitspec.privacy.defences import DEFAULT_DEFENCE
 
@@ -47,13 +47,11 @@ def _positive(name: str, value: int) -> int:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
-    import torch
-
     from splitspec.privacy.attackers import TrainConfig
     from splitspec.privacy.audit import ALL_ATTACKERS, AuditConfig, run_audit
     from splitspec.privacy.corpus import DEFAULT_CORPUS
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     attackers = tuple(a.strip() for a in args.attackers.split(",") if a.strip()) if args.attackers else ALL_ATTACKERS
     config = AuditConfig(
         model_dir=args.model,
@@ -84,14 +82,12 @@ def _run_audit(args: argparse.Namespace) -> int:
 
 
 def _run_diverge(args: argparse.Namespace) -> int:
-    import torch
-
     from splitspec.models.split import parse_edge_layers
     from splitspec.privacy.corpus import DEFAULT_CORPUS
     from splitspec.privacy.defences import DefenceConfig
     from splitspec.privacy.diverge import DivergeConfig, diverge
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     head, tail = parse_edge_layers(args.edge_layers)
     try:
         defence = DefenceConfig(
