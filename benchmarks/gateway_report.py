@@ -1,0 +1,195 @@
+"""The report of ``gateway_load.py``: its summary (medians, each level against the lone stream), markdown and plot."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from gateway_load import LEVELS, lone_rate, quantile
+
+
+def same_requests(runs: list[dict[str, Any]], n: int, requests: int) -> dict[str, list[float]]:
+    """Level ``n`` against the lone stream on the same requests, paired by repeat: each repeat's level tok/s over
+    the lone stream's rate on the prompts that level sent (``x_same``), and over its rate on its first ``requests``
+    prompts alone (``x_first``, the lone figure before the lone stream ran every prompt); the lone stream's
+    inter-token p99 on the level's prompts (``lone_itl_p99_s``)."""
+    out: dict[str, list[float]] = {"x_same": [], "x_first": [], "lone_itl_p99_s": []}
+    for level in (r for r in runs if r["streams"] == n):
+        lone = next((r for r in runs if r["streams"] == 1 and r["repeat"] == level["repeat"]), None)
+        if lone is None or "requests" not in lone:
+            continue
+        used = set(level["prompts"])
+        out["x_same"].append(level["tokens_per_s"] / lone_rate(lone["requests"], used))
+        out["x_first"].append(level["tokens_per_s"] / lone_rate(lone["requests"], set(range(requests))))
+        gaps = [g for r in lone["requests"] if r["prompt"] in used for g in r["gaps"]]
+        out["lone_itl_p99_s"].append(quantile(gaps, 0.99))
+    return out
+
+
+def summarise(raw: dict[str, Any], requests: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for label, runs in raw["levels"].items():
+        rows = []
+        for n in LEVELS:
+            mine = [r for r in runs if r["streams"] == n]
+            if not mine:
+                continue
+            row: dict[str, Any] = {"streams": n, "runs": len(mine)}
+            for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+                row[key] = statistics.median(r[key] for r in mine)
+            for group in ("cores", "cpu_ms_per_token", "per_step"):
+                names = {name for r in mine for name in r.get(group, {})}
+                row[group] = {k: statistics.median(r[group][k] for r in mine if k in r[group]) for k in sorted(names)}
+            row["per_repeat_tokens_per_s"] = [r["tokens_per_s"] for r in mine]
+            rows.append(row)
+        for row in rows:
+            paired = same_requests(runs, row["streams"], requests)
+            row["vs_1_stream"] = statistics.median(paired["x_same"]) if paired["x_same"] else float("nan")
+            row["vs_1_stream_first"] = statistics.median(paired["x_first"]) if paired["x_first"] else float("nan")
+            row["per_repeat_vs_1_stream"] = paired["x_same"]
+            row["lone_itl_p99_s"] = statistics.median(paired["lone_itl_p99_s"]) if paired["x_same"] else float("nan")
+        out[label] = rows
+    engine = out["engine"]
+    by_n = {r["streams"]: r for r in engine}
+    checks: dict[str, Any] = {
+        "x16 (target >= 10)": by_n[16]["vs_1_stream"] if 16 in by_n else None,
+        "x32 (target >= 16)": by_n[32]["vs_1_stream"] if 32 in by_n else None,
+        "x16, lone stream on its first prompts only (the figure before 2026-12-04)": by_n[16]["vs_1_stream_first"]
+        if 16 in by_n
+        else None,
+        "x32, lone stream on its first prompts only": by_n[32]["vs_1_stream_first"] if 32 in by_n else None,
+        "itl p99 16 / 1 (target <= 2)": by_n[16]["itl_p99_s"] / by_n[16]["lone_itl_p99_s"] if 16 in by_n else None,
+        "prefill p99 / p50 (target <= 3)": statistics.median(p["ratio"] for p in raw["prefill"]),
+    }
+    if raw.get("prefill_control"):  # the same ratio in the same window with no long prompt, and the prefill's share
+        checks["same window, no prefill: p99 / p50"] = statistics.median(p["ratio"] for p in raw["prefill_control"])
+        checks["prefill p99 / no-prefill p99 (paired by repeat)"] = statistics.median(
+            p["itl_p99_during_s"] / c["itl_p99_during_s"]
+            for p in raw["prefill"] for c in raw["prefill_control"] if p["repeat"] == c["repeat"]
+        )  # fmt: skip
+    if "baseline" in out:
+        # lone stream, paired by repeat: engine / baseline
+        pairs = [
+            e["tokens_per_s"] / b["tokens_per_s"]
+            for e in raw["levels"]["engine"] for b in raw["levels"]["baseline"]
+            if e["streams"] == b["streams"] == 1 and e["repeat"] == b["repeat"]
+        ]  # fmt: skip
+        checks["lone stream engine / baseline (target >= 0.95)"] = statistics.median(pairs)
+        checks["lone stream per repeat"] = pairs
+        base16 = [r for r in out["baseline"] if r["streams"] == 16]
+        if base16:
+            checks["16 streams engine / baseline"] = by_n[16]["tokens_per_s"] / base16[0]["tokens_per_s"]
+    out["checks"] = checks
+    batches: dict[str, list[float]] = {}
+    for r in raw["levels"]["engine"]:
+        for key, b in r["edge_batches"].items():
+            batches.setdefault(key, []).append(b["ms_per_sequence"])
+    out["edge_ms_per_sequence"] = {k: statistics.median(v) for k, v in sorted(batches.items(), key=_batch_key)}
+    return out
+
+
+def _batch_key(item: tuple[str, Any]) -> tuple[str, int]:
+    part, rows = item[0].split(":")
+    return part, int(rows)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    s = results["summary"]
+    lines = [
+        "# Gateway load: `splitspec serve` on the edge engine, 80 ms WAN, demo models in float32",
+        "",
+        f"Commit `{results['commit'][:12]}`"
+        + (f", baseline `{results['baseline']}`" if results["baseline"] else "")
+        + (f"; the engine's server runs {results['workers']} workers" if results.get("workers", 1) > 1 else "")
+        + f"; {results['repeats']} interleaved repeats, medians; {results['requests']} requests per stream, "
+        f"128-token prompts (each unique: no prefix-cache hits), {results['max_tokens']} tokens out, greedy, "
+        "`--speculate auto` with the draft model.",
+        f"Reproduce: `{results['command']}`.",
+        "",
+        'The lone stream runs every prompt the largest level sends, one after another. "vs 1 stream" is a '
+        "level's tok/s over the lone stream's on the same prompts (paired by repeat, median): how many tokens a "
+        'speculative step delivers depends on the text. "first prompts" is over the lone stream\'s rate on its '
+        f"first {results['requests']} prompts alone, as this benchmark measured it before 2026-12-04.",
+        "",
+        "| server | streams | aggregate tok/s | vs 1 stream | vs 1 stream, first prompts | TTFT p50 (s) | TTFT p99 (s) "
+        "| ITL p50 (ms) | ITL p99 (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label in ("engine", "baseline"):
+        for r in s.get(label, []):
+            lines.append(
+                f"| {label} | {r['streams']} | {r['tokens_per_s']:.1f} | {r['vs_1_stream']:.2f}x | "
+                f"{r['vs_1_stream_first']:.2f}x | {r['ttft_p50_s']:.3f} | "
+                f"{r['ttft_p99_s']:.3f} | {r['itl_p50_s'] * 1e3:.0f} | {r['itl_p99_s'] * 1e3:.0f} |"
+            )
+    lines += ["", "## Targets", "", "| check | value |", "|---|---|"]
+    for key, value in s["checks"].items():
+        if value is None:  # a level this run did not measure
+            continue
+        shown = ", ".join(f"{v:.2f}" for v in value) if isinstance(value, list) else f"{value:.2f}"
+        lines.append(f"| {key} | {shown} |")
+    cpu_rows = [r for r in s.get("engine", []) if r.get("cores")]
+    if cpu_rows:
+        names = sorted({n for r in cpu_rows for n in r["cores"]})
+        lines += ["", "## Where the CPU goes (engine): cores each process kept busy, and CPU ms per output token", "",
+                  "| streams | " + " | ".join(f"{n} cores" for n in names) + " | "
+                  + " | ".join(f"{n} ms/token" for n in names) + " |",
+                  "|---:|" + "---:|" * (2 * len(names))]  # fmt: skip
+        for r in cpu_rows:
+            cells = [f"{r['cores'].get(n, float('nan')):.2f}" for n in names]
+            cells += [f"{r['cpu_ms_per_token'].get(n, float('nan')):.2f}" for n in names]
+            lines.append(f"| {r['streams']} | " + " | ".join(cells) + " |")
+        lines += ["", "`serve` is one process whose Python work shares one interpreter lock: past about one core "
+                  "its threads (event loop, head, tail, drafting) wait for each other.", "",
+                  "## One round trip, by part (engine, mean ms per trip; from serve's /metrics)", "",
+                  "| streams | network | of which trunk queue | edge | of which queued | cloud | serialize "
+                  "| tokens per decode trip |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in cpu_rows:
+            p = r.get("per_step", {})
+            parts = ("network_ms", "cloud_queue_ms", "edge_ms", "edge_queue_ms", "cloud_ms", "serialize_ms")
+            cells = [f"{p[k]:.1f}" if k in p else "" for k in parts]
+            trips = f"{p['tokens_per_trip']:.2f}" if "tokens_per_trip" in p else ""
+            lines.append(f"| {r['streams']} | " + " | ".join(cells) + f" | {trips} |")
+        lines += ["", "network: the round trip less the trunk's compute; of which trunk queue: the step's wait on the "
+                  "trunk before its compute (its batches), as the trunk reports it; edge: the head's and "
+                  "the tail's forwards with their queues; of which queued: the wait for their batches (gathering, "
+                  "and the batches ahead).", ""]  # fmt: skip
+    lines += ["", "## Edge compute per sequence against the batch size (engine, medians over levels)", "",
+              "| part | rows | ms per sequence |", "|---|---:|---:|"]  # fmt: skip
+    if not s["edge_ms_per_sequence"]:
+        lines.append("| (not collected: with several workers a /metrics scrape reaches one of them) | | |")
+    for key, ms in s["edge_ms_per_sequence"].items():
+        part, rows = key.split(":")
+        lines.append(f"| {part} | {rows} | {ms:.3f} |")
+    lines += ["", f"Machine: {results['platform']}, {results['cpu_count']} CPUs shared by the trunk, the link, the "
+              "edge server(s) and the load. Read the ratios, not lone absolute times.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for label, colour in (("engine", "tab:blue"), ("baseline", "tab:orange")):
+        rows = results["summary"].get(label, [])
+        if rows:
+            axes[0].plot(
+                [r["streams"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", label=label, color=colour
+            )
+            axes[1].plot([r["streams"] for r in rows], [r["itl_p99_s"] * 1e3 for r in rows], "o-", label=label,
+                         color=colour)  # fmt: skip
+    axes[0].set_xlabel("concurrent streams")
+    axes[0].set_ylabel("aggregate output tok/s (median)")
+    axes[1].set_xlabel("concurrent streams")
+    axes[1].set_ylabel("inter-token latency p99 (ms)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.suptitle("splitspec serve through an 80 ms link")
+    fig.tight_layout()
+    fig.savefig(out / "gateway_load.png", dpi=120)
+    plt.close(fig)

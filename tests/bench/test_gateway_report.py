@@ -1,0 +1,69 @@
+"""benchmarks/gateway_report.py: each load level is compared with the lone stream on the prompts that level sent,
+paired by repeat, and the lone stream's rate on its first prompts is kept beside it."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.bench.scripts import BENCHMARKS
+
+
+@pytest.fixture(scope="module")
+def report() -> Iterator[ModuleType]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(BENCHMARKS))  # the report imports gateway_load by name
+        yield importlib.import_module("gateway_report")
+
+
+def lone_run(repeat: int, seconds_per_prompt: dict[int, float]) -> dict[str, Any]:
+    """A lone stream that ran each prompt for 64 tokens in the given seconds, back to back."""
+    requests, t = [], 0.0
+    for prompt, seconds in seconds_per_prompt.items():
+        requests.append({"prompt": prompt, "tokens": 64, "start": t, "end": t + seconds, "gaps": [seconds / 64] * 63})
+        t += seconds
+    return {"streams": 1, "repeat": repeat, "tokens_per_s": 64 * len(requests) / t, "requests": requests,
+            "prompts": sorted(seconds_per_prompt)}  # fmt: skip
+
+
+def test_a_level_is_compared_with_the_lone_stream_on_its_own_prompts(report: ModuleType) -> None:
+    # prompts 0-1 are easy (1 s each), 2-3 hard (4 s): the 2-stream level sent all four
+    runs = [
+        lone_run(0, {0: 1.0, 1: 1.0, 2: 4.0, 3: 4.0}),
+        {"streams": 2, "repeat": 0, "tokens_per_s": 100.0, "prompts": [0, 1, 2, 3]},
+    ]
+    paired = report.same_requests(runs, 2, 2)
+    assert paired["x_same"] == [pytest.approx(100.0 / (256 / 10.0))]  # 25.6 tok/s over all four
+    assert paired["x_first"] == [pytest.approx(100.0 / 64.0)]  # 64 tok/s on the easy first two alone
+    assert paired["lone_itl_p99_s"] == [pytest.approx(4.0 / 64)]
+
+
+def test_levels_pair_with_the_lone_run_of_their_repeat(report: ModuleType) -> None:
+    runs = [
+        lone_run(0, {0: 2.0, 1: 2.0}),
+        lone_run(1, {0: 4.0, 1: 4.0}),  # a slower machine in the second repeat
+        {"streams": 2, "repeat": 0, "tokens_per_s": 96.0, "prompts": [0, 1]},
+        {"streams": 2, "repeat": 1, "tokens_per_s": 48.0, "prompts": [0, 1]},
+    ]
+    assert report.same_requests(runs, 2, 1)["x_same"] == [pytest.approx(3.0), pytest.approx(3.0)]
+
+
+def test_the_summary_reports_both_multiples(report: ModuleType) -> None:
+    lone = lone_run(0, {0: 1.0, 1: 1.0, 2: 4.0, 3: 4.0})
+    level: dict[str, Any] = {"streams": 16, "repeat": 0, "tokens_per_s": 128.0, "prompts": [0, 1, 2, 3]}
+    for run in (lone, level):
+        run.update(ttft_p50_s=0.1, ttft_p99_s=0.2, itl_p50_s=0.01, itl_p99_s=0.05, edge_batches={})
+    raw = {"levels": {"engine": [lone, level]}, "prefill": [{"ratio": 5.0, "repeat": 0}], "prefill_control": []}
+    summary = report.summarise(raw, 2)
+    checks = summary["checks"]
+    assert checks["x16 (target >= 10)"] == pytest.approx(128.0 / 25.6)
+    assert checks["x16, lone stream on its first prompts only (the figure before 2026-12-04)"] == pytest.approx(2.0)
+    assert checks["itl p99 16 / 1 (target <= 2)"] == pytest.approx(0.05 / (4.0 / 64))
+    assert "vs 1 stream, first prompts" in report.markdown(
+        {"summary": summary, "commit": "abc", "baseline": None, "repeats": 1, "requests": 2, "max_tokens": 64,
+         "command": "python benchmarks/gateway_load.py", "platform": "test", "cpu_count": 2}
+    )  # fmt: skip
