@@ -215,21 +215,45 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -
 BURST_S = 0.002  # content chunks closer than this arrived together (one speculative step's tokens)
 
 
-def token_latencies(chunks: list[float]) -> list[tuple[float, float]]:
-    """(arrival, seconds per token) for every token after the first: a delivery of k tokens that came
-    g seconds after the previous delivery gives each of its k tokens g / k (vLLM's inter-token
-    latency, per delivery); chunks closer than :data:`BURST_S` are one delivery."""
+def deliveries(chunks: list[float]) -> list[tuple[float, float, int]]:
+    """(arrival, gap, tokens) of every delivery after the first: content chunks closer than :data:`BURST_S` are one
+    delivery (a speculative step's tokens, which ``serve`` streams as a chunk each); gap: seconds since the last."""
     bursts: list[list[float]] = []
     for t in chunks:
         if bursts and t - bursts[-1][-1] < BURST_S:
             bursts[-1].append(t)
         else:
             bursts.append([t])
-    out = []
-    for previous, burst in itertools.pairwise(bursts):
-        gap = burst[-1] - previous[-1]
-        out += [(burst[-1], gap / len(burst))] * len(burst)
-    return out
+    return [(burst[-1], burst[-1] - previous[-1], len(burst)) for previous, burst in itertools.pairwise(bursts)]
+
+
+def token_latencies(chunks: list[float]) -> list[tuple[float, float]]:
+    """(arrival, seconds per token) for every token after the first: a delivery of k tokens that came g seconds
+    after the previous delivery gives each of its k tokens g / k."""
+    return [(at, gap / k) for at, gap, k in deliveries(chunks) for _ in range(k)]
+
+
+def delivery_gaps(chunks: list[float]) -> list[tuple[float, float]]:
+    """(arrival, gap) per delivery: vLLM's inter-token latency (its benchmark appends the time since the last
+    chunk for every chunk, and vLLM streams a speculative step's tokens as one chunk)."""
+    return [(at, gap) for at, gap, _ in deliveries(chunks)]
+
+
+def tpot(result: dict[str, Any]) -> float | None:
+    """A request's time per output token after the first (vLLM's TPOT); None under two tokens."""
+    chunks = result["chunks"]
+    return (chunks[-1] - chunks[0]) / (len(chunks) - 1) if len(chunks) > 1 else None
+
+
+def all_active_rate(per_stream: list[list[dict[str, Any]]], t0: float) -> float:
+    """Output tok/s while every stream is active: from ``t0`` until the first stream finishes its last request.
+    A level's wall time also holds its ramp-down, when the streams that finished early leave fewer running: a
+    lower concurrency than the level's. Counted by content chunks, scaled to the tokens the server reported."""
+    until = float(min(stream[-1]["end"] for stream in per_stream))
+    chunks: list[float] = [t for stream in per_stream for r in stream for t in r["chunks"]]
+    tokens = int(sum(r["tokens"] for stream in per_stream for r in stream))
+    inside = sum(1 for t in chunks if t <= until)
+    return inside * (tokens / max(1, len(chunks))) / (until - t0)
 
 
 async def stream_worker(
@@ -344,6 +368,8 @@ async def run_level(
     results = [r for stream in per_stream for r in stream]
     ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
     gaps = [latency for r in results for _, latency in token_latencies(r["chunks"])]
+    per_delivery = [gap for r in results for _, gap in delivery_gaps(r["chunks"])]
+    tpots = [x for x in map(tpot, results) if x is not None]
     batches = {}
     for key, (count, ms) in after.items():
         c0, m0 = before.get(key, (0.0, 0.0))
@@ -356,6 +382,9 @@ async def run_level(
         "streams": n, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
         "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
         "itl_p50_s": quantile(gaps, 0.5), "itl_p99_s": quantile(gaps, 0.99), "edge_batches": batches,
+        "all_active_tokens_per_s": all_active_rate(per_stream, t0),
+        "delivery_itl_p50_s": quantile(per_delivery, 0.5), "delivery_itl_p99_s": quantile(per_delivery, 0.99),
+        "tpot_p50_s": quantile(tpots, 0.5), "tpot_p99_s": quantile(tpots, 0.99),
         # cores each process kept busy over the level, and its CPU per output token (ms)
         "cores": {name: seconds / wall for name, seconds in cpu.items()},
         "cpu_ms_per_token": {name: 1e3 * seconds / max(1, tokens) for name, seconds in cpu.items()},
@@ -363,7 +392,8 @@ async def run_level(
         "prompts": sorted({r["prompt"] for r in results}),
         # the lone stream's requests one by one (lone_rate), with their tokens' latencies
         **({"requests": [{"prompt": r["prompt"], "tokens": r["tokens"], "start": r["start"], "end": r["end"],
-                          "gaps": [latency for _, latency in token_latencies(r["chunks"])]} for r in results]}
+                          "gaps": [latency for _, latency in token_latencies(r["chunks"])],
+                          "delivery_gaps": [gap for _, gap in delivery_gaps(r["chunks"])]} for r in results]}
            if n == 1 else {}),
     }  # fmt: skip
 
@@ -396,8 +426,15 @@ async def run_prefill_interference(
             if window[0] < at <= window[1] + latency:  # a delivery that waited through part of the window
                 during.append(latency)
     p50 = quantile(all_gaps, 0.5)
+    # per delivery (vLLM's inter-token latency): a delivery overlapped the window if it came after the window
+    # opened and its wait began before the window closed
+    every = [(at, gap) for r in results for at, gap in delivery_gaps(r["chunks"])]
+    inside = [gap for at, gap in every if window[0] < at and at - gap < window[1]]
+    delivery_p50 = quantile([gap for _, gap in every], 0.5)
     return {"prefill_s": window[1] - window[0], "itl_p50_s": p50, "itl_p99_during_s": quantile(during, 0.99),
-            "ratio": quantile(during, 0.99) / p50, "gaps_during": len(during)}  # fmt: skip
+            "ratio": quantile(during, 0.99) / p50, "gaps_during": len(during),
+            "delivery_itl_p50_s": delivery_p50, "delivery_itl_p99_during_s": quantile(inside, 0.99),
+            "delivery_ratio": quantile(inside, 0.99) / delivery_p50, "deliveries_during": len(inside)}  # fmt: skip
 
 
 async def run_all(

@@ -8,22 +8,46 @@ from typing import Any
 
 from gateway_load import LEVELS, lone_rate, quantile
 
+# per-level figures of runs since 2026-12-04: throughput while every stream is active, vLLM's inter-token latency
+# (per delivery) and time per output token
+LATER_KEYS = (
+    "all_active_tokens_per_s", "delivery_itl_p50_s", "delivery_itl_p99_s", "tpot_p50_s", "tpot_p99_s"
+)  # fmt: skip
+
+
+LATENCY_KEYS = (
+    "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "delivery_itl_p50_s", "delivery_itl_p99_s", "tpot_p50_s",
+    "tpot_p99_s",
+)  # fmt: skip
+nan = float("nan")
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
 
 def same_requests(runs: list[dict[str, Any]], n: int, requests: int) -> dict[str, list[float]]:
     """Level ``n`` against the lone stream on the same requests, paired by repeat: each repeat's level tok/s over
-    the lone stream's rate on the prompts that level sent (``x_same``), and over its rate on its first ``requests``
-    prompts alone (``x_first``, the lone figure before the lone stream ran every prompt); the lone stream's
-    inter-token p99 on the level's prompts (``lone_itl_p99_s``)."""
-    out: dict[str, list[float]] = {"x_same": [], "x_first": [], "lone_itl_p99_s": []}
+    the lone stream's rate on the prompts that level sent (``x_same``; ``x_active``: the level's rate while all
+    its streams were active), and over its rate on its first ``requests`` prompts alone (``x_first``, the lone
+    figure before the lone stream ran every prompt); the lone stream's inter-token p99 on the level's prompts,
+    per token (``lone_itl_p99_s``) and per delivery (``lone_delivery_itl_p99_s``)."""
+    keys = ("x_same", "x_active", "x_first", "lone_itl_p99_s", "lone_delivery_itl_p99_s")
+    out: dict[str, list[float]] = {key: [] for key in keys}
     for level in (r for r in runs if r["streams"] == n):
         lone = next((r for r in runs if r["streams"] == 1 and r["repeat"] == level["repeat"]), None)
         if lone is None or "requests" not in lone:
             continue
         used = set(level["prompts"])
-        out["x_same"].append(level["tokens_per_s"] / lone_rate(lone["requests"], used))
+        rate = lone_rate(lone["requests"], used)
+        out["x_same"].append(level["tokens_per_s"] / rate)
+        if "all_active_tokens_per_s" in level:
+            out["x_active"].append(level["all_active_tokens_per_s"] / rate)
         out["x_first"].append(level["tokens_per_s"] / lone_rate(lone["requests"], set(range(requests))))
-        gaps = [g for r in lone["requests"] if r["prompt"] in used for g in r["gaps"]]
-        out["lone_itl_p99_s"].append(quantile(gaps, 0.99))
+        mine = [r for r in lone["requests"] if r["prompt"] in used]
+        out["lone_itl_p99_s"].append(quantile([g for r in mine for g in r["gaps"]], 0.99))
+        if all("delivery_gaps" in r for r in mine):
+            out["lone_delivery_itl_p99_s"].append(quantile([g for r in mine for g in r["delivery_gaps"]], 0.99))
     return out
 
 
@@ -36,8 +60,8 @@ def summarise(raw: dict[str, Any], requests: int) -> dict[str, Any]:
             if not mine:
                 continue
             row: dict[str, Any] = {"streams": n, "runs": len(mine)}
-            for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
-                row[key] = statistics.median(r[key] for r in mine)
+            for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", *LATER_KEYS):
+                row[key] = _median([r[key] for r in mine if key in r])
             for group in ("cores", "cpu_ms_per_token", "per_step"):
                 names = {name for r in mine for name in r.get(group, {})}
                 row[group] = {k: statistics.median(r[group][k] for r in mine if k in r[group]) for k in sorted(names)}
@@ -45,10 +69,12 @@ def summarise(raw: dict[str, Any], requests: int) -> dict[str, Any]:
             rows.append(row)
         for row in rows:
             paired = same_requests(runs, row["streams"], requests)
-            row["vs_1_stream"] = statistics.median(paired["x_same"]) if paired["x_same"] else float("nan")
-            row["vs_1_stream_first"] = statistics.median(paired["x_first"]) if paired["x_first"] else float("nan")
+            row["vs_1_stream"] = _median(paired["x_same"])
+            row["vs_1_stream_active"] = _median(paired["x_active"])
+            row["vs_1_stream_first"] = _median(paired["x_first"])
             row["per_repeat_vs_1_stream"] = paired["x_same"]
-            row["lone_itl_p99_s"] = statistics.median(paired["lone_itl_p99_s"]) if paired["x_same"] else float("nan")
+            row["lone_itl_p99_s"] = _median(paired["lone_itl_p99_s"])
+            row["lone_delivery_itl_p99_s"] = _median(paired["lone_delivery_itl_p99_s"])
         out[label] = rows
     engine = out["engine"]
     by_n = {r["streams"]: r for r in engine}
@@ -62,6 +88,16 @@ def summarise(raw: dict[str, Any], requests: int) -> dict[str, Any]:
         "itl p99 16 / 1 (target <= 2)": by_n[16]["itl_p99_s"] / by_n[16]["lone_itl_p99_s"] if 16 in by_n else None,
         "prefill p99 / p50 (target <= 3)": statistics.median(p["ratio"] for p in raw["prefill"]),
     }
+    if 16 in by_n and by_n[16].get("delivery_itl_p99_s") is not None:  # runs since 2026-12-04
+        checks["x16 while all 16 streams are active"] = by_n[16]["vs_1_stream_active"]
+        checks["x32 while all 32 streams are active"] = by_n[32]["vs_1_stream_active"] if 32 in by_n else None
+        checks["itl p99 16 / 1, per delivery (vLLM's ITL)"] = (
+            by_n[16]["delivery_itl_p99_s"] / by_n[16]["lone_delivery_itl_p99_s"]
+        )
+        delivery = [p["delivery_ratio"] for p in raw["prefill"] if "delivery_ratio" in p]
+        checks["prefill p99 / p50, per delivery (vLLM's ITL)"] = _median(delivery)
+        control = [p["delivery_ratio"] for p in raw.get("prefill_control", []) if "delivery_ratio" in p]
+        checks["same window, no prefill: p99 / p50, per delivery"] = _median(control)
     if raw.get("prefill_control"):  # the same ratio in the same window with no long prompt, and the prefill's share
         checks["same window, no prefill: p99 / p50"] = statistics.median(p["ratio"] for p in raw["prefill_control"])
         checks["prefill p99 / no-prefill p99 (paired by repeat)"] = statistics.median(
@@ -112,17 +148,30 @@ def markdown(results: dict[str, Any]) -> str:
         'speculative step delivers depends on the text. "first prompts" is over the lone stream\'s rate on its '
         f"first {results['requests']} prompts alone, as this benchmark measured it before 2026-12-04.",
         "",
-        "| server | streams | aggregate tok/s | vs 1 stream | vs 1 stream, first prompts | TTFT p50 (s) | TTFT p99 (s) "
-        "| ITL p50 (ms) | ITL p99 (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | streams | aggregate tok/s | while all active | vs 1 stream | vs 1 stream, all active | "
+        "vs 1 stream, first prompts |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label in ("engine", "baseline"):
         for r in s.get(label, []):
             lines.append(
-                f"| {label} | {r['streams']} | {r['tokens_per_s']:.1f} | {r['vs_1_stream']:.2f}x | "
-                f"{r['vs_1_stream_first']:.2f}x | {r['ttft_p50_s']:.3f} | "
-                f"{r['ttft_p99_s']:.3f} | {r['itl_p50_s'] * 1e3:.0f} | {r['itl_p99_s'] * 1e3:.0f} |"
+                f"| {label} | {r['streams']} | {r['tokens_per_s']:.1f} | {r.get('all_active_tokens_per_s', nan):.1f} "
+                f"| {r['vs_1_stream']:.2f}x | {r.get('vs_1_stream_active', nan):.2f}x | {r['vs_1_stream_first']:.2f}x |"
             )
+    lines += [
+        "",
+        "Latency, ms (TTFT: time to the first token; ITL per token: a delivery of k tokens g ms after the last gives "
+        "each g / k; ITL per delivery: g, as vLLM's benchmark counts it; TPOT: a request's time per token after "
+        "its first):",
+        "",
+        "| server | streams | TTFT p50 | TTFT p99 | ITL per token p50 | p99 | ITL per delivery p50 | p99 | TPOT p50 "
+        "| TPOT p99 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label in ("engine", "baseline"):
+        for r in s.get(label, []):
+            cells = [r.get(k, nan) for k in LATENCY_KEYS]
+            lines.append(f"| {label} | {r['streams']} | " + " | ".join(f"{v * 1e3:.0f}" for v in cells) + " |")
     lines += ["", "## Targets", "", "| check | value |", "|---|---|"]
     for key, value in s["checks"].items():
         if value is None:  # a level this run did not measure
