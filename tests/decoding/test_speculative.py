@@ -193,6 +193,39 @@ def test_draft_model_reuses_its_cache(make_checkpoint: Callable[..., Path]) -> N
     assert again.tokens == first.tokens[2:4]  # greedy drafting is consistent with itself
 
 
+def test_a_greedy_draft_model_asked_again_for_the_same_context_runs_no_forward(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto`` asks the draft model alone and as a source of the mix for one context: the second costs nothing."""
+    drafter = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams(), top_k=2, depth=4)
+    first = drafter.propose(PROMPT, 6)
+    calls: list[Sequence[int]] = []
+    run = LocalSequence.run
+
+    def counted(self: LocalSequence, ids: Sequence[int]) -> torch.Tensor:
+        calls.append(ids)
+        return run(self, ids)
+
+    monkeypatch.setattr(LocalSequence, "run", counted)
+    assert drafter.propose(list(PROMPT), 6) is first
+    assert calls == []
+    mixed = MixedDrafter([drafter]).propose(PROMPT, 6)  # as the mix's source: the same tree's branches
+    assert sorted(leaf_chains(mixed)) == sorted(leaf_chains(first))
+    assert calls == []
+    smaller = drafter.propose(PROMPT, 3)  # another budget, another context: drafted
+    assert calls
+    fresh = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams(), top_k=2, depth=4)
+    assert smaller == fresh.propose(PROMPT, 3)
+    assert drafter.propose([*PROMPT, 1], 6) == fresh.propose([*PROMPT, 1], 6)
+
+
+def test_a_sampling_draft_model_draws_again_for_the_same_context(make_checkpoint: Callable[..., Path]) -> None:
+    params = SamplingParams(temperature=1.0)
+    drafter = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), params, torch.Generator().manual_seed(0))
+    draws = {tuple(drafter.propose(PROMPT, 4).tokens) for _ in range(8)}
+    assert len(draws) > 1  # fresh draws each time, never a kept tree
+
+
 def test_greedy_draft_model_grows_a_dynamic_tree(make_checkpoint: Callable[..., Path]) -> None:
     """The draft model's greedy tree holds its greedy chain as the first branch, and branches beside it."""
     model = full(make_checkpoint("llama", layers=2, seed=99))

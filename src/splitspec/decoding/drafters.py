@@ -229,6 +229,9 @@ class DraftModel:
         self.prepare_chunk = PREPARE_CHUNK  # prompt tokens prepare feeds at once
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_positions = int(limit) if isinstance(limit, int) else None  # the positions it drafts within
+        # greedy: the last tree, its context and budget. ``auto`` asks the draft model twice for one context (alone,
+        # and as a source of the mixed tree; both judged during the same round trip): the second gets this tree
+        self._greedy_memo: tuple[tuple[int, ...], int, Draft] | None = None
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
         """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits."""
@@ -278,6 +281,9 @@ class DraftModel:
             budget = min(budget, self.max_positions - len(context))
         if budget < 1 or not context:
             return Draft.empty()
+        memo = self._greedy_memo
+        if self.params.greedy and memo is not None and memo[1] == budget and memo[0] == tuple(context):
+            return memo[2]  # a greedy tree depends on the context and the budget alone
         if self._last is not None:  # what the verifier made of the last tree, if this context follows it
             before, last = self._last
             if len(context) > len(before) and list(context[: len(before)]) == before:
@@ -291,6 +297,7 @@ class DraftModel:
         finally:
             self.sequence.truncate(len(context))  # the tree's entries go: the next draft runs what was accepted
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
+        self._greedy_memo = (tuple(context), budget, draft) if self.params.greedy else None
         return draft
 
 
