@@ -59,7 +59,12 @@ def busy_jiffies() -> tuple[int, int]:
 
 
 async def closed_loop(url: str, texts: list[str], streams: int, seconds: float) -> int:
-    """``streams`` streams sending requests back to back until ``seconds`` have passed; output tokens."""
+    """``streams`` streams sending requests back to back until ``seconds`` have passed; output tokens.
+
+    Stream i's k-th request takes prompt i x 97 + k, so the streams' prompts come from documents across the set. A
+    lone stream takes the first prompts of streams 0, 1, 2, ... (prompt k x 97): the texts the other levels start
+    from. Prompts 0, 1, 2, ... would be consecutive windows of one document, and how many tokens a speculative step
+    delivers depends on the text."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     until = time.monotonic() + seconds
     total = 0
@@ -68,7 +73,8 @@ async def closed_loop(url: str, texts: list[str], streams: int, seconds: float) 
         nonlocal total
         k = 0
         while time.monotonic() < until:
-            result = await stream_one(client, texts[(index * 97 + k) % len(texts)], 64)
+            prompt = (index * 97 + k) if streams > 1 else k * 97
+            result = await stream_one(client, texts[prompt % len(texts)], 64)
             total += int(result["tokens"] or 0)
             k += 1
 
