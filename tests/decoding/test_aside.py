@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitspec.decoding.aside import AsidePlan, DraftExecutor, plan_aside
-from splitspec.decoding.controller import SHADOW_UNTIL, FixedPolicy, SpeculationController
+from splitspec.decoding.aside import AsidePlan, AsideProposal, DraftExecutor, plan_aside, start_aside
+from splitspec.decoding.controller import PROBE_BUDGET, SHADOW_UNTIL, Choice, FixedPolicy, SpeculationController
 from splitspec.decoding.drafters import Draft, Drafter
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.loop import decode
@@ -232,3 +232,33 @@ def test_the_plan_keeps_unjudged_dear_drafters_off_the_step_and_scores_cheap_one
         assert plan_aside({"dear": drafters["dear"]}, alone, executor) == AsidePlan()
     finally:
         executor.shutdown()
+
+
+async def test_aside_proposals_start_with_the_largest_budget() -> None:
+    """A greedy draft model serves a smaller budget from the larger tree it grew for the same context, so the
+    largest asks go first; unranked drafters get PROBE_BUDGET, and nothing exceeds the cap."""
+    order: list[tuple[str, int]] = []
+
+    def propose(drafter: Drafter, context: Sequence[int], budget: int) -> tuple[Draft, float]:
+        order.append((drafter.name, budget))
+        return Draft.empty(), 0.0
+
+    drafters: dict[str, Drafter] = {name: Named(name) for name in ("mix", "draft", "lookup", "asked")}
+    choices = [Choice("mix", 3, 1.0), Choice("draft", 12, 1.0), Choice("asked", 16, 1.0)]
+    started: list[AsideProposal] = []
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        start_aside(drafters, ["mix", "draft", "lookup", "asked"], {"asked"}, choices, [1, 2], 8, executor,
+                    propose, started)  # fmt: skip
+        await asyncio.gather(*(p.future for p in started))
+    assert order == [("draft", 8), ("mix", 3), ("lookup", PROBE_BUDGET)]
+    assert [p.drafter for p in started] == ["draft", "mix", "lookup"]
+
+
+class Named:
+    """A drafter with a name only (start_aside hands it to the propose function it is given)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        return Draft.empty()

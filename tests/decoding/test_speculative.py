@@ -193,30 +193,59 @@ def test_draft_model_reuses_its_cache(make_checkpoint: Callable[..., Path]) -> N
     assert again.tokens == first.tokens[2:4]  # greedy drafting is consistent with itself
 
 
-def test_a_greedy_draft_model_asked_again_for_the_same_context_runs_no_forward(
-    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``auto`` asks the draft model alone and as a source of the mix for one context: the second costs nothing."""
-    drafter = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams(), top_k=2, depth=4)
-    first = drafter.propose(PROMPT, 6)
-    calls: list[Sequence[int]] = []
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[Sequence[int]]:
+    """Every token run a draft model's own sequence is given (``LocalSequence.run``), from now on."""
+    seen: list[Sequence[int]] = []
     run = LocalSequence.run
 
     def counted(self: LocalSequence, ids: Sequence[int]) -> torch.Tensor:
-        calls.append(ids)
+        seen.append(ids)
         return run(self, ids)
 
     monkeypatch.setattr(LocalSequence, "run", counted)
+    return seen
+
+
+def test_a_greedy_draft_model_asked_again_for_the_same_context_runs_no_forward(
+    make_checkpoint: Callable[..., Path], calls: list[Sequence[int]]
+) -> None:
+    """``auto`` asks the draft model alone and as a source of the mix for one context: the second ask, at the same
+    budget or a smaller one, costs no forward and gets the tree a fresh model would grow."""
+    checkpoint = make_checkpoint("llama", layers=2, seed=99)
+    drafter = DraftModel(full(checkpoint), SamplingParams(), top_k=2, depth=4)
+    fresh = DraftModel(full(checkpoint), SamplingParams(), top_k=2, depth=4)
+    first = drafter.propose(PROMPT, 6)
+    calls.clear()
     assert drafter.propose(list(PROMPT), 6) is first
-    assert calls == []
     mixed = MixedDrafter([drafter]).propose(PROMPT, 6)  # as the mix's source: the same tree's branches
     assert sorted(leaf_chains(mixed)) == sorted(leaf_chains(first))
+    smaller = drafter.propose(PROMPT, 3)  # pruned from the tree of 6
     assert calls == []
-    smaller = drafter.propose(PROMPT, 3)  # another budget, another context: drafted
+    expected = fresh.propose(PROMPT, 3)
+    assert (smaller.tokens, smaller.parents) == (expected.tokens, expected.parents)
+    calls.clear()
+    larger = drafter.propose(PROMPT, 8)  # more than the kept tree: drafted
     assert calls
-    fresh = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams(), top_k=2, depth=4)
-    assert smaller == fresh.propose(PROMPT, 3)
-    assert drafter.propose([*PROMPT, 1], 6) == fresh.propose([*PROMPT, 1], 6)
+    assert (larger.tokens, larger.parents) == (fresh.propose(PROMPT, 8).tokens, fresh.propose(PROMPT, 8).parents)
+    calls.clear()
+    drafter.propose([*PROMPT, 1], 2)  # another context: drafted
+    assert calls
+
+
+def test_a_greedy_chain_drafter_drafts_a_smaller_budget_again(
+    make_checkpoint: Callable[..., Path], calls: list[Sequence[int]]
+) -> None:
+    """Depth None (as deep as the budget): a smaller budget's chain is not the larger tree's best nodes in general,
+    so it is drafted, and equals a fresh model's."""
+    checkpoint = make_checkpoint("llama", layers=2, seed=99)
+    drafter = DraftModel(full(checkpoint), SamplingParams(), top_k=2, depth=None)
+    drafter.propose(PROMPT, 8)
+    calls.clear()
+    smaller = drafter.propose(PROMPT, 3)
+    assert calls
+    fresh = DraftModel(full(checkpoint), SamplingParams(), top_k=2, depth=None).propose(PROMPT, 3)
+    assert (smaller.tokens, smaller.parents) == (fresh.tokens, fresh.parents)
 
 
 def test_a_sampling_draft_model_draws_again_for_the_same_context(make_checkpoint: Callable[..., Path]) -> None:

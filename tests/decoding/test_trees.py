@@ -17,7 +17,14 @@ from splitspec.decoding.drafters import Draft, DraftModel
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, speculative_decode
-from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree, gumbel_top_k, rank_values
+from splitspec.decoding.trees import (
+    SiblingStats,
+    TreeExpander,
+    dynamic_tree,
+    gumbel_top_k,
+    prune_greedy,
+    rank_values,
+)
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.loading import load_full
 from splitspec.models.stack import FullModel
@@ -82,6 +89,26 @@ def test_greedy_tree_stops_when_nothing_can_join() -> None:
     draft = dynamic_tree(expand, 2, SamplingParams(), None, top_k=2, depth=6)
     assert (draft.tokens, draft.parents) == ([0, 2], [-1, 0])
     assert len(expand.calls) == 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pruned_greedy_tree_is_the_tree_of_the_smaller_budget(seed: int) -> None:
+    """Every smaller budget's tree is the larger tree pruned, though the smaller run stops levels earlier."""
+    torch.manual_seed(seed)
+    vocab = 10
+    root, table = torch.rand(vocab).softmax(0).tolist(), (3 * torch.randn(vocab, vocab)).softmax(1).tolist()
+    large = dynamic_tree(MarkovExpander(root, table), 16, SamplingParams(), None, top_k=3, depth=5)
+    stopped_early = False
+    for budget in range(1, 17):
+        expand = MarkovExpander(root, table)
+        small = dynamic_tree(expand, budget, SamplingParams(), None, top_k=3, depth=5)
+        stopped_early |= len(expand.calls) < 5
+        pruned = prune_greedy(large, budget)
+        assert (pruned.tokens, pruned.parents) == (small.tokens, small.parents)
+        assert pruned.scores == pytest.approx(small.scores)
+    assert stopped_early  # the case the pruning must get right: a smaller run that grew fewer levels
+    with pytest.raises(ValueError, match="kept its scores"):
+        prune_greedy(Draft([1], [-1]), 1)
 
 
 @pytest.mark.parametrize("budget", [1, 3, 7, 12, 30])

@@ -158,16 +158,21 @@ def start_aside(
     started: list[AsideProposal],
 ) -> None:
     """Start every one of ``aside`` not ``asked`` this step proposing for ``context`` on ``executor`` (one after
-    the other), each at its ranked budget (:data:`PROBE_BUDGET` when not ranked), at most ``budget_cap``; each
-    proposal is appended to ``started``. The decode loop calls it once the step is sent."""
+    the other, the largest budget first), each at its ranked budget (:data:`PROBE_BUDGET` when not ranked), at
+    most ``budget_cap``; each proposal is appended to ``started``. The decode loop calls it once the step is sent.
+
+    Largest first: the draft model and a mix holding it both propose for this context, and a greedy draft model
+    serves a smaller budget from the larger tree it grew for the same context (:meth:`~splitspec.decoding.drafters.DraftModel.propose`)."""
     if executor is None or budget_cap < 1:
         return
     loop = asyncio.get_running_loop()
     snapshot = list(context)  # the loop extends its context once the step is verified
-    for name in aside:
-        if name in asked:
-            continue
-        budget = min(next((c.budget for c in choices if c.drafter == name), PROBE_BUDGET), budget_cap)
+    budgets = {
+        name: min(next((c.budget for c in choices if c.drafter == name), PROBE_BUDGET), budget_cap)
+        for name in aside
+        if name not in asked
+    }
+    for name, budget in sorted(budgets.items(), key=lambda item: -item[1]):  # stable: ties keep their order
         future = loop.run_in_executor(executor, propose, drafters[name], snapshot, budget)
         future.add_done_callback(_retrieve)  # a generation closed mid-step never awaits it
         started.append(AsideProposal(name, future))

@@ -28,7 +28,7 @@ from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.tree_run import TreeRun
 from splitspec.decoding.trees import Draft as Draft
-from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree
+from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree, prune_greedy
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
 from splitspec.models.warm_up import WARM_UP_CONTEXT, WARM_UP_WIDTHS
@@ -230,7 +230,8 @@ class DraftModel:
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_positions = int(limit) if isinstance(limit, int) else None  # the positions it drafts within
         # greedy: the last tree, its context and budget. ``auto`` asks the draft model twice for one context (alone,
-        # and as a source of the mixed tree; both judged during the same round trip): the second gets this tree
+        # and as a source of the mixed tree; both judged during the same round trip): at the same budget or a smaller
+        # one the second gets this tree (pruned: trees.prune_greedy)
         self._greedy_memo: tuple[tuple[int, ...], int, Draft] | None = None
 
     def _sync(self, context: Sequence[int]) -> torch.Tensor:
@@ -282,8 +283,13 @@ class DraftModel:
         if budget < 1 or not context:
             return Draft.empty()
         memo = self._greedy_memo
-        if self.params.greedy and memo is not None and memo[1] == budget and memo[0] == tuple(context):
-            return memo[2]  # a greedy tree depends on the context and the budget alone
+        if self.params.greedy and memo is not None and memo[0] == tuple(context):
+            # a greedy tree depends on the context and the budget alone; at a fixed depth, one of a smaller budget is
+            # the larger one's best nodes
+            if memo[1] == budget:
+                return memo[2]
+            if self.depth is not None and budget < memo[1] and memo[2].scores is not None:
+                return prune_greedy(memo[2], budget)  # the larger tree is kept: it serves any smaller budget
         if self._last is not None:  # what the verifier made of the last tree, if this context follows it
             before, last = self._last
             if len(context) > len(before) and list(context[: len(before)]) == before:

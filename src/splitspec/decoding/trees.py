@@ -45,6 +45,8 @@ class Draft:
     tokens: list[int]
     parents: list[int]
     probs: torch.Tensor | None = None  # (len(tokens), V): q of each token; None = deterministic
+    # a greedy dynamic tree's cumulative path log-probability of each node (see prune_greedy); None: not kept
+    scores: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -189,9 +191,29 @@ def _greedy_tree(expand: TreeExpander, budget: int, top_k: int, depth: int) -> D
             kth = scores[_best(range(len(tokens)), scores, budget)[-1]]
             if kth >= scores[frontier[0]]:
                 break
-    keep = sorted(_best(range(len(tokens)), scores, budget))  # node order: parents first
+    return _kept(tokens, parents, scores, budget)
+
+
+def _kept(tokens: list[int], parents: list[int], scores: list[float], budget: int) -> Draft:
+    """The best ``budget`` nodes by score (ties to the earlier node), in node order (parents first), with scores."""
+    keep = sorted(_best(range(len(tokens)), scores, budget))
     index = {old: new for new, old in enumerate(keep)}
-    return Draft([tokens[i] for i in keep], [-1 if parents[i] < 0 else index[parents[i]] for i in keep])
+    parent_of = [-1 if parents[i] < 0 else index[parents[i]] for i in keep]
+    return Draft([tokens[i] for i in keep], parent_of, scores=[scores[i] for i in keep])
+
+
+def prune_greedy(draft: Draft, budget: int) -> Draft:
+    """A greedy tree of ``budget`` nodes from a greedy tree of more, grown with the same ``top_k`` and ``depth``.
+
+    Exactly the tree :func:`dynamic_tree` grows at ``budget``: a run at a smaller budget expands the same levels in
+    the same order, and stops early only once its budget-th best node scores at least every frontier node, so no
+    node the larger run adds afterwards (each scores at most its frontier ancestor, and loses ties to earlier
+    nodes) is among the best ``budget``; both keep the best ``budget`` of the nodes they grew."""
+    if draft.scores is None:
+        raise ValueError("only a greedy tree that kept its scores can be pruned")
+    if budget >= len(draft):
+        return draft
+    return _kept(draft.tokens, draft.parents, draft.scores, budget)
 
 
 def gumbel_top_k(q: torch.Tensor, count: int, generator: torch.Generator) -> list[int]:
