@@ -162,7 +162,8 @@ def start_aside(
     most ``budget_cap``; each proposal is appended to ``started``. The decode loop calls it once the step is sent.
 
     Largest first: the draft model and a mix holding it both propose for this context, and a greedy draft model
-    serves a smaller budget from the larger tree it grew for the same context (:meth:`~splitspec.decoding.drafters.DraftModel.propose`)."""
+    serves a smaller budget from the larger tree it grew for the same context
+    (:meth:`~splitspec.decoding.drafters.DraftModel.propose`)."""
     if executor is None or budget_cap < 1:
         return
     loop = asyncio.get_running_loop()
