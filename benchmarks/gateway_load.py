@@ -367,8 +367,13 @@ async def run_level(
     after, parts1 = await scrape()
     results = [r for stream in per_stream for r in stream]
     ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
-    gaps = [latency for r in results for _, latency in token_latencies(r["chunks"])]
-    per_delivery = [gap for r in results for _, gap in delivery_gaps(r["chunks"])]
+    # each request's inter-token latencies, per token and per delivery
+    latencies = [
+        ([latency for _, latency in token_latencies(r["chunks"])], [gap for _, gap in delivery_gaps(r["chunks"])])
+        for r in results
+    ]
+    gaps = [latency for per_token, _ in latencies for latency in per_token]
+    per_delivery = [gap for _, deliveries_ in latencies for gap in deliveries_]
     tpots = [x for x in map(tpot, results) if x is not None]
     batches = {}
     for key, (count, ms) in after.items():
@@ -392,8 +397,8 @@ async def run_level(
         "prompts": sorted({r["prompt"] for r in results}),
         # the lone stream's requests one by one (lone_rate), with their tokens' latencies
         **({"requests": [{"prompt": r["prompt"], "tokens": r["tokens"], "start": r["start"], "end": r["end"],
-                          "gaps": [latency for _, latency in token_latencies(r["chunks"])],
-                          "delivery_gaps": [gap for _, gap in delivery_gaps(r["chunks"])]} for r in results]}
+                          "gaps": per_token, "delivery_gaps": deliveries_}
+                         for r, (per_token, deliveries_) in zip(results, latencies, strict=True)]}
            if n == 1 else {}),
     }  # fmt: skip
 
