@@ -282,8 +282,9 @@ class DraftModel:
             budget = min(budget, self.max_positions - len(context))
         if budget < 1 or not context:
             return Draft.empty()
+        key = tuple(context) if self.params.greedy else None  # the context a greedy tree is kept for
         memo = self._greedy_memo
-        if self.params.greedy and memo is not None and memo[0] == tuple(context):
+        if memo is not None and memo[0] == key:
             # a greedy tree depends on the context and the budget alone; at a fixed depth, one of a smaller budget is
             # the larger one's best nodes
             if memo[1] == budget:
@@ -303,7 +304,7 @@ class DraftModel:
         finally:
             self.sequence.truncate(len(context))  # the tree's entries go: the next draft runs what was accepted
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
-        self._greedy_memo = (tuple(context), budget, draft) if self.params.greedy else None
+        self._greedy_memo = None if key is None else (key, budget, draft)
         return draft
 
 
