@@ -30,6 +30,11 @@ after the prefill. Reported: medians over repeats and the median of the paired p
     python benchmarks/auto_floor.py                 # ~8 min on 2 shared CPU cores
     python benchmarks/auto_floor.py --quick         # 1 repeat, 20 ms, 32-token answers (~1 min)
     python benchmarks/auto_floor.py --answers 32 --repeats 2 --baseline REF --blocks 3   # beside REF's code
+    python benchmarks/auto_floor.py --pin           # the trunk on a core of its own, as a remote trunk is
+
+Unpinned, the trunk server, the link and the edge share this machine's cores, so the edge's drafting during a
+round trip slows the trunk's compute and the link's forwarding in that round trip, which a remote trunk and a real
+network would not feel. ``--pin`` puts the trunk server and the link on the last core and the edge on the others.
 
 Writes auto_floor.json, auto_floor.md and auto_floor.png into --out
 (default benchmarks/results/auto_floor/).
@@ -48,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,15 +136,48 @@ def build_cases(model_dir: Path, long_tokens: int, answers: tuple[int, ...]) -> 
     return cases, sources
 
 
-def start_trunk(model_dir: Path, port: int, dtype: str) -> subprocess.Popen[bytes]:
+def pin_process(cores: set[int]) -> None:
+    """Every thread of this process onto ``cores`` (a thread started later inherits its starter's cores)."""
+    for task in Path("/proc/self/task").iterdir():
+        os.sched_setaffinity(int(task.name), cores)
+
+
+def pinned_cores() -> tuple[set[int], set[int]]:
+    """(the edge's cores, the others' core) for ``--pin``: the trunk server and the link on the last core, the rest
+    to the edge (this process)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit(f"--pin needs at least 2 cores, this process may use {len(cores)}")
+    return set(cores[:-1]), {cores[-1]}
+
+
+@contextlib.contextmanager
+def on_cores(cores: set[int] | None) -> Iterator[None]:
+    """Within: this thread, and so any child process it starts, on ``cores`` (None: as it is)."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def start_trunk(model_dir: Path, port: int, dtype: str, cores: set[int] | None = None) -> subprocess.Popen[bytes]:
+    """The trunk server (one torch thread), on ``cores`` when given."""
     args = ["cloud", "serve", "--model", str(model_dir), "--port", str(port), "--threads", "1", "--dtype", dtype]
-    server = _spawn(args)
+    with on_cores(cores):
+        server = _spawn(args)
     _wait_for_port(port, server, 60)
     return server
 
 
 @contextlib.asynccontextmanager
-async def wan_link(kind: str, trunk_port: int, rtt_ms: float, seed: int) -> AsyncIterator[str]:
+async def wan_link(
+    kind: str, trunk_port: int, rtt_ms: float, seed: int, cores: set[int] | None = None
+) -> AsyncIterator[str]:
     """The emulated link to the trunk -> its URL. ``process``: ``splitspec netem`` in a process of its own, as a
     network is: it forwards on time whatever the edge computes. ``in-process``: the emulator on the edge's event
     loop (this benchmark before stop 36), where its forwarding waits for the edge's interpreter lock, so a draft
@@ -149,8 +187,9 @@ async def wan_link(kind: str, trunk_port: int, rtt_ms: float, seed: int) -> Asyn
             yield f"ws://{emu.host}:{emu.port}"
         return
     port = free_port()
-    link = _spawn(["netem", "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{trunk_port}",
-                   "--rtt-ms", str(rtt_ms), "--seed", str(seed)])  # fmt: skip
+    with on_cores(cores):
+        link = _spawn(["netem", "--listen", f"127.0.0.1:{port}", "--upstream", f"127.0.0.1:{trunk_port}",
+                       "--rtt-ms", str(rtt_ms), "--seed", str(seed)])  # fmt: skip
     try:
         _wait_for_port(port, link, 60)
         yield f"ws://127.0.0.1:{port}"
@@ -193,7 +232,7 @@ def modes(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 async def measure(
-    args: argparse.Namespace, base: Path, draft_dir: Path, cases: list[Case], port: int
+    args: argparse.Namespace, base: Path, draft_dir: Path, cases: list[Case], port: int, link_cores: set[int] | None
 ) -> list[dict[str, Any]]:
     common = {"allow_stock_edge_weights": True, "model_dir": base, "dtype": args.dtype}
     all_modes = modes(args)
@@ -203,7 +242,7 @@ async def measure(
     for repeat in range(args.repeats):
         rtts = sorted(args.rtt_ms) if repeat % 2 == 0 else sorted(args.rtt_ms, reverse=True)
         for rtt in rtts:
-            async with wan_link(args.link, port, rtt, repeat) as url:
+            async with wan_link(args.link, port, rtt, repeat, link_cores) as url:
                 configs = {
                     "off": (EdgeConfig(**common, cloud_url=url), None),
                     "auto": (EdgeConfig(**common, cloud_url=url), None),
@@ -270,6 +309,9 @@ def summarize(records: list[dict[str, Any]], rtts: list[float], cases: list[Case
     return rows
 
 
+PINNED = " The trunk server and the link on one core, the edge on the other (`--pin`)."
+
+
 def markdown(results: dict[str, Any]) -> str:
     env = results["environment"]
     lines = [
@@ -278,7 +320,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"Commit {env['commit']}; demo base model split 2+2, {results['dtype']}, trunk server process on loopback "
         f"through the WAN emulator; {results['repeats']} interleaved repeats, medians (ratios: median of paired "
         f"per-repeat ratios); a fresh client per run (cold controller). Load average before/after: "
-        f"{results['load_before']} / {results['load_after']}.",
+        f"{results['load_before']} / {results['load_after']}." + (PINNED if results.get("pinned") else ""),
         f"Code: {results['sources']['code']}; prose: {results['sources']['prose']}.",
         "",
         "| RTT ms | case | off decode | auto decode | auto+draft decode | auto/off decode | auto/off e2e "
@@ -352,7 +394,7 @@ def beside(args: argparse.Namespace) -> int:
 
     child = ["--repeats", str(args.repeats), "--long-tokens", str(args.long_tokens), "--dtype", args.dtype,
              "--rtt-ms", *map(str, args.rtt_ms), "--answers", *map(str, args.answers), "--link", args.link,
-             *(["--head"] if args.head else [])]  # fmt: skip
+             *(["--head"] if args.head else []), *(["--pin"] if args.pin else [])]  # fmt: skip
     pairs = (*PAIRS, ("auto+head", "auto")) if args.head else PAIRS
     root = Path(__file__).resolve().parents[1]
     runs = measure_beside(Path(__file__).resolve(), root, args.blocks, args.baseline, child)
@@ -406,6 +448,11 @@ def main() -> int:
     parser.add_argument("--baseline", help="a commit whose code is measured beside this checkout's, in blocks")
     where = "the WAN emulator in a process of its own (default) or on the edge's event loop"
     parser.add_argument("--link", choices=LINKS, default="process", help=where)
+    pin = (
+        "the trunk server on a core of its own and the edge (this process) and the link on the others, as a"
+        " remote trunk takes none of the edge's cores (needs 2 cores)"
+    )
+    parser.add_argument("--pin", action="store_true", help=pin)
     parser.add_argument("--blocks", type=int, default=3, help="with --baseline: interleaved blocks of --repeats each")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # one block, flat figures (bench/beside.py)
     args = parser.parse_args()
@@ -424,10 +471,14 @@ def main() -> int:
     cases, sources = build_cases(base, args.long_tokens, tuple(args.answers))
     environment = run_environment()
     port = free_port()
-    server = start_trunk(base, port, args.dtype)
+    others: set[int] | None = None  # --pin: the trunk's and the link's core
+    if args.pin:
+        edge_cores, others = pinned_cores()
+        pin_process(edge_cores)
+    server = start_trunk(base, port, args.dtype, others)
     try:
         t0 = time.perf_counter()
-        records = asyncio.run(measure(args, base, draft_dir, cases, port))
+        records = asyncio.run(measure(args, base, draft_dir, cases, port, others))
         environment["wall_s"] = time.perf_counter() - t0
     finally:
         server.terminate()
@@ -444,6 +495,7 @@ def main() -> int:
         "splitspec_src": _relative(Path(splitspec.__file__).parent),
         "command": "python benchmarks/auto_floor.py " + " ".join(sys.argv[1:]),
         "dtype": args.dtype,
+        "pinned": args.pin,  # the trunk and the link on a core of their own (--pin)
         "repeats": args.repeats,
         "rtt_ms": args.rtt_ms,
         "sources": sources,
