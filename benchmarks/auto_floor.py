@@ -386,16 +386,29 @@ def plot(results: dict[str, Any], path: Path) -> None:
 PAIRS = (("auto+draft", "auto"), ("auto", "off"), ("auto+draft", "off"))
 
 
+def _short(a: str, b: str) -> str:
+    """A ratio's column name: ``auto+draft@e2e``, ``auto@e2e`` -> ``+draft/auto e2e``."""
+    e2e = " e2e" if a.endswith("@e2e") else ""
+    a, b = a.removesuffix("@e2e"), b.removesuffix("@e2e")
+    return f"{a.removeprefix('auto') if a != 'auto' else a}/{b}{e2e}"
+
+
+def _cell(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def beside(args: argparse.Namespace) -> int:
     """This checkout's code and ``--baseline``'s in ``--blocks`` interleaved blocks of ``--repeats`` each (child
     processes, :func:`~splitspec.bench.beside.measure_beside`); per RTT and case, the median over all repeats of
-    the paired per-repeat decode ratios. Writes auto_floor_beside.json and .md into --out."""
+    the paired per-repeat ratios, of decode and of end-to-end tok/s. Writes auto_floor_beside.json and .md into
+    --out."""
     from splitspec.bench.beside import measure_beside
 
     child = ["--repeats", str(args.repeats), "--long-tokens", str(args.long_tokens), "--dtype", args.dtype,
              "--rtt-ms", *map(str, args.rtt_ms), "--answers", *map(str, args.answers), "--link", args.link,
              *(["--head"] if args.head else []), *(["--pin"] if args.pin else [])]  # fmt: skip
-    pairs = (*PAIRS, ("auto+head", "auto")) if args.head else PAIRS
+    decode_pairs = (*PAIRS, ("auto+head", "auto")) if args.head else PAIRS
+    pairs = (*decode_pairs, *((f"{a}@e2e", f"{b}@e2e") for a, b in decode_pairs))  # decode, then end to end
     root = Path(__file__).resolve().parents[1]
     runs = measure_beside(Path(__file__).resolve(), root, args.blocks, args.baseline, child)
     rows = []
@@ -407,7 +420,9 @@ def beside(args: argparse.Namespace) -> int:
         for label, blocks in runs.items():
             for a, b in pairs:
                 ratios = [block[f"{key}|{a}|{r}"] / block[f"{key}|{b}|{r}"] for block in blocks
-                          for r in range(args.repeats)]  # fmt: skip
+                          for r in range(args.repeats) if f"{key}|{a}|{r}" in block]  # fmt: skip
+                if not ratios:  # a baseline from before end-to-end figures were measured
+                    continue
                 row[f"{label}:{a}/{b}"] = statistics.median(ratios)
                 row[f"{label}:{a}/{b}:each"] = [round(x, 3) for x in ratios]
         rows.append(row)
@@ -418,14 +433,16 @@ def beside(args: argparse.Namespace) -> int:
         f"# `auto` decode ratios, commit {environment['commit'][:7]} beside {args.baseline}",
         "",
         f"{args.blocks} interleaved blocks of {args.repeats} repeats each (child processes; the order alternates);"
-        " medians of the paired per-repeat ratios of decode tok/s.",
+        " medians of the paired per-repeat ratios of decode tok/s, then of end-to-end tok/s (e2e)."
+        + (PINNED if args.pin else ""),
         "",
-        "| RTT ms | case | +draft/auto this | +draft/auto before | auto/off this | auto/off before "
-        "| +draft/off this | +draft/off before |" + (" +head/auto this | +head/auto before |" if args.head else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|---|" if args.head else ""),
+        "| RTT ms | case | "
+        + " | ".join(f"{_short(a, b)} {label}" for a, b in pairs for label in ("this", "before"))
+        + " |",
+        "|---|---|" + "---|" * (2 * len(pairs)),
     ]
     for r in rows:
-        cells = " | ".join(f"{r[f'{label}:{a}/{b}']:.3f}" for a, b in pairs for label in ("this", "before"))
+        cells = " | ".join(_cell(r.get(f"{label}:{a}/{b}")) for a, b in pairs for label in ("this", "before"))
         lines.append(f"| {r['rtt_ms']:g} | {r['case']} | {cells} |")
     lines += ["", f"Reproduce: `{command}`", ""]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -483,8 +500,9 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    if args.measure:  # decode tok/s per run, for beside()
+    if args.measure:  # decode and end-to-end tok/s per run, for beside() ("MODE@e2e": end to end)
         figures = {f"{r['rtt_ms']:g}|{r['case']}|{r['mode']}|{r['repeat']}": r["decode_tok_s"] for r in records}
+        figures |= {f"{r['rtt_ms']:g}|{r['case']}|{r['mode']}@e2e|{r['repeat']}": r["e2e_tok_s"] for r in records}
         args.measure.write_text(json.dumps(figures))
         return 0
     import splitspec

@@ -57,7 +57,8 @@ class RecordingDraftModel(DraftModel):
 
 
 class WaitingVerifier:
-    """A local verifier that awaits :meth:`before` ahead of each forward (a round trip in flight)."""
+    """A local verifier that awaits :meth:`before` once each step is sent, ahead of its forward (a round trip in
+    flight)."""
 
     def __init__(self, model: FullModel) -> None:
         self.inner = LocalSequence(model)
@@ -73,8 +74,10 @@ class WaitingVerifier:
         *,
         sent: Callable[[], None] | None = None,
     ) -> torch.Tensor:
+        if sent is not None:
+            sent()  # the step's own work on this side is done: its reply is what is awaited
         await self.before(tokens)
-        return await self.inner.forward(tokens, parents, logits_from, sent=sent)
+        return await self.inner.forward(tokens, parents, logits_from)
 
     def keep(self, indices: Sequence[int]) -> None:
         self.inner.keep(indices)
@@ -177,6 +180,52 @@ async def test_the_draft_model_is_prepared_during_the_prefill(make_checkpoint: C
     assert verifier.cached_when_prefill_returned == len(PROMPT)  # the prefill waited for it, and it came
     assert drafter.cached_at_propose[0] == len(PROMPT)  # the first draft found the prompt cached
     assert tokens == local_greedy(directory, PROMPT, 30)  # and greedy output is one-token greedy
+
+
+class PreparingLookup(PromptLookup):
+    """A prompt lookup that notes each context it was prepared for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared: list[int] = []  # context lengths
+
+    def prepare(self, context: Sequence[int]) -> None:
+        self.prepared.append(len(context))
+
+
+class HeadForwardFirst(WaitingVerifier):
+    """A local verifier whose prefill spends a while on its own side (the edge's head forward) before it is sent,
+    noting whether the drafter's preparation had started by then."""
+
+    def __init__(self, model: FullModel, drafter: PreparingLookup) -> None:
+        super().__init__(model)
+        self.drafter = drafter
+        self.prepared_before_sent: list[int] | None = None
+
+    async def forward(
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        if not self.inner.tokens:  # the prefill
+            await asyncio.sleep(0.05)  # the head forward over the prompt: a drafting thread started before would run
+            self.prepared_before_sent = list(self.drafter.prepared)
+        return await super().forward(tokens, parents, logits_from, sent=sent)
+
+
+async def test_the_drafters_are_prepared_once_the_prefill_is_sent(make_checkpoint: Callable[..., Path]) -> None:
+    """The preparation does not compete with the prefill's own work on the edge: it starts when the prefill is on
+    its way, and is done before the first draft."""
+    directory = make_checkpoint("llama")
+    drafter = PreparingLookup()
+    verifier = HeadForwardFirst(full(directory), drafter)
+    tokens = await decode_on_a_drafting_thread(verifier, PROMPT, 6, {"lookup": drafter}, FixedPolicy("lookup", 4))
+    assert verifier.prepared_before_sent == []
+    assert drafter.prepared == [len(PROMPT)]
+    assert tokens == local_greedy(directory, PROMPT, 6)
 
 
 def test_a_head_catches_up_while_the_next_step_is_in_flight(make_checkpoint: Callable[..., Path]) -> None:
