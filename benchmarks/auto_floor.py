@@ -430,7 +430,7 @@ def beside(args: argparse.Namespace) -> int:
     command = "python benchmarks/auto_floor.py " + " ".join(sys.argv[1:])
     results = {"environment": environment, "baseline": args.baseline, "command": command, "rows": rows, "runs": runs}
     lines = [
-        f"# `auto` decode ratios, commit {environment['commit'][:7]} beside {args.baseline}",
+        f"# `auto` ratios, commit {environment['commit'][:7]} beside {args.baseline}",
         "",
         f"{args.blocks} interleaved blocks of {args.repeats} repeats each (child processes; the order alternates);"
         " medians of the paired per-repeat ratios of decode tok/s, then of end-to-end tok/s (e2e)."
