@@ -63,6 +63,9 @@ class WaitingVerifier:
     def __init__(self, model: FullModel) -> None:
         self.inner = LocalSequence(model)
 
+    async def own_side(self, tokens: Sequence[int]) -> None:
+        """What happens before the step of ``tokens`` is sent (the edge's head forward)."""
+
     async def before(self, tokens: Sequence[int]) -> None:
         """What happens while the forward of ``tokens`` is in flight."""
 
@@ -74,6 +77,7 @@ class WaitingVerifier:
         *,
         sent: Callable[[], None] | None = None,
     ) -> torch.Tensor:
+        await self.own_side(tokens)
         if sent is not None:
             sent()  # the step's own work on this side is done: its reply is what is awaited
         await self.before(tokens)
@@ -202,18 +206,10 @@ class HeadForwardFirst(WaitingVerifier):
         self.drafter = drafter
         self.prepared_before_sent: list[int] | None = None
 
-    async def forward(
-        self,
-        tokens: Sequence[int],
-        parents: Sequence[int] | None = None,
-        logits_from: int = 0,
-        *,
-        sent: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
+    async def own_side(self, tokens: Sequence[int]) -> None:
         if not self.inner.tokens:  # the prefill
             await asyncio.sleep(0.05)  # the head forward over the prompt: a drafting thread started before would run
             self.prepared_before_sent = list(self.drafter.prepared)
-        return await super().forward(tokens, parents, logits_from, sent=sent)
 
 
 async def test_the_drafters_are_prepared_once_the_prefill_is_sent(make_checkpoint: Callable[..., Path]) -> None:
