@@ -65,7 +65,8 @@ from splitspec.demo import _spawn, _stop, _wait_for_port, embedded_model, free_p
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.client import GenerationResult
 from splitspec.models.stack import EdgeModel, FullModel
-from splitspec.netem.emulator import NetemConfig, WanEmulator
+from splitspec.netem.emulator import WanEmulator
+from splitspec.netem.schedule import NetemConfig
 from splitspec.run_info import run_environment
 
 log = logging.getLogger("bench.auto_floor")
@@ -280,7 +281,7 @@ async def measure(
 def ratio(runs: dict[str, list[dict[str, Any]]], a: str, b: str, key: str) -> float:
     """Median over repeats of mode a's figure over mode b's in the same repeat."""
     pairs = zip(runs[a], runs[b], strict=True)  # both in repeat order
-    return statistics.median(x[key] / y[key] for x, y in pairs)
+    return float(statistics.median(x[key] / y[key] for x, y in pairs))
 
 
 def summarize(records: list[dict[str, Any]], rtts: list[float], cases: list[Case]) -> list[dict[str, Any]]:
