@@ -17,7 +17,9 @@ repeats):
 Cases: a 2,000-token prompt of third-party code (the source of ``tqdm/std.py`` from the installed
 ``tqdm`` package, read at run time: a package the demo models never saw) with a 32-token and a
 96-token answer, and short prose (the opening of a held-out document) with 32 and 96 tokens.
-The demo models know 1,024 positions; copies of their configs in a temp dir extend
+``--code-modules`` adds more code (``rich.console``, ``starlette.routing``, ``pydantic.main``: modules of
+splitspec's own dependencies), a case each: greedy decoding takes one path per prompt, so one prompt is one draw
+of how a short answer's drafts fall. The demo models know 1,024 positions; copies of their configs in a temp dir extend
 ``max_position_embeddings`` to 4,096 (weights linked, not copied; default RoPE, so the extension
 changes no logit below 1,024).
 
@@ -75,8 +77,9 @@ MODES = ("off", "auto", "auto+draft")
 HEAD_MODE = "auto+head"  # with --head: auto with the shipped EAGLE head (no draft model)
 LINKS = ("process", "in-process")  # where the WAN emulator runs: see wan_link
 POSITIONS = 4096  # max_position_embeddings of the extended config copies
-CODE_PACKAGE = "tqdm"  # third-party code the demo models never saw (their code corpus is CPython's stdlib)
-CODE_MODULE = "tqdm.std"
+CODE_MODULE = "tqdm.std"  # third-party code the demo models never saw (their code corpus is CPython's stdlib)
+# more of it, for --code-modules: modules of splitspec's own dependencies, each over 2,000 tokens
+MORE_CODE = ("rich.console", "starlette.routing", "pydantic.main")
 
 
 @dataclass(frozen=True)
@@ -107,33 +110,46 @@ def _relative(path: Path) -> str:
         return path.name
 
 
-def code_text() -> tuple[str, str]:
+def code_text(name: str = CODE_MODULE) -> tuple[str, str]:
     """The installed third-party module's source, and where it came from."""
     import importlib
     import importlib.metadata
 
-    module = importlib.import_module(CODE_MODULE)
+    module = importlib.import_module(name)
     path = Path(str(module.__file__))
-    return path.read_text(), f"{CODE_MODULE} ({CODE_PACKAGE} {importlib.metadata.version(CODE_PACKAGE)})"
+    package = name.split(".")[0]
+    return path.read_text(), f"{name} ({package} {importlib.metadata.version(package)})"
 
 
-def build_cases(model_dir: Path, long_tokens: int, answers: tuple[int, ...]) -> tuple[list[Case], dict[str, str]]:
+def code_case_name(module: str, long_tokens: int, answer: int) -> str:
+    """``code2000/32`` for the default module (the name earlier results use), ``code2000[rich.console]/32``."""
+    tag = "" if module == CODE_MODULE else f"[{module}]"
+    return f"code{long_tokens}{tag}/{answer}"
+
+
+def build_cases(
+    model_dir: Path, long_tokens: int, answers: tuple[int, ...], modules: tuple[str, ...] = (CODE_MODULE,)
+) -> tuple[list[Case], dict[str, str]]:
+    """The code cases (the first ``long_tokens`` tokens of each module's source) and the prose ones, with where
+    their texts came from."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    code, code_source = code_text()
-    code_ids = tokenizer.encode(code, add_special_tokens=False)
-    if len(code_ids) < long_tokens:
-        raise SystemExit(f"{code_source} has only {len(code_ids)} tokens, fewer than {long_tokens}")
-    prose_path = embedded_model("base").parents[1] / "corpus" / "heldout" / "prose" / "lovers_complaint.txt"
-    prose_ids = tokenizer.encode(prose_path.read_text(), add_special_tokens=False)[:64]
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     cases = []
-    for n in answers:
-        cases.append(Case(f"code{long_tokens}/{n}", tuple(bos + code_ids[:long_tokens]), n))
+    code_sources = []
+    for module in modules:
+        code, code_source = code_text(module)
+        code_ids = tokenizer.encode(code, add_special_tokens=False)
+        if len(code_ids) < long_tokens:
+            raise SystemExit(f"{code_source} has only {len(code_ids)} tokens, fewer than {long_tokens}")
+        code_sources.append(code_source)
+        cases += [Case(code_case_name(module, long_tokens, n), tuple(bos + code_ids[:long_tokens]), n) for n in answers]
+    prose_path = embedded_model("base").parents[1] / "corpus" / "heldout" / "prose" / "lovers_complaint.txt"
+    prose_ids = tokenizer.encode(prose_path.read_text(), add_special_tokens=False)[:64]
     for n in answers:
         cases.append(Case(f"prose{len(prose_ids)}/{n}", tuple(bos + prose_ids), n))
-    sources = {"code": code_source, "prose": f"held-out demo corpus: {prose_path.name}, first 64 tokens"}
+    sources = {"code": ", ".join(code_sources), "prose": f"held-out demo corpus: {prose_path.name}, first 64 tokens"}
     return cases, sources
 
 
@@ -407,7 +423,8 @@ def beside(args: argparse.Namespace) -> int:
 
     child = ["--repeats", str(args.repeats), "--long-tokens", str(args.long_tokens), "--dtype", args.dtype,
              "--rtt-ms", *map(str, args.rtt_ms), "--answers", *map(str, args.answers), "--link", args.link,
-             *(["--head"] if args.head else []), *(["--pin"] if args.pin else [])]  # fmt: skip
+             *(["--head"] if args.head else []), *(["--pin"] if args.pin else []),
+             "--code-modules", *args.code_modules]  # fmt: skip
     decode_pairs = (*PAIRS, ("auto+head", "auto")) if args.head else PAIRS
     pairs = (*decode_pairs, *((f"{a}@e2e", f"{b}@e2e") for a, b in decode_pairs))  # decode, then end to end
     root = Path(__file__).resolve().parents[1]
@@ -471,6 +488,8 @@ def main() -> int:
         " remote trunk takes none of the edge's cores (needs 2 cores)"
     )
     parser.add_argument("--pin", action="store_true", help=pin)
+    more = f"modules whose source is a long prompt, a case each (default {CODE_MODULE}; more: {' '.join(MORE_CODE)})"
+    parser.add_argument("--code-modules", nargs="+", default=[CODE_MODULE], help=more)
     parser.add_argument("--blocks", type=int, default=3, help="with --baseline: interleaved blocks of --repeats each")
     parser.add_argument("--measure", type=Path, help=argparse.SUPPRESS)  # one block, flat figures (bench/beside.py)
     args = parser.parse_args()
@@ -486,7 +505,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="auto_floor_"))
     base = extended_copy(embedded_model("base"), work / "base")
     draft_dir = extended_copy(embedded_model("draft"), work / "draft")
-    cases, sources = build_cases(base, args.long_tokens, tuple(args.answers))
+    cases, sources = build_cases(base, args.long_tokens, tuple(args.answers), tuple(args.code_modules))
     environment = run_environment()
     port = free_port()
     others: set[int] | None = None  # --pin: the trunk's and the link's core
