@@ -19,8 +19,8 @@ Cases: a 2,000-token prompt of third-party code (the source of ``tqdm/std.py`` f
 96-token answer, and short prose (the opening of a held-out document) with 32 and 96 tokens.
 ``--code-modules`` adds more code (``rich.console``, ``starlette.routing``, ``pydantic.main``: modules of
 splitspec's own dependencies), a case each: greedy decoding takes one path per prompt, so one prompt is one draw
-of how a short answer's drafts fall. The demo models know 1,024 positions; copies of their configs in a temp dir extend
-``max_position_embeddings`` to 4,096 (weights linked, not copied; default RoPE, so the extension
+of how a short answer's drafts fall. The demo models know 1,024 positions; copies of their configs in a temp dir
+extend ``max_position_embeddings`` to 4,096 (weights linked, not copied; default RoPE, so the extension
 changes no logit below 1,024).
 
 Every run is a fresh :class:`SplitClient` (its own engine, controller and step-time estimates, as a
@@ -32,7 +32,7 @@ after the prefill. Reported: medians over repeats and the median of the paired p
     python benchmarks/auto_floor.py                 # ~8 min on 2 shared CPU cores
     python benchmarks/auto_floor.py --quick         # 1 repeat, 20 ms, 32-token answers (~1 min)
     python benchmarks/auto_floor.py --answers 32 --repeats 2 --baseline REF --blocks 3   # beside REF's code
-    python benchmarks/auto_floor.py --pin           # the trunk on a core of its own, as a remote trunk is
+    python benchmarks/auto_floor.py --pin           # the trunk and the link on a core the edge does not use
 
 Unpinned, the trunk server, the link and the edge share this machine's cores, so the edge's drafting during a
 round trip slows the trunk's compute and the link's forwarding in that round trip, which a remote trunk and a real
@@ -484,8 +484,8 @@ def main() -> int:
     where = "the WAN emulator in a process of its own (default) or on the edge's event loop"
     parser.add_argument("--link", choices=LINKS, default="process", help=where)
     pin = (
-        "the trunk server on a core of its own and the edge (this process) and the link on the others, as a"
-        " remote trunk takes none of the edge's cores (needs 2 cores)"
+        "the trunk server and the link on the last core and the edge (this process) on the others, as a remote"
+        " trunk and a network take none of the edge's cores (needs 2 cores)"
     )
     parser.add_argument("--pin", action="store_true", help=pin)
     more = f"modules whose source is a long prompt, a case each (default {CODE_MODULE}; more: {' '.join(MORE_CODE)})"
