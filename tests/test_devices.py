@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitspec.devices import HostStaging, device_generator, parse_devices, resolve_device, spread_layers
+from splitspec.devices import (
+    HostStaging,
+    compute_on_threads,
+    device_generator,
+    parse_devices,
+    resolve_device,
+    spread_layers,
+)
 from splitspec.exceptions import ConfigError, DeviceUnavailable
 
 CPU = torch.device("cpu")
@@ -126,3 +133,15 @@ def test_cli_cuda_without_cuda_fails_in_one_line(make_checkpoint: Callable[..., 
     assert "DeviceUnavailable" in lines[0]
     assert "CUDA is not available" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_forwards_run_on_threads_for_an_accelerator_and_on_the_loop_for_a_cpu_unless_told() -> None:
+    cpu, cuda, mps = torch.device("cpu"), torch.device("cuda", 0), torch.device("mps")
+    assert compute_on_threads("auto", [cpu]) is False  # a CPU's forwards run on the event loop
+    assert compute_on_threads("auto", [cuda]) is True
+    assert compute_on_threads("auto", [mps]) is True
+    assert compute_on_threads("auto", [cpu, cuda]) is True  # a trunk spread over a GPU and the CPU
+    assert compute_on_threads("threads", [cpu]) is True
+    assert compute_on_threads("loop", [cuda]) is False
+    with pytest.raises(ConfigError, match="auto, loop, threads"):
+        compute_on_threads("yes", [cpu])

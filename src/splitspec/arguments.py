@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from splitspec.devices import DEVICE_HELP
+from splitspec.devices import COMPUTE_ON_CHOICES, COMPUTE_ON_HELP, DEVICE_HELP
 from splitspec.exceptions import ConfigError
 from splitspec.models.compile_modes import COMPILE_MODES
 from splitspec.models.precision import AUTO, DTYPE_CHOICES
@@ -202,6 +202,7 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_token_file(p)
     p.add_argument("--threads", type=int, help="CPU threads for this side's compute (default: torch's choice)")
+    p.add_argument("--compute-on", choices=COMPUTE_ON_CHOICES, default="auto", help=COMPUTE_ON_HELP)
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:

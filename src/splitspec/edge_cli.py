@@ -44,6 +44,7 @@ def edge_config(args: argparse.Namespace) -> EdgeConfig:
         tls_ca_file=args.tls_ca,
         compile=args.compile,
         max_cache_tokens=args.max_cache_tokens,
+        compute_on=args.compute_on,
     )
 
 

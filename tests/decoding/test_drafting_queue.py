@@ -3,6 +3,7 @@ it costs the wait too; cheap lookups propose inline and never wait behind a draf
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +47,34 @@ def test_expected_wait_counts_the_jobs_ahead_at_the_mean_job_time() -> None:
         assert running.result(timeout=5)
         queued.result(timeout=5)
         wait_until(lambda: executor.expected_wait() == 0.0)
+    finally:
+        executor.shutdown()
+
+
+def _refuse() -> None:
+    raise ValueError("no draft")
+
+
+async def test_an_unthreaded_executor_runs_each_job_on_the_callers_thread() -> None:
+    executor = DraftExecutor(threaded=False)
+    try:
+        here = threading.get_ident()
+        ran_on: list[int] = []
+
+        def job(x: int) -> int:
+            ran_on.append(threading.get_ident())
+            return x * 2
+
+        future = executor.submit(job, 21)
+        assert future.done()
+        assert future.result() == 42
+        assert ran_on == [here]
+        assert await asyncio.get_running_loop().run_in_executor(executor, job, 4) == 8  # as the decode loop asks
+        assert ran_on == [here, here]
+        failed = executor.submit(_refuse)
+        assert isinstance(failed.exception(), ValueError)  # the job's error reaches its caller through the future
+        assert executor.idle
+        assert executor.expected_wait() == 0.0
     finally:
         executor.shutdown()
 

@@ -65,11 +65,21 @@ def models(make_checkpoint: Callable[..., Path]) -> tuple[Path, Path]:
     return make_checkpoint("llama"), make_checkpoint("llama", layers=2, seed=99)
 
 
-async def test_sixteen_mixed_sequences_through_one_engine_equal_each_run_alone(models: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("compute_on", ["loop", "threads"])  # a CPU's default: forwards on the event loop
+async def test_sixteen_mixed_sequences_through_one_engine_equal_each_run_alone(
+    models: tuple[Path, Path], compute_on: str
+) -> None:
     model, draft = models
     requests = _requests()
-    async with TrunkServer(CloudConfig(model_dir=model, port=0, max_sessions_per_connection=4)) as server:
-        config = EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, draft_model_dir=draft)
+    cloud = CloudConfig(model_dir=model, port=0, max_sessions_per_connection=4, compute_on=compute_on)
+    async with TrunkServer(cloud) as server:
+        config = EdgeConfig(
+            allow_stock_edge_weights=True,
+            model_dir=model,
+            cloud_url=server.url,
+            draft_model_dir=draft,
+            compute_on=compute_on,
+        )
         runtime = EdgeRuntime(config)
         alone = []
         for request in requests:  # each alone: an engine of its own, nothing else running
@@ -88,6 +98,10 @@ async def test_sixteen_mixed_sequences_through_one_engine_equal_each_run_alone(m
                 await client.close()
             await engine.close()
     assert together == alone
+    assert engine.threaded == (compute_on == "threads")
+    assert engine.draft_executor.threaded == engine.threaded
+    assert server.batcher is not None
+    assert server.batcher.threaded == engine.threaded
     assert connections == 4  # 16 sessions multiplexed, 4 per connection
     batched = max(engine.head_batches.snapshot()), max(engine.tail_batches.snapshot())
     assert min(batched) >= 4, batched  # rows of several sequences really shared forwards

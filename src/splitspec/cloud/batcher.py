@@ -27,8 +27,16 @@ class StepBatcher(RowBatcher):
         small_step_tokens: int = 64,
         prefill_chunk_tokens: int = 256,
         gather: float = 0.5,
+        threaded: bool = True,  # forwards on a worker thread; False = on the event loop (devices.compute_on_threads)
     ) -> None:
-        super().__init__(max_batch_steps, small_step_tokens, prefill_chunk_tokens, gather, thread_name="trunk-batch")
+        super().__init__(
+            max_batch_steps,
+            small_step_tokens,
+            prefill_chunk_tokens,
+            gather,
+            thread_name="trunk-batch",
+            threaded=threaded,
+        )
         self.stack = stack
         self.metrics = metrics
 

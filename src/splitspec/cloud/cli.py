@@ -38,6 +38,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefill_chunk_tokens=args.prefill_chunk,
         batch_gather=args.batch_gather,
         prepack=args.prepack,
+        compute_on=args.compute_on,
         handshake_timeout_s=args.handshake_timeout,
         max_connections_per_address=args.max_connections_per_address,
         max_message_bytes=args.max_message_mb * 1024 * 1024,

@@ -48,6 +48,9 @@ class CloudConfig:
     compile: str | None = None
     max_cache_tokens: int | None = None  # with compile: each session's static KV capacity, tokens; None = max positions
     compile_backend: str = "inductor"  # torch.compile backend of compile; tests pass "eager" (graph capture only)
+    # where the batched forwards run: on = a worker thread, off = the event loop; auto = the thread on an
+    # accelerator, the loop on a CPU (splitspec.devices.compute_on_threads)
+    compute_on: str = "auto"
     compute_workers: int = 4  # without batching: sessions computing at once (threads); others' steps queue
     torch_threads: int | None = None  # intra-op CPU threads for the trunk; None = torch's default
     sweep_interval_s: float | None = None  # TTL sweep period, seconds; None = ttl / 4 capped at 5

@@ -25,7 +25,7 @@ from splitspec.cloud.budget import default_budget_bytes, kv_bytes_per_token
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.metrics import TrunkMetrics, step_kind
 from splitspec.cloud.sessions import KVBudget, SessionStore
-from splitspec.devices import HostStaging, parse_devices, resolve_device
+from splitspec.devices import HostStaging, compute_on_threads, parse_devices, resolve_device
 from splitspec.exceptions import (
     BadTensor,
     ConfigError,
@@ -151,6 +151,7 @@ class TrunkServer:
             new_cache=None if self.cache_size is None else partial(StaticKVCache, self.cache_size),
         )
         self.metrics = TrunkMetrics(self.sessions)
+        threaded = compute_on_threads(config.compute_on, devices)  # a CPU trunk's forwards run on the event loop
         self.batcher = (
             StepBatcher(
                 self.trunk,
@@ -158,6 +159,7 @@ class TrunkServer:
                 config.max_batch_steps,
                 prefill_chunk_tokens=config.prefill_chunk_tokens,
                 gather=config.batch_gather,
+                threaded=threaded,
             )
             if config.batching
             else None

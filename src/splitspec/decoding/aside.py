@@ -46,12 +46,21 @@ T = TypeVar("T")
 
 class DraftExecutor(ThreadPoolExecutor):
     """The one drafting thread of an engine, knowing whether any work is queued or running on it, how long
-    its jobs take and how many sequences are decoding with it; with the engine's :class:`DearGate`."""
+    its jobs take and how many sequences are decoding with it; with the engine's :class:`DearGate`.
+
+    ``threaded=False``: each job runs on the caller's thread (the event loop) as it is submitted, and its future
+    is done when :meth:`submit` returns; on a CPU a drafting thread waits for the interpreter lock after each
+    torch call (:func:`splitspec.devices.compute_on_threads`). Nothing then queues, so :meth:`expected_wait` is 0."""
 
     def __init__(
-        self, thread_name_prefix: str = "edge-draft", job_decay: float = 0.9, gate: DearGate | None = None
+        self,
+        thread_name_prefix: str = "edge-draft",
+        job_decay: float = 0.9,
+        gate: DearGate | None = None,
+        threaded: bool = True,
     ) -> None:
         super().__init__(max_workers=1, thread_name_prefix=thread_name_prefix)
+        self.threaded = threaded
         self._lock = threading.Lock()  # submit runs on the event loop, completion on the thread
         self._outstanding = 0  # jobs submitted and not yet finished
         self._decoding = 0  # sequences inside decoding()
@@ -73,6 +82,15 @@ class DraftExecutor(ThreadPoolExecutor):
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         with self._lock:
             self._outstanding += 1
+        if not self.threaded:
+            done: Future[T] = Future()
+            try:
+                done.set_result(self._timed(fn, *args, **kwargs))
+            except Exception as exc:  # the caller reads it from the future, as from the thread
+                done.set_exception(exc)
+            finally:
+                self._finished(None)
+            return done
         try:
             future = super().submit(self._timed, fn, *args, **kwargs)
         except BaseException:

@@ -35,6 +35,7 @@ import torch
 from splitspec.decoding.aside import DraftExecutor
 from splitspec.decoding.controller import SpeculationController
 from splitspec.decoding.estimates import StepTimes
+from splitspec.devices import compute_on_threads
 from splitspec.edge.link import TrunkLink
 from splitspec.edge.runtime import EdgeRuntime
 from splitspec.edge.sequence import EdgeSequence, StepStats
@@ -85,8 +86,10 @@ class BatchLog:
 class _HeadBatcher(RowBatcher):
     """The head layers over many sequences' embedded query tokens -> hidden states (1, q, H), on the device."""
 
-    def __init__(self, runtime: EdgeRuntime, max_batch_steps: int, gather: float) -> None:
-        super().__init__(max_batch_steps, gather=gather, thread_name="edge-head", max_big_steps=EDGE_BIG_STEPS)
+    def __init__(self, runtime: EdgeRuntime, max_batch_steps: int, gather: float, threaded: bool) -> None:
+        super().__init__(
+            max_batch_steps, gather=gather, thread_name="edge-head", max_big_steps=EDGE_BIG_STEPS, threaded=threaded
+        )
         self.runtime = runtime  # its model is read per batch: an auto edge may load it again at the first Welcome
         self.log = BatchLog()
 
@@ -101,8 +104,10 @@ class _TailBatcher(RowBatcher):
     """The tail layers, final norm and LM head over many sequences' trunk outputs -> logits (1, q - from, V)
     float32: the LM head runs only on the rows a step wants (a prefill wants its last)."""
 
-    def __init__(self, runtime: EdgeRuntime, max_batch_steps: int, gather: float) -> None:
-        super().__init__(max_batch_steps, gather=gather, thread_name="edge-tail", max_big_steps=EDGE_BIG_STEPS)
+    def __init__(self, runtime: EdgeRuntime, max_batch_steps: int, gather: float, threaded: bool) -> None:
+        super().__init__(
+            max_batch_steps, gather=gather, thread_name="edge-tail", max_big_steps=EDGE_BIG_STEPS, threaded=threaded
+        )
         self.runtime = runtime  # its model is read per batch, as the head's
         self.log = BatchLog()
         # tail cache id -> the tail's outputs (q_chunk, H) of that sequence's step in flight, chunk by chunk, for a
@@ -143,13 +148,15 @@ class EdgeEngine:
         )
         # static KV buffers (--compile) run each sequence's fixed-shape step alone
         rows = 1 if runtime.cache_size is not None else 64
-        self._head = _HeadBatcher(runtime, rows, self.config.batch_gather)
-        self._tail = _TailBatcher(runtime, rows, self.config.batch_gather)
+        # on worker threads, or on the event loop (a CPU edge: each torch call would wait for the lock on a thread)
+        self.threaded = compute_on_threads(self.config.compute_on, [runtime.device])
+        self._head = _HeadBatcher(runtime, rows, self.config.batch_gather, self.threaded)
+        self._tail = _TailBatcher(runtime, rows, self.config.batch_gather, self.threaded)
         # step-time estimates describe the link and the trunk, so every sequence's controller shares them
         self.step_times = StepTimes()
         self._populations: dict[tuple[str, ...], SpeculationController] = {}
-        # drafting (a draft model's forwards) runs here, off the event loop, one draft at a time
-        self.draft_executor = DraftExecutor()
+        # drafting (a draft model's forwards) runs here, one draft at a time: on its thread, or on the event loop
+        self.draft_executor = DraftExecutor(threaded=self.threaded)
 
     # -- sequences -----------------------------------------------------------------------------
 
@@ -213,7 +220,7 @@ class EdgeEngine:
         for batcher in (self._head, self._tail):
             await batcher.stop()
         self.draft_executor.shutdown(wait=False)
-        self.draft_executor = DraftExecutor()  # reusable
+        self.draft_executor = DraftExecutor(threaded=self.threaded)  # reusable
 
     def chunk_tokens(self, sequence: EdgeSequence) -> int:
         """Most query tokens one step may carry without hitting either side's caps."""

@@ -22,7 +22,9 @@ it last spent between a delivery and its next step (its round trip through the r
 a sequence with none measured yet counts as due. Sequences out of phase (many streams, each at
 another point of its round trip) are then not waited for: waiting for all the active ones cost the
 trunk 53-61 ms a step at 32 streams (its compute: 32). A lone sequence never waits (it is the only
-active one). The forwards run on one worker thread, off the event loop.
+active one). The forwards run on one worker thread, off the event loop, or on the event loop itself
+(``threaded=False``: on a CPU, where a worker thread waits for the interpreter lock after every torch
+call; see :func:`splitspec.devices.compute_on_threads`).
 
 :class:`RowBatcher` is the policy; what one forward computes (:meth:`RowBatcher.run_rows`) and
 what is recorded of it (:meth:`RowBatcher.observe_batch`) belong to its user: the trunk server
@@ -86,7 +88,7 @@ class _Pending:
 
 
 class RowBatcher:
-    """Queues steps from all sequences and runs them in batched forwards on one worker thread.
+    """Queues steps from all sequences and runs them in batched forwards on one worker thread (or the event loop).
 
     A subclass says what one forward computes (:meth:`run_rows`) and may record each batch
     (:meth:`observe_batch`).
@@ -100,6 +102,7 @@ class RowBatcher:
         gather: float = 0.5,
         thread_name: str = "batch",
         max_big_steps: int = 1,  # big steps (prefills) whose chunks share one forward; the trunk runs one at a time
+        threaded: bool = True,  # forwards on a worker thread; False = on the event loop (devices.compute_on_threads)
     ) -> None:
         if gather < 0:
             raise ValueError(f"the gathering window is a non-negative fraction of a batch's time, got {gather}")
@@ -114,17 +117,18 @@ class RowBatcher:
         # each sequence's cache -> its last away time: from a delivery to its next step, seconds
         self._away: weakref.WeakKeyDictionary[KVCache, float] = weakref.WeakKeyDictionary()
         self._thread_name = thread_name
+        self.threaded = threaded
         self._wake = asyncio.Event()
         self._executor: ThreadPoolExecutor | None = None  # the worker thread, while started
         self._task: asyncio.Task[None] | None = None
 
     def run_rows(self, rows: list[BatchRow]) -> list[torch.Tensor]:
-        """One forward over ``rows`` (on the worker thread) -> each row's output (1, q, ...): the
+        """One forward over ``rows`` (on the worker thread, or the event loop) -> each row's output (1, q, ...): the
         caches receive their rows' entries (committed on success, rolled back on failure)."""
         raise NotImplementedError
 
     def observe_batch(self, steps: int, tokens: int, compute_ms: float) -> None:
-        """One forward of ``steps`` rows and ``tokens`` query tokens took ``compute_ms`` (worker thread)."""
+        """One forward of ``steps`` rows and ``tokens`` query tokens took ``compute_ms`` (where it ran)."""
 
     @property
     def running(self) -> bool:
@@ -133,7 +137,8 @@ class RowBatcher:
     def start(self) -> None:
         """Start the worker (in the running event loop); a stopped batcher may be started again."""
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
+        if self.threaded:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._thread_name)
         self._task = asyncio.create_task(self._run_forever())
         self._task.add_done_callback(_report_crash)
 
@@ -233,12 +238,15 @@ class RowBatcher:
                 return
 
     async def _run(self, group: list[_Pending], chunk: int | None) -> None:
-        """One forward on the worker thread (``chunk`` tokens of a big step, or whole small steps),
-        then deliver the steps it finished."""
+        """One forward on the worker thread or the event loop (``chunk`` tokens of a big step, or whole small
+        steps), then deliver the steps it finished."""
         try:
-            if self._executor is None:
+            if not self.threaded:
+                self._forward(group, chunk)
+            elif self._executor is None:
                 raise RuntimeError("the batcher is not started")
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._forward, group, chunk)
+            else:
+                await asyncio.get_running_loop().run_in_executor(self._executor, self._forward, group, chunk)
         except Exception as exc:  # a bug of ours outside the forward: fail its steps
             log.exception("batching iteration failed")
             for p in group:
@@ -249,7 +257,7 @@ class RowBatcher:
                 self._deliver(p)
 
     def _forward(self, group: list[_Pending], chunk: int | None) -> None:
-        """Run ``group`` (on the worker thread): its steps' next rows in one forward."""
+        """Run ``group`` (on the worker thread, or the event loop): its steps' next rows in one forward."""
         rows = [p.next_row(chunk or p.tokens) for p in group]
         t0 = time.perf_counter()
         try:
