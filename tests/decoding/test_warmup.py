@@ -5,6 +5,7 @@ that reads the verifier's features (an EAGLE head) catches up during the first d
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import threading
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from splitspec.decoding.aside import DraftExecutor
 from splitspec.decoding.controller import BlindPolicy, Choice, FixedPolicy, SpeculationPolicy
 from splitspec.decoding.drafters import (
     Draft,
@@ -30,7 +32,7 @@ from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.loop import decode
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.speculative import make_drafters
-from splitspec.decoding.warmup import CATCH_UP_MIN_TOKENS, start_catch_up
+from splitspec.decoding.warmup import CATCH_UP_MIN_TOKENS, PREPARE_PIECE_TOKENS, start_catch_up, start_prepare
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head import DraftHead, default_config
 from splitspec.models.loading import load_full
@@ -222,6 +224,46 @@ async def test_the_drafters_are_prepared_once_the_prefill_is_sent(make_checkpoin
     assert verifier.prepared_before_sent == []
     assert drafter.prepared == [len(PROMPT)]
     assert tokens == local_greedy(directory, PROMPT, 6)
+
+
+async def test_on_the_event_loop_a_long_prompt_is_prepared_in_pieces_with_the_loop_free_between(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """A CPU engine's draft executor runs on the event loop: a long prompt's preparation is cut into pieces, and
+    other sequences' work runs between two of them; the draft model then proposes as if prepared at once."""
+    events: list[str] = []
+
+    class Noting(PreparingLookup):
+        def prepare(self, context: Sequence[int]) -> None:
+            super().prepare(context)
+            events.append("piece")
+
+    async def other_sequence() -> None:
+        for _ in range(50):
+            events.append("other")
+            await asyncio.sleep(0)
+
+    lookup = Noting()
+    draft_model = DraftModel(full(make_checkpoint("llama", layers=2, seed=99)), SamplingParams())
+    prompt = [3 + i % 90 for i in range(2 * PREPARE_PIECE_TOKENS + 44)]
+    executor = DraftExecutor(threaded=False)
+    try:
+        other = asyncio.ensure_future(other_sequence())
+        await asyncio.sleep(0)
+        prepared = start_prepare({"lookup": lookup, "draft": draft_model}, prompt, executor)
+        assert prepared is not None
+        await prepared
+        await other
+    finally:
+        executor.shutdown()
+    assert lookup.prepared == [PREPARE_PIECE_TOKENS, 2 * PREPARE_PIECE_TOKENS, len(prompt)]
+    pieces = [i for i, event in enumerate(events) if event == "piece"]
+    assert all("other" in events[a:b] for a, b in itertools.pairwise(pieces))  # the loop ran between
+    assert draft_model.sequence.tokens == prompt
+    fresh = DraftModel(draft_model.sequence.model, SamplingParams())
+    context = [*prompt, 7]
+    got, want = draft_model.propose(context, 6), fresh.propose(context, 6)
+    assert (got.tokens, got.parents) == (want.tokens, want.parents)
 
 
 def test_a_head_catches_up_while_the_next_step_is_in_flight(make_checkpoint: Callable[..., Path]) -> None:
