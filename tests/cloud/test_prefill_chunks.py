@@ -75,9 +75,10 @@ def trunk(make_checkpoint: Callable[..., Path]) -> LayerStack:
     return load_trunk(ckpt, SplitPlan(ckpt.config.num_hidden_layers, 2, 2), torch.float32)
 
 
-async def test_decode_steps_run_between_every_two_prefill_chunks(trunk: LayerStack) -> None:
+@pytest.mark.parametrize("threaded", [True, False])  # forwards on a worker thread, or on the event loop
+async def test_decode_steps_run_between_every_two_prefill_chunks(trunk: LayerStack, threaded: bool) -> None:
     metrics = _Recorder()
-    batcher = _ChunkFlags(trunk, metrics, prefill_chunk_tokens=24)
+    batcher = _ChunkFlags(trunk, metrics, prefill_chunk_tokens=24, threaded=threaded)
     batcher.start()
     prefill_done = asyncio.Event()
 

@@ -243,6 +243,9 @@ class RowBatcher:
         try:
             if not self.threaded:
                 self._forward(group, chunk)
+                # and yield: the steps just computed (and replies, other parts' batches) run before the next
+                # iteration plans, as while a worker thread computes; else a prefill's chunks would run back to back
+                await asyncio.sleep(0)
             elif self._executor is None:
                 raise RuntimeError("the batcher is not started")
             else:
