@@ -55,7 +55,9 @@ def _refuse() -> None:
     raise ValueError("no draft")
 
 
-async def test_an_unthreaded_executor_runs_each_job_on_the_callers_thread() -> None:
+async def test_an_unthreaded_executor_runs_each_job_on_the_event_loop_once_the_caller_yields() -> None:
+    """As a drafting thread would, it runs a job once its caller awaits (a step is sent before its aside
+    proposals run), and the result or error reaches the caller through the future."""
     executor = DraftExecutor(threaded=False)
     try:
         here = threading.get_ident()
@@ -66,15 +68,27 @@ async def test_an_unthreaded_executor_runs_each_job_on_the_callers_thread() -> N
             return x * 2
 
         future = executor.submit(job, 21)
-        assert future.done()
-        assert future.result() == 42
-        assert ran_on == [here]
+        assert not future.done()  # the caller has not yielded yet
+        assert ran_on == []
+        assert not executor.idle  # a job is outstanding
+        await asyncio.sleep(0)
+        assert future.result(timeout=0) == 42
+        assert ran_on == [here]  # on the event loop's thread
         assert await asyncio.get_running_loop().run_in_executor(executor, job, 4) == 8  # as the decode loop asks
         assert ran_on == [here, here]
         failed = executor.submit(_refuse)
-        assert isinstance(failed.exception(), ValueError)  # the job's error reaches its caller through the future
+        await asyncio.sleep(0)
+        assert isinstance(failed.exception(timeout=0), ValueError)
         assert executor.idle
         assert executor.expected_wait() == 0.0
+    finally:
+        executor.shutdown()
+
+
+def test_an_unthreaded_executor_outside_an_event_loop_runs_a_job_at_once() -> None:
+    executor = DraftExecutor(threaded=False)
+    try:
+        assert executor.submit(sum, [1, 2, 3]).result(timeout=0) == 6
     finally:
         executor.shutdown()
 

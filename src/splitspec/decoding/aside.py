@@ -48,9 +48,10 @@ class DraftExecutor(ThreadPoolExecutor):
     """The one drafting thread of an engine, knowing whether any work is queued or running on it, how long
     its jobs take and how many sequences are decoding with it; with the engine's :class:`DearGate`.
 
-    ``threaded=False``: each job runs on the caller's thread (the event loop) as it is submitted, and its future
-    is done when :meth:`submit` returns; on a CPU a drafting thread waits for the interpreter lock after each
-    torch call (:func:`splitspec.devices.compute_on_threads`). Nothing then queues, so :meth:`expected_wait` is 0."""
+    ``threaded=False``: each job runs on the caller's event loop, as a callback of its own once the caller yields
+    (after the callbacks ready before it), where the thread would run it once the caller awaits: a step's aside
+    proposals, started before the step is sent, still run after the send. On a CPU a drafting thread waits for
+    the interpreter lock after each torch call (:func:`splitspec.devices.compute_on_threads`)."""
 
     def __init__(
         self,
@@ -83,14 +84,23 @@ class DraftExecutor(ThreadPoolExecutor):
         with self._lock:
             self._outstanding += 1
         if not self.threaded:
-            done: Future[T] = Future()
+            job: Future[T] = Future()
+
+            def run() -> None:
+                try:
+                    job.set_result(self._timed(fn, *args, **kwargs))
+                except Exception as exc:  # the caller reads it from the future, as from the thread
+                    job.set_exception(exc)
+                finally:
+                    self._finished(None)
+
             try:
-                done.set_result(self._timed(fn, *args, **kwargs))
-            except Exception as exc:  # the caller reads it from the future, as from the thread
-                done.set_exception(exc)
-            finally:
-                self._finished(None)
-            return done
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no event loop on this thread: nothing to run after, so at once
+                run()
+            else:
+                loop.call_soon(run)  # once the caller yields: a step sent first, its proposals aside after
+            return job
         try:
             future = super().submit(self._timed, fn, *args, **kwargs)
         except BaseException:
