@@ -137,19 +137,25 @@ class HostStaging:
             return staged.to(self.device, non_blocking=True)
 
 
+def check_compute_on(setting: str) -> None:
+    """Refuse a ``--compute-on`` setting that is not one of :data:`COMPUTE_ON_CHOICES`."""
+    if setting not in COMPUTE_ON_CHOICES:
+        raise ConfigError(f"--compute-on must be one of {', '.join(COMPUTE_ON_CHOICES)}, got {setting!r}")
+
+
 def compute_on_threads(setting: str, devices: Iterable[torch.device]) -> bool:
     """Whether a server runs its forwards (and drafts) on worker threads (True) or on its event loop (False).
 
     ``setting`` is ``threads``, ``loop`` or ``auto``. On a CPU a forward is hundreds of short torch calls, and each
     releases the interpreter lock and takes it back: a worker thread then waits for the lock after every call
     while the event loop (or another worker) runs Python, the convoy effect. A 2-row edge head forward that
-    took 1.7 ms alone took 13 ms beside a thread running Python, at a 50 us switch interval (620 ms at the
-    default 5 ms), and two forwards on two threads each spent 1.5x the CPU of one. So ``auto`` keeps the
+    took 1.7 ms alone took 12 ms beside a thread running Python, at a 50 us switch interval (595 ms at the
+    default 5 ms), and two forwards on two threads each spent 1.4x the CPU of one (benchmarks/compute_on.py).
+    So ``auto`` keeps the
     forwards on the loop when every device is a CPU. An accelerator's kernels run asynchronously, so there a
     worker thread leaves the loop free for I/O while the device computes: ``auto`` is threads when any
     device is not a CPU."""
-    if setting not in COMPUTE_ON_CHOICES:
-        raise ConfigError(f"--compute-on must be one of {', '.join(COMPUTE_ON_CHOICES)}, got {setting!r}")
+    check_compute_on(setting)
     if setting != "auto":
         return setting == "threads"
     return any(device.type != "cpu" for device in devices)

@@ -48,7 +48,7 @@ class CloudConfig:
     compile: str | None = None
     max_cache_tokens: int | None = None  # with compile: each session's static KV capacity, tokens; None = max positions
     compile_backend: str = "inductor"  # torch.compile backend of compile; tests pass "eager" (graph capture only)
-    # where the batched forwards run: on = a worker thread, off = the event loop; auto = the thread on an
+    # where the batched forwards run: threads = a worker thread, loop = the event loop; auto = the thread on an
     # accelerator, the loop on a CPU (splitspec.devices.compute_on_threads)
     compute_on: str = "auto"
     compute_workers: int = 4  # without batching: sessions computing at once (threads); others' steps queue

@@ -63,8 +63,8 @@ async def _prepare_in_pieces(drafters: Sequence[Preparable], context: tuple[int,
     ``prepare`` continues from the prefix before it (what a proposal on a prefix's continuation would do)."""
     loop = asyncio.get_running_loop()
     for end in range(PREPARE_PIECE_TOKENS, len(context) + PREPARE_PIECE_TOKENS, PREPARE_PIECE_TOKENS):
+        # each piece a job of its own, run once this task yields: the other sequences' ready work runs between two
         await loop.run_in_executor(executor, prepare_all, drafters, context[:end])
-        await asyncio.sleep(0)  # the other sequences' ready work runs between two pieces
 
 
 async def finish_prepare(prepared: asyncio.Future[None] | None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitspec.devices import COMPUTE_ON_CHOICES
+from splitspec.devices import check_compute_on
 from splitspec.exceptions import ConfigError
 
 
@@ -55,8 +55,8 @@ class EdgeConfig:
     # a burst after a lull then skips the handshake's round trips; 0 = close it at once
     idle_connection_s: float = 30.0
     batch_gather: float = 0.5  # engine: how long a free worker waits for the other sequences' steps, in batch times
-    # where the engine's head and tail forwards and the draft model's proposals run: on = worker threads, off = the
-    # event loop; auto = threads on an accelerator, the loop on a CPU (splitspec.devices.compute_on_threads)
+    # where the engine's head and tail forwards and the draft model's proposals run: threads = worker threads, loop =
+    # the event loop; auto = threads on an accelerator, the loop on a CPU (splitspec.devices.compute_on_threads)
     compute_on: str = "auto"
 
     def __post_init__(self) -> None:
@@ -68,7 +68,6 @@ class EdgeConfig:
             raise ConfigError(f"prepack must be auto, on or off, got {self.prepack!r}")
         if not self.batch_gather >= 0:
             raise ConfigError(f"the batch gathering window must be >= 0, got {self.batch_gather}")
-        if self.compute_on not in COMPUTE_ON_CHOICES:
-            raise ConfigError(f"--compute-on must be auto, loop or threads, got {self.compute_on!r}")
+        check_compute_on(self.compute_on)
         if self.draft_tree_width < 1:
             raise ConfigError(f"the draft tree width must be at least 1 (1: a chain), got {self.draft_tree_width}")
