@@ -199,9 +199,11 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[Sequence[int]]:
     seen: list[Sequence[int]] = []
     run = LocalSequence.run
 
-    def counted(self: LocalSequence, ids: Sequence[int]) -> torch.Tensor:
+    def counted(
+        self: LocalSequence, ids: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
+    ) -> torch.Tensor:
         seen.append(ids)
-        return run(self, ids)
+        return run(self, ids, parents, logits_from)
 
     monkeypatch.setattr(LocalSequence, "run", counted)
     return seen

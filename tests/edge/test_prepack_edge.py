@@ -11,6 +11,8 @@ from torch import nn
 
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
+from splitspec.decoding.drafters import DraftModel
+from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.runtime import EdgeRuntime
 from splitspec.exceptions import ConfigError
@@ -64,3 +66,33 @@ def test_prepack_on_refuses_what_it_cannot_pack(make_checkpoint: Callable[..., P
         EdgeRuntime(config)
     with pytest.raises(ConfigError, match="prepack must be auto, on or off"):
         EdgeConfig(model_dir=model, cloud_url="ws://unused", prepack="always")
+
+
+async def test_the_draft_model_is_prepacked_by_the_same_rule(make_checkpoint: Callable[..., Path]) -> None:
+    """The draft model the runtime loads gets the edge's prepack choice; its trees and the split's speculative
+    output are the same packed or not."""
+    model = make_checkpoint("llama")
+    draft = make_checkpoint("llama", layers=2, seed=99)
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, dtype="float32")) as server:
+        outputs, trees = {}, {}
+        for prepack in ("on", "off"):
+            config = EdgeConfig(
+                allow_stock_edge_weights=True,
+                model_dir=model,
+                cloud_url=server.url,
+                dtype="float32",
+                prepack=prepack,
+                draft_model_dir=draft,
+            )
+            runtime = EdgeRuntime(config)
+            assert runtime.draft_model is not None
+            modules = [*runtime.draft_model.layers.modules(), runtime.draft_model.lm_head]
+            packed = sum(isinstance(m, PackedLinear) for m in modules)
+            assert packed == (2 * 7 + 1 if prepack == "on" else 0)  # 2 layers of 7 linears; the LM head
+            assert sum(isinstance(m, nn.Linear) for m in modules) == (0 if prepack == "on" else 2 * 7 + 1)
+            proposal = DraftModel(runtime.draft_model, SamplingParams()).propose(PROMPT, 12)
+            trees[prepack] = (proposal.tokens, proposal.parents)
+            async with SplitClient(config, runtime=runtime) as client:
+                outputs[prepack] = (await client.generate(PROMPT, 24, speculate="draft")).token_ids
+    assert trees["on"] == trees["off"]
+    assert outputs["on"] == outputs["off"] == local_greedy(model, PROMPT, 24)

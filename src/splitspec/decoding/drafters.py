@@ -239,7 +239,7 @@ class DraftModel:
         seq = self.sequence
         common = common_prefix(seq.tokens, context, len(context) - 1)  # always re-run the last context token
         seq.truncate(common)
-        return seq.run(context[common:])[-1]
+        return seq.run(context[common:], logits_from=len(context) - common - 1)[-1]  # the LM head for the last only
 
     @torch.inference_mode()
     def prepare(self, context: Sequence[int]) -> None:

@@ -42,16 +42,18 @@ class LocalSequence:
         if self.features is not None:
             self.features.clear()
 
-    def run(self, tokens: Sequence[int], parents: Sequence[int] | None = None) -> torch.Tensor:
-        """tokens (q,) -> logits (q, V); appends them to the cache."""
+    def run(self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0) -> torch.Tensor:
+        """tokens (q,) -> logits (q - logits_from, V) of the tokens from ``logits_from`` on; appends them to the
+        cache."""
         parent_list = chain(len(tokens)) if parents is None else list(parents)
         parent_t = torch.tensor(parent_list, dtype=torch.int32)
         positions = torch.tensor(step_positions(len(self.tokens), parent_list), dtype=torch.int32)
         ids = torch.tensor(list(tokens), dtype=torch.long)
         if self.features is None:
-            logits: torch.Tensor = self.model(ids, positions, parent_t, self.cache)
+            logits: torch.Tensor = self.model(ids, positions, parent_t, self.cache, logits_from)
         else:
             logits, features = full_model_step(self.model, ids, positions, parent_t, self.cache, self.features.layers)
+            logits = logits[logits_from:]
             self.features.append(features)
         self.tokens.extend(tokens)
         return logits
@@ -66,7 +68,7 @@ class LocalSequence:
     ) -> torch.Tensor:
         if sent is not None:
             sent()  # no round trip: the step is "sent" at once
-        return self.run(tokens, parents)[logits_from:]
+        return self.run(tokens, parents, logits_from)
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep only ``indices`` of the last step's entries."""
@@ -88,7 +90,7 @@ class LocalSequence:
         """Feed ``tokens`` after the cached ones; (num_scored, V) float32 logits of the last positions."""
         if not tokens or not 1 <= num_scored <= len(tokens):
             raise ValueError(f"need 1 <= num_scored ({num_scored}) <= new tokens ({len(tokens)})")
-        return self.run(tokens)[-num_scored:]
+        return self.run(tokens, logits_from=len(tokens) - num_scored)
 
     def logits_for(self, sequence: Sequence[int], num_scored: int = 1) -> torch.Tensor:
         """(num_scored, V) logits for the last ``num_scored`` positions of ``sequence``, reusing the cache."""

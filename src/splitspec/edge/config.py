@@ -44,9 +44,9 @@ class EdgeConfig:
     max_cache_tokens: int | None = None  # with compile: the static KV buffers' size, tokens; None = max positions
     compile_backend: str = "inductor"  # torch.compile backend of compile; tests pass "eager" (graph capture only)
     trunk_fingerprint: str | None = None  # pinned trunk content fingerprint; None = hash model_dir's own trunk
-    # linear layers and LM head reordered once for oneDNN (models/prepack.py): auto = on a float32 CPU
-    # edge without --compile or quantization, each layer shape only where it runs faster packed (timed at
-    # load); on = every one, and refuse anything else; off = PyTorch's matmul
+    # linear layers and LM head, the edge's and the draft model's, reordered once for oneDNN (models/prepack.py):
+    # auto = on a float32 CPU without --compile or quantization, each layer shape only where it runs faster
+    # packed (timed at load); on = every one, and refuse anything else; off = PyTorch's matmul
     prepack: str = "auto"
     # sessions one trunk connection carries at once (their steps multiplexed); the trunk's
     # --max-sessions-per-connection (default 4) caps it, and the engine opens more connections as needed

@@ -334,11 +334,17 @@ class FullModel(ModelEnds):
 
     @torch.inference_mode()
     def forward(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, cache: KVCache
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        parents: torch.Tensor,
+        cache: KVCache,
+        logits_from: int = 0,
     ) -> torch.Tensor:
-        """token_ids (q,) -> logits (q, V) float32; appends q entries to ``cache``."""
-        hidden = self.layers(self.embed(token_ids[None]), positions, parents, cache)
-        return self.logits(hidden)[0]
+        """token_ids (q,) -> logits (q - logits_from, V) float32 of the queries from ``logits_from`` on (a prefill
+        wants its last: the LM head runs for those rows only); appends q entries to ``cache``."""
+        hidden = self.layers(self.embed(token_ids[None]), positions, parents, cache)  # (1, q, H)
+        return self.logits(hidden[:, logits_from:])[0]
 
     @torch.inference_mode()
     def forward_visible(
