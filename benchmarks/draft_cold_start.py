@@ -41,6 +41,7 @@ from splitspec.bench.scenario import ASSETS_DIR
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.decoding import drafters
+from splitspec.decoding.lockstep import Steps
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.sequence import StepStats
@@ -54,19 +55,24 @@ NEW_TOKENS = 16
 
 
 class ProposalTimer:
-    """Wraps :meth:`DraftModel.propose` (the class, for every engine of the run) to time each proposal."""
+    """Wraps :meth:`DraftModel.propose_steps` (the class, for every engine of the run; ``propose`` runs it too) to
+    time each proposal from its first step to its last (with other sequences' forwards, when several run in
+    lockstep: one client here)."""
 
     def __init__(self) -> None:
         self.proposals: list[tuple[int, int, float]] = []  # (budget, drafted tokens, ms)
-        real = drafters.DraftModel.propose
+        real = drafters.DraftModel.propose_steps
 
-        def propose(self_: drafters.DraftModel, context: Sequence[int], budget: int) -> drafters.Draft:
-            t0 = time.perf_counter()
-            draft = real(self_, context, budget)
-            self.proposals.append((budget, len(draft), (time.perf_counter() - t0) * 1e3))
-            return draft
+        def propose_steps(self_: drafters.DraftModel, context: Sequence[int], budget: int) -> Steps[drafters.Draft]:
+            def timed() -> Steps[drafters.Draft]:
+                t0 = time.perf_counter()
+                draft = yield from real(self_, context, budget)
+                self.proposals.append((budget, len(draft), (time.perf_counter() - t0) * 1e3))
+                return draft
 
-        drafters.DraftModel.propose = propose  # type: ignore[method-assign,assignment]
+            return timed()
+
+        drafters.DraftModel.propose_steps = propose_steps  # type: ignore[method-assign,assignment]
 
 
 def _compute_ms(steps: Sequence[StepStats]) -> list[float]:

@@ -26,7 +26,9 @@ from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
 from splitspec.edge.config import EdgeConfig
 from splitspec.exceptions import ConfigError
+from splitspec.models import draft_forward
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.draft_forward import DraftForward
 from splitspec.models.loading import load_full
 from splitspec.models.stack import FullModel
 from tests.conftest import local_greedy
@@ -195,17 +197,15 @@ def test_draft_model_reuses_its_cache(make_checkpoint: Callable[..., Path]) -> N
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[Sequence[int]]:
-    """Every token run a draft model's own sequence is given (``LocalSequence.run``), from now on."""
+    """The tokens of every forward a draft model runs alone (``draft_forward.run_draft_forward``), from now on."""
     seen: list[Sequence[int]] = []
-    run = LocalSequence.run
+    run = draft_forward.run_draft_forward
 
-    def counted(
-        self: LocalSequence, ids: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0
-    ) -> torch.Tensor:
-        seen.append(ids)
-        return run(self, ids, parents, logits_from)
+    def counted(request: DraftForward) -> torch.Tensor:
+        seen.append(request.ids.tolist())
+        return run(request)
 
-    monkeypatch.setattr(LocalSequence, "run", counted)
+    monkeypatch.setattr(draft_forward, "run_draft_forward", counted)
     return seen
 
 

@@ -18,6 +18,7 @@ from splitspec.cloud.server import TrunkServer
 from splitspec.decoding import drafters
 from splitspec.decoding.controller import DEFAULT_BUDGETS
 from splitspec.decoding.eagle import warm_up_draft_head
+from splitspec.decoding.lockstep import Steps
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge import runtime as runtime_module
@@ -38,7 +39,7 @@ from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
 
 BASE, DRAFT, HEAD = (ASSETS_DIR / "models" / name for name in ("base", "draft", "base-eagle"))
-REAL_PROPOSE = drafters.DraftModel.propose
+REAL_PROPOSE_STEPS = drafters.DraftModel.propose_steps
 
 
 def _record_widths(module: nn.Module) -> list[int]:
@@ -155,15 +156,20 @@ def _slow_first_proposal(monkeypatch: pytest.MonkeyPatch, seconds: float) -> lis
     seen: set[int] = set()
     calls: list[int] = []
 
-    def propose(self: drafters.DraftModel, context: Sequence[int], budget: int) -> drafters.Draft:
+    def propose_steps(self: drafters.DraftModel, context: Sequence[int], budget: int) -> Steps[drafters.Draft]:
         model = id(self.sequence.model)
-        if model not in seen:
-            seen.add(model)
-            time.sleep(seconds)
+        first = model not in seen
+        seen.add(model)
         calls.append(budget)
-        return REAL_PROPOSE(self, context, budget)
 
-    monkeypatch.setattr(drafters.DraftModel, "propose", propose)
+        def steps() -> Steps[drafters.Draft]:  # the proposal's own time: where it runs, alone or in lockstep
+            if first:
+                time.sleep(seconds)
+            return (yield from REAL_PROPOSE_STEPS(self, context, budget))
+
+        return steps()
+
+    monkeypatch.setattr(drafters.DraftModel, "propose_steps", propose_steps)
     return calls
 
 

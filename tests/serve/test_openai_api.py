@@ -170,6 +170,13 @@ def test_models_health_and_metrics(stack: Stack, sync_client: openai.OpenAI) -> 
     assert "splitspec_serve_tokens_per_round_trip_count" in values
     assert "splitspec_serve_decode_tokens_per_second_count" in values
     assert values["splitspec_serve_edge_dear_drafters_held_back"] == 0.0  # one request: never gated
+    assert values['splitspec_serve_edge_forwards_total{part="head",rows="1"}'] >= 1  # a lone request's forwards
+    assert values['splitspec_serve_edge_forwards_total{part="tail",rows="1"}'] >= 1
+    # the draft model's proposals run together in lockstep: two of them, as one run
+    stack.state.engine.draft_executor.lockstep_log.observe(2, 3.0)
+    metrics = httpx.get(f"{root}/metrics").text
+    assert 'splitspec_serve_edge_forwards_total{part="draft",rows="2"} 1.0' in metrics
+    assert 'splitspec_serve_edge_forward_milliseconds_total{part="draft",rows="2"} 3.0' in metrics
     # the engine's gate under load, as measured: 16 sequences, 100 tok/s with dear drafters, 150 without
     gate = stack.state.engine.draft_executor.gate
     gate.allows(16, -10.0)

@@ -36,12 +36,21 @@ from typing import Any, ParamSpec, TypeVar
 
 from splitspec.decoding.controller import PROBE_BUDGET, BlindPolicy, Choice, SpeculationPolicy
 from splitspec.decoding.dear_gate import DearGate
-from splitspec.decoding.drafters import Draft, Drafter, is_cheap, is_dear
+from splitspec.decoding.drafters import Draft, Drafter, Stepwise, is_cheap, is_dear
 from splitspec.decoding.estimates import Ema
+from splitspec.decoding.lockstep import Steps, finish_together
 from splitspec.decoding.shadow import score_proposal
+from splitspec.models.batcher import BatchLog
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+def timed_propose(drafter: Drafter, context: Sequence[int], budget: int) -> tuple[Draft, float]:
+    """The drafter's proposal and the seconds it took to make it."""
+    t0 = time.perf_counter()
+    draft = drafter.propose(context, budget)
+    return draft, time.perf_counter() - t0
 
 
 class DraftExecutor(ThreadPoolExecutor):
@@ -51,7 +60,10 @@ class DraftExecutor(ThreadPoolExecutor):
     ``threaded=False``: each job runs on the caller's event loop, as a callback of its own once the caller yields
     (after the callbacks ready before it), where the thread would run it once the caller awaits: a step's aside
     proposals, started before the step is sent, still run after the send. On a CPU a drafting thread waits for
-    the interpreter lock after each torch call (:func:`splitspec.devices.compute_on_threads`)."""
+    the interpreter lock after each torch call (:func:`splitspec.devices.compute_on_threads`). There, the
+    stepwise proposals asked for (:meth:`propose`) before the first of them runs run together, in lockstep, their
+    draft model's forwards batched (:mod:`~splitspec.decoding.lockstep`): a tail batch resumes several sequences
+    at once, and each drafts its next step."""
 
     def __init__(
         self,
@@ -68,6 +80,8 @@ class DraftExecutor(ThreadPoolExecutor):
         self._job_decay = job_decay  # per-job decay of the mean job time: it follows the load
         self._job_s = Ema()  # mean seconds of a job running on the thread (not its wait in the queue)
         self.gate = gate or DearGate()  # whether dear drafters pay while several sequences decode (event loop only)
+        self._lockstep: list[tuple[Steps[Draft], Future[tuple[Draft, float]]]] = []  # proposals to run together
+        self.lockstep_log = BatchLog()  # proposals run together (rows) and the milliseconds they took
 
     @contextmanager
     def decoding(self) -> Iterator[None]:
@@ -108,6 +122,41 @@ class DraftExecutor(ThreadPoolExecutor):
             raise
         future.add_done_callback(self._finished)
         return future
+
+    def propose(self, drafter: Drafter, context: Sequence[int], budget: int) -> Future[tuple[Draft, float]]:
+        """``drafter``'s proposal for ``context`` and its seconds (:func:`timed_propose`), made here. On the event
+        loop a :class:`~splitspec.decoding.drafters.Stepwise` drafter's proposal joins the others asked for before
+        the first of them runs, once the caller yields, and its seconds are its own work and its share of the
+        batched forwards. One proposal per sequence at a time: their forwards are over distinct caches."""
+        if self.threaded or not isinstance(drafter, Stepwise):
+            return self.submit(timed_propose, drafter, context, budget)
+        job: Future[tuple[Draft, float]] = Future()
+        with self._lock:
+            self._outstanding += 1
+        self._lockstep.append((drafter.propose_steps(context, budget), job))
+        if len(self._lockstep) == 1:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no event loop on this thread: nothing to wait for, so at once
+                self._run_lockstep()
+            else:
+                loop.call_soon(self._run_lockstep)
+        return job
+
+    def _run_lockstep(self) -> None:
+        jobs, self._lockstep = self._lockstep, []
+        t0 = time.perf_counter()
+        outcomes = finish_together([steps for steps, _ in jobs])
+        self.lockstep_log.observe(len(jobs), (time.perf_counter() - t0) * 1e3)
+        for (_, job), outcome in zip(jobs, outcomes, strict=True):
+            with self._lock:
+                self._job_s.update(outcome.seconds, self._job_decay)
+            try:
+                job.set_result((outcome.result(), outcome.seconds))
+            except Exception as exc:  # the caller reads it from the future, as from the thread
+                job.set_exception(exc)
+            finally:
+                self._finished(None)
 
     def _timed(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         t0 = time.perf_counter()

@@ -25,10 +25,12 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from splitspec.decoding.local import LocalSequence
+from splitspec.decoding.lockstep import Steps, finish
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.tree_run import TreeRun
 from splitspec.decoding.trees import Draft as Draft
-from splitspec.decoding.trees import SiblingStats, TreeExpander, dynamic_tree, prune_greedy
+from splitspec.decoding.trees import SiblingStats, StepExpander, dynamic_tree_steps, prune_greedy
+from splitspec.models.draft_forward import DraftForward
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
 from splitspec.models.warm_up import WARM_UP_CONTEXT, WARM_UP_WIDTHS
@@ -73,6 +75,19 @@ def is_dear(drafter: Drafter) -> bool:
     """Whether ``drafter`` declares itself dear to ask (``aside = True``: a draft model's forwards), to be judged
     during a lone greedy step's round trip first (decoding/aside.py)."""
     return bool(getattr(drafter, "aside", False))
+
+
+@runtime_checkable
+class Stepwise(Protocol):
+    """A drafter whose proposal can run as steps (:mod:`splitspec.decoding.lockstep`): ``propose_steps`` yields
+    each of its model's forwards and is sent their logits, so that the engine runs several sequences'
+    proposals in lockstep, their forwards batched. ``propose`` is the same proposal with each forward run alone."""
+
+    name: str
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft: ...
+
+    def propose_steps(self, context: Sequence[int], budget: int) -> Steps[Draft]: ...
 
 
 @runtime_checkable
@@ -234,12 +249,22 @@ class DraftModel:
         # one the second gets this tree (pruned: trees.prune_greedy)
         self._greedy_memo: tuple[tuple[int, ...], int, Draft] | None = None
 
-    def _sync(self, context: Sequence[int]) -> torch.Tensor:
-        """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits."""
+    def _sync(self, context: Sequence[int]) -> Steps[torch.Tensor]:
+        """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits (V,)."""
         seq = self.sequence
         common = common_prefix(seq.tokens, context, len(context) - 1)  # always re-run the last context token
         seq.truncate(common)
-        return seq.run(context[common:], logits_from=len(context) - common - 1)[-1]  # the LM head for the last only
+        new = list(context[common:])
+        logits = yield DraftForward(
+            seq.model,
+            seq.cache,
+            torch.tensor(new, dtype=torch.long),
+            torch.arange(common, common + len(new), dtype=torch.int32),
+            parents=torch.tensor(chain(len(new)), dtype=torch.int32),
+            logits_from=len(new) - 1,  # the LM head for the last only
+        )
+        seq.tokens.extend(new)
+        return logits[-1]
 
     @torch.inference_mode()
     def prepare(self, context: Sequence[int]) -> None:
@@ -261,23 +286,29 @@ class DraftModel:
             )  # (1, q, H), discarded: the cache is the point
             seq.tokens.extend(part)
 
-    def _expander(self, context_len: int, root: torch.Tensor) -> TreeExpander:
+    def _expander(self, context_len: int, root: torch.Tensor) -> StepExpander:
         """Scores a tree by running, after the context, only the nodes asked for that have not run
-        (:class:`~splitspec.decoding.tree_run.TreeRun`)."""
+        (:class:`~splitspec.decoding.tree_run.TreeRun`), one forward per wave."""
         run = TreeRun(context_len)
         model, cache = self.sequence.model, self.sequence.cache
         rows: dict[int, torch.Tensor] = {-1: root.float()}  # (V,) scoring the children of each node run
 
-        def expand(tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
+        def expand(tokens: list[int], parents: list[int], expanding: list[int]) -> Steps[torch.Tensor]:
             for wave in run.waves(parents, expanding):
                 ids = torch.tensor([tokens[j] for j in wave.nodes], dtype=torch.long)
-                logits = model.forward_visible(ids, wave.positions, wave.visible, wave.key_positions, cache)  # (q, V)
+                logits = yield DraftForward(
+                    model, cache, ids, wave.positions, visible=wave.visible, key_positions=wave.key_positions
+                )  # (q, V)
                 rows.update(zip(wave.nodes, logits.float(), strict=True))
             return torch.stack([rows[j] for j in expanding])  # (len(expanding), V)
 
         return expand
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
+        return finish(self.propose_steps(context, budget))
+
+    def propose_steps(self, context: Sequence[int], budget: int) -> Steps[Draft]:
+        """:meth:`propose` as steps: each of the draft model's forwards is yielded (a :class:`DraftForward`)."""
         if self.max_positions is not None:  # drafts sit at positions len(context) .. len(context) + depth - 1
             budget = min(budget, self.max_positions - len(context))
         if budget < 1 or not context:
@@ -295,12 +326,12 @@ class DraftModel:
             before, last = self._last
             if len(context) > len(before) and list(context[: len(before)]) == before:
                 self.siblings.observe(last, context[len(before) :])
-        root = self._sync(context)  # (V,)
+        root = yield from self._sync(context)  # (V,); a failed forward is rolled back, its tokens not kept
         depth = budget if self.depth is None else self.depth
         expand = self._expander(len(context), root)
         rates = self.siblings.rates()
         try:
-            draft = dynamic_tree(expand, budget, self.params, self.generator, self.top_k, depth, rates)
+            draft = yield from dynamic_tree_steps(expand, budget, self.params, self.generator, self.top_k, depth, rates)
         finally:
             self.sequence.truncate(len(context))  # the tree's entries go: the next draft runs what was accepted
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
@@ -358,10 +389,17 @@ class MixedDrafter:
                 source.prepare(context)
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
+        return finish(self.propose_steps(context, budget))
+
+    def propose_steps(self, context: Sequence[int], budget: int) -> Steps[Draft]:
+        """:meth:`propose` as steps: a stepwise source's forwards are yielded (:class:`Stepwise`)."""
         chains: list[list[int]] = []
         tree = Draft.empty()
         for source in self.sources:
-            draft = source.propose(context, budget)
+            if isinstance(source, Stepwise):
+                draft = yield from source.propose_steps(context, budget)
+            else:
+                draft = source.propose(context, budget)
             if draft.probs is not None:
                 raise ValueError(f"drafter {source.name!r} is not deterministic; it cannot join a mixed tree")
             chains.extend(leaf_chains(draft))

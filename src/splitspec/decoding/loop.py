@@ -52,6 +52,7 @@ from splitspec.decoding.aside import (
     plan_aside,
     score_aside,
     start_aside,
+    timed_propose,
 )
 from splitspec.decoding.controller import BlindPolicy, Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter, is_cheap, is_dear
@@ -191,13 +192,6 @@ def _process(
     return out
 
 
-def _timed_propose(drafter: Drafter, context: Sequence[int], budget: int) -> tuple[Draft, float]:
-    """The drafter's proposal and the seconds it took to make it."""
-    t0 = time.perf_counter()
-    draft = drafter.propose(context, budget)
-    return draft, time.perf_counter() - t0
-
-
 def _drafting_waits(drafters: Mapping[str, Drafter], executor: Executor | None) -> dict[str, float]:
     """Seconds each drafter that proposes on the drafting thread would first wait there (none: the others)."""
     if not isinstance(executor, DraftExecutor):
@@ -313,10 +307,12 @@ async def decode(
             drafter = drafters[choice.drafter]
             asked.add(choice.drafter)
             if draft_executor is None or is_cheap(drafter):  # a lookup: not worth a queue behind a draft model
-                draft, seconds = _timed_propose(drafter, context, budget)
+                draft, seconds = timed_propose(drafter, context, budget)
+            elif isinstance(draft_executor, DraftExecutor):  # on the event loop: with the other sequences' drafts
+                draft, seconds = await asyncio.wrap_future(draft_executor.propose(drafter, context, budget))
             else:  # a draft model's forwards: off the event loop, which other sequences' I/O needs
                 loop = asyncio.get_running_loop()
-                draft, seconds = await loop.run_in_executor(draft_executor, _timed_propose, drafter, context, budget)
+                draft, seconds = await loop.run_in_executor(draft_executor, timed_propose, drafter, context, budget)
             # the drafter's own time, not the wait for the drafting thread: under load that wait belongs to
             # the moment, and a sequence's estimates of its drafter's cost outlive it
             draft_s += seconds
@@ -340,7 +336,7 @@ async def decode(
             context,
             budget_cap,
             draft_executor,
-            _timed_propose,
+            timed_propose,
             started,
         )
         t0 = time.perf_counter()

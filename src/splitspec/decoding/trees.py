@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from splitspec.decoding.lockstep import Steps, at_once, finish
 from splitspec.decoding.sampling import SamplingParams
 
 # prior chance that the j-th sampled sibling is accepted once the ones before it were rejected
@@ -77,6 +78,24 @@ class TreeExpander(Protocol):
         the rest of the tree is never scored.
         """
         ...
+
+
+class StepExpander(Protocol):
+    """A :class:`TreeExpander` that runs its forwards as steps (:mod:`~splitspec.decoding.lockstep`): it yields
+    each forward it needs and is sent its logits, so several sequences' trees can grow in lockstep."""
+
+    def __call__(self, tokens: list[int], parents: list[int], expanding: list[int]) -> Steps[torch.Tensor]:
+        """As :meth:`TreeExpander.__call__`, the logits returned once the forwards have run."""
+        ...
+
+
+def stepwise(expand: TreeExpander) -> StepExpander:
+    """``expand`` as a :class:`StepExpander` that yields no forward (it runs its own)."""
+
+    def steps(tokens: list[int], parents: list[int], expanding: list[int]) -> Steps[torch.Tensor]:
+        return at_once(expand(tokens, parents, expanding))
+
+    return steps
 
 
 class SiblingStats:
@@ -141,19 +160,32 @@ def dynamic_tree(
     sibling is accepted once those before it were rejected (a drafter may measure it: see
     :class:`SiblingStats`).
     """
+    return finish(dynamic_tree_steps(stepwise(expand), budget, params, generator, top_k, depth, acceptance))
+
+
+def dynamic_tree_steps(
+    expand: StepExpander,
+    budget: int,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    top_k: int = 4,
+    depth: int = 6,
+    acceptance: Sequence[float] = SIBLING_ACCEPTANCE,
+) -> Steps[Draft]:
+    """:func:`dynamic_tree` as steps: the expander's forwards are yielded (:mod:`~splitspec.decoding.lockstep`)."""
     if top_k < 1 or depth < 1:
         raise ValueError(f"top_k ({top_k}) and depth ({depth}) must be >= 1")
     if budget < 1:
         return Draft.empty()
     if params.greedy:
-        return _greedy_tree(expand, budget, top_k, depth)
+        return (yield from _greedy_tree(expand, budget, top_k, depth))
     if generator is None:
         raise ValueError("a sampled draft tree needs a generator")
-    return _sampled_tree(expand, budget, params, generator, top_k, depth, acceptance)
+    return (yield from _sampled_tree(expand, budget, params, generator, top_k, depth, acceptance))
 
 
-def _rows(expand: TreeExpander, tokens: list[int], parents: list[int], expanding: list[int]) -> torch.Tensor:
-    logits = expand(list(tokens), list(parents), list(expanding))  # (len(expanding), V)
+def _rows(expand: StepExpander, tokens: list[int], parents: list[int], expanding: list[int]) -> Steps[torch.Tensor]:
+    logits = yield from expand(list(tokens), list(parents), list(expanding))  # (len(expanding), V)
     if logits.dim() != 2 or logits.shape[0] != len(expanding):
         raise ValueError(f"the expander returned logits of shape {tuple(logits.shape)} for {len(expanding)} nodes")
     return logits
@@ -164,13 +196,14 @@ def _best(nodes: Sequence[int], scores: Sequence[float], count: int) -> list[int
     return sorted(nodes, key=lambda i: (-scores[i], i))[:count]
 
 
-def _greedy_tree(expand: TreeExpander, budget: int, top_k: int, depth: int) -> Draft:
+def _greedy_tree(expand: StepExpander, budget: int, top_k: int, depth: int) -> Steps[Draft]:
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []  # cumulative log-probability of each node's path
     frontier = [-1]  # nodes whose children this level adds (-1: the context)
     for level in range(depth):
-        logp = torch.log_softmax(_rows(expand, tokens, parents, frontier).float(), dim=-1)  # (F, V)
+        logits = yield from _rows(expand, tokens, parents, frontier)  # (F, V)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # (F, V)
         values, ids = logp.topk(min(top_k, logp.shape[-1]), dim=-1)  # (F, k): every frontier node's at once
         added: list[int] = []
         for node, node_values, node_ids in zip(frontier, values.tolist(), ids.tolist(), strict=True):
@@ -281,14 +314,14 @@ def _allocate(
 
 
 def _sampled_tree(
-    expand: TreeExpander,
+    expand: StepExpander,
     budget: int,
     params: SamplingParams,
     generator: torch.Generator,
     top_k: int,
     depth: int,
     acceptance: Sequence[float],
-) -> Draft:
+) -> Steps[Draft]:
     ranks = rank_values(acceptance, top_k)
     tokens: list[int] = []
     parents: list[int] = []
@@ -300,7 +333,8 @@ def _sampled_tree(
         room = budget - len(tokens)
         if room <= 0 or not frontier:
             break
-        probs = params.probabilities(_rows(expand, tokens, parents, frontier))  # (F, V): every frontier row at once
+        logits = yield from _rows(expand, tokens, parents, frontier)  # (F, V)
+        probs = params.probabilities(logits)  # (F, V): every frontier row at once
         qs = list(probs)  # each (V,)
         base = [0.0 if node < 0 else reach[node] for node in frontier]
         # decided before any child is drawn: from the frontier's own standing and rows only

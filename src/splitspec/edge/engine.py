@@ -25,9 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -48,7 +46,7 @@ from splitspec.exceptions import (
     UnknownSession,
 )
 from splitspec.models.batched import BatchRow, forward_batch
-from splitspec.models.batcher import RowBatcher
+from splitspec.models.batcher import BatchLog, RowBatcher
 from splitspec.models.features import edge_feature_sources, trunk_feature_layer
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, step_positions
@@ -62,25 +60,6 @@ log = logging.getLogger(__name__)
 _HEADER_RESERVE = 2048  # bytes kept free in every step frame for the prefix and JSON header
 EDGE_BIG_STEPS = 8  # prefills whose chunks share one head (tail) forward: a burst of new requests is batched too
 MAX_CAPACITY_BACKOFF_S = 5.0  # longest wait between two tries of a step the trunk refused for capacity, seconds
-
-
-class BatchLog:
-    """The forwards one of the engine's workers ran: per batch size (rows), how many and their total time."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # the worker thread writes, the event loop reads
-        self.forwards: Counter[int] = Counter()  # rows -> forwards of that many rows
-        self.total_ms: dict[int, float] = {}  # rows -> their total compute, milliseconds
-
-    def observe(self, rows: int, ms: float) -> None:
-        with self._lock:
-            self.forwards[rows] += 1
-            self.total_ms[rows] = self.total_ms.get(rows, 0.0) + ms
-
-    def snapshot(self) -> dict[int, tuple[int, float]]:
-        """rows -> (forwards, mean compute ms per forward), sorted by rows."""
-        with self._lock:
-            return {rows: (n, self.total_ms[rows] / n) for rows, n in sorted(self.forwards.items())}
 
 
 class _HeadBatcher(RowBatcher):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import step_masks
+from splitspec.models.masks import step_masks, visible_masks
 from splitspec.models.row_attention import RowAttention, RowKeys
 from splitspec.models.stack import LayerStack
 
@@ -37,6 +37,18 @@ class BatchRow:
     # a local layer whose output the row wants too (a draft head's feature): its output is then (1, q, 2H), the
     # stack's output followed by that layer's; None: (1, q, H)
     capture: int | None = None
+    # a draft tree's wave (decoding/tree_run.py): the keys each query sees (q, past + q) bool and every key's
+    # position (past + q,), in place of the prefix-plus-ancestors mask of ``parents`` (LayerStack.forward_visible)
+    visible: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
+
+    def masks(
+        self, windows: set[int | None], dtype: torch.dtype, device: torch.device
+    ) -> dict[int | None, torch.Tensor | None]:
+        """The additive masks (1, 1, q, past + q) per sliding window its step gets alone (None: it sees all)."""
+        if self.visible is not None and self.key_positions is not None:
+            return visible_masks(self.visible, self.key_positions, self.positions, windows, dtype, device)
+        return step_masks(self.parents, self.positions, len(self.cache), windows, dtype, device)
 
 
 class BatchedCaches:
@@ -74,8 +86,8 @@ def row_masks(
     rows: Sequence[BatchRow], windows: set[int | None], dtype: torch.dtype, device: torch.device
 ) -> dict[int | None, list[torch.Tensor | None]]:
     """Each row's additive mask (1, 1, q_b, past_b + q_b) per sliding window of the stack's layers: the mask
-    its step gets alone (:func:`~splitspec.models.masks.step_masks`)."""
-    per_row = [step_masks(row.parents, row.positions, len(row.cache), windows, dtype, device) for row in rows]
+    its step gets alone (:meth:`BatchRow.masks`)."""
+    per_row = [row.masks(windows, dtype, device) for row in rows]
     return {w: [masks[w] for masks in per_row] for w in windows}
 
 
@@ -88,6 +100,8 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
     """
     if len(rows) == 1:  # a lone step takes the per-session path: no padding, and no mask for a decode step
         row = rows[0]
+        if row.visible is not None and row.key_positions is not None:
+            return [stack.forward_visible(row.hidden, row.positions, row.visible, row.key_positions, row.cache)]
         return [stack(row.hidden, row.positions, row.parents, row.cache, row.capture)]
     lengths = [row.positions.shape[0] for row in rows]
     past = [len(row.cache) for row in rows]

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import weakref
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -303,3 +305,22 @@ class RowBatcher:
 def _report_crash(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("the batching loop stopped", exc_info=task.exception())
+
+
+class BatchLog:
+    """The forwards one of the engine's workers ran: per batch size (rows), how many and their total time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the worker thread writes, the event loop reads
+        self.forwards: Counter[int] = Counter()  # rows -> forwards of that many rows
+        self.total_ms: dict[int, float] = {}  # rows -> their total compute, milliseconds
+
+    def observe(self, rows: int, ms: float) -> None:
+        with self._lock:
+            self.forwards[rows] += 1
+            self.total_ms[rows] = self.total_ms.get(rows, 0.0) + ms
+
+    def snapshot(self) -> dict[int, tuple[int, float]]:
+        """rows -> (forwards, mean compute ms per forward), sorted by rows."""
+        with self._lock:
+            return {rows: (n, self.total_ms[rows] / n) for rows, n in sorted(self.forwards.items())}

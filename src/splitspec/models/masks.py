@@ -100,6 +100,30 @@ def step_masks(
     return masks
 
 
+def visible_masks(
+    visible: torch.Tensor,
+    key_positions: torch.Tensor,
+    positions: torch.Tensor,
+    windows: set[int | None],
+    dtype: torch.dtype,
+    device: torch.device | None,
+) -> dict[int | None, torch.Tensor | None]:
+    """A draft tree wave's additive masks (1, 1, q, past + q) per sliding window, on ``device``: query i sees
+    the keys ``visible[i]`` marks ((q, past + q) bool), less those a window w hides (keys at ``key_positions``
+    (past + q,) <= the query's position (``positions`` (q,)) - w). A tree grown level by level keeps its
+    earlier levels in the cache, so what a node sees is not a prefix plus its step's ancestors (:func:`step_masks`)."""
+    floor = torch.finfo(dtype).min
+    seen = visible.to(device)  # (q, past + q)
+    keys = key_positions.to(device, torch.long)  # (past + q,)
+    query = positions.to(device, torch.long)  # (q,)
+    masks: dict[int | None, torch.Tensor | None] = {}
+    for w in windows:
+        window = seen if w is None else seen & (keys[None, :] > query[:, None] - w)
+        additive = torch.zeros(window.shape, dtype=dtype, device=device)
+        masks[w] = additive.masked_fill_(~window, floor)[None, None]
+    return masks
+
+
 def _mask(
     hidden: torch.Tensor,
     positions: torch.Tensor,

@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 from splitspec.models.family import Skeleton
 from splitspec.models.fixed_decode import FixedShapeDecode
 from splitspec.models.kv_cache import KVCache
-from splitspec.models.masks import step_masks
+from splitspec.models.masks import step_masks, visible_masks
 from splitspec.models.row_attention import (
     ROWS_KWARG,
     RowAttention,
@@ -227,21 +227,15 @@ class LayerStack(nn.Module):
         earlier levels in the cache, and a node sees its own ancestors only. Appends q entries to the cache."""
         if not len(self.layers):
             return hidden
-        floor = torch.finfo(hidden.dtype).min
-        inputs: dict[torch.device, tuple[torch.Tensor, dict[str, PositionEmbeddings], dict[Any, torch.Tensor]]] = {}
+        inputs: dict[torch.device, tuple[torch.Tensor, dict[str, PositionEmbeddings], dict[Any, Any]]] = {}
         try:
             for j in range(len(self.layers)):
                 hidden = hidden.to(self.devices[j], non_blocking=True)  # moves only at a device boundary
                 device = hidden.device
                 if device not in inputs:
                     pos = positions.to(device, torch.long)[None]  # (1, q)
-                    seen, keys = visible.to(device), key_positions.to(device, torch.long)
-                    masks: dict[Any, torch.Tensor] = {}
-                    for w in set(self.windows):
-                        window = seen if w is None else seen & (keys[None, :] > pos[0, :, None] - w)
-                        additive = torch.zeros(window.shape, dtype=hidden.dtype, device=device)
-                        masks[w] = additive.masked_fill_(~window, floor)[None, None]  # (1, 1, q, past + q)
-                    inputs[device] = (pos, self.position_embeddings(hidden, pos), masks)
+                    masks = visible_masks(visible, key_positions, positions, set(self.windows), hidden.dtype, device)
+                    inputs[device] = (pos, self.position_embeddings(hidden, pos), dict(masks))
                 pos, rope, masks = inputs[device]
                 hidden = self.run_layer(j, hidden, pos, rope, masks, cache)
         except BaseException:

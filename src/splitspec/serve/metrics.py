@@ -8,8 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from splitspec.edge.engine import BatchLog, EdgeEngine
+from splitspec.edge.engine import EdgeEngine
 from splitspec.edge.sequence import StepStats
+from splitspec.models.batcher import BatchLog
 
 _MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560)
 _S_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
@@ -70,7 +71,9 @@ class ServeMetrics:
 
 class _EngineCollector(Collector):
     """``splitspec_serve_edge_forwards_total`` and ``..._edge_forward_milliseconds_total`` by part and rows:
-    the edge compute per forward (and per sequence: divide by rows) against the batch size."""
+    the edge compute per forward (and per sequence: divide by rows) against the batch size. Part ``draft``
+    counts the draft model's proposals run together in lockstep (decoding/lockstep.py): rows are proposals,
+    each of several forwards, and its milliseconds those of all of them."""
 
     def __init__(self, engine: EdgeEngine) -> None:
         self.engine = engine
@@ -79,7 +82,11 @@ class _EngineCollector(Collector):
         p = "splitspec_serve_edge_"
         forwards = CounterMetricFamily(p + "forwards", "batched edge forwards", labels=["part", "rows"])
         ms = CounterMetricFamily(p + "forward_milliseconds", "their compute, milliseconds", labels=["part", "rows"])
-        logs: dict[str, BatchLog] = {"head": self.engine.head_batches, "tail": self.engine.tail_batches}
+        logs: dict[str, BatchLog] = {
+            "head": self.engine.head_batches,
+            "tail": self.engine.tail_batches,
+            "draft": self.engine.draft_executor.lockstep_log,
+        }
         for part, log in logs.items():
             for rows, (count, mean_ms) in log.snapshot().items():
                 forwards.add_metric([part, str(rows)], count)
