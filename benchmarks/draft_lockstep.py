@@ -68,7 +68,7 @@ def markdown(results: dict[str, Any]) -> str:
     summary = results["summary"]
     alone = summary["alone"]
     lines = [
-        f"# Draft-model proposals alone and in lockstep (commit {results['git_commit']})",
+        f"# Draft-model proposals alone and in lockstep (commit {results['commit']})",
         "",
         f"`{results['command']}`",
         "",
@@ -95,7 +95,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.bar(names, [results["summary"][n] for n in names], color="#4c72b0")
     ax.set_ylabel("ms per proposal")
-    ax.set_title(f"Draft-model proposals, budget {results['budget']} (commit {results['git_commit'][:8]})")
+    ax.set_title(f"Draft-model proposals, budget {results['budget']} (commit {results['commit'][:8]})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
