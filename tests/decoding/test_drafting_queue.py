@@ -79,6 +79,10 @@ async def test_an_unthreaded_executor_runs_each_job_on_the_event_loop_once_the_c
         failed = executor.submit(_refuse)
         await asyncio.sleep(0)
         assert isinstance(failed.exception(timeout=0), ValueError)
+        dropped = executor.submit(job, 5)
+        dropped.cancel()  # its caller went away before it ran (a closed request's aside proposal)
+        await asyncio.sleep(0)
+        assert ran_on == [here, here]  # not run
         assert executor.idle
         assert executor.expected_wait() == 0.0
     finally:

@@ -203,6 +203,20 @@ async def test_the_executor_runs_the_proposals_asked_in_one_turn_together(model:
     executor.shutdown()
 
 
+async def test_a_proposal_whose_caller_went_away_is_not_run_and_the_others_are(model: FullModel) -> None:
+    executor = DraftExecutor(threaded=False)
+    drafters = _drafters(model, SamplingParams())
+    jobs = [executor.propose(d, c, 5) for d, c in zip(drafters, CONTEXTS, strict=True)]
+    jobs[1].cancel()  # a closed request's proposal, before the lockstep runs
+    results = await asyncio.gather(*(asyncio.wrap_future(job) for i, job in enumerate(jobs) if i != 1))
+    expected = [d.propose(c, 5) for d, c in zip(_drafters(model, SamplingParams()), CONTEXTS, strict=True)]
+    assert [_tree(draft) for draft, _ in results] == [_tree(e) for i, e in enumerate(expected) if i != 1]
+    assert len(drafters[1].sequence.tokens) == 0  # never ran
+    assert executor.lockstep_log.snapshot().keys() == {len(CONTEXTS) - 1}
+    assert executor.expected_wait() == 0.0  # nothing left outstanding
+    executor.shutdown()
+
+
 def test_an_executor_outside_an_event_loop_proposes_at_once(model: FullModel) -> None:
     executor = DraftExecutor(threaded=False)
     job = executor.propose(_drafters(model, SamplingParams())[0], CONTEXTS[0], 4)

@@ -101,6 +101,9 @@ class DraftExecutor(ThreadPoolExecutor):
             job: Future[T] = Future()
 
             def run() -> None:
+                if not job.set_running_or_notify_cancel():  # its caller went away (a closed request): not run
+                    self._finished(None)
+                    return
                 try:
                     job.set_result(self._timed(fn, *args, **kwargs))
                 except Exception as exc:  # the caller reads it from the future, as from the thread
@@ -144,19 +147,27 @@ class DraftExecutor(ThreadPoolExecutor):
         return job
 
     def _run_lockstep(self) -> None:
-        jobs, self._lockstep = self._lockstep, []
+        queued, self._lockstep = self._lockstep, []
+        jobs = []
+        for steps, job in queued:
+            if job.set_running_or_notify_cancel():
+                jobs.append((steps, job))
+            else:  # its caller went away (a closed request): not run
+                steps.close()
+                self._finished(None)
+        if not jobs:
+            return
         t0 = time.perf_counter()
         outcomes = finish_together([steps for steps, _ in jobs])
         self.lockstep_log.observe(len(jobs), (time.perf_counter() - t0) * 1e3)
         for (_, job), outcome in zip(jobs, outcomes, strict=True):
             with self._lock:
                 self._job_s.update(outcome.seconds, self._job_decay)
-            try:
+            self._finished(None)
+            if outcome.error is not None:  # the caller reads it from the future, as from the thread
+                job.set_exception(outcome.error)
+            else:
                 job.set_result((outcome.result(), outcome.seconds))
-            except Exception as exc:  # the caller reads it from the future, as from the thread
-                job.set_exception(exc)
-            finally:
-                self._finished(None)
 
     def _timed(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         t0 = time.perf_counter()

@@ -308,7 +308,7 @@ async def decode(
             asked.add(choice.drafter)
             if draft_executor is None or is_cheap(drafter):  # a lookup: not worth a queue behind a draft model
                 draft, seconds = timed_propose(drafter, context, budget)
-            elif isinstance(draft_executor, DraftExecutor):  # on the event loop: with the other sequences' drafts
+            elif isinstance(draft_executor, DraftExecutor):  # the engine's: on a CPU, with other sequences' drafts
                 draft, seconds = await asyncio.wrap_future(draft_executor.propose(drafter, context, budget))
             else:  # a draft model's forwards: off the event loop, which other sequences' I/O needs
                 loop = asyncio.get_running_loop()
