@@ -12,6 +12,7 @@ import torch
 
 from splitspec.decoding.aside import DraftExecutor
 from splitspec.decoding.drafters import Draft, DraftModel, MixedDrafter, NgramPool, PromptLookup
+from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.lockstep import Steps, at_once, finish, finish_together
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.models import draft_forward
@@ -171,6 +172,17 @@ def test_a_batch_of_steps_and_waves_computes_what_each_does_alone(model: FullMod
     assert [t.shape[0] for t in together] == [a.shape[0] for a in alone] == [1, 2, ALONE_QUERIES + 1]
     for t, a in zip(together, alone, strict=True):
         torch.testing.assert_close(t, a, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sequence_step_is_the_forward_its_run_makes(model: FullModel) -> None:
+    ran, stepped = LocalSequence(model), LocalSequence(model)
+    expected = ran.run(CONTEXTS[0], logits_from=3)
+    torch.testing.assert_close(run_draft_forward(stepped.step(CONTEXTS[0], logits_from=3)), expected)
+    assert len(stepped.cache) == len(ran.cache)
+    keeping = LocalSequence(model)
+    keeping.keep_features([1])
+    with pytest.raises(ValueError, match="runs its steps itself"):
+        keeping.step([1, 2])
 
 
 def test_draft_forwards_are_refused_where_they_cannot_run(model: FullModel) -> None:

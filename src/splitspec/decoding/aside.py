@@ -53,6 +53,17 @@ def timed_propose(drafter: Drafter, context: Sequence[int], budget: int) -> tupl
     return draft, time.perf_counter() - t0
 
 
+def _once_caller_yields(callback: Callable[[], None]) -> None:
+    """Run ``callback`` on this thread's event loop once the caller yields, as a callback of its own (after the
+    callbacks ready before it); with no event loop on this thread, nothing runs after: at once."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        callback()
+    else:
+        loop.call_soon(callback)
+
+
 class DraftExecutor(ThreadPoolExecutor):
     """The one drafting thread of an engine, knowing whether any work is queued or running on it, how long
     its jobs take and how many sequences are decoding with it; with the engine's :class:`DearGate`.
@@ -111,12 +122,7 @@ class DraftExecutor(ThreadPoolExecutor):
                 finally:
                     self._finished(None)
 
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no event loop on this thread: nothing to run after, so at once
-                run()
-            else:
-                loop.call_soon(run)  # once the caller yields: a step sent first, its proposals aside after
+            _once_caller_yields(run)  # a step sent first, its proposals aside after
             return job
         try:
             future = super().submit(self._timed, fn, *args, **kwargs)
@@ -138,12 +144,7 @@ class DraftExecutor(ThreadPoolExecutor):
             self._outstanding += 1
         self._lockstep.append((drafter.propose_steps(context, budget), job))
         if len(self._lockstep) == 1:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no event loop on this thread: nothing to wait for, so at once
-                self._run_lockstep()
-            else:
-                loop.call_soon(self._run_lockstep)
+            _once_caller_yields(self._run_lockstep)  # with the proposals asked for before it runs
         return job
 
     def _run_lockstep(self) -> None:

@@ -255,14 +255,7 @@ class DraftModel:
         common = common_prefix(seq.tokens, context, len(context) - 1)  # always re-run the last context token
         seq.truncate(common)
         new = list(context[common:])
-        logits = yield DraftForward(
-            seq.model,
-            seq.cache,
-            torch.tensor(new, dtype=torch.long),
-            torch.arange(common, common + len(new), dtype=torch.int32),
-            parents=torch.tensor(chain(len(new)), dtype=torch.int32),
-            logits_from=len(new) - 1,  # the LM head for the last only
-        )
+        logits = yield seq.step(new, logits_from=len(new) - 1)  # the LM head for the last only
         seq.tokens.extend(new)
         return logits[-1]
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from splitspec.models.draft_forward import DraftForward
 from splitspec.models.features import FeatureLog, full_model_step
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain, step_positions
@@ -45,10 +46,7 @@ class LocalSequence:
     def run(self, tokens: Sequence[int], parents: Sequence[int] | None = None, logits_from: int = 0) -> torch.Tensor:
         """tokens (q,) -> logits (q - logits_from, V) of the tokens from ``logits_from`` on; appends them to the
         cache."""
-        parent_list = chain(len(tokens)) if parents is None else list(parents)
-        parent_t = torch.tensor(parent_list, dtype=torch.int32)
-        positions = torch.tensor(step_positions(len(self.tokens), parent_list), dtype=torch.int32)
-        ids = torch.tensor(list(tokens), dtype=torch.long)
+        ids, positions, parent_t = self._step_inputs(tokens, parents)
         if self.features is None:
             logits: torch.Tensor = self.model(ids, positions, parent_t, self.cache, logits_from)
         else:
@@ -57,6 +55,25 @@ class LocalSequence:
             self.features.append(features)
         self.tokens.extend(tokens)
         return logits
+
+    def _step_inputs(
+        self, tokens: Sequence[int], parents: Sequence[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step of ``tokens`` after the cached ones (``parents``: its tree; None: a chain) -> ids (q,) long,
+        positions (q,) int32, parents (q,) int32."""
+        parent_list = chain(len(tokens)) if parents is None else list(parents)
+        parent_t = torch.tensor(parent_list, dtype=torch.int32)
+        positions = torch.tensor(step_positions(len(self.tokens), parent_list), dtype=torch.int32)
+        return torch.tensor(list(tokens), dtype=torch.long), positions, parent_t
+
+    def step(self, tokens: Sequence[int], logits_from: int = 0) -> DraftForward:
+        """The forward :meth:`run` makes for a chain of ``tokens``, to be run elsewhere (in lockstep with other
+        sequences': decoding/lockstep.py); the caller then appends ``tokens`` to :attr:`tokens`. Not while
+        features are kept (:meth:`run` computes them)."""
+        if self.features is not None:
+            raise ValueError("a sequence that keeps features runs its steps itself (run)")
+        ids, positions, parents = self._step_inputs(tokens, None)
+        return DraftForward(self.model, self.cache, ids, positions, parents=parents, logits_from=logits_from)
 
     async def forward(
         self,
