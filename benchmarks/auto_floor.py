@@ -19,9 +19,11 @@ Cases: a 2,000-token prompt of third-party code (the source of ``tqdm/std.py`` f
 96-token answer, and short prose (the opening of a held-out document) with 32 and 96 tokens.
 ``--code-modules`` adds more code (``rich.console``, ``starlette.routing``, ``pydantic.main``: modules of
 splitspec's own dependencies), a case each: greedy decoding takes one path per prompt, so one prompt is one draw
-of how a short answer's drafts fall. The demo models know 1,024 positions; copies of their configs in a temp dir
-extend ``max_position_embeddings`` to 4,096 (weights linked, not copied; default RoPE, so the extension
-changes no logit below 1,024).
+of how a short answer's drafts fall. The demo base model knows 1,024 positions; a copy of its config in a temp dir
+extends ``max_position_embeddings`` to 4,096 (weights linked, not copied; default RoPE, so the extension
+changes no logit below 1,024). The draft model is the shipped one: it declares the 256 positions it was trained
+on and reads a longer context through a window of its latest tokens (since stop 50; before, it was extended too and
+read the whole context).
 
 Every run is a fresh :class:`SplitClient` (its own engine, controller and step-time estimates, as a
 ``splitspec generate`` process): the cold start is what is measured. Greedy; every mode's tokens
@@ -504,7 +506,7 @@ def main() -> int:
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     work = Path(tempfile.mkdtemp(prefix="auto_floor_"))
     base = extended_copy(embedded_model("base"), work / "base")
-    draft_dir = extended_copy(embedded_model("draft"), work / "draft")
+    draft_dir = embedded_model("draft")  # as shipped: a window of its latest tokens past its 256 positions
     cases, sources = build_cases(base, args.long_tokens, tuple(args.answers), tuple(args.code_modules))
     environment = run_environment()
     port = free_port()

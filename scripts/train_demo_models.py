@@ -105,6 +105,10 @@ class ModelSpec:
     warmup_steps: int
     weight_decay: float
     code_fraction: float = 0.5  # share of each batch's rows drawn from the code stream (rest: prose)
+    # the positions its config declares: a model served whole reads up to 1,024; the draft model declares the
+    # window it was trained on, so as a drafter it reads a longer context through a window of its latest tokens
+    # (decoding/drafters.py)
+    max_positions: int = 1024
 
 
 SPECS: dict[str, ModelSpec] = {
@@ -116,7 +120,7 @@ SPECS: dict[str, ModelSpec] = {
     "draft": ModelSpec(
         name="draft", hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         intermediate_size=384, steps=900, batch_size=16, seq_len=256, lr=3e-3, min_lr_ratio=0.1,
-        warmup_steps=100, weight_decay=0.1,
+        warmup_steps=100, weight_decay=0.1, max_positions=256,
     ),
     # Heterogeneous SpecFed worker: other shape, code-heavy data (3 of every 4 rows are code).
     "worker": ModelSpec(
@@ -126,6 +130,9 @@ SPECS: dict[str, ModelSpec] = {
     ),
 }  # fmt: skip
 MODEL_NAMES = tuple(SPECS)
+POSITIONS_NOTE = (
+    ": the windows it was trained on; as a drafter it reads a longer context through a window of its latest tokens"
+)
 
 
 def log(msg: str) -> None:
@@ -233,7 +240,7 @@ def build_model(spec: ModelSpec, tok: PreTrainedTokenizerFast) -> LlamaForCausal
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=1024,
+        max_position_embeddings=spec.max_positions,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         initializer_range=0.02,
@@ -448,6 +455,8 @@ expect locally plausible Shakespeare-like verse and Python-like code, not meanin
 |---|---|
 | architecture | `LlamaForCausalLM`, {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, \
 {spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads, MLP {spec.intermediate_size}, tied embeddings |
+| positions | {spec.max_positions} (`max_position_embeddings`)\
+{POSITIONS_NOTE if spec.max_positions == spec.seq_len else ""} |
 | vocabulary | {info["vocab_size"]} (byte-level BPE, `<|bos|>` `<|eos|>` `<|pad|>`; encoding prepends `<|bos|>`) |
 | parameters | {info["n_params"]:,} (embedding {info["n_embedding_params"]:,}) |
 | weights | `model.safetensors`, {str(SAVE_DTYPE).removeprefix("torch.")}, {info["weights_bytes"]:,} bytes |

@@ -1,4 +1,5 @@
-"""The longest common prefix of two token sequences: how much of a cache a new context can keep.
+"""The longest common prefix of two token sequences: how much of a cache a new context can keep; and where a
+windowed cache starts.
 
 Every cache that follows a growing context (a draft model's, an n-gram pool's, the local model's,
 a federated link's, a conversation's) asks this on every step, over contexts of thousands of
@@ -32,3 +33,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) 
     while x[i] == y[i]:
         i += 1
     return i
+
+
+def window_start(length: int, window: int | None) -> int:
+    """The index of the first of ``length`` tokens a cache holding at most ``window`` of them starts at (None: 0,
+    all of them): 0 up to the window, then moving in steps of half of it, so that length - start stays in
+    [window // 2, window]. A cache that follows a growing context is fed again from its new start once every
+    half window of tokens, not at every token."""
+    if window is None or length <= window:
+        return 0
+    half = window // 2
+    return ((length - window) // half + 1) * half

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitspec.decoding.drafters import is_cheap, is_dear
-from splitspec.decoding.eagle import HEAD_WINDOW, EagleDrafter, window_start
+from splitspec.decoding.eagle import HEAD_WINDOW, EagleDrafter
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.trees import dynamic_tree
@@ -21,6 +21,7 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.loading import load_full
 from splitspec.models.masks import chain, depths
 from splitspec.models.stack import FullModel
+from splitspec.prefix import window_start
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7]
 

@@ -30,7 +30,9 @@ from splitspec.models import draft_forward
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_forward import DraftForward
 from splitspec.models.loading import load_full
+from splitspec.models.masks import depths
 from splitspec.models.stack import FullModel
+from splitspec.prefix import window_start
 from tests.conftest import local_greedy
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9]
@@ -298,15 +300,42 @@ def test_a_full_mixed_tree_asks_no_further_source() -> None:
 
 
 def test_the_draft_model_drafts_within_its_own_positions(make_checkpoint: Callable[..., Path]) -> None:
-    """A draft model trained to 24 positions drafts up to position 23, and nothing for a longer context."""
-    drafter = DraftModel(
-        full(make_checkpoint("llama", layers=2, seed=99, max_positions=24)), SamplingParams(), top_k=1, depth=None
-    )
+    """A draft model trained to 24 positions drafts up to position 23; with no room for a tree past a window of
+    its context, nothing for a longer context."""
+    model = full(make_checkpoint("llama", layers=2, seed=99, max_positions=24))
+    drafter = DraftModel(model, SamplingParams(), top_k=1, depth=None)
     context = (PROMPT * 2)[:20]
+    assert drafter.window == 23  # room for one drafted token past its window
     assert len(drafter.propose(context, 8)) == 4  # positions 20 .. 23
-    assert len(drafter.propose((PROMPT * 2)[:24], 8)) == 0
-    drafter.prepare((PROMPT * 2)[:30])  # past its positions: nothing to prepare, nothing run
-    assert drafter.sequence.tokens == context
+    cramped = DraftModel(model, SamplingParams(), top_k=1, depth=23)
+    assert cramped.window is None  # 24 positions leave no window with 23 levels of tree past it
+    assert len(cramped.propose(context, 8)) == 4
+    assert len(cramped.propose((PROMPT * 2)[:24], 8)) == 0
+    cramped.prepare((PROMPT * 2)[:30])  # past its positions: nothing to prepare, nothing run
+    assert cramped.sequence.tokens == context
+
+
+def test_the_draft_model_reads_a_long_context_through_a_window(make_checkpoint: Callable[..., Path]) -> None:
+    """Past its positions the draft model reads its context's latest tokens at positions from 0 (as it saw text in
+    training): its draft equals a fresh draft model's on those tokens alone. The window moves by half its size, and
+    a prompt's preparation feeds only the window the first proposal reads."""
+    model = full(make_checkpoint("llama", layers=2, seed=99, max_positions=24))
+    text = (PROMPT * 4)[:45]
+    drafter = DraftModel(model, SamplingParams(), top_k=2, depth=4)
+    assert drafter.window == 20  # 24 positions, 4 of them for the tree's levels
+    for length in (18, 30, 31, 40, 41, 45):
+        start = window_start(length, 20)  # 0, 20, 20, 30, 30, 30
+        draft = drafter.propose(text[:length], 6)
+        alone = DraftModel(model, SamplingParams(), top_k=2, depth=4).propose(text[start:length], 6)
+        assert (draft.tokens, draft.parents) == (alone.tokens, alone.parents)
+        assert (drafter.start, drafter.sequence.tokens) == (start, text[start:length])
+        assert len(text[start:length]) + int(depths(torch.tensor(draft.parents)).max()) < 24  # its positions
+    prepared = DraftModel(model, SamplingParams(), top_k=2, depth=4)
+    assert list(prepared.prepare_pieces(text[:39], 4)) == [4, 8, 9]  # the window of 40 tokens starts at 30
+    assert prepared.sequence.tokens == text[30:39]
+    draft = prepared.propose(text[:40], 6)
+    alone = DraftModel(model, SamplingParams(), top_k=2, depth=4).propose(text[30:40], 6)
+    assert (draft.tokens, draft.parents) == (alone.tokens, alone.parents)
 
 
 def lookup_by_scanning(

@@ -37,6 +37,7 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head import DraftHead, default_config
 from splitspec.models.loading import load_full
 from splitspec.models.stack import FullModel
+from splitspec.prefix import window_start
 from tests.conftest import local_greedy
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9, 40, 41, 42, 5, 9, 17]
@@ -263,6 +264,30 @@ async def test_on_the_event_loop_a_long_prompt_is_prepared_in_pieces_with_the_lo
     fresh = DraftModel(draft_model.sequence.model, SamplingParams())
     context = [*prompt, 7]
     got, want = draft_model.propose(context, 6), fresh.propose(context, 6)
+    assert (got.tokens, got.parents) == (want.tokens, want.parents)
+
+
+async def test_a_windowed_draft_model_prepares_only_the_window_its_first_proposal_reads(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """A draft model whose positions a long prompt outgrows prepares, in pieces on the event loop, only the latest
+    tokens its first proposal reads (its window), and then proposes as one that read them at once."""
+    model = full(make_checkpoint("llama", layers=2, seed=99, max_positions=64))
+    draft_model = DraftModel(model, SamplingParams())  # a tree of 8 levels: a window of 56 tokens
+    prompt = [3 + i % 90 for i in range(300)]
+    start = window_start(len(prompt) + 1, 56)
+    assert start == 252
+    executor = DraftExecutor(threaded=False)
+    try:
+        prepared = start_prepare({"draft": draft_model}, prompt, executor)
+        assert prepared is not None
+        await prepared
+    finally:
+        executor.shutdown()
+    assert (draft_model.start, draft_model.sequence.tokens) == (start, prompt[start:])
+    context = [*prompt, 7]
+    got = draft_model.propose(context, 6)
+    want = DraftModel(model, SamplingParams()).propose(context[start:], 6)
     assert (got.tokens, got.parents) == (want.tokens, want.parents)
 
 

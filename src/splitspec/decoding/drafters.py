@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -34,7 +34,7 @@ from splitspec.models.draft_forward import DraftForward
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
 from splitspec.models.warm_up import WARM_UP_CONTEXT, WARM_UP_WIDTHS
-from splitspec.prefix import common_prefix
+from splitspec.prefix import common_prefix, window_start
 
 PREPARE_CHUNK = 512  # prompt tokens a draft model's prepare feeds at once: bounds its attention masks
 
@@ -100,6 +100,28 @@ class Preparable(Protocol):
     """
 
     def prepare(self, context: Sequence[int]) -> None: ...
+
+
+@runtime_checkable
+class PreparesInPieces(Protocol):
+    """A :class:`Preparable` drafter that prepares in pieces of its own choosing (a windowed draft model prepares
+    only the prompt's last window): ``prepare_pieces(context, tokens)`` does what ``prepare(context)`` does, a
+    forward of at most ``tokens`` tokens at a time, yielding the tokens prepared after each."""
+
+    def prepare(self, context: Sequence[int]) -> None: ...
+
+    def prepare_pieces(self, context: Sequence[int], tokens: int) -> Iterator[int]: ...
+
+
+def prepare_pieces(drafter: Preparable, context: Sequence[int], tokens: int) -> Iterator[int]:
+    """``drafter``'s preparation for ``context`` in pieces of about ``tokens`` prompt tokens, yielding after each:
+    its own (:class:`PreparesInPieces`), or ``prepare`` on growing prefixes of ``context``."""
+    if isinstance(drafter, PreparesInPieces):
+        yield from drafter.prepare_pieces(context, tokens)
+        return
+    for end in range(tokens, len(context) + tokens, tokens):
+        drafter.prepare(context[:end])
+        yield min(end, len(context))
 
 
 @runtime_checkable
@@ -214,9 +236,14 @@ class DraftModel:
     from q without replacement, q recorded for lossless multi-draft verification. ``top_k`` 1 is a
     single chain; ``depth`` None lets the tree be as deep as the budget.
 
-    It drafts within its own position limit (its config's ``max_position_embeddings``): past it, a
-    rotary model's guesses are noise, so a longer context gets no draft from it (as vLLM disables
-    a draft model past its ``max_model_len``), and a prompt longer than that is not prepared.
+    It drafts within its own position limit (its config's ``max_position_embeddings``, less room for its tree's
+    ``depth``): past it, a model's guesses are noise (vLLM disables a draft model past its ``max_model_len``), so
+    a longer context is read through a window of its latest tokens at positions from 0, as the model saw text in
+    training (:attr:`window`). The window moves in steps of half its size
+    (:func:`~splitspec.prefix.window_start`): its cache is fed again from the new start once every half window.
+    The demo draft model was trained on 256-token windows and declares 256 positions; read whole, a 2,000-token
+    code context cut its teacher-forced agreement with the base model from 0.45 (through a 256-token window) to
+    0.34 (``benchmarks/draft_window.py``).
     """
 
     name = "draft"
@@ -244,40 +271,60 @@ class DraftModel:
         self.prepare_chunk = PREPARE_CHUNK  # prompt tokens prepare feeds at once
         limit = getattr(model.config, "max_position_embeddings", None)
         self.max_positions = int(limit) if isinstance(limit, int) else None  # the positions it drafts within
+        room = None if self.max_positions is None else self.max_positions - (1 if depth is None else depth)
+        # context tokens it reads at most, its tree's levels past them within its positions (None: all of them)
+        self.window = room if room is not None and room >= 2 else None
+        self.start = 0  # the context index of its cache's first token (window_start)
         # greedy: the last tree, its context and budget. ``auto`` asks the draft model twice for one context (alone,
         # and as a source of the mixed tree; both judged during the same round trip): at the same budget or a smaller
         # one the second gets this tree (pruned: trees.prune_greedy)
         self._greedy_memo: tuple[tuple[int, ...], int, Draft] | None = None
 
+    def _windowed(self, context: Sequence[int], start: int) -> Sequence[int]:
+        """The tokens of ``context`` from ``start`` on (:func:`~splitspec.prefix.window_start`), the cache emptied
+        when its start moves: its entries were computed from the tokens before."""
+        if start != self.start:
+            self.sequence.reset()
+            self.start = start
+        return context[start:]
+
     def _sync(self, context: Sequence[int]) -> Steps[torch.Tensor]:
-        """Bring the cache to ``context`` (reusing the common prefix); return the next-token logits (V,)."""
+        """Bring the cache to ``context``'s window (reusing the common prefix); return the next-token logits (V,)."""
         seq = self.sequence
-        common = common_prefix(seq.tokens, context, len(context) - 1)  # always re-run the last context token
+        window = self._windowed(context, window_start(len(context), self.window))
+        common = common_prefix(seq.tokens, window, len(window) - 1)  # always re-run the last context token
         seq.truncate(common)
-        new = list(context[common:])
+        new = list(window[common:])
         logits = yield seq.step(new, logits_from=len(new) - 1)  # the LM head for the last only
         seq.tokens.extend(new)
         return logits[-1]
 
-    @torch.inference_mode()
     def prepare(self, context: Sequence[int]) -> None:
-        """Bring the cache to all of ``context`` (the prompt), without computing logits: the first
+        """Bring the cache to all of ``context``'s window (the prompt's), without computing logits: the first
         :meth:`propose` on ``context`` plus the first token then runs that token alone."""
+        for _ in self.prepare_pieces(context, self.prepare_chunk):
+            pass
+
+    def prepare_pieces(self, context: Sequence[int], tokens: int) -> Iterator[int]:
+        """:meth:`prepare`, a forward of at most ``tokens`` tokens at a time; yields the window's tokens in the cache
+        after each. Only the window the first proposal reads (the prompt and its first token) is prepared."""
         seq = self.sequence
-        if self.max_positions is not None and len(context) >= self.max_positions:
+        window = self._windowed(context, window_start(len(context) + 1, self.window))
+        if self.max_positions is not None and len(window) >= self.max_positions:
             return  # it will not draft for this context: nothing to prepare
-        common = common_prefix(seq.tokens, context)
+        common = common_prefix(seq.tokens, window)
         seq.truncate(common)
         model = seq.model
-        for start in range(common, len(context), self.prepare_chunk):
-            part = list(context[start : start + self.prepare_chunk])
+        step = max(1, min(tokens, self.prepare_chunk))
+        for start in range(common, len(window), step):
+            part = list(window[start : start + step])
             positions = torch.arange(start, start + len(part), dtype=torch.int32)
             parents = torch.tensor(chain(len(part)), dtype=torch.int32)
             ids = torch.tensor(part, dtype=torch.long)[None]  # (1, q)
-            model.layers(
-                model.embed(ids), positions, parents, seq.cache
-            )  # (1, q, H), discarded: the cache is the point
+            with torch.inference_mode():  # (1, q, H) discarded: the cache is the point
+                model.layers(model.embed(ids), positions, parents, seq.cache)
             seq.tokens.extend(part)
+            yield len(seq.tokens)
 
     def _expander(self, context_len: int, root: torch.Tensor) -> StepExpander:
         """Scores a tree by running, after the context, only the nodes asked for that have not run
@@ -302,8 +349,9 @@ class DraftModel:
 
     def propose_steps(self, context: Sequence[int], budget: int) -> Steps[Draft]:
         """:meth:`propose` as steps: each of the draft model's forwards is yielded (a :class:`DraftForward`)."""
-        if self.max_positions is not None:  # drafts sit at positions len(context) .. len(context) + depth - 1
-            budget = min(budget, self.max_positions - len(context))
+        read = len(context) - window_start(len(context), self.window)  # the context tokens it reads: its window
+        if self.max_positions is not None:  # drafts sit at positions read .. read + depth - 1
+            budget = min(budget, self.max_positions - read)
         if budget < 1 or not context:
             return Draft.empty()
         key = tuple(context) if self.params.greedy else None  # the context a greedy tree is kept for
@@ -321,12 +369,12 @@ class DraftModel:
                 self.siblings.observe(last, context[len(before) :])
         root = yield from self._sync(context)  # (V,); a failed forward is rolled back, its tokens not kept
         depth = budget if self.depth is None else self.depth
-        expand = self._expander(len(context), root)
+        expand = self._expander(read, root)
         rates = self.siblings.rates()
         try:
             draft = yield from dynamic_tree_steps(expand, budget, self.params, self.generator, self.top_k, depth, rates)
         finally:
-            self.sequence.truncate(len(context))  # the tree's entries go: the next draft runs what was accepted
+            self.sequence.truncate(read)  # the tree's entries go: the next draft runs what was accepted
         self._last = (list(context), draft) if draft.probs is not None and len(draft) else None
         self._greedy_memo = None if key is None else (key, budget, draft)
         return draft
@@ -380,6 +428,11 @@ class MixedDrafter:
         for source in self.sources:
             if isinstance(source, Preparable):
                 source.prepare(context)
+
+    def prepare_pieces(self, context: Sequence[int], tokens: int) -> Iterator[int]:
+        for source in self.sources:
+            if isinstance(source, Preparable):
+                yield from prepare_pieces(source, context, tokens)
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
         return finish(self.propose_steps(context, budget))

@@ -46,19 +46,9 @@ from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import chain
 from splitspec.models.stack import ModelEnds
 from splitspec.models.warm_up import WARM_UP_CONTEXT, WARM_UP_WIDTHS
-from splitspec.prefix import common_prefix
+from splitspec.prefix import common_prefix, window_start
 
 HEAD_WINDOW = 512  # committed pairs the head attends to, at most (see the module docstring)
-
-
-def window_start(committed: int, window: int | None) -> int:
-    """The position of the first of ``committed`` pairs a head with ``window`` attends to (None: 0, all of them):
-    0 up to the window, then moving in steps of half of it, so that committed - start stays in
-    [window // 2, window]."""
-    if window is None or committed <= window:
-        return 0
-    half = window // 2
-    return ((committed - window) // half + 1) * half
 
 
 class KeepsFeatures(Protocol):

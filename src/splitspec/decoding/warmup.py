@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 
 from splitspec.decoding.aside import DraftExecutor
-from splitspec.decoding.drafters import CatchesUp, Drafter, Preparable
+from splitspec.decoding.drafters import CatchesUp, Drafter, Preparable, prepare_pieces
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +59,20 @@ def start_prepare(
 
 
 async def _prepare_in_pieces(drafters: Sequence[Preparable], context: tuple[int, ...], executor: Executor) -> None:
-    """Prepare ``drafters`` for growing prefixes of ``context``, one job per :data:`PREPARE_PIECE_TOKENS`; each
-    ``prepare`` continues from the prefix before it (what a proposal on a prefix's continuation would do)."""
+    """Prepare ``drafters`` for ``context`` one after the other, one job per piece of about
+    :data:`PREPARE_PIECE_TOKENS` tokens (:func:`~splitspec.decoding.drafters.prepare_pieces`: a windowed draft model
+    prepares only the window its first proposal reads, the others growing prefixes of ``context``)."""
     loop = asyncio.get_running_loop()
-    for end in range(PREPARE_PIECE_TOKENS, len(context) + PREPARE_PIECE_TOKENS, PREPARE_PIECE_TOKENS):
+    for drafter in drafters:
+        pieces = prepare_pieces(drafter, context, PREPARE_PIECE_TOKENS)
         # each piece a job of its own, run once this task yields: the other sequences' ready work runs between two
-        await loop.run_in_executor(executor, prepare_all, drafters, context[:end])
+        while await loop.run_in_executor(executor, _next_piece, pieces):
+            pass
+
+
+def _next_piece(pieces: Iterator[int]) -> bool:
+    """Run the next piece of a preparation; False once there is none."""
+    return next(pieces, None) is not None
 
 
 async def finish_prepare(prepared: asyncio.Future[None] | None) -> None:
