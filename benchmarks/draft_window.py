@@ -114,8 +114,9 @@ def markdown(results: dict[str, Any]) -> str:
     per = {arm: ", ".join(f"{ms:.2f}" for ms in cost["raw"][arm]) for arm in ARMS}
     lines += [
         "",
-        f"Greedy proposals at budget {results['budget']} after {tokens} tokens of {results['cost_document']}, "
-        f"{ACCEPTED} tokens accepted a step, {results['steps']} steps (prepacked LM head, one torch thread); median "
+        f"Greedy proposals at budget {results['budget']} along {results['cost_document']} from {results['context']} "
+        f"tokens of context on, {ACCEPTED} tokens accepted a step, {results['steps']} steps (prepacked LM head, one "
+        "torch thread); median "
         f"over {results['repeats']} interleaved repeats of the mean ms per proposal:",
         "",
         "| reading | ms per proposal | repeats |",
@@ -233,7 +234,7 @@ def main() -> int:
         command += f" {flag} {value}" if value != default else ""
     results: dict[str, Any] = {**run_environment(), "command": command, "tokens": args.tokens}
     results |= {"window": drafter_window, "documents": documents, "repeats": args.repeats, "steps": args.steps}
-    results |= {"budget": args.budget, "cost_document": cost_document}
+    results |= {"budget": args.budget, "cost_document": cost_document, "context": tokens}
     results["agreement"] = agreement(results, args.tokens)
     results["cost"] = {"raw": raw, **{arm: statistics.median(v) for arm, v in raw.items()}}
     args.out.mkdir(parents=True, exist_ok=True)
