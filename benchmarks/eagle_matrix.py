@@ -18,7 +18,9 @@ repeat, modes interleaved and their order rotated each repeat:
 * prompts neither the model nor the shipped head saw in training: held-out documents the head's
   model card lists as kept out (``assets/corpus/heldout``: two code, one prose), cut to 96 tokens
   from a third of the way in, 64 tokens out;
-* ``--long``: a 2,000-token prompt of kept-out code with 32- and 96-token answers.
+* ``--long``: 2,000-token prompts of kept-out code and prose with 32- and 96-token answers; ``draft-whole`` (with
+  ``--modes``) is ``draft`` with the draft model's config extended to 4,096 positions, so that it reads the whole
+  context (as before stop 50) where the shipped one reads a window of its latest tokens past its 256 positions.
 
 Reported: decode tok/s (tokens after the first / time after the first), end-to-end tok/s, and
 tokens per round trip after the prefill; medians over repeats, and each mode's ratio to ``off``
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -53,9 +56,10 @@ from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.runtime import EdgeRuntime
 from splitspec.run_info import run_environment
 
-MODES = ("off", "ngram", "prompt-lookup", "draft", "eagle", "auto", "draft-chain", "eagle-chain")
+MODES = ("off", "ngram", "prompt-lookup", "draft", "eagle", "auto", "draft-chain", "eagle-chain", "draft-whole")
+DEFAULT_MODES = MODES[:-1]  # draft-whole: asked for by name
 CHAIN_MODES = ("draft-chain", "eagle-chain")  # the drafter with --draft-tree-width 1: a single chain
-PAIRS = (("eagle", "draft"), ("eagle", "eagle-chain"), ("draft", "draft-chain"))  # head-to-head ratios
+PAIRS = (("eagle", "draft"), ("eagle", "eagle-chain"), ("draft", "draft-chain"), ("draft", "draft-whole"))
 HELDOUT = ASSETS / "corpus" / "heldout"
 SHORT_PROMPT_TOKENS = 96
 LONG_PROMPT_TOKENS = 2000
@@ -68,8 +72,11 @@ def prompts(tokenizer: Any, long: bool) -> list[tuple[str, list[int], int]]:
         ids = tokenizer(
             (HELDOUT / "code" / "email._header_value_parser.txt").read_text(), add_special_tokens=False
         ).input_ids
+        prose = tokenizer((HELDOUT / "prose" / "alls_well_that_ends_well.txt").read_text(), add_special_tokens=False)
+        start = len(prose.input_ids) // 3  # mid-play, past the etext's header
         for answer in (32, 96):
             out.append((f"code-2k/{answer}", ids[:LONG_PROMPT_TOKENS], answer))
+            out.append((f"prose-2k/{answer}", prose.input_ids[start : start + LONG_PROMPT_TOKENS], answer))
         return out
     for domain, names in (("code", ("trace.txt", "pkgutil.txt")), ("prose", ("alls_well_that_ends_well.txt",))):
         for name in names:
@@ -126,6 +133,9 @@ async def run_matrix(
         allow_stock_edge_weights=True, dtype="float32", edge_layers=args.edge_layers,
     )  # fmt: skip
     loaded = EdgeRuntime(base)  # weights loaded once; each RTT's runtime shares them
+    whole = None  # draft-whole: the draft model reading whole contexts (its config extended to 4,096 positions)
+    if "draft-whole" in args.modes:
+        whole = EdgeRuntime(dataclasses.replace(base, draft_model_dir=args.whole_draft_model), loaded.model)
     rows: list[dict[str, Any]] = []
     cases = prompts(tokenizer, args.long)
     for rtt, port in links.items():
@@ -133,8 +143,15 @@ async def run_matrix(
         runtime = EdgeRuntime(config, loaded.model, loaded.draft_model)
         chains = dataclasses.replace(config, draft_tree_width=1)
         chain_runtime = EdgeRuntime(chains, loaded.model, loaded.draft_model)
-        async with SplitClient(config, runtime=runtime) as trees, SplitClient(chains, runtime=chain_runtime) as chain:
-            for client in (trees, chain):
+        async with contextlib.AsyncExitStack() as stack:
+            trees = await stack.enter_async_context(SplitClient(config, runtime=runtime))
+            chain = await stack.enter_async_context(SplitClient(chains, runtime=chain_runtime))
+            reads_whole = trees  # unused unless draft-whole runs
+            if whole is not None:
+                whole_config = dataclasses.replace(config, draft_model_dir=args.whole_draft_model)
+                whole_runtime = EdgeRuntime(whole_config, loaded.model, whole.draft_model)
+                reads_whole = await stack.enter_async_context(SplitClient(whole_config, runtime=whole_runtime))
+            for client in {id(c): c for c in (trees, chain, reads_whole)}.values():
                 await client.generate(cases[0][1][:16], 4, SamplingParams(), speculate="off")  # warm the link
             for repeat in range(args.repeats):
                 for temperature in args.temperatures:
@@ -145,8 +162,9 @@ async def run_matrix(
                             if mode.startswith("eagle") and runtime.draft_head is None:
                                 continue
                             seed = 1000 * repeat + 7
-                            client = chain if mode in CHAIN_MODES else trees
-                            row = await one(client, prompt, answer, mode.removesuffix("-chain"), temperature, seed)
+                            client = chain if mode in CHAIN_MODES else reads_whole if mode == "draft-whole" else trees
+                            speculate = mode.removesuffix("-chain").removesuffix("-whole")
+                            row = await one(client, prompt, answer, speculate, temperature, seed)
                             row |= {"rtt_ms": rtt, "temperature": temperature, "prompt": label, "mode": mode,
                                     "repeat": repeat, "answer": answer}  # fmt: skip
                             rows.append(row)
@@ -173,12 +191,12 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 if f"{rtt}|{temp}|{p}|{mode}" in cells
             ]
             out[f"{mode}/off"] = geomean(vs_off)
-        for mine, theirs in PAIRS:
-            if all(f"{rtt}|{temp}|{p}|{m}" in cells for p in labels for m in (mine, theirs)):
-                out[f"{mine}/{theirs}"] = geomean(
+        for top, bottom in PAIRS:
+            if all(f"{rtt}|{temp}|{p}|{m}" in cells for p in labels for m in (top, bottom)):
+                out[f"{top}/{bottom}"] = geomean(
                     [
-                        cells[f"{rtt}|{temp}|{p}|{mine}"]["decode_tok_s"]
-                        / cells[f"{rtt}|{temp}|{p}|{theirs}"]["decode_tok_s"]
+                        cells[f"{rtt}|{temp}|{p}|{top}"]["decode_tok_s"]
+                        / cells[f"{rtt}|{temp}|{p}|{bottom}"]["decode_tok_s"]
                         for p in labels
                     ]
                 )
@@ -264,7 +282,9 @@ def main() -> int:
     parser.add_argument("--rtts", default="20,80,150", help="round-trip times, ms, comma-separated")
     parser.add_argument("--temperatures", default="0,0.8", help="comma-separated (0 = greedy)")
     parser.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES) + " (off always runs)"
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help="comma-separated subset of " + ", ".join(MODES) + " (off always runs)",
     )
     parser.add_argument("--long", action="store_true", help="2,000-token prompts, 32- and 96-token answers")
     parser.add_argument("--model", default="base", help="embedded model name or a directory (default base)")
@@ -289,6 +309,7 @@ def main() -> int:
     rtts = [int(r) for r in args.rtts.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         target = extended_copy(model, Path(tmp) / "target")
+        args.whole_draft_model = extended_copy(args.draft_model, Path(tmp) / "draft-whole")
         trunk_port = free_port()
         procs = [_spawn(["cloud", "serve", "--model", str(target), "--port", str(trunk_port), "--threads", "1",
                          "--dtype", "float32", "--edge-layers", edge_layers_text])]  # fmt: skip
