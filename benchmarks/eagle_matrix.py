@@ -18,7 +18,7 @@ repeat, modes interleaved and their order rotated each repeat:
 * prompts neither the model nor the shipped head saw in training: held-out documents the head's
   model card lists as kept out (``assets/corpus/heldout``: two code, one prose), cut to 96 tokens
   from a third of the way in, 64 tokens out;
-* ``--long``: 2,000-token prompts of kept-out code and prose with 32- and 96-token answers; ``draft-whole`` (with
+* ``--long``: 2,000-token prompts (``--long-tokens``) of kept-out code and prose with 32- and 96-token answers; ``draft-whole`` (with
   ``--modes``) is ``draft`` with the draft model's config extended to 4,096 positions, so that it reads the whole
   context (as before stop 50) where the shipped one reads a window of its latest tokens past its 256 positions.
 
@@ -62,10 +62,10 @@ CHAIN_MODES = ("draft-chain", "eagle-chain")  # the drafter with --draft-tree-wi
 PAIRS = (("eagle", "draft"), ("eagle", "eagle-chain"), ("draft", "draft-chain"), ("draft", "draft-whole"))
 HELDOUT = ASSETS / "corpus" / "heldout"
 SHORT_PROMPT_TOKENS = 96
-LONG_PROMPT_TOKENS = 2000
+LONG_PROMPT_TOKENS = 2000  # --long's prompts, tokens (--long-tokens)
 
 
-def prompts(tokenizer: Any, long: bool) -> list[tuple[str, list[int], int]]:
+def prompts(tokenizer: Any, long: bool, long_tokens: int = LONG_PROMPT_TOKENS) -> list[tuple[str, list[int], int]]:
     """(label, prompt ids, answer tokens): held-out code and prose, or long code prompts."""
     out: list[tuple[str, list[int], int]] = []
     if long:
@@ -75,8 +75,9 @@ def prompts(tokenizer: Any, long: bool) -> list[tuple[str, list[int], int]]:
         prose = tokenizer((HELDOUT / "prose" / "alls_well_that_ends_well.txt").read_text(), add_special_tokens=False)
         start = len(prose.input_ids) // 3  # mid-play, past the etext's header
         for answer in (32, 96):
-            out.append((f"code-2k/{answer}", ids[:LONG_PROMPT_TOKENS], answer))
-            out.append((f"prose-2k/{answer}", prose.input_ids[start : start + LONG_PROMPT_TOKENS], answer))
+            size = f"{long_tokens / 1000:g}k"
+            out.append((f"code-{size}/{answer}", ids[:long_tokens], answer))
+            out.append((f"prose-{size}/{answer}", prose.input_ids[start : start + long_tokens], answer))
         return out
     for domain, names in (("code", ("trace.txt", "pkgutil.txt")), ("prose", ("alls_well_that_ends_well.txt",))):
         for name in names:
@@ -137,7 +138,7 @@ async def run_matrix(
     if "draft-whole" in args.modes:
         whole = EdgeRuntime(dataclasses.replace(base, draft_model_dir=args.whole_draft_model), loaded.model)
     rows: list[dict[str, Any]] = []
-    cases = prompts(tokenizer, args.long)
+    cases = prompts(tokenizer, args.long, args.long_tokens)
     for rtt, port in links.items():
         config = dataclasses.replace(base, cloud_url=f"ws://127.0.0.1:{port}")
         runtime = EdgeRuntime(config, loaded.model, loaded.draft_model)
@@ -287,6 +288,7 @@ def main() -> int:
         help="comma-separated subset of " + ", ".join(MODES) + " (off always runs)",
     )
     parser.add_argument("--long", action="store_true", help="2,000-token prompts, 32- and 96-token answers")
+    parser.add_argument("--long-tokens", type=int, default=LONG_PROMPT_TOKENS, help="--long's prompt tokens")
     parser.add_argument("--model", default="base", help="embedded model name or a directory (default base)")
     parser.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
     parser.add_argument("--draft-head", type=Path, default=None, help="default: the embedded base model's head")
