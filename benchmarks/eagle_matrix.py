@@ -18,9 +18,10 @@ repeat, modes interleaved and their order rotated each repeat:
 * prompts neither the model nor the shipped head saw in training: held-out documents the head's
   model card lists as kept out (``assets/corpus/heldout``: two code, one prose), cut to 96 tokens
   from a third of the way in, 64 tokens out;
-* ``--long``: 2,000-token prompts (``--long-tokens``) of kept-out code and prose with 32- and 96-token answers; ``draft-whole`` (with
-  ``--modes``) is ``draft`` with the draft model's config extended to 4,096 positions, so that it reads the whole
-  context (as before stop 50) where the shipped one reads a window of its latest tokens past its 256 positions.
+* ``--long``: 2,000-token prompts (``--long-tokens``) of kept-out code and prose with 32- and 96-token answers;
+  ``draft-whole`` (with ``--modes``) is ``draft`` with the draft model's config extended to 4,096 positions, so that
+  it reads the whole context (as before stop 50) where the shipped one reads a window of its latest tokens past its
+  256 positions.
 
 Reported: decode tok/s (tokens after the first / time after the first), end-to-end tok/s, and
 tokens per round trip after the prefill; medians over repeats, and each mode's ratio to ``off``
