@@ -244,7 +244,8 @@ class DraftModel:
     The demo draft model was trained on 256-token windows and declares 256 positions. Teacher-forced on held-out
     code, its next token agreed with the base model's at 0.47 of positions 248-1,024 through the window against
     0.29 reading the whole context, and 0.40 against 0.30 at 1,024-2,000 (prose: 0.51 against 0.30, 0.47 against
-    0.26; ``benchmarks/draft_window.py``).
+    0.26; ``benchmarks/draft_window.py``). What a window cannot do is copy from further back: after 2,000 tokens of
+    code, whose greedy continuation repeats what came far earlier, reading every token drafted better on some files.
     """
 
     name = "draft"
