@@ -138,7 +138,7 @@ async def test_a_free_worker_gathers_the_active_sessions_steps(trunk: LayerStack
         StepBatcher(trunk, metrics, gather=-1)
 
 
-@pytest.mark.parametrize("away_s", [0.02, 0.6])
+@pytest.mark.parametrize("away_s", [0.02, 1.5])
 async def test_a_free_worker_waits_only_for_sessions_due_within_its_window(trunk: LayerStack, away_s: float) -> None:
     """Each session's next step is due one away time (delivery -> its next step, as last measured) after its
     last delivery. A session due within the window is waited for; one not due until after it is not."""
@@ -156,18 +156,19 @@ async def test_a_free_worker_waits_only_for_sessions_due_within_its_window(trunk
 
     await asyncio.gather(*(step(c) for c in caches))  # a decode batch's time measured
     assert batcher.chunks.decode_ms is not None
-    batcher.gather = 0.2 / (batcher.chunks.decode_ms / 1e3)  # a 200 ms window
+    # a 500 ms window: a wait for it stands out of a step slowed by a busy machine (CI runs tests side by side)
+    batcher.gather = 0.5 / (batcher.chunks.decode_ms / 1e3)
     await asyncio.gather(step(caches[0]), away_then_step(caches[1]))  # the second's away time measured
     metrics.forwards.clear()
     first, second = await asyncio.gather(step(caches[0]), away_then_step(caches[1]))
     await batcher.stop()
-    if away_s < 0.2:  # due within the window: one batch of both, the first waited about the away time
+    if away_s < 0.5:  # due within the window: one batch of both, the first waited about the away time
         assert metrics.forwards[:1] == [(2, 2)]
         assert first >= 10
     else:  # due only after the window: not waited for
         assert metrics.forwards[:2] == [(1, 1), (1, 1)]
-        assert first < 100
-    assert second < 100
+        assert first < 250
+    assert second < 250
 
 
 async def test_a_prefill_with_nobody_else_active_runs_whole_chunks_without_waiting(trunk: LayerStack) -> None:
