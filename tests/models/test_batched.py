@@ -89,16 +89,19 @@ def test_each_rows_attention_reads_its_own_cache_in_place() -> None:
         cache.update(torch.randn(1, 2, past, 4), torch.randn(1, 2, past, 4), 0)
         cache.commit()
     caches = BatchedCaches([short, long_], lengths=[1, 2], past=[2, 5])
-    step_keys, step_values = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)  # (B, kv, q_max, d)
+    step_keys, step_values = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)  # (1, kv, N, d): 1 + 2 tokens packed
     keys, values = caches.update(step_keys, step_values, 0)
-    assert keys is step_keys  # row attention does not read the padded step
+    assert keys is step_keys  # row attention does not read the packed step
     assert values is step_values
     for b, (cache, length) in enumerate(((short, 3), (long_, 7))):
         row_keys, row_values = caches.keys.rows[0][b]
         assert row_keys.shape == row_values.shape == (1, 2, length, 4)
         assert row_keys.data_ptr() == cache._keys[0].data_ptr()  # a view of the cache's buffer
         assert row_values.data_ptr() == cache._values[0].data_ptr()
-        assert torch.equal(row_keys[0, :, length - 1 - b :], step_keys[b, :, : 1 + b])  # the row's real entries
+    # each row's step is its own slice of the packed one: the short row's token first, then the long row's two
+    torch.testing.assert_close(caches.keys.rows[0][0][0][:, :, 2:], step_keys[:, :, :1])
+    torch.testing.assert_close(caches.keys.rows[0][1][0][:, :, 5:], step_keys[:, :, 1:])
+    torch.testing.assert_close(caches.keys.rows[0][1][1][:, :, 5:], step_values[:, :, 1:])
     with pytest.raises(RuntimeError, match="out of order"):
         caches.keys.put(0, 5, keys, values)
 

@@ -112,7 +112,7 @@ class _TailBatcher(RowBatcher):
         for out, row in zip(outs, rows, strict=True):
             stream = self._streams.get(id(row.cache))
             if stream is not None:
-                stream.append(out[0].clone())  # (q, H): the batch's padded tensor is not kept alive
+                stream.append(out[0].clone())  # (q, H): the batch's packed tensor is not kept alive
         return model.row_logits([out[:, row.outputs_from :] for out, row in zip(outs, rows, strict=True)])
 
 

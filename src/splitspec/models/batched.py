@@ -1,11 +1,13 @@
 """One forward through a :class:`~splitspec.models.stack.LayerStack` for the steps of several sessions.
 
-Each row of the batch is one session's step: its own query tokens (ragged lengths, padded to the
-longest), positions, parents and KV cache. The rows are padded into one (B, q_max, H) batch, so the
-projections and MLPs run as one product. Attention runs row by row
-(:mod:`~splitspec.models.row_attention`): each row attends over its own cache (views, no copy) with
-the mask its step would get alone (:func:`~splitspec.models.masks.step_mask`), so every row computes
-what the session's step computes alone. Padded query rows attend to nothing; their outputs are dropped.
+Each row of the batch is one session's step: its own query tokens (ragged lengths), positions, parents
+and KV cache. The rows' tokens are packed end to end into one (1, N, H) sequence, N the sum of their
+lengths, so the projections and MLPs run as one product over real tokens only (padding every row to
+the longest, as this module did before, made a decode step beside a 9-token draft tree cost 9 rows of
+every product: on a CPU those products are most of a forward's time). Attention runs row by row
+(:mod:`~splitspec.models.row_attention`): each row's slice of the sequence attends over its own cache
+(views, no copy) with the mask its step would get alone (:func:`~splitspec.models.masks.step_mask`),
+so every row computes what the session's step computes alone.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import step_masks, visible_masks
-from splitspec.models.row_attention import RowAttention, RowKeys
+from splitspec.models.row_attention import RowAttention, RowKeys, row_starts
 from splitspec.models.stack import LayerStack
 
 _NO_MASKS: defaultdict[int | None, None] = defaultdict(lambda: None)  # rows bring their own (RowAttention)
@@ -54,21 +56,24 @@ class BatchRow:
 class BatchedCaches:
     """transformers' ``update(key, value, layer_idx)`` over the caches of a batch's rows.
 
-    Each row's real keys (B, kv, q_b, d) are appended to its own cache, and what that cache returns
-    (the row's prefix and step, (1, kv, past_b + q_b, d)) goes to :class:`RowKeys` for the row's
-    attention. The step's padded keys are returned as they came: row attention does not read them.
+    Each row's keys (its slice of the packed step, (1, kv, q_b, d)) are appended to its own cache, and
+    what that cache returns (the row's prefix and step, (1, kv, past_b + q_b, d)) goes to
+    :class:`RowKeys` for the row's attention. The packed step's keys are returned as they came: row
+    attention does not read them.
     """
 
     def __init__(self, caches: Sequence[KVCache], lengths: Sequence[int], past: Sequence[int]) -> None:
         self.caches = caches
         self.lengths = lengths  # query tokens per row
+        self.starts = row_starts(lengths)  # each row's first token in the packed sequence
         self.past = past  # committed entries per row
         self.keys = RowKeys()
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """key, value (B, kv, q_max, d): each row's real entries join its cache -> key, value unchanged."""
-        for b, (cache, q, past) in enumerate(zip(self.caches, self.lengths, self.past, strict=True)):
-            all_k, all_v = cache.update(key[b : b + 1, :, :q], value[b : b + 1, :, :q], layer_idx)
+        """key, value (1, kv, N, d), the rows packed: each row's entries join its cache -> key, value unchanged."""
+        rows = zip(self.caches, self.starts, self.lengths, self.past, strict=True)
+        for b, (cache, start, q, past) in enumerate(rows):
+            all_k, all_v = cache.update(key[:, :, start : start + q], value[:, :, start : start + q], layer_idx)
             # (1, kv, past + q, d); a static cache's fixed step would return its whole buffer
             self.keys.put(layer_idx, b, all_k[:, :, : past + q], all_v[:, :, : past + q])
         return key, value
@@ -103,20 +108,12 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
         if row.visible is not None and row.key_positions is not None:
             return [stack.forward_visible(row.hidden, row.positions, row.visible, row.key_positions, row.cache)]
         return [stack(row.hidden, row.positions, row.parents, row.cache, row.capture)]
-    lengths = [row.positions.shape[0] for row in rows]
+    lengths = [int(row.positions.shape[0]) for row in rows]
     past = [len(row.cache) for row in rows]
-    q_max = max(lengths)
-    if q_max == 1:  # decode steps only: no padding
-        hidden = torch.cat([row.hidden for row in rows])  # (B, 1, H)
-        positions = torch.cat([row.positions for row in rows]).to(torch.long)[:, None]  # (B, 1)
-    else:
-        first = rows[0].hidden
-        hidden = first.new_zeros((len(rows), q_max, first.shape[2]))  # (B, q_max, H)
-        positions = torch.zeros((len(rows), q_max), dtype=torch.long)  # (B, q_max)
-        for b, (row, q) in enumerate(zip(rows, lengths, strict=True)):
-            hidden[b, :q] = row.hidden[0]
-            positions[b, :q] = row.positions.to(torch.long)
+    hidden = torch.cat([row.hidden for row in rows], 1)  # (1, N, H): the rows packed, N = sum of their q
+    positions = torch.cat([row.positions for row in rows]).to(torch.long)[None]  # (1, N)
     caches = BatchedCaches([row.cache for row in rows], lengths, past)
+    starts = caches.starts
     if not len(stack.layers):
         return [row.hidden for row in rows]
     inputs: dict[torch.device, tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]], dict[Any, Any]]] = {}
@@ -131,14 +128,14 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
                 inputs[hidden.device] = (pos, stack.position_embeddings(hidden, pos), attend)
             pos, rope, attend = inputs[hidden.device]
             hidden = stack.run_layer(j, hidden, pos, rope, _NO_MASKS, caches, attend)
-            for b, (row, q) in enumerate(zip(rows, lengths, strict=True)):
+            for b, (row, start, q) in enumerate(zip(rows, starts, lengths, strict=True)):
                 if row.capture == j:
-                    captured[b] = hidden[b : b + 1, :q]
+                    captured[b] = hidden[:, start : start + q]
     except BaseException:
         caches.rollback()
         raise
     caches.commit()
-    outs = [hidden[b : b + 1, :q] for b, q in enumerate(lengths)]
+    outs = [hidden[:, start : start + q] for start, q in zip(starts, lengths, strict=True)]  # each (1, q, H)
     return [
         out if b not in captured else torch.cat([out, captured[b].to(out.device)], -1) for b, out in enumerate(outs)
     ]

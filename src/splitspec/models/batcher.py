@@ -2,7 +2,7 @@
 
 Steps of different sequences that are waiting when the compute worker comes free run together.
 One iteration runs every waiting small step (at most ``small_step_tokens`` query tokens: decode
-steps and draft trees) in one padded batched forward
+steps and draft trees) in one batched forward, their tokens packed end to end
 (:func:`~splitspec.models.batched.forward_batch`) and hands their results back at once; then one
 chunk of the oldest big step (a prefill) in a forward of its own, sized by
 :class:`~splitspec.models.prefill_chunks.ChunkSizer` (at most ``prefill_chunk_tokens``; about one

@@ -1,15 +1,16 @@
 """Attention for a batch of sessions' steps, each row over its own session's KV cache.
 
-:func:`~splitspec.models.batched.forward_batch` pads several sessions' query tokens into one
-(B, q_max, H) batch, so the projections and MLPs run as one product. Attention is the part whose
+:func:`~splitspec.models.batched.forward_batch` packs several sessions' query tokens end to end into
+one (1, N, H) sequence, so the projections and MLPs run as one product. Attention is the part whose
 input differs per row: each row attends over its own committed keys and its step's. Padding every
 row's prefix to the longest (and transformers then repeating it per query head) costs two copies of
 O(rows x context) per layer and step, growing with the context. Instead a stack's layers attend
 through :func:`row_attention`, registered with transformers' ``AttentionInterface``:
 
 * given a :class:`RowAttention` (the batched forward passes one per sliding window), it runs the
-  family's own attention function row by row, over views of that row's cache and with the mask the
-  row's step would get alone, and pads the outputs back into (B, q_max, heads, d);
+  family's own attention function row by row, each row's slice of the queries over views of that
+  row's cache and with the mask the row's step would get alone, and packs the outputs back into
+  (1, N, heads, d);
 * without one (a lone step, a fixed-shape decode, a draft head), it is the family's function
   unchanged.
 
@@ -57,11 +58,16 @@ class RowKeys:
         per_row.append((keys, values))
 
 
+def row_starts(lengths: Sequence[int]) -> list[int]:
+    """Where each row's tokens start in a batch's packed sequence (the rows end to end, in order)."""
+    return [sum(lengths[:b]) for b in range(len(lengths))]
+
+
 @dataclass(frozen=True)
 class RowAttention:
     """What a layer's attention needs to attend row by row: the rows' lengths, their keys and their masks."""
 
-    lengths: Sequence[int]  # query tokens per row
+    lengths: Sequence[int]  # query tokens per row, packed end to end in the step's sequence
     keys: RowKeys  # filled by the layers' cache updates
     masks: Sequence[torch.Tensor | None]  # per row: additive (1, 1, q_b, past_b + q_b), None = sees all
 
@@ -75,23 +81,19 @@ def row_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """query (B, heads, q_max, d) -> (B, q_max, heads, d); ``key``/``value`` are the step's own (ignored for rows)."""
+    """query (1, heads, N, d), the rows packed -> (1, N, heads, d); ``key``/``value`` are the step's own (ignored
+    for rows)."""
     rows: RowAttention | None = kwargs.pop(ROWS_KWARG, None)
     if rows is None:
         return base(module, query, key, value, attention_mask, **kwargs)
     per_row = rows.keys.rows[int(module.layer_idx)]  # type: ignore[arg-type]  # the attention's own index
     outs = []
-    for b, q in enumerate(rows.lengths):
+    for b, (start, q) in enumerate(zip(row_starts(rows.lengths), rows.lengths, strict=True)):
         row_keys, row_values = per_row[b]
-        out, _ = base(module, query[b : b + 1, :, :q], row_keys, row_values, rows.masks[b], **kwargs)  # (1, q, h, d)
+        row_query = query[:, :, start : start + q]  # (1, heads, q, d)
+        out, _ = base(module, row_query, row_keys, row_values, rows.masks[b], **kwargs)  # (1, q, heads, d)
         outs.append(out)
-    q_max = query.shape[2]
-    if all(q == q_max for q in rows.lengths):
-        return torch.cat(outs), None
-    padded = outs[0].new_zeros((len(outs), q_max, *outs[0].shape[2:]))  # (B, q_max, heads, d)
-    for b, (out, q) in enumerate(zip(outs, rows.lengths, strict=True)):
-        padded[b, :q] = out[0]
-    return padded, None
+    return torch.cat(outs, 1), None  # (1, N, heads, d)
 
 
 def _family_eager(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
