@@ -6,7 +6,9 @@ into one batch padded to the longest context, and transformers then copied them 
 head (``repeat_kv``): O(rows x context) per layer and step. Now each row attends over views of its
 own cache, and a masked step of several query tokens on a CPU attends grouped query heads to their
 shared key/value heads without that copy (``grouped_sdpa``, which a lone step uses too: the 1 x q
-rows). This times ``forward_batch`` over B rows of q query tokens after a C-token context, on
+rows). Since stop 51 the rows' tokens are packed end to end instead of padded to the longest row: ragged
+rows (a decode step beside draft trees) no longer compute padding. This times ``forward_batch`` over B rows of q
+query tokens, and over ragged rows, after a C-token context, on
 the demo base model as ``splitspec serve`` loads it (float32, prepacked, one CPU thread): the edge's
 head layers and the trunk's middle layers.
 
@@ -37,7 +39,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-SHAPES = ((1, 1), (1, 5), (2, 2), (8, 1), (8, 2), (8, 5), (16, 2), (32, 1))  # (rows, query tokens per row)
+# query tokens per row: rows of one width (rows x q), then ragged ones, as a busy engine batches a decode step
+# beside draft trees (there the padded batch of the code before stop 51 computed every row at the longest width)
+SHAPES = (
+    *((q,) * rows for rows, q in ((1, 1), (1, 5), (2, 2), (8, 1), (8, 2), (8, 5), (16, 2), (32, 1))),
+    (1, 9),
+    (1, 5, 9, 3),
+    (1, 9, 1, 9, 5, 3, 2, 7),
+)
+
+
+def shape_label(widths: tuple[int, ...]) -> str:
+    """``8x2`` for rows of one width, ``1+5+9+3`` for ragged ones."""
+    if len(set(widths)) == 1:
+        return f"{len(widths)}x{widths[0]}"
+    return "+".join(str(q) for q in widths)
+
+
 CONTEXTS = (200, 1000)  # committed tokens per row
 
 
@@ -63,17 +81,19 @@ def child(out: Path, calls: int) -> None:
     outputs: dict[str, torch.Tensor] = {}
     for name, stack in parts.items():
         for context in CONTEXTS:
-            for batch, q in SHAPES:
+            for widths in SHAPES:
                 torch.manual_seed(0)
                 rows = []
-                for _ in range(batch):
+                for q in widths:
                     cache = runtime.new_cache()
                     prefix = torch.randn(1, context, hidden)
                     stack(prefix, torch.arange(context), torch.arange(-1, context - 1), cache)
                     step = torch.randn(1, q, hidden)
                     rows.append(BatchRow(step, torch.arange(context, context + q), torch.arange(-1, q - 1), cache))
 
-                def step_once() -> list[torch.Tensor]:
+                def step_once(
+                    stack: Any = stack, rows: list[BatchRow] = rows, context: int = context
+                ) -> list[torch.Tensor]:
                     outs = forward_batch(stack, rows)
                     for row in rows:
                         row.cache.truncate(context)
@@ -86,7 +106,7 @@ def child(out: Path, calls: int) -> None:
                     start = time.perf_counter()
                     outs = step_once()
                     times.append(time.perf_counter() - start)
-                key = f"{name}/{context}/{batch}x{q}"
+                key = f"{name}/{context}/{shape_label(widths)}"
                 timings[key] = statistics.median(times) * 1e3
                 outputs[key] = torch.cat([o.reshape(-1) for o in outs])
     save_file(outputs, str(out.with_suffix(".safetensors")))
@@ -132,7 +152,7 @@ def main() -> None:
                 print(f"repeat {repeat + 1}/{args.repeats}: {arm} done", file=sys.stderr)
             for key, value in files["rows"].items():
                 torch.testing.assert_close(value, files["baseline"][key], rtol=1e-5, atol=1e-5)
-    table = []
+    table: list[dict[str, Any]] = []
     for key in per_arm["rows"][0]:
         ratios = [r[key] / b[key] for r, b in zip(per_arm["rows"], per_arm["baseline"], strict=True)]
         table.append(
@@ -148,12 +168,12 @@ def main() -> None:
     results = {"environment": run_environment(), "baseline": args.baseline, "repeats": args.repeats, "table": table}
     (args.out / "batched_attention.json").write_text(json.dumps(results, indent=2))
     lines = [
-        "# forward_batch: row attention over each row's cache, against the padded batch",
+        "# forward_batch: this checkout against the baseline's",
         "",
         f"Baseline: commit `{args.baseline}`. Median of {args.calls} calls per shape, {args.repeats} interleaved "
-        "repeats; ratio = row attention / baseline (median of per-repeat ratios; < 1 is faster). Outputs equal (1e-5).",
+        "repeats; ratio = this checkout / baseline (median of per-repeat ratios; < 1 is faster). Outputs equal (1e-5).",
         "",
-        "| part / context / rows x q | row attention ms | baseline ms | ratio | per repeat |",
+        "| part / context / rows x q (or ragged widths) | this ms | baseline ms | ratio | per repeat |",
         "|---|---:|---:|---:|---|",
     ]
     for row in table:
@@ -176,7 +196,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
     ax.bar(range(len(table)), [row["ratio"] for row in table])
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xticks(range(len(table)), [row["case"] for row in table], rotation=70, fontsize=7)
-    ax.set_ylabel("row attention / padded batch (time)")
+    ax.set_ylabel("this checkout / baseline (time)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
