@@ -27,6 +27,7 @@ context grows, a speculative step's width and tree mask change).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -60,7 +61,7 @@ class RowKeys:
 
 def row_starts(lengths: Sequence[int]) -> list[int]:
     """Where each row's tokens start in a batch's packed sequence (the rows end to end, in order)."""
-    return [sum(lengths[:b]) for b in range(len(lengths))]
+    return [0, *itertools.accumulate(lengths)][: len(lengths)]
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,11 @@ class RowAttention:
     lengths: Sequence[int]  # query tokens per row, packed end to end in the step's sequence
     keys: RowKeys  # filled by the layers' cache updates
     masks: Sequence[torch.Tensor | None]  # per row: additive (1, 1, q_b, past_b + q_b), None = sees all
+
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        """Each row's first token in the packed sequence (once per batch, not once per layer)."""
+        return row_starts(self.lengths)
 
 
 def row_attention(
@@ -88,7 +94,7 @@ def row_attention(
         return base(module, query, key, value, attention_mask, **kwargs)
     per_row = rows.keys.rows[int(module.layer_idx)]  # type: ignore[arg-type]  # the attention's own index
     outs = []
-    for b, (start, q) in enumerate(zip(row_starts(rows.lengths), rows.lengths, strict=True)):
+    for b, (start, q) in enumerate(zip(rows.starts, rows.lengths, strict=True)):
         row_keys, row_values = per_row[b]
         row_query = query[:, :, start : start + q]  # (1, heads, q, d)
         out, _ = base(module, row_query, row_keys, row_values, rows.masks[b], **kwargs)  # (1, q, heads, d)
