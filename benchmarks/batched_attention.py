@@ -165,13 +165,18 @@ def main() -> None:
             }
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    results = {"environment": run_environment(), "baseline": args.baseline, "repeats": args.repeats, "table": table}
+    environment = run_environment()
+    results = {"environment": environment, "baseline": args.baseline, "repeats": args.repeats, "table": table}
     (args.out / "batched_attention.json").write_text(json.dumps(results, indent=2))
     lines = [
         "# forward_batch: this checkout against the baseline's",
         "",
-        f"Baseline: commit `{args.baseline}`. Median of {args.calls} calls per shape, {args.repeats} interleaved "
+        f"Commit `{environment.get('commit')}`, baseline commit `{args.baseline}`. "
+        f"Median of {args.calls} calls per shape, {args.repeats} interleaved "
         "repeats; ratio = this checkout / baseline (median of per-repeat ratios; < 1 is faster). Outputs equal (1e-5).",
+        "",
+        f"Reproduce: `python benchmarks/batched_attention.py --baseline {args.baseline} --repeats {args.repeats} "
+        f"--calls {args.calls}`",
         "",
         "| part / context / rows x q (or ragged widths) | this ms | baseline ms | ratio | per repeat |",
         "|---|---:|---:|---:|---|",
