@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from auto_floor import extended_copy
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from transformers import AutoTokenizer
@@ -83,9 +84,10 @@ def spawn(args: list[str], src: Path | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
 
 
-def start_link(rtt_ms: float, src: Path | None, procs: list[Any]) -> int:
-    """A trunk server (``src``'s code, or this checkout's) behind the WAN emulator; the emulator's port."""
-    base = embedded_model("base")
+def start_link(rtt_ms: float, src: Path | None, procs: list[Any], base: Path | None = None) -> int:
+    """A trunk server (``src``'s code, or this checkout's) of ``base`` (None: the demo base model) behind the WAN
+    emulator; the emulator's port."""
+    base = base or embedded_model("base")
     trunk_port, link_port = free_port(), free_port()
     procs.append(spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--dtype", "float32",
                         "--threads", "1", "--max-sessions", "256", "--max-sessions-per-connection", "8",
@@ -115,13 +117,15 @@ def start_stack(
     draft_model: bool = True,
     engine_src: Path | None = None,
     draft_head: bool = False,
+    base_dir: Path | None = None,
 ) -> tuple[list[Any], dict[str, str], dict[str, dict[str, int]]]:
     """The engine's server (``workers`` processes) and, with ``baseline_src``, the baseline's (one process),
     each with its own trunk and link (an older commit may speak an older protocol); with each server's
     process ids (trunk, link, serve) for their CPU time. ``draft_model`` False: ``auto`` without the draft model.
     ``engine_src``: the engine's server runs that checkout's code (None: this one's). ``draft_head``: the engine's
-    server also has the shipped EAGLE head."""
-    base, draft = embedded_model("base"), embedded_model("draft")
+    server also has the shipped EAGLE head. ``base_dir``: the base model's checkpoint (None: the demo's), for the
+    trunk and the edge alike."""
+    base, draft = base_dir or embedded_model("base"), embedded_model("draft")
     procs: list[Any] = []
     urls = {}
     pids: dict[str, dict[str, int]] = {}
@@ -129,7 +133,7 @@ def start_stack(
     if baseline_src is not None:
         servers.append(("baseline", baseline_src))
     for label, src in servers:
-        link_port = start_link(rtt_ms, src, procs)
+        link_port = start_link(rtt_ms, src, procs, base)
         port = free_port()
         procs.append(spawn([
             "serve", "--model", str(base), *(["--draft-model", str(draft)] if draft_model else []),
@@ -484,7 +488,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=2, help="streamed requests per stream and level")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--long-prompt", type=int, default=900, help="tokens of the prefill-interference prompt")
+    parser.add_argument(
+        "--long-prompt", type=int, default=2000,
+        help="tokens of the prefill-interference prompt (past the demo base model's 1,024 positions, both ends load "
+        "a copy of it whose config declares 4,096: default RoPE, weights linked)",
+    )  # fmt: skip
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument(
         "--baseline", default=None, help="a commit whose `splitspec serve` runs beside, for the lone stream"
@@ -493,11 +501,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gateway")
     args = parser.parse_args()
     results: dict[str, Any] = {**run_environment(), "repeats": args.repeats, "requests": args.requests,
-                               "workers": args.workers,
+                               "workers": args.workers, "long_prompt": args.long_prompt,
                                "max_tokens": args.max_tokens, "baseline": args.baseline,
                                "command": "python benchmarks/gateway_load.py " + " ".join(sys.argv[1:])}  # fmt: skip
-    with baseline_checkout(args.baseline) as src:
-        procs, urls, pids = start_stack(args.rtt_ms, src, args.workers)
+    with baseline_checkout(args.baseline) as src, tempfile.TemporaryDirectory() as work:
+        base = embedded_model("base")
+        if args.long_prompt + 8 > json.loads((base / "config.json").read_text())["max_position_embeddings"]:
+            base = extended_copy(base, Path(work) / "base")
+        results["base_positions"] = json.loads((base / "config.json").read_text())["max_position_embeddings"]
+        procs, urls, pids = start_stack(args.rtt_ms, src, args.workers, base_dir=base)
         try:
             raw = asyncio.run(run_all(urls, args, pids))
         finally:

@@ -140,7 +140,18 @@ def markdown(results: dict[str, Any]) -> str:
         + (f"; the engine's server runs {results['workers']} workers" if results.get("workers", 1) > 1 else "")
         + f"; {results['repeats']} interleaved repeats, medians; {results['requests']} requests per stream, "
         f"128-token prompts (each unique: no prefix-cache hits), {results['max_tokens']} tokens out, greedy, "
-        "`--speculate auto` with the draft model.",
+        "`--speculate auto` with the draft model."
+        + (
+            f" The prefill-interference prompt: {results['long_prompt']} tokens (and prefilled in a median "
+            f"{statistics.median(p['prefill_s'] for p in results['raw']['prefill']):.2f} s among 16 streams)"
+            if "long_prompt" in results
+            else ""
+        )
+        + (
+            f"; both ends load a copy of the base model declaring {results['base_positions']} positions."
+            if results.get("base_positions", 0) > 1024
+            else ("." if "long_prompt" in results else "")
+        ),
         f"Reproduce: `{results['command']}`.",
         "",
         'The lone stream runs every prompt the largest level sends, one after another. "vs 1 stream" is a '
