@@ -63,10 +63,14 @@ def test_the_summary_reports_both_multiples(report: ModuleType) -> None:
     assert checks["x16 (target >= 10)"] == pytest.approx(128.0 / 25.6)
     assert checks["x16, lone stream on its first prompts only (the figure before 2026-12-04)"] == pytest.approx(2.0)
     assert checks["itl p99 16 / 1 (target <= 2)"] == pytest.approx(0.05 / (4.0 / 64))
-    assert "vs 1 stream, first prompts" in report.markdown(
-        {"summary": summary, "commit": "abc", "baseline": None, "repeats": 1, "requests": 2, "max_tokens": 64,
-         "command": "python benchmarks/gateway_load.py", "platform": "test", "cpu_count": 2}
-    )  # fmt: skip
+    results = {"summary": summary, "commit": "abc", "baseline": None, "repeats": 1, "requests": 2, "max_tokens": 64,
+               "command": "python benchmarks/gateway_load.py", "platform": "test", "cpu_count": 2}  # fmt: skip
+    assert "vs 1 stream, first prompts" in report.markdown(results)
+    assert "prefill-interference prompt" not in report.markdown(results)  # results from before it was recorded
+    raw["prefill"] = [{"ratio": 5.0, "repeat": 0, "prefill_s": 2.5}, {"ratio": 4.0, "repeat": 1, "prefill_s": 1.5}]
+    longer = report.markdown({**results, "raw": raw, "long_prompt": 2000, "base_positions": 4096})
+    assert "The prefill-interference prompt: 2000 tokens (and prefilled in a median 2.00 s among 16 streams)" in longer
+    assert "a copy of the base model declaring 4096 positions" in longer
 
 
 @pytest.fixture(scope="module")
