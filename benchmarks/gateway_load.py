@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from auto_floor import extended_copy
+from auto_floor import POSITIONS, extended_copy
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from transformers import AutoTokenizer
@@ -506,9 +506,10 @@ def main() -> None:
                                "command": "python benchmarks/gateway_load.py " + " ".join(sys.argv[1:])}  # fmt: skip
     with baseline_checkout(args.baseline) as src, tempfile.TemporaryDirectory() as work:
         base = embedded_model("base")
-        if args.long_prompt + 8 > json.loads((base / "config.json").read_text())["max_position_embeddings"]:
+        positions = json.loads((base / "config.json").read_text())["max_position_embeddings"]
+        if args.long_prompt + 8 > positions:  # the prompt and its 4 tokens out, with room to spare
             base = extended_copy(base, Path(work) / "base")
-        results["base_positions"] = json.loads((base / "config.json").read_text())["max_position_embeddings"]
+            results["base_positions"] = POSITIONS  # what the copy declares (the report names it)
         procs, urls, pids = start_stack(args.rtt_ms, src, args.workers, base_dir=base)
         try:
             raw = asyncio.run(run_all(urls, args, pids))

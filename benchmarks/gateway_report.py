@@ -130,6 +130,19 @@ def _batch_key(item: tuple[str, Any]) -> tuple[str, int]:
     return part, int(rows)
 
 
+def _long_prompt_sentence(results: dict[str, Any]) -> str:
+    """The prefill-interference prompt's length and median prefill time, and the base copy both ends loaded when
+    the prompt needed more positions than the demo base declares ("" for results from before they were recorded)."""
+    if "long_prompt" not in results:
+        return ""
+    seconds = statistics.median(p["prefill_s"] for p in results["raw"]["prefill"])
+    sentence = f" The prefill-interference prompt: {results['long_prompt']} tokens (and prefilled in a median "
+    sentence += f"{seconds:.2f} s among 16 streams)"
+    if "base_positions" in results:
+        return sentence + f"; both ends load a copy of the base model declaring {results['base_positions']} positions."
+    return sentence + "."
+
+
 def markdown(results: dict[str, Any]) -> str:
     s = results["summary"]
     lines = [
@@ -140,18 +153,7 @@ def markdown(results: dict[str, Any]) -> str:
         + (f"; the engine's server runs {results['workers']} workers" if results.get("workers", 1) > 1 else "")
         + f"; {results['repeats']} interleaved repeats, medians; {results['requests']} requests per stream, "
         f"128-token prompts (each unique: no prefix-cache hits), {results['max_tokens']} tokens out, greedy, "
-        "`--speculate auto` with the draft model."
-        + (
-            f" The prefill-interference prompt: {results['long_prompt']} tokens (and prefilled in a median "
-            f"{statistics.median(p['prefill_s'] for p in results['raw']['prefill']):.2f} s among 16 streams)"
-            if "long_prompt" in results
-            else ""
-        )
-        + (
-            f"; both ends load a copy of the base model declaring {results['base_positions']} positions."
-            if results.get("base_positions", 0) > 1024
-            else ("." if "long_prompt" in results else "")
-        ),
+        "`--speculate auto` with the draft model." + _long_prompt_sentence(results),
         f"Reproduce: `{results['command']}`.",
         "",
         'The lone stream runs every prompt the largest level sends, one after another. "vs 1 stream" is a '
