@@ -66,16 +66,12 @@ def row_starts(lengths: Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class RowAttention:
-    """What a layer's attention needs to attend row by row: the rows' lengths, their keys and their masks."""
+    """What a layer's attention needs to attend row by row: the rows' lengths and starts, their keys and masks."""
 
     lengths: Sequence[int]  # query tokens per row, packed end to end in the step's sequence
+    starts: Sequence[int]  # each row's first token in that sequence (row_starts of lengths, once per batch)
     keys: RowKeys  # filled by the layers' cache updates
     masks: Sequence[torch.Tensor | None]  # per row: additive (1, 1, q_b, past_b + q_b), None = sees all
-
-    @functools.cached_property
-    def starts(self) -> list[int]:
-        """Each row's first token in the packed sequence (once per batch, not once per layer)."""
-        return row_starts(self.lengths)
 
 
 def row_attention(
