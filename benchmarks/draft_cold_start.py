@@ -15,7 +15,11 @@ cause, cuDNN's attention building a plan per new shape, is why every stack on CU
 The compute columns split each answer's decode steps into one-token steps and longer (speculative) ones.
 
     python benchmarks/draft_cold_start.py --device cuda [--rtt-ms 40] [--clients 2] [--answers 5] [--cudnn-sdpa]
-        [--out DIR]
+        [--stall-first-proposal-ms MS] [--out DIR]
+
+``--stall-first-proposal-ms`` holds each engine's first proposal that long, as a stall would (on a CPU, with 170
+ms, the draft model's estimated cost per token read 85 ms and priced drafting out for 24 one-token steps, until
+``estimates.Seconds`` and the controller's confirming probe: ``benchmarks/controller_stalls.py``).
 
 Writes draft_cold_start.json and draft_cold_start.md into --out (default benchmarks/results/draft_cold_start).
 """
@@ -59,13 +63,18 @@ class ProposalTimer:
     time each proposal from its first step to its last (with other sequences' forwards, when several run in
     lockstep: one client here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stall_s: float = 0.0) -> None:
         self.proposals: list[tuple[int, int, float]] = []  # (budget, drafted tokens, ms)
+        self.stall_s = stall_s  # seconds added to the next proposal while ``stall_next`` (a simulated stall)
+        self.stall_next = False
         real = drafters.DraftModel.propose_steps
 
         def propose_steps(self_: drafters.DraftModel, context: Sequence[int], budget: int) -> Steps[drafters.Draft]:
             def timed() -> Steps[drafters.Draft]:
                 t0 = time.perf_counter()
+                if self.stall_next:  # the thread that drafts is held, as by a collection or a cold kernel
+                    self.stall_next = False
+                    time.sleep(self.stall_s)
                 draft = yield from real(self_, context, budget)
                 self.proposals.append((budget, len(draft), (time.perf_counter() - t0) * 1e3))
                 return draft
@@ -80,8 +89,10 @@ def _compute_ms(steps: Sequence[StepStats]) -> list[float]:
     return [round(s.edge_ms + s.cloud_ms, 2) for s in steps]
 
 
-async def run(device: str, rtt_ms: float, clients: int, answers: int, cudnn_sdpa: bool) -> list[dict[str, Any]]:
-    timer = ProposalTimer()
+async def run(
+    device: str, rtt_ms: float, clients: int, answers: int, cudnn_sdpa: bool, stall_ms: float = 0.0
+) -> list[dict[str, Any]]:
+    timer = ProposalTimer(stall_ms / 1e3)
     rows: list[dict[str, Any]] = []
     async with (
         TrunkServer(CloudConfig(model_dir=BASE, port=0, device=device)) as server,
@@ -100,6 +111,7 @@ async def run(device: str, rtt_ms: float, clients: int, answers: int, cudnn_sdpa
             async with SplitClient(edge) as client:
                 if cudnn_sdpa:  # and so did the edge's and the draft model's
                     torch.backends.cuda.enable_cudnn_sdp(True)
+                timer.stall_next = stall_ms > 0  # each engine's first proposal
                 for answer in range(answers):
                     start = len(timer.proposals)
                     t0 = time.perf_counter()
@@ -174,10 +186,18 @@ def main() -> None:
         action="store_true",
         help="put cuDNN back into sdpa after each load (torch's default; every stack on CUDA takes it out)",
     )
+    parser.add_argument(
+        "--stall-first-proposal-ms",
+        type=float,
+        default=0.0,
+        help="hold each engine's first proposal this long (a stall: a collection, a busy neighbour; default 0)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_cold_start")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    rows = asyncio.run(run(args.device, args.rtt_ms, args.clients, args.answers, args.cudnn_sdpa))
+    rows = asyncio.run(
+        run(args.device, args.rtt_ms, args.clients, args.answers, args.cudnn_sdpa, args.stall_first_proposal_ms)
+    )
     env = run_environment()
     env["device"] = args.device
     command = "python benchmarks/draft_cold_start.py " + " ".join(sys.argv[1:])

@@ -13,6 +13,9 @@ step is sequential (it measures T(1)); a drafter not yet judged is probed with a
 proposal that offers nothing costs its search plus a one-token step; a depth never judged is
 expected to go as the depth above it (not the optimistic prior); and what is known of drafters
 left unused ages, so one written off early is asked again. Step times are kept per context band.
+A stall (a collection, a busy neighbour, a GPU's first kernels) must not write drafting off either:
+durations are estimated robustly (``estimates.Seconds``), and a drafter's cost or a step width
+measured once, without which drafting would pay, is measured again after CONFIRM_AFTER one-token steps.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from splitspec.decoding.estimates import Ema, StepTimes
+from splitspec.decoding.estimates import Seconds, StepTimes
 
 DEFAULT_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16)
 PROBE_BUDGET = 2  # most tokens a drafter is asked for until its acceptance has been judged
+CONFIRM_AFTER = 4  # one-token steps in a row before what was measured once and priced drafting out is probed again
 POPULATION_WEIGHT = 8.0  # observations the engine-wide estimates are worth to a new sequence's controller
 # a cheap deterministic drafter not chosen is scored against the greedy target's tokens until its first depth
 # has been judged this often (decayed count): a cold controller learns it without having to choose it
@@ -39,8 +43,8 @@ class _DrafterStats:
     # per depth j (1-based): decayed counts of drafts that reached depth j and of acceptances there
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
-    cost_per_token: Ema = field(default_factory=Ema)  # drafting seconds per drafted token
-    miss_s: Ema = field(default_factory=Ema)  # seconds of a proposal that offered nothing
+    cost_per_token: Seconds = field(default_factory=Seconds)  # drafting seconds per drafted token
+    miss_s: Seconds = field(default_factory=Seconds)  # seconds of a proposal that offered nothing
     proposals: float = 0.0  # decayed count of steps where the drafter was asked
     hits: float = 0.0  # ... and proposed something
 
@@ -57,8 +61,8 @@ class _DrafterStats:
         return _DrafterStats(
             reached=[r * factor for r in self.reached],
             accepted=[a * factor for a in self.accepted],
-            cost_per_token=Ema(self.cost_per_token.value, min(self.cost_per_token.weight, weight)),
-            miss_s=Ema(self.miss_s.value, min(self.miss_s.weight, weight)),
+            cost_per_token=self.cost_per_token.scaled_copy(weight),
+            miss_s=self.miss_s.scaled_copy(weight),
             proposals=self.proposals * factor,
             hits=self.hits * factor,
         )
@@ -253,17 +257,24 @@ class SpeculationController:
             return 1.0 / self.step_time(1, context_tokens)
         return self._values(drafter, [budget], context_tokens, wait_s)[0]
 
-    def _values(self, drafter: str, budgets: Sequence[int], context_tokens: int, wait_s: float) -> list[float]:
-        """:meth:`value` of ``drafter`` at each of ``budgets`` (a ranking's inner loop: the drafter's terms once)."""
-        stats = self._stats[drafter]
+    def _values(
+        self, drafter: str, budgets: Sequence[int], context_tokens: int, wait_s: float, *, once_free: bool = False
+    ) -> list[float]:
+        """:meth:`value` of ``drafter`` at each of ``budgets`` (a ranking's inner loop: the drafter's terms once).
+        ``once_free``: with what was measured once put at nothing (its drafting cost; a step width's extra cost)."""
+        stats, times = self._stats[drafter], self.step_times
         cost, miss = stats.cost_per_token.value, stats.miss_s.value
-        per_token = 0.0 if math.isnan(cost) else cost
+        per_token = 0.0 if math.isnan(cost) or (once_free and stats.cost_per_token.measured_once) else cost
         miss_s = 0.0 if math.isnan(miss) else miss
         hit = self.hit_rate(drafter)
-        predict, n = self.step_times.predict, context_tokens
+        predict, n = times.predict, context_tokens
         lost = (1.0 - hit) * (predict(1, n) + miss_s)  # a miss: its search, then a one-token step
         sums = self._accepted_sums_to(drafter, max(budgets))
-        return [(1.0 + hit * sums[k]) / (hit * (predict(k + 1, n) + per_token * k) + lost + wait_s) for k in budgets]
+        widths = [1 if once_free and times.measured_once(k + 1, n) else k + 1 for k in budgets]
+        return [
+            (1.0 + hit * sums[k]) / (hit * (predict(q, n) + per_token * k) + lost + wait_s)
+            for k, q in zip(budgets, widths, strict=True)
+        ]
 
     def judged(self, drafter: str) -> bool:
         """Whether the verifier has judged about one of ``drafter``'s drafts, at least (the counts age:
@@ -314,12 +325,45 @@ class SpeculationController:
             reverse=True,
         )
         options = ask + options[cut:]
-        if options[0].drafter is None and self.drafters and self.sequential_run() >= self.probe_every:
-            # re-probe cheaply: estimates of a drafter we stopped using cannot improve otherwise
-            k = self.budgets[0]
-            best_drafter = max(self.drafters, key=lambda name: self.value(name, k, n, wait.get(name, 0.0)))
-            options.insert(0, Choice(best_drafter, k, self.value(best_drafter, k, n, wait.get(best_drafter, 0.0))))
+        if options[0].drafter is None and self.drafters:
+            probe = self._probe(n, wait)
+            if probe is not None:
+                options.insert(0, probe)
         return options
+
+    def _probe(self, context_tokens: int, waits: Mapping[str, float]) -> Choice | None:
+        """A short draft to measure again with, when one-token steps have won ``probe_every`` times in a row
+        (estimates of a drafter we stopped using cannot improve otherwise), or :data:`CONFIRM_AFTER` times while
+        what priced drafting out was measured once: a drafter's cost or a step width, without which it would pay.
+        A first proposal or wide step stalls the most (a cold cache, a kernel plan built on a GPU, a collection),
+        and a stall read as their cost once priced drafting out for the rest of a short answer."""
+        n, run, k0 = context_tokens, self.sequential_run(), self.budgets[0]
+        if run >= self.probe_every:
+            best = max(self.drafters, key=lambda name: self.value(name, k0, n, waits.get(name, 0.0)))
+            return Choice(best, k0, self.value(best, k0, n, waits.get(best, 0.0)))
+        if run < CONFIRM_AFTER:
+            return None
+        sequential = self.value(None, 0, n)
+        unconfirmed = [
+            (value, name, k)
+            for name in self.drafters
+            for k in self.budgets  # the cheapest draft, or a short one whose step width was measured once
+            if k == k0 or (k <= PROBE_BUDGET and self.step_times.measured_once(k + 1, n))
+            if (value := self._value_unconfirmed(name, k, n, waits.get(name, 0.0))) > sequential
+        ]
+        if not unconfirmed:
+            return None
+        _, name, k = max(unconfirmed)
+        return Choice(name, k, self.value(name, k, n, waits.get(name, 0.0)))
+
+    def _value_unconfirmed(self, drafter: str, budget: int, context_tokens: int, wait_s: float) -> float:
+        """:meth:`value` with what was measured once put at nothing (0 when nothing was: nothing to confirm)."""
+        if not (
+            self._stats[drafter].cost_per_token.measured_once
+            or self.step_times.measured_once(budget + 1, context_tokens)
+        ):
+            return 0.0
+        return self._values(drafter, [budget], context_tokens, wait_s, once_free=True)[0]
 
     # -- observations ------------------------------------------------------------------------------
 

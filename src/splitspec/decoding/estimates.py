@@ -1,6 +1,7 @@
 """The decayed estimates the speculation controller keeps: a running mean, and the step times of the link.
 
-:class:`Ema` is a decayed running mean (acceptance, drafting cost, step times all use it).
+:class:`Ema` is a decayed running mean; :class:`Seconds` is one for durations that a single stall cannot hold
+up (drafting costs and step times use it).
 :class:`StepTimes` predicts T(q), the seconds of a step of q query tokens at a context length, from
 the steps measured (per context band, each band as T(1) plus an extra cost per width).
 """
@@ -8,10 +9,12 @@ the steps measured (per context band, each band as T(1) plus an extra cost per w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CONTEXT_BAND_TOKENS = 256  # step times are kept per context band: [0, 256), [256, 512), [512, 1024), ...
 MEMO_ENTRIES = 1024  # step-time predictions kept between two observations, at most
+RECENT = 3  # latest observations whose lower median bounds a Seconds estimate
+CONFIRMED_WEIGHT = 1.5  # decayed count of observations from which an estimate counts as measured more than once
 
 
 @dataclass
@@ -26,6 +29,47 @@ class Ema:
         self.value = x if math.isnan(self.value) else self.value + (x - self.value) / self.weight
 
 
+@dataclass
+class Seconds:
+    """A decayed mean of a duration, bounded by the lower median of the latest :data:`RECENT` observations.
+
+    Durations here stall now and then (a garbage collection, a noisy neighbour, a GPU building a kernel plan
+    or raising its clocks): one slow observation among a few would otherwise hold a mean up for dozens of
+    observations, and the controller judge on it. On an H200 the draft model's first proposals took 139 ms for 2
+    tokens and the next 7 ms; the mean cost per token read 67, 37, 22, 16 and 12 ms over the next 5 answers while
+    every proposal took 3.5 ms a token (``benchmarks/results/gpu/h200-2026-12-04b/``). The bound follows a
+    fall after two observations and ignores one stall among three; a lasting rise moves the mean as before.
+    """
+
+    mean: Ema = field(default_factory=Ema)  # the decayed mean of every observation, seconds
+    recent: tuple[float, ...] = ()  # the latest observations, oldest first, seconds (at most RECENT)
+
+    @property
+    def value(self) -> float:
+        """The estimate, seconds (nan before any observation)."""
+        if not self.recent:
+            return self.mean.value
+        return min(self.mean.value, sorted(self.recent)[(len(self.recent) - 1) // 2])
+
+    @property
+    def weight(self) -> float:
+        """The decayed count of observations behind the mean."""
+        return self.mean.weight
+
+    @property
+    def measured_once(self) -> bool:
+        """Whether one observation is all there is (decayed: below :data:`CONFIRMED_WEIGHT`)."""
+        return 0.0 < self.mean.weight < CONFIRMED_WEIGHT
+
+    def update(self, x: float, decay: float) -> None:
+        self.mean.update(x, decay)
+        self.recent = (*self.recent, x)[-RECENT:]
+
+    def scaled_copy(self, weight: float) -> Seconds:
+        """This estimate worth at most ``weight`` observations (the same value and latest observations)."""
+        return Seconds(Ema(self.mean.value, min(self.mean.weight, weight)), self.recent)
+
+
 class _WidthTimes:
     """Measured seconds of a step of q query tokens at one context band.
 
@@ -35,25 +79,28 @@ class _WidthTimes:
     gone. So each step, whatever its size, moves the level T(1): a one-token step directly, a
     bigger one by half of its surprise (the other half goes to its extra cost). Until a one-token
     step is measured, the measured T(q) are interpolated as they are.
+
+    A width's first two steps measure its extra cost alone, and the lower of the two is believed
+    (:class:`Seconds`): a stall on a width's first step is the width's until it is measured again,
+    and the controller measures it again soon (:meth:`measured_once`).
     """
 
     def __init__(self, decay: float = 0.97) -> None:
         self.decay = decay  # per-observation decay of every estimate
-        self._times: dict[int, Ema] = {}  # query tokens -> seconds, as measured
-        self._one = Ema()  # T(1), seconds
-        self._extra: dict[int, Ema] = {}  # query tokens > 1 -> seconds over T(1)
+        self._times: dict[int, Seconds] = {}  # query tokens -> seconds, as measured
+        self._one = Seconds()  # T(1), seconds
+        self._extra: dict[int, Seconds] = {}  # query tokens > 1 -> seconds over T(1)
         self._extra_sorted: list[tuple[int, float]] | None = None  # _extra as sorted points, until it changes
 
     def observe(self, query_tokens: int, seconds: float) -> None:
         self._extra_sorted = None
-        self._times.setdefault(query_tokens, Ema()).update(seconds, self.decay)
+        self._times.setdefault(query_tokens, Seconds()).update(seconds, self.decay)
         one = self._one.value
         if query_tokens == 1:
             self._one.update(seconds, self.decay)
         elif not math.isnan(one):
-            extra = self._extra.get(query_tokens)
-            if extra is None:
-                self._extra[query_tokens] = extra = Ema()
+            extra = self._extra.setdefault(query_tokens, Seconds())
+            if extra.weight < CONFIRMED_WEIGHT:  # its first two steps: the lower is believed
                 extra.update(seconds - one, self.decay)
                 return
             surprise = seconds - (one + extra.value)
@@ -65,15 +112,28 @@ class _WidthTimes:
         """T(1), seconds (nan until a one-token step is measured)."""
         return self._one.value
 
+    def measured_once(self, q: int) -> bool:
+        """Whether the extra cost of a step of q tokens rests on one step (a width measured once)."""
+        extra = self._extra.get(q)
+        return extra is not None and extra.measured_once
+
     @property
     def has_extra(self) -> bool:
         """Whether a step wider than one token has been measured (so :meth:`extra` answers)."""
         return bool(self._extra)
 
     def _extra_points(self) -> list[tuple[int, float]]:
-        """(q, seconds over T(1)) of every measured width, with (1, 0), sorted: kept until the next observation."""
+        """(q, seconds over T(1)) of every measured width, with (1, 0), sorted: kept until the next observation.
+
+        A width measured once is put no dearer than the widths measured more often predict it (when there are
+        any): its one step may have stalled, and a width read too dear is not stepped again to find out (a
+        neighbouring width is drafted instead)."""
         if self._extra_sorted is None:
-            self._extra_sorted = [(1, 0.0), *sorted((k, e.value) for k, e in self._extra.items())]
+            points = sorted((k, e.value) for k, e in self._extra.items())
+            confirmed = [(1, 0.0), *((k, t) for k, t in points if not self._extra[k].measured_once)]
+            if len(confirmed) > 1:
+                points = [(k, min(t, _interpolate(confirmed, k))) for k, t in points]
+            self._extra_sorted = [(1, 0.0), *points]
         return self._extra_sorted
 
     def extra(self, q: int) -> float | None:
@@ -138,17 +198,39 @@ class StepTimes:
     def _predict(self, q: int, band: int) -> float:
         if not self._bands:
             return 1.0
-        own = self._bands.get(band)
-        if own is None or math.isnan(own.level):  # no T(1) here yet: the nearest band that has one
-            levelled = [b for b, times in self._bands.items() if not math.isnan(times.level)]
-            if not levelled:
-                return (own or self._nearest(band, list(self._bands))).predict(q)
-            own = self._nearest(band, levelled)
-        donors = [b for b, times in self._bands.items() if times.has_extra]
-        if q == 1 or own.has_extra or not donors:
+        own = self._level_for(band)
+        if math.isnan(own.level):  # no T(1) measured anywhere: the steps measured, as they are
             return own.predict(q)
-        extra = self._nearest(band, donors).extra(q)
+        extras = self._extras_for(band, own)
+        if q == 1 or extras is own:
+            return own.predict(q)
+        extra = extras.extra(q)
         return own.predict(q) if extra is None else max(1e-6, own.level + extra)
+
+    def _level_for(self, band: int) -> _WidthTimes:
+        """The estimates whose T(1) predicts ``band``: its own, or (no T(1) here yet) the nearest band's that has
+        one, or with none anywhere the nearest band's (there is at least one)."""
+        own = self._bands.get(band)
+        if own is not None and not math.isnan(own.level):
+            return own
+        levelled = [b for b, times in self._bands.items() if not math.isnan(times.level)]
+        return self._nearest(band, levelled or list(self._bands))
+
+    def _extras_for(self, band: int, own: _WidthTimes) -> _WidthTimes:
+        """The estimates whose extra costs predict ``band``'s wide steps: its own, or the nearest band's that has
+        some (``own`` when none has)."""
+        if own.has_extra:
+            return own
+        donors = [b for b, times in self._bands.items() if times.has_extra]
+        return self._nearest(band, donors) if donors else own
+
+    def measured_once(self, q: int, context_tokens: int = 0) -> bool:
+        """Whether the prediction of a q-token step after ``context_tokens`` tokens rests on one step of q tokens
+        (measured again, the lower of the two is believed: the first may have stalled)."""
+        if not self._bands:
+            return False
+        band = context_band(context_tokens)
+        return self._extras_for(band, self._level_for(band)).measured_once(q)
 
     def _nearest(self, band: int, candidates: list[int]) -> _WidthTimes:
         """The estimates of the candidate band nearest ``band`` (the longer context on a tie: the dearer)."""
@@ -168,6 +250,8 @@ def _interpolate(known: list[tuple[int, float]], q: int) -> float:
     if below and above:
         (k0, t0), (k1, t1) = below[-1], above[0]
         return t0 if k1 == k0 else t0 + (t1 - t0) * (q - k0) / (k1 - k0)
-    (k0, t0), (k1, t1) = (known[-2], known[-1]) if not above else (known[0], known[1])
-    slope = max(0.0, (t1 - t0) / (k1 - k0))
-    return t0 + slope * (q - k0)
+    if not above:  # past the last point: from it, on the last two points' slope
+        (k0, t0), (k1, t1) = known[-2], known[-1]
+        return t1 + max(0.0, (t1 - t0) / (k1 - k0)) * (q - k1)
+    (k0, t0), (k1, t1) = known[0], known[1]  # before the first point: from it, on the first two's slope
+    return t0 + max(0.0, (t1 - t0) / (k1 - k0)) * (q - k0)
