@@ -15,13 +15,15 @@ cause, cuDNN's attention building a plan per new shape, is why every stack on CU
 The compute columns split each answer's decode steps into one-token steps and longer (speculative) ones.
 
     python benchmarks/draft_cold_start.py --device cuda [--rtt-ms 40] [--clients 2] [--answers 5] [--cudnn-sdpa]
-        [--stall-first-proposal-ms MS] [--out DIR]
+        [--stall-first-proposal-ms MS] [--baseline REF [--repeats 3]] [--out DIR]
 
 ``--stall-first-proposal-ms`` holds each engine's first proposal that long, as a stall would (on a CPU, with 170
 ms, the draft model's estimated cost per token read 85 ms and priced drafting out for 24 one-token steps, until
 ``estimates.Seconds`` and the controller's confirming probe: ``benchmarks/controller_stalls.py``).
 
-Writes draft_cold_start.json and draft_cold_start.md into --out (default benchmarks/results/draft_cold_start).
+Writes draft_cold_start.json and draft_cold_start.md into --out (default benchmarks/results/draft_cold_start); with
+``--baseline REF``, the same run on commit REF's code (a git worktree, same venv) beside this checkout's, repeats
+interleaved: draft_cold_start_beside.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from splitspec.bench.scenario import ASSETS_DIR
 from splitspec.cloud.config import CloudConfig
@@ -175,6 +175,74 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str) -> s
 log = logging.getLogger("draft_cold_start")
 
 
+def flat(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """A run's figures as ``--measure`` writes them: ``client|answer|proposals``, ``...|wall_ms``, ``...|tokens``."""
+    out: dict[str, float] = {}
+    for r in rows:
+        for figure in ("proposals", "wall_ms", "tokens"):
+            out[f"{r['client']}|{r['answer']}|{figure}"] = float(r[figure])
+    return out
+
+
+def beside_markdown(results: dict[str, Any]) -> str:
+    """Per answer, the median over repeats of this checkout's and the baseline's proposals and wall ms; overall,
+    the median of the per-repeat ratios of tokens per second (all answers' tokens over their wall time)."""
+    runs, base = results["runs"], results["baseline"]
+    answers = sorted({k.rsplit("|", 1)[0] for k in runs["this"][0]}, key=lambda k: tuple(map(int, k.split("|"))))
+
+    def med(label: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in runs[label]))
+
+    def tok_s(run: dict[str, float]) -> float:
+        return sum(run[a + "|tokens"] for a in answers) / sum(run[a + "|wall_ms"] / 1e3 for a in answers)
+
+    ratios = [tok_s(t) / tok_s(b) for t, b in zip(runs["this"], runs["before"], strict=True)]
+    lines = [
+        f"# Draft model after a stall: commit {results['commit'][:7]} beside {base}",
+        "",
+        f"`{results['command']}`: {len(ratios)} interleaved repeats (order alternated), medians. Every answer: 16 "
+        "greedy tokens, `--speculate draft`, demo base + draft models, a fresh engine per `client`.",
+        "",
+        f"Tokens per second over all answers, this / {base}: **{statistics.median(ratios):.2f}** (per repeat: "
+        + ", ".join(f"{x:.2f}" for x in ratios)
+        + ").",
+        "",
+        f"| engine | answer | proposals | {base} proposals | wall ms | {base} wall ms | this / {base} wall |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for a in answers:
+        client, answer = a.split("|")
+        this_ms, base_ms = med("this", a + "|wall_ms"), med("before", a + "|wall_ms")
+        lines.append(
+            f"| {client} | {answer} | {med('this', a + '|proposals'):.0f} | {med('before', a + '|proposals'):.0f} | "
+            f"{this_ms:.0f} | {base_ms:.0f} | {this_ms / base_ms:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def beside_plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = results["runs"]
+    answers = sorted({k.rsplit("|", 1)[0] for k in runs["this"][0]}, key=lambda k: tuple(map(int, k.split("|"))))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    for label, name in (("this", "this"), ("before", results["baseline"])):
+        for ax, figure in zip(axes, ("proposals", "wall_ms"), strict=True):
+            ax.plot(range(len(answers)), [statistics.median(r[a + "|" + figure] for r in runs[label]) for a in answers],
+                    "o-", label=name)  # fmt: skip
+    for ax, title in zip(axes, ("proposals per answer", "wall ms per answer"), strict=True):
+        ax.set_xticks(range(len(answers)), [a.replace("|", ".") for a in answers], fontsize=7)
+        ax.set_xlabel("engine.answer")
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--device", default="auto", help="the trunk's and the edge's device (default auto)")
@@ -192,15 +260,37 @@ def main() -> None:
         default=0.0,
         help="hold each engine's first proposal this long (a stall: a collection, a busy neighbour; default 0)",
     )
+    parser.add_argument("--baseline", help="a git commit whose code runs beside this checkout's (--repeats each)")
+    parser.add_argument("--repeats", type=int, default=3, help="with --baseline: interleaved repeats (default 3)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_cold_start")
+    parser.add_argument("--measure", metavar="JSON", help=argparse.SUPPRESS)  # a child's job (--baseline)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    rows = asyncio.run(
-        run(args.device, args.rtt_ms, args.clients, args.answers, args.cudnn_sdpa, args.stall_first_proposal_ms)
-    )
     env = run_environment()
     env["device"] = args.device
     command = "python benchmarks/draft_cold_start.py " + " ".join(sys.argv[1:])
+    if args.baseline:
+        from splitspec.bench.beside import measure_beside
+
+        child = ["--device", args.device, "--rtt-ms", str(args.rtt_ms), "--clients", str(args.clients),
+                 "--answers", str(args.answers), "--stall-first-proposal-ms", str(args.stall_first_proposal_ms),
+                 *(["--cudnn-sdpa"] if args.cudnn_sdpa else [])]  # fmt: skip
+        runs = measure_beside(Path(__file__).resolve(), Path(__file__).resolve().parents[1], args.repeats,
+                              args.baseline, child)  # fmt: skip
+        results = {"commit": env.get("commit", ""), "environment": env, "baseline": args.baseline,
+                   "command": command, "runs": runs}  # fmt: skip
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "draft_cold_start_beside.json").write_text(json.dumps(results, indent=1))
+        (args.out / "draft_cold_start_beside.md").write_text(beside_markdown(results))
+        beside_plot(results, args.out / "draft_cold_start_beside.png")
+        log.info("\n%s", beside_markdown(results))
+        return
+    rows = asyncio.run(
+        run(args.device, args.rtt_ms, args.clients, args.answers, args.cudnn_sdpa, args.stall_first_proposal_ms)
+    )
+    if args.measure:
+        Path(args.measure).write_text(json.dumps(flat(rows)))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "draft_cold_start.json").write_text(
         json.dumps({"environment": env, "command": command, "rows": rows}, indent=1)
