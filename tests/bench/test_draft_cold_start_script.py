@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.bench.scripts import BENCHMARKS
+from tests.bench.scripts import BENCHMARKS, load_script
 
 
 def test_a_short_run_drafts_in_every_answer_and_writes_its_report(tmp_path: Path) -> None:
@@ -28,3 +28,18 @@ def test_a_short_run_drafts_in_every_answer_and_writes_its_report(tmp_path: Path
         assert r["longer_step_compute_ms"]
         assert min(r["longer_step_compute_ms"]) > 0
     assert (tmp_path / "draft_cold_start.md").read_text().startswith("# Draft model after a cold start")
+
+
+def test_the_beside_report_pairs_each_repeat_and_each_answer() -> None:
+    script = load_script("draft_cold_start.py", "draft_cold_start_for_test")
+    rows = [{"client": 0, "answer": a, "proposals": p, "wall_ms": ms, "tokens": 16} for a, p, ms in ((0, 4, 800.0),
+            (1, 7, 500.0))]  # fmt: skip
+    this = script.flat(rows)
+    assert this == {"0|0|proposals": 4.0, "0|0|wall_ms": 800.0, "0|0|tokens": 16.0, "0|1|proposals": 7.0,
+                    "0|1|wall_ms": 500.0, "0|1|tokens": 16.0}  # fmt: skip
+    before = {**this, "0|1|proposals": 1.0, "0|1|wall_ms": 800.0}
+    results = {"commit": "abcdef0123", "baseline": "REF", "command": "python benchmarks/draft_cold_start.py",
+               "runs": {"this": [this, this], "before": [before, before]}}  # fmt: skip
+    report = script.beside_markdown(results)
+    assert "this / REF: **1.23**" in report  # 32 tokens in 1.3 s against 1.6 s
+    assert "| 0 | 1 | 7 | 1 | 500 | 800 | 0.62 |" in report
