@@ -21,7 +21,7 @@ measured once, without which drafting would pay, is measured again after CONFIRM
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,6 +66,15 @@ class _DrafterStats:
             proposals=self.proposals * factor,
             hits=self.hits * factor,
         )
+
+
+def _once_free(times: StepTimes) -> Callable[[int, int], float]:
+    """``times.predict`` with a width measured once put at a one-token step's seconds."""
+
+    def predict(q: int, context_tokens: int) -> float:
+        return times.predict(1 if times.measured_once(q, context_tokens) else q, context_tokens)
+
+    return predict
 
 
 @dataclass(frozen=True)
@@ -267,14 +276,12 @@ class SpeculationController:
         per_token = 0.0 if math.isnan(cost) or (once_free and stats.cost_per_token.measured_once) else cost
         miss_s = 0.0 if math.isnan(miss) else miss
         hit = self.hit_rate(drafter)
-        predict, n = times.predict, context_tokens
-        lost = (1.0 - hit) * (predict(1, n) + miss_s)  # a miss: its search, then a one-token step
+        n = context_tokens
+        lost = (1.0 - hit) * (times.predict(1, n) + miss_s)  # a miss: its search, then a one-token step
         sums = self._accepted_sums_to(drafter, max(budgets))
-        widths = [1 if once_free and times.measured_once(k + 1, n) else k + 1 for k in budgets]
-        return [
-            (1.0 + hit * sums[k]) / (hit * (predict(q, n) + per_token * k) + lost + wait_s)
-            for k, q in zip(budgets, widths, strict=True)
-        ]
+        # a width measured once costs what a one-token step does when ``once_free``
+        predict: Callable[[int, int], float] = _once_free(times) if once_free else times.predict
+        return [(1.0 + hit * sums[k]) / (hit * (predict(k + 1, n) + per_token * k) + lost + wait_s) for k in budgets]
 
     def judged(self, drafter: str) -> bool:
         """Whether the verifier has judged about one of ``drafter``'s drafts, at least (the counts age:

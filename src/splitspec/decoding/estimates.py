@@ -43,13 +43,17 @@ class Seconds:
 
     mean: Ema = field(default_factory=Ema)  # the decayed mean of every observation, seconds
     recent: tuple[float, ...] = ()  # the latest observations, oldest first, seconds (at most RECENT)
+    value: float = field(init=False)  # the estimate, seconds (nan before any observation): set by each update
 
-    @property
-    def value(self) -> float:
-        """The estimate, seconds (nan before any observation)."""
-        if not self.recent:
-            return self.mean.value
-        return min(self.mean.value, sorted(self.recent)[(len(self.recent) - 1) // 2])
+    def __post_init__(self) -> None:
+        self._estimate()
+
+    def _estimate(self) -> None:
+        """Kept as an attribute: a ranking reads the estimates about a hundred times between two updates."""
+        if self.recent:
+            self.value = min(self.mean.value, sorted(self.recent)[(len(self.recent) - 1) // 2])
+        else:
+            self.value = self.mean.value
 
     @property
     def weight(self) -> float:
@@ -64,6 +68,7 @@ class Seconds:
     def update(self, x: float, decay: float) -> None:
         self.mean.update(x, decay)
         self.recent = (*self.recent, x)[-RECENT:]
+        self._estimate()
 
     def scaled_copy(self, weight: float) -> Seconds:
         """This estimate worth at most ``weight`` observations (the same value and latest observations)."""
@@ -130,9 +135,10 @@ class _WidthTimes:
         neighbouring width is drafted instead)."""
         if self._extra_sorted is None:
             points = sorted((k, e.value) for k, e in self._extra.items())
-            confirmed = [(1, 0.0), *((k, t) for k, t in points if not self._extra[k].measured_once)]
-            if len(confirmed) > 1:
-                points = [(k, min(t, _interpolate(confirmed, k))) for k, t in points]
+            once = {k for k, e in self._extra.items() if e.measured_once}
+            confirmed = [(1, 0.0), *((k, t) for k, t in points if k not in once)]
+            if once and len(confirmed) > 1:
+                points = [(k, min(t, _interpolate(confirmed, k)) if k in once else t) for k, t in points]
             self._extra_sorted = [(1, 0.0), *points]
         return self._extra_sorted
 
