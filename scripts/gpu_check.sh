@@ -175,7 +175,10 @@ echo "== quantized trunk tests exit status $status"
 # 2026-12-04 steps 1-3 took 75-130 s, draft_cold_start 20 s, the speculative quick run 116 s, device_targets 100 s)
 # the draft model after a cold start: proposals per 16-token answer on fresh engines (about 7 on a CPU; 0-1 on the
 # H200 before the warm-up at load, 6-7 after it but 110-160 ms each at first), with cuDNN out of sdpa (bb3cf23) and,
-# to compare in the same session, put back (--cudnn-sdpa): the compute columns show the steps' cost either way
+# to compare in the same session, put back (--cudnn-sdpa): the compute columns show the steps' cost either way.
+# Since b71e135 the controller measures a cost or a step width measured once again after 4 one-token steps and
+# believes the lower of two (estimates.Seconds): the estimated draft cost per token should fall to the proposals'
+# own within an answer, and T(9) no longer read T(1) (549 ms beside T(3) 164 on 2026-12-04)
 timeout 90 "$PY" benchmarks/draft_cold_start.py --device cuda --out "$RESULTS/draft_cold_start" || status=$?
 timeout 90 "$PY" benchmarks/draft_cold_start.py --device cuda --cudnn-sdpa --out "$RESULTS/draft_cold_start_cudnn" \
     || status=$?

@@ -15,6 +15,7 @@ def test_a_short_run_drafts_in_every_answer_and_writes_its_report(tmp_path: Path
     # 150 ms, not the script's 40: on a busy machine (CI runs two test workers) one stalled step once took 190 ms,
     # and at 40 ms the controller then priced a 3-token step at 3.3x a one-token one and stopped drafting for the
     # rest of the answer, as a GPU's cold start made it do; a longer round trip keeps drafting worth it past a stall
+    # (since b71e135 the controller also measures such a step again after 4 one-token steps: the margin stays)
     args = ["--device", "cpu", "--clients", "1", "--answers", "2", "--rtt-ms", "150", "--out", str(tmp_path)]
     script = str(BENCHMARKS / "draft_cold_start.py")
     run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=240)
