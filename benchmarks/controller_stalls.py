@@ -5,16 +5,18 @@ the first proposal of an answer used to be read as that width's or that drafter'
 drafting out and, with re-probes every 24 one-token steps, never measured it again in a short answer. This
 script runs the controller alone (``SpeculationController``: ``ranked``, then ``observe_draft`` and
 ``observe_step``) on a simulated link: a step of q tokens takes ``rtt + 2 ms * q``, a draft model costs 3 ms a
-drafted token and each of its tokens is accepted with probability ``alpha`` (given the ones before). A stall of
-110 ms lands on the first wide step (``step``), 170 ms on the first proposal (``draft``), or both; ``none`` is the
-same run without. Per case, the median over ``--seeds`` answers of tokens per second and proposals.
+drafted token (``--draft-token-ms``) and each of its tokens is accepted with probability ``alpha`` (given the ones
+before). A stall of 110 ms lands on the first wide step (``step``), 170 ms on the first proposal (``draft``), or
+both; ``none`` is the same run without. Per case, the median over ``--seeds`` answers of tokens per second and
+proposals.
 
 ``ideal`` is the run without a stall plus the stall's seconds (what a controller the stall did not mislead would
 do); ``off`` is one-token steps only, with the step's stall on one of them. The simulation is deterministic:
 ``--baseline REF`` runs the same cases on commit REF's controller (a git worktree, same venv) beside this
 checkout's, and a repeat reproduces its figures exactly (one is enough).
 
-    python benchmarks/controller_stalls.py [--baseline REF] [--seeds 50] [--out benchmarks/results/controller_stalls]
+    python benchmarks/controller_stalls.py [--baseline REF] [--seeds 50] [--draft-token-ms 3]
+        [--out benchmarks/results/controller_stalls]
 
 Writes ``controller_stalls.json``, ``controller_stalls.md`` and ``controller_stalls.png``.
 """
@@ -36,11 +38,13 @@ ANSWERS = (16, 32, 96)
 ALPHAS = (0.1, 0.4, 0.75)
 STALLS = {"none": (0.0, 0.0), "step": (0.110, 0.0), "draft": (0.0, 0.170), "both": (0.110, 0.170)}  # seconds
 PER_QUERY_TOKEN_S = 0.002  # a step's cost per query token, over the round trip
-DRAFT_TOKEN_S = 0.003  # the draft model's seconds per drafted token
+DRAFT_TOKEN_MS = 3.0  # the draft model's milliseconds per drafted token, unless --draft-token-ms
 CONTEXT = 64  # prompt tokens before the answer
 
 
-def simulate(answer: int, rtt_s: float, alpha: float, stall: tuple[float, float], seed: int) -> tuple[float, int]:
+def simulate(
+    answer: int, rtt_s: float, alpha: float, stall: tuple[float, float], seed: int, draft_token_s: float
+) -> tuple[float, int]:
     """One answer of ``answer`` tokens -> (tokens per second, proposals)."""
     from splitspec.decoding.controller import SpeculationController
 
@@ -56,7 +60,7 @@ def simulate(answer: int, rtt_s: float, alpha: float, stall: tuple[float, float]
             ctl.observe_step(1, step_s, CONTEXT + made)
             seconds, made = seconds + step_s, made + 1
             continue
-        draft_s = DRAFT_TOKEN_S * k + (draft_stall if proposals == 0 else 0.0)
+        draft_s = draft_token_s * k + (draft_stall if proposals == 0 else 0.0)
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
@@ -72,14 +76,15 @@ def case_key(rtt_ms: int, answer: int, alpha: float, stall: str) -> str:
     return f"{rtt_ms}|{answer}|{alpha}|{stall}"
 
 
-def measure(seeds: int) -> dict[str, float]:
+def measure(seeds: int, draft_token_ms: float = DRAFT_TOKEN_MS) -> dict[str, float]:
     """``rtt|answer|alpha|stall|tok_s`` and ``...|proposals`` -> medians over ``seeds`` answers."""
     out: dict[str, float] = {}
     for rtt_ms in RTTS_MS:
         for answer in ANSWERS:
             for alpha in ALPHAS:
                 for name, stall in STALLS.items():
-                    runs = [simulate(answer, rtt_ms / 1e3, alpha, stall, seed) for seed in range(seeds)]
+                    draft_s = draft_token_ms / 1e3
+                    runs = [simulate(answer, rtt_ms / 1e3, alpha, stall, seed, draft_s) for seed in range(seeds)]
                     key = case_key(rtt_ms, answer, alpha, name)
                     out[key + "|tok_s"] = statistics.median(r[0] for r in runs)
                     out[key + "|proposals"] = statistics.median(r[1] for r in runs)
@@ -97,12 +102,13 @@ def reference(this: dict[str, float], rtt_ms: int, answer: int, alpha: float, st
 
 def markdown(results: dict[str, Any]) -> str:
     this, before, base = results["this"], results["before"], results["baseline"]
+    draft_ms = results.get("draft_token_ms", DRAFT_TOKEN_MS)  # absent from the first results (3 ms)
     lines = [
         f"# One stall and a short answer: the controller on a simulated link, commit {results['commit'][:7]}"
         + (f" beside {base}" if base else ""),
         "",
         f"`{results['command']}`. Medians over {results['seeds']} answers (seeds) per case; a step of q tokens "
-        f"takes RTT + {PER_QUERY_TOKEN_S * 1e3:.0f} ms x q, the draft model {DRAFT_TOKEN_S * 1e3:.0f} ms a token; "
+        f"takes RTT + {PER_QUERY_TOKEN_S * 1e3:.0f} ms x q, the draft model {draft_ms:g} ms a token; "
         "stalls: 110 ms on the first wide step (`step`), 170 ms on the first proposal (`draft`), or both. `ideal`: "
         "the unstalled run plus the stall's seconds; `off`: one-token steps, the step's stall on one of them.",
         "",
@@ -157,24 +163,33 @@ def plot(results: dict[str, Any], path: Path, answer: int = 32, alpha: float = 0
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seeds", type=int, default=50, help="answers simulated per case (default 50)")
+    parser.add_argument(
+        "--draft-token-ms",
+        type=float,
+        default=DRAFT_TOKEN_MS,
+        help=f"the draft model's cost per drafted token, ms (default {DRAFT_TOKEN_MS:g}; a dear one shows what the "
+        "confirming probe costs when the first proposal's cost was its own)",
+    )
     parser.add_argument("--baseline", help="a git commit whose controller is simulated beside this checkout's")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "controller_stalls")
     parser.add_argument("--measure", metavar="JSON", help=argparse.SUPPRESS)  # the child's job
     args = parser.parse_args()
     if args.measure:
-        Path(args.measure).write_text(json.dumps(measure(args.seeds)))
+        Path(args.measure).write_text(json.dumps(measure(args.seeds, args.draft_token_ms)))
         return 0
     from splitspec.bench.beside import measure_beside
     from splitspec.run_info import run_environment
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress
-    runs = measure_beside(Path(__file__).resolve(), ROOT, 1, args.baseline, ["--seeds", str(args.seeds)])
+    child = ["--seeds", str(args.seeds), "--draft-token-ms", str(args.draft_token_ms)]
+    runs = measure_beside(Path(__file__).resolve(), ROOT, 1, args.baseline, child)
     env = run_environment()
     results: dict[str, Any] = {
         "commit": env.get("commit", ""),
         "environment": env,
         "baseline": args.baseline,
         "seeds": args.seeds,
+        "draft_token_ms": args.draft_token_ms,
         "command": "python benchmarks/controller_stalls.py " + " ".join(sys.argv[1:]),
         "this": runs["this"][0],
         "before": runs["before"][0] if runs["before"] else None,
