@@ -14,6 +14,7 @@ from splitspec.decoding.controller import (
     SpeculationController,
 )
 from splitspec.decoding.estimates import MEMO_ENTRIES, StepTimes
+from tests.decoding.step_times import measured_step_times
 
 
 def trained(rtt_s: float, per_token_s: float, accept_rate: float, steps: int = 200) -> SpeculationController:
@@ -122,15 +123,6 @@ def test_a_new_sequence_starts_from_the_engine_wide_estimates() -> None:
         seeded.observe_draft("ngram", 4, 4, 4, 0.0)
     assert seeded.alphas("ngram", 1)[0] > 0.7  # its own observations soon outweigh the prior (from < 0.3)
     assert population.alphas("ngram", 1)[0] > before  # and the population learned from them
-
-
-def measured_step_times(one_s: float, per_token_s: float) -> StepTimes:
-    """Step times as a link measured them: T(q) = one_s + per_token_s (q - 1)."""
-    times = StepTimes()
-    for _ in range(20):
-        for q in (1, 2, 5, 9, 17):
-            times.observe(q, one_s + per_token_s * (q - 1))
-    return times
 
 
 @pytest.mark.parametrize(("miss_s", "drafts"), [(0.012, False), (0.0005, True)])

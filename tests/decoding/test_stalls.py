@@ -9,6 +9,7 @@ import pytest
 
 from splitspec.decoding.controller import CONFIRM_AFTER, SpeculationController
 from splitspec.decoding.estimates import Seconds, StepTimes
+from tests.decoding.step_times import measured_step_times
 
 DECAY = 0.97
 
@@ -90,13 +91,6 @@ def test_extrapolation_continues_from_the_widest_step_measured() -> None:
     assert times.predict(4) <= times.predict(9) + 1e-12
 
 
-def measured(ctl: SpeculationController, one_s: float, per_token_s: float) -> None:
-    """Every width measured twice: T(q) = one_s + per_token_s (q - 1)."""
-    for _ in range(2):
-        for q in (1, 2, 3, 5, 9):
-            ctl.step_times.observe(q, one_s + per_token_s * (q - 1))
-
-
 def sequential_until_probed(ctl: SpeculationController, one_s: float, limit: int = 30) -> int:
     """One-token steps taken before the controller asks a drafter again."""
     for steps in range(limit):
@@ -107,8 +101,7 @@ def sequential_until_probed(ctl: SpeculationController, one_s: float, limit: int
 
 
 def test_a_stalled_first_proposal_is_measured_again_and_drafting_resumes() -> None:
-    ctl = SpeculationController(["draft"])
-    measured(ctl, 0.040, 0.001)
+    ctl = SpeculationController(["draft"], step_times=measured_step_times(0.040, 0.001))
     ctl.observe_draft("draft", 2, 2, 2, 0.170)  # both tokens accepted, but the proposal stalled: 85 ms a token
     assert ctl.ranked()[0].drafter is None  # priced out by the stall
     assert sequential_until_probed(ctl, 0.040) == CONFIRM_AFTER  # not probe_every (24): a short answer's length
@@ -141,15 +134,13 @@ def test_a_stalled_first_wide_step_is_measured_again_at_its_width() -> None:
 def test_nothing_measured_once_is_probed_again_when_drafting_would_not_pay_without_it() -> None:
     """A drafter whose cost was measured once, on a link where even a free draft loses (a 50 ms extra token),
     waits for the usual probe: a confirmation would only cost a step."""
-    ctl = SpeculationController(["draft"])
-    measured(ctl, 0.040, 0.050)
+    ctl = SpeculationController(["draft"], step_times=measured_step_times(0.040, 0.050))
     ctl.observe_draft("draft", 2, 1, 2, 0.170)
     assert sequential_until_probed(ctl, 0.040) == ctl.probe_every
 
 
 def test_a_dear_drafter_measured_often_waits_for_the_usual_probe() -> None:
-    ctl = SpeculationController(["draft"])
-    measured(ctl, 0.040, 0.001)
+    ctl = SpeculationController(["draft"], step_times=measured_step_times(0.040, 0.001))
     for _ in range(3):
         ctl.observe_draft("draft", 2, 2, 2, 0.200)  # 100 ms a token, every time: its cost
     assert sequential_until_probed(ctl, 0.040) == ctl.probe_every
