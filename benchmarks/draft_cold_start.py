@@ -184,11 +184,16 @@ def flat(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def answer_keys(runs: dict[str, list[dict[str, float]]]) -> list[str]:
+    """The ``client|answer`` keys of a beside run's figures, in engine then answer order."""
+    return sorted({k.rsplit("|", 1)[0] for k in runs["this"][0]}, key=lambda k: tuple(map(int, k.split("|"))))
+
+
 def beside_markdown(results: dict[str, Any]) -> str:
     """Per answer, the median over repeats of this checkout's and the baseline's proposals and wall ms; overall,
     the median of the per-repeat ratios of tokens per second (all answers' tokens over their wall time)."""
     runs, base = results["runs"], results["baseline"]
-    answers = sorted({k.rsplit("|", 1)[0] for k in runs["this"][0]}, key=lambda k: tuple(map(int, k.split("|"))))
+    answers = answer_keys(runs)
 
     def med(label: str, key: str) -> float:
         return float(statistics.median(r[key] for r in runs[label]))
@@ -227,7 +232,7 @@ def beside_plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = results["runs"]
-    answers = sorted({k.rsplit("|", 1)[0] for k in runs["this"][0]}, key=lambda k: tuple(map(int, k.split("|"))))
+    answers = answer_keys(runs)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
     for label, name in (("this", "this"), ("before", results["baseline"])):
         for ax, figure in zip(axes, ("proposals", "wall_ms"), strict=True):
@@ -266,8 +271,7 @@ def main() -> None:
     parser.add_argument("--measure", metavar="JSON", help=argparse.SUPPRESS)  # a child's job (--baseline)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    env = run_environment()
-    env["device"] = args.device
+    env = {} if args.measure else {**run_environment(), "device": args.device}  # a child's figures carry none
     command = "python benchmarks/draft_cold_start.py " + " ".join(sys.argv[1:])
     if args.baseline:
         from splitspec.bench.beside import measure_beside
@@ -281,9 +285,10 @@ def main() -> None:
                    "command": command, "runs": runs}  # fmt: skip
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "draft_cold_start_beside.json").write_text(json.dumps(results, indent=1))
-        (args.out / "draft_cold_start_beside.md").write_text(beside_markdown(results))
+        report = beside_markdown(results)
+        (args.out / "draft_cold_start_beside.md").write_text(report)
         beside_plot(results, args.out / "draft_cold_start_beside.png")
-        log.info("\n%s", beside_markdown(results))
+        log.info("\n%s", report)
         return
     rows = asyncio.run(
         run(args.device, args.rtt_ms, args.clients, args.answers, args.cudnn_sdpa, args.stall_first_proposal_ms)
@@ -295,8 +300,9 @@ def main() -> None:
     (args.out / "draft_cold_start.json").write_text(
         json.dumps({"environment": env, "command": command, "rows": rows}, indent=1)
     )
-    (args.out / "draft_cold_start.md").write_text(markdown(rows, env, command))
-    log.info("\n%s", markdown(rows, env, command))
+    report = markdown(rows, env, command)
+    (args.out / "draft_cold_start.md").write_text(report)
+    log.info("\n%s", report)
 
 
 if __name__ == "__main__":
