@@ -196,9 +196,10 @@ def main() -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "controller_stalls.json").write_text(json.dumps(results, indent=1))
-    (args.out / "controller_stalls.md").write_text(markdown(results) + "\n")
+    report = markdown(results)
+    (args.out / "controller_stalls.md").write_text(report + "\n")
     plot(results, args.out / "controller_stalls.png")
-    logging.getLogger("controller_stalls").info("\n%s", markdown(results))
+    logging.getLogger("controller_stalls").info("\n%s", report)
     return 0
 
 
