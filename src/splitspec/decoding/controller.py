@@ -346,8 +346,9 @@ class SpeculationController:
         and a stall read as their cost once priced drafting out for the rest of a short answer."""
         n, run, k0 = context_tokens, self.sequential_run(), self.budgets[0]
         if run >= self.probe_every:
-            best = max(self.drafters, key=lambda name: self.value(name, k0, n, waits.get(name, 0.0)))
-            return Choice(best, k0, self.value(best, k0, n, waits.get(best, 0.0)))
+            values = {name: self.value(name, k0, n, waits.get(name, 0.0)) for name in self.drafters}
+            best = max(values, key=values.__getitem__)  # the first of equals, as the drafters are listed
+            return Choice(best, k0, values[best])
         if run < CONFIRM_AFTER:
             return None
         sequential = self.value(None, 0, n)
