@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from splitspec.decoding.sampling import SamplingParams, choose_token, probabilities
+from splitspec.decoding.sampling import SamplingParams, choose_token, greedy_tokens, probabilities
 from splitspec.exceptions import ConfigError
 
 
@@ -28,6 +28,17 @@ def test_probabilities_match_transformers(temperature: float, top_p: float, top_
     torch.testing.assert_close(params.probabilities(logits), expected)
     if top_k:
         assert int((expected[0] > 0).sum()) <= top_k
+
+
+def test_greedy_tokens_are_argmax_with_its_ties_and_nans() -> None:
+    generator = torch.Generator().manual_seed(0)
+    tied = torch.randint(-2, 3, (9, 8192), generator=generator).float()  # many tied maxima per row
+    assert torch.equal(greedy_tokens(tied), tied.argmax(dim=-1))
+    assert greedy_tokens(torch.tensor([1.0, 3.0, 0.0, 3.0])).item() == 1  # the first of tied maxima
+    with_nan = torch.tensor([[1.0, float("nan"), 5.0], [2.0, 7.0, 7.0]])
+    assert greedy_tokens(with_nan).tolist() == with_nan.argmax(dim=-1).tolist() == [1, 1]
+    strided = torch.randn(20, 300, generator=generator)[::2, ::3]  # a non-contiguous view
+    assert torch.equal(greedy_tokens(strided), strided.argmax(dim=-1))
 
 
 def test_greedy_and_seeded_choice() -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitspec.decoding.sampling import greedy_tokens
 from splitspec.models.masks import chain
 
 
@@ -95,7 +96,7 @@ def greedy_verify_tree(tokens: Sequence[int], parents: Sequence[int], target_log
     position where no child matches. Output is exactly greedy decoding's.
     """
     children = _children(parents)
-    choices = target_logits.argmax(dim=-1).tolist()
+    choices = greedy_tokens(target_logits).tolist()
     path: list[int] = []
     node, row = -1, 0
     while True:

@@ -57,7 +57,7 @@ from splitspec.decoding.aside import (
 from splitspec.decoding.controller import BlindPolicy, Choice, SpeculationPolicy
 from splitspec.decoding.drafters import Draft, Drafter, is_cheap, is_dear
 from splitspec.decoding.processors import LogitsProcessor
-from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.sampling import SamplingParams, choose_token
 from splitspec.decoding.shadow import score_shadows
 from splitspec.decoding.trees import draft_depth
 from splitspec.decoding.warmup import catching_up, finish_prepare, start_catch_up, start_prepare
@@ -200,13 +200,6 @@ def _drafting_waits(drafters: Mapping[str, Drafter], executor: Executor | None) 
     return {name: wait for name, drafter in drafters.items() if not is_cheap(drafter)} if wait > 0.0 else {}
 
 
-def _choose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The first token, from the prefill's last row (V,): argmax, or a draw from the warped distribution."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(params.probabilities(logits), 1, generator=generator))
-
-
 async def decode(
     verifier: TreeVerifier,
     prompt_ids: Sequence[int],
@@ -260,7 +253,7 @@ async def decode(
             prompt_token_logprobs, logits, prompt_ids, prompt_logprobs.top
         )
     last = logits[-1:]  # (1, V)
-    pending = _choose(_process(last, processors, context, ())[0], params, generator)
+    pending = choose_token(_process(last, processors, context, ())[0], params, generator)
     (first,) = _emit(last, [0], [pending], logprobs)
     for processor in processors:
         processor.accept([pending])

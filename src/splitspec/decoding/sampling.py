@@ -60,8 +60,17 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, 
     return scores.softmax(dim=-1)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> (...) the index of each row's maximum, the first of tied maxima: ``argmax``'s result.
+
+    ``max(dim=-1).indices`` returns the same indices (ties and NaN alike) and on a CPU takes a third of
+    ``argmax``'s time (torch 2.13, one thread, V = 8,192: 33 against 100 us for 9 rows, 7 against 13 for one).
+    Greedy verification runs it on every step's rows: it was 4.4 % of ``serve``'s samples at 32 streams."""
+    return logits.max(dim=-1).indices
+
+
 def choose_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Pick the next token from (V,) logits: argmax when greedy, else a draw from the warped distribution."""
     if params.greedy:
-        return int(logits.argmax())
+        return int(greedy_tokens(logits))
     return int(torch.multinomial(params.probabilities(logits), 1, generator=generator))
