@@ -8,10 +8,13 @@ may speak an older protocol) beside them, for the comparison side by side; the b
 measured at 1 and 16 streams.
 
 The load is the official ``openai`` client: N concurrent streams (N = 1, 4, 8, 16, 32), each
-running ``--requests`` streamed completions back to back (the lone stream: every prompt the 32-stream level
-sends, so that each level is compared with one stream on the same requests): 128-token prompts cut from held-out
-documents, each behind a request number of its own (so the server's prefix cache never lets a
-prompt seen before skip its prefill), 64 tokens out, greedy. Per level: aggregate output tok/s
+running ``--requests`` (8) streamed completions back to back, as a load tester keeps N requests in flight over many
+more requests than N (with 2 a stream, a level's wall time was mostly its start and its ramp-down, when the streams
+that finished left fewer running). The prompts: a pool of 64 128-token windows cut from held-out documents; stream
+i's r-th request takes window (i x requests + r) mod 64, so every level sends each window it uses equally often,
+and the lone stream runs every window once (each level is compared with one stream on the same text). Each request
+is behind a request number of its own (so the server's prefix cache never lets a prompt seen before skip its
+prefill), 64 tokens out, greedy. Per level: aggregate output tok/s
 (completion tokens / wall time), time to first token p50/p99, inter-token latency p50/p99 (per
 token: the gap between a stream's deliveries over the tokens delivered, as vLLM counts it; a
 speculative step delivers several tokens at once), and the edge compute per forward and per
@@ -36,7 +39,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -260,34 +264,46 @@ def all_active_rate(per_stream: list[list[dict[str, Any]]], t0: float) -> float:
     return inside * (tokens / max(1, len(chunks))) / (until - t0)
 
 
+def request_prompt(stream: int, r: int, requests: int, pool: int) -> int:
+    """The prompt of stream ``stream``'s ``r``-th request of ``requests``: n streams send each prompt they use
+    equally often whenever n x requests is a multiple of ``pool`` or at most it."""
+    return (stream * requests + r) % pool
+
+
 async def stream_worker(
     client: openai.AsyncOpenAI, prompts_: list[str], index: int, requests: int, max_tokens: int
 ) -> list[dict[str, Any]]:
-    """Stream ``index``'s ``requests`` requests, back to back; each result names its prompt (``prompt``)."""
+    """Stream ``index``'s ``requests`` requests, back to back, on prompts ``index x requests + r`` (mod the pool);
+    each result names its prompt (``prompt``)."""
     out = []
     for r in range(requests):
-        prompt = (index * requests + r) % len(prompts_)
+        prompt = request_prompt(index, r, requests, len(prompts_))
         out.append({**await stream_one(client, prompts_[prompt], max_tokens), "prompt": prompt})
     return out
 
 
+PROMPT_POOL = 64  # distinct prompts the levels draw from; the lone stream runs each once
+
+
 def lone_requests(requests: int) -> int:
-    """Requests the lone stream runs per repeat: every prompt the largest level sends, so that each level's
-    multiple of one stream compares the same requests (see :func:`lone_rate`)."""
-    return max(LEVELS) * requests
+    """Requests the lone stream runs per repeat: every prompt a level may send (the largest level's, at most the
+    pool), so that each level's multiple of one stream compares the same text (see :func:`lone_rate`)."""
+    return min(max(LEVELS) * requests, PROMPT_POOL)
 
 
-def lone_rate(lone: list[dict[str, Any]], prompts_used: set[int]) -> float:
-    """One stream's output tok/s over the requests of ``prompts_used``: their tokens over their summed wall times.
+def lone_rate(lone: list[dict[str, Any]], uses: Mapping[int, int] | Collection[int]) -> float:
+    """One stream's output tok/s over the prompts a level sent, each weighted by how often it was sent
+    (``uses``: prompt -> requests; a plain collection counts each once): their tokens over their wall times.
 
-    A level of n streams sends the prompts 0 .. n x requests - 1, and how many tokens a speculative step delivers
-    depends on the text (prompt lookup and n-grams find matches in some prompts, not others). A lone stream's
-    rate over its own first prompts only (2 of the 32 the 16-stream level sends) measures other text: in a probe at
-    ccbdee5 (closed loops of 20 s) the lone stream delivered 3.43 tokens a round trip on its first prompts and 2.87
-    on the 16-stream level's, 30.8 against 27.3 tok/s."""
-    mine = [r for r in lone if r["prompt"] in prompts_used]
-    seconds = sum(r["end"] - r["start"] for r in mine)
-    return sum(r["tokens"] for r in mine) / seconds if seconds > 0 else float("nan")
+    A level sends its prompts in proportions of its own, and how many tokens a speculative step delivers depends
+    on the text (prompt lookup and n-grams find matches in some prompts, not others). A lone stream's rate over its
+    own first prompts only (2 of the 32 the 16-stream level sent with 2 requests a stream) measures other text: in a
+    probe at ccbdee5 (closed loops of 20 s) the lone stream delivered 3.43 tokens a round trip on its first prompts
+    and 2.87 on the 16-stream level's, 30.8 against 27.3 tok/s."""
+    weight = dict(uses) if isinstance(uses, Mapping) else dict.fromkeys(uses, 1)
+    mine = [(weight[r["prompt"]], r) for r in lone if r["prompt"] in weight]
+    seconds = sum(w * (r["end"] - r["start"]) for w, r in mine)
+    return sum(w * r["tokens"] for w, r in mine) / seconds if seconds > 0 else float("nan")
 
 
 def metric_samples(text: str) -> list[Sample]:
@@ -399,6 +415,7 @@ async def run_level(
         "cpu_ms_per_token": {name: 1e3 * seconds / max(1, tokens) for name, seconds in cpu.items()},
         "per_step": per_step(parts0, parts1) if metrics else {},
         "prompts": sorted({r["prompt"] for r in results}),
+        "prompt_uses": [[p, c] for p, c in sorted(Counter(r["prompt"] for r in results).items())],  # [prompt, sent]
         # the lone stream's requests one by one (lone_rate), with their tokens' latencies
         **({"requests": [{"prompt": r["prompt"], "tokens": r["tokens"], "start": r["start"], "end": r["end"],
                           "gaps": per_token, "delivery_gaps": deliveries_}
@@ -450,7 +467,7 @@ async def run_all(
     urls: dict[str, str], args: argparse.Namespace, pids: dict[str, dict[str, int]] | None = None
 ) -> dict[str, Any]:
     pids = pids or {}
-    texts = prompts(65, 128)[1:]  # the first window starts the long prompt
+    texts = prompts(PROMPT_POOL + 1, 128)[1:]  # the first window starts the long prompt
     long_text = prompts(1, args.long_prompt)[0]
     for url in urls.values():  # warm-up: connections, the controllers' step times (of every worker)
         await run_level(url, 8, texts, 1, 32, metrics=False)
@@ -486,7 +503,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=2, help="streamed requests per stream and level")
+    parser.add_argument("--requests", type=int, default=8, help="streamed requests per stream and level")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
         "--long-prompt", type=int, default=2000,

@@ -39,7 +39,8 @@ def same_requests(runs: list[dict[str, Any]], n: int, requests: int) -> dict[str
         if lone is None or "requests" not in lone:
             continue
         used = set(level["prompts"])
-        rate = lone_rate(lone["requests"], used)
+        # how often the level sent each prompt (runs before 2026-12-05 sent each once and did not record it)
+        rate = lone_rate(lone["requests"], {p: c for p, c in level.get("prompt_uses", [(p, 1) for p in used])})
         out["x_same"].append(level["tokens_per_s"] / rate)
         if "all_active_tokens_per_s" in level:
             out["x_active"].append(level["all_active_tokens_per_s"] / rate)
@@ -156,10 +157,12 @@ def markdown(results: dict[str, Any]) -> str:
         "`--speculate auto` with the draft model." + _long_prompt_sentence(results),
         f"Reproduce: `{results['command']}`.",
         "",
-        'The lone stream runs every prompt the largest level sends, one after another. "vs 1 stream" is a '
-        "level's tok/s over the lone stream's on the same prompts (paired by repeat, median): how many tokens a "
-        'speculative step delivers depends on the text. "first prompts" is over the lone stream\'s rate on its '
-        f"first {results['requests']} prompts alone, as this benchmark measured it before 2026-12-04.",
+        "The lone stream runs every prompt a level may send (since 2026-12-05: each of a pool of 64 once; the "
+        'levels send each prompt they use equally often), one after another. "vs 1 stream" is a level\'s tok/s over '
+        "the lone stream's on the same prompts, each weighted by how often the level sent it (paired by repeat, "
+        'median): how many tokens a speculative step delivers depends on the text. "first prompts" is over the lone '
+        f"stream's rate on its first {results['requests']} prompts alone, as this benchmark measured it before "
+        "2026-12-04.",
         "",
         "| server | streams | aggregate tok/s | while all active | vs 1 stream | vs 1 stream, all active | "
         "vs 1 stream, first prompts |",

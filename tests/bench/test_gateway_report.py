@@ -42,6 +42,28 @@ def test_a_level_is_compared_with_the_lone_stream_on_its_own_prompts(report: Mod
     assert paired["lone_itl_p99_s"] == [pytest.approx(4.0 / 64)]
 
 
+def test_a_prompt_the_level_sent_more_often_weighs_more_in_the_lone_rate(report: ModuleType) -> None:
+    # the level sent the easy prompt 0 three times and the hard prompt 1 once: one stream on that mix
+    # takes 3 x 1 s + 4 s for 4 x 64 tokens
+    runs = [
+        lone_run(0, {0: 1.0, 1: 4.0}),
+        {"streams": 2, "repeat": 0, "tokens_per_s": 100.0, "prompts": [0, 1], "prompt_uses": [[0, 3], [1, 1]]},
+    ]
+    assert report.same_requests(runs, 2, 2)["x_same"] == [pytest.approx(100.0 / (256 / 7.0))]
+    runs[1].pop("prompt_uses")  # a run before 2026-12-05: each prompt it sent counts once
+    assert report.same_requests(runs, 2, 2)["x_same"] == [pytest.approx(100.0 / (128 / 5.0))]
+
+
+def test_every_level_sends_its_prompts_equally_often_and_the_lone_stream_runs_them_all(report: ModuleType) -> None:
+    load = importlib.import_module("gateway_load")
+    requests = 8
+    for n in load.LEVELS[1:]:
+        sent = [load.request_prompt(i, r, requests, load.PROMPT_POOL) for i in range(n) for r in range(requests)]
+        counts = {sent.count(p) for p in set(sent)}
+        assert len(counts) == 1, (n, counts)
+        assert set(sent) <= set(range(load.lone_requests(requests)))
+
+
 def test_levels_pair_with_the_lone_run_of_their_repeat(report: ModuleType) -> None:
     runs = [
         lone_run(0, {0: 2.0, 1: 2.0}),
