@@ -47,21 +47,23 @@ from typing import Any
 
 import openai
 from auto_floor import POSITIONS, extended_copy
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
+from gateway_measures import (
+    all_active_rate,
+    delivery_gaps,
+    edge_forwards,
+    metric_samples,
+    per_step,
+    quantile,
+    step_parts,
+    token_latencies,
+    tpot,
+)
 from transformers import AutoTokenizer
 
 from splitspec.demo import ASSETS, _stop, _wait_for_port, embedded_model, free_port
 from splitspec.run_info import cpu_seconds, run_environment
 
 LEVELS = (1, 4, 8, 16, 32)
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 @contextmanager
@@ -220,50 +222,6 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -
     return {"start": t0, "chunks": chunks, "tokens": tokens, "end": time.perf_counter()}
 
 
-BURST_S = 0.002  # content chunks closer than this arrived together (one speculative step's tokens)
-
-
-def deliveries(chunks: list[float]) -> list[tuple[float, float, int]]:
-    """(arrival, gap, tokens) of every delivery after the first: content chunks closer than :data:`BURST_S` are one
-    delivery (a speculative step's tokens, which ``serve`` streams as a chunk each); gap: seconds since the last."""
-    bursts: list[list[float]] = []
-    for t in chunks:
-        if bursts and t - bursts[-1][-1] < BURST_S:
-            bursts[-1].append(t)
-        else:
-            bursts.append([t])
-    return [(burst[-1], burst[-1] - previous[-1], len(burst)) for previous, burst in itertools.pairwise(bursts)]
-
-
-def token_latencies(chunks: list[float]) -> list[tuple[float, float]]:
-    """(arrival, seconds per token) for every token after the first: a delivery of k tokens that came g seconds
-    after the previous delivery gives each of its k tokens g / k."""
-    return [(at, gap / k) for at, gap, k in deliveries(chunks) for _ in range(k)]
-
-
-def delivery_gaps(chunks: list[float]) -> list[tuple[float, float]]:
-    """(arrival, gap) per delivery: vLLM's inter-token latency (its benchmark appends the time since the last
-    chunk for every chunk, and vLLM streams a speculative step's tokens as one chunk)."""
-    return [(at, gap) for at, gap, _ in deliveries(chunks)]
-
-
-def tpot(result: dict[str, Any]) -> float | None:
-    """A request's time per output token after the first (vLLM's TPOT); None under two tokens."""
-    chunks = result["chunks"]
-    return (chunks[-1] - chunks[0]) / (len(chunks) - 1) if len(chunks) > 1 else None
-
-
-def all_active_rate(per_stream: list[list[dict[str, Any]]], t0: float) -> float:
-    """Output tok/s while every stream is active: from ``t0`` until the first stream finishes its last request.
-    A level's wall time also holds its ramp-down, when the streams that finished early leave fewer running: a
-    lower concurrency than the level's. Counted by content chunks, scaled to the tokens the server reported."""
-    until = float(min(stream[-1]["end"] for stream in per_stream))
-    chunks: list[float] = [t for stream in per_stream for r in stream for t in r["chunks"]]
-    tokens = int(sum(r["tokens"] for stream in per_stream for r in stream))
-    inside = sum(1 for t in chunks if t <= until)
-    return inside * (tokens / max(1, len(chunks))) / (until - t0)
-
-
 def request_prompt(stream: int, r: int, requests: int, pool: int) -> int:
     """The prompt of stream ``stream``'s ``r``-th request of ``requests``: n streams send each prompt they use
     equally often whenever n x requests is a multiple of ``pool`` or at most it."""
@@ -304,50 +262,6 @@ def lone_rate(lone: list[dict[str, Any]], uses: Mapping[int, int] | Collection[i
     mine = [(weight[r["prompt"]], r) for r in lone if r["prompt"] in weight]
     seconds = sum(w * (r["end"] - r["start"]) for w, r in mine)
     return sum(w * r["tokens"] for w, r in mine) / seconds if seconds > 0 else float("nan")
-
-
-def metric_samples(text: str) -> list[Sample]:
-    """Every sample of a /metrics page, by prometheus-client's own parser."""
-    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
-
-
-def edge_forwards(samples: list[Sample]) -> dict[tuple[str, int], tuple[float, float]]:
-    """(part, rows) -> (forwards, total ms) from a /metrics page's samples."""
-    slots = {"splitspec_serve_edge_forwards_total": 0, "splitspec_serve_edge_forward_milliseconds_total": 1}
-    out: dict[tuple[str, int], list[float]] = {}
-    for sample in samples:
-        if sample.name in slots:
-            key = (sample.labels["part"], int(sample.labels["rows"]))
-            out.setdefault(key, [0.0, 0.0])[slots[sample.name]] = sample.value
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
-def step_parts(samples: list[Sample]) -> dict[str, float]:
-    """From a /metrics page's samples: per part of a round trip (network, edge, cloud, serialize) its total ms and
-    count, as ``PART_ms`` and ``PART_n``; and the decode round trips and completion tokens."""
-    suffixes = {"splitspec_serve_step_milliseconds_sum": "ms", "splitspec_serve_step_milliseconds_count": "n"}
-    out: dict[str, float] = {}
-    for sample in samples:
-        if sample.name in suffixes:
-            out[f"{sample.labels['part']}_{suffixes[sample.name]}"] = sample.value
-        elif sample.name == "splitspec_serve_round_trips_total" and sample.labels.get("kind") == "decode":
-            out["decode_trips"] = sample.value
-        elif sample.name == "splitspec_serve_completion_tokens_total":
-            out["completion_tokens"] = sample.value
-    return out
-
-
-def per_step(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What a level added to :func:`step_parts`: mean ms per round trip of each part, and tokens per decode trip."""
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    out = {
-        f"{part}_ms": delta[f"{part}_ms"] / delta[f"{part}_n"]
-        for part in ("network", "cloud_queue", "edge", "edge_queue", "cloud", "serialize")
-        if delta.get(f"{part}_n")
-    }
-    if delta.get("decode_trips"):
-        out["tokens_per_trip"] = delta.get("completion_tokens", 0.0) / delta["decode_trips"]
-    return out
 
 
 async def run_level(

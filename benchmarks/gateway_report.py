@@ -6,7 +6,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from gateway_load import LEVELS, lone_rate, quantile
+from gateway_load import LEVELS, lone_rate
+from gateway_measures import quantile
 
 # per-level figures of runs since 2026-12-04: throughput while every stream is active, vLLM's inter-token latency
 # (per delivery) and time per output token

@@ -96,23 +96,23 @@ def test_the_summary_reports_both_multiples(report: ModuleType) -> None:
 
 
 @pytest.fixture(scope="module")
-def load(report: ModuleType) -> ModuleType:
-    return importlib.import_module("gateway_load")  # on the path the report fixture put it
+def measures(report: ModuleType) -> ModuleType:
+    return importlib.import_module("gateway_measures")  # on the path the report fixture put it
 
 
-def test_a_speculative_steps_chunks_are_one_delivery(load: ModuleType) -> None:
+def test_a_speculative_steps_chunks_are_one_delivery(measures: ModuleType) -> None:
     # tokens at 0 s; 3 in one step at 0.100 s; 1 at 0.200 s
     chunks = [0.0, 0.100, 0.1005, 0.101, 0.200]
-    assert load.delivery_gaps(chunks) == [(0.101, pytest.approx(0.101)), (0.200, pytest.approx(0.099))]
-    per_token = load.token_latencies(chunks)
+    assert measures.delivery_gaps(chunks) == [(0.101, pytest.approx(0.101)), (0.200, pytest.approx(0.099))]
+    per_token = measures.token_latencies(chunks)
     assert [latency for _, latency in per_token] == pytest.approx([0.101 / 3] * 3 + [0.099])
-    assert load.tpot({"chunks": chunks}) == pytest.approx(0.05)
-    assert load.tpot({"chunks": [0.0]}) is None
+    assert measures.tpot({"chunks": chunks}) == pytest.approx(0.05)
+    assert measures.tpot({"chunks": [0.0]}) is None
 
 
-def test_the_all_active_rate_leaves_out_the_ramp_down(load: ModuleType) -> None:
+def test_the_all_active_rate_leaves_out_the_ramp_down(measures: ModuleType) -> None:
     # two streams from t0 = 0: one finishes at 1 s, the other runs alone until 3 s
     fast = [{"chunks": [0.25, 0.5, 0.75, 1.0], "tokens": 4, "end": 1.0}]
     slow = [{"chunks": [0.5, 1.0, 2.0, 3.0], "tokens": 4, "end": 3.0}]
-    assert load.all_active_rate([fast, slow], 0.0) == pytest.approx(6.0)  # 6 tokens in the first second
-    assert load.all_active_rate([slow], 0.0) == pytest.approx(4 / 3)  # a lone stream: its whole run
+    assert measures.all_active_rate([fast, slow], 0.0) == pytest.approx(6.0)  # 6 tokens in the first second
+    assert measures.all_active_rate([slow], 0.0) == pytest.approx(4 / 3)  # a lone stream: its whole run
