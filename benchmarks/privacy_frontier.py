@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from splitspec.privacy.attackers import TrainConfig
-from splitspec.privacy.defences import DEFAULT_DEFENCE, parse_defence
+from splitspec.privacy.defence_config import DEFAULT_DEFENCE, parse_defence
 from splitspec.privacy.frontier import TIERS, FrontierConfig, compare_points, run_frontier
 from splitspec.privacy.stats import wilson_interval
 from splitspec.run_info import read_jsonl_gz, run_environment, write_jsonl_gz

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from splitspec.devices import COMPUTE_ON_CHOICES, COMPUTE_ON_HELP, DEVICE_HELP
+from splitspec.device_choices import COMPUTE_ON_CHOICES, COMPUTE_ON_HELP, DEVICE_HELP
 from splitspec.exceptions import ConfigError
 from splitspec.models.compile_modes import COMPILE_MODES
-from splitspec.models.precision import AUTO, DTYPE_CHOICES
+from splitspec.models.dtype_choices import AUTO, DTYPE_CHOICES
 from splitspec.models.quantize_choices import QUANTIZE_CHOICES, QUANTIZE_HELP
 from splitspec.models.split import parse_edge_layers
-from splitspec.protocol.codec import WIRE_CODECS
+from splitspec.protocol.choices import WIRE_CODECS
 
 __all__ = [
     "DTYPE_HELP",
@@ -206,7 +206,7 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    from splitspec.decoding.speculative import SPECULATE_MODES
+    from splitspec.decoding.modes import SPECULATE_MODES
 
     p.add_argument(
         "--speculate",

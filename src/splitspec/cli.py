@@ -30,7 +30,7 @@ from splitspec.arguments import (
     set_threads,
 )
 from splitspec.detokenize import IncrementalText
-from splitspec.devices import DEVICE_HELP
+from splitspec.device_choices import DEVICE_HELP
 from splitspec.edge_cli import edge_config, sampling_params
 from splitspec.exceptions import ConfigError, SplitspecError
 
@@ -173,7 +173,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from splitspec.decoding.speculative import SPECULATE_MODES
+    from splitspec.decoding.modes import SPECULATE_MODES
 
     p = sub.add_parser("demo", help="run cloud, WAN emulator and edge on this machine with the embedded models")
     p.add_argument("--prompt", help="prompt text (default: a short prose and code showcase)")

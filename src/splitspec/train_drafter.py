@@ -27,7 +27,7 @@ from splitspec.arguments import (
     read_token_file,
     set_threads,
 )
-from splitspec.devices import DEVICE_HELP
+from splitspec.device_choices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
 
 if TYPE_CHECKING:

@@ -16,13 +16,12 @@ from splitspec.models.loading import load_full
 from splitspec.models.split import SplitPlan
 from splitspec.privacy.activations import cloud_view, collect_layers
 from splitspec.privacy.corpus import CorpusWindows, corpus_windows
+from splitspec.privacy.defence_config import DefenceConfig, parse_defence
 from splitspec.privacy.defences import (
     Adversary,
-    DefenceConfig,
     TokenProbe,
     add_send_noise,
     noise_for_tokens,
-    parse_defence,
     prefix_digests,
 )
 from splitspec.privacy.diverge import DivergeConfig, DivergeResult, diverge

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from splitspec.privacy.attackers import TrainConfig
-from splitspec.privacy.defences import DefenceConfig
+from splitspec.privacy.defence_config import DefenceConfig
 from splitspec.privacy.frontier import FrontierConfig, compare_points, point_clusters, point_hits, run_frontier
 from splitspec.privacy.outcomes import unpack_hits
 from tests.privacy.test_audit import write_corpus

@@ -37,9 +37,9 @@ from splitspec.arguments import (
     set_threads,
 )
 from splitspec.bench.scenario import DEFAULT_MODEL_DIR
-from splitspec.devices import DEVICE_HELP
+from splitspec.device_choices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
-from splitspec.protocol.codec import WIRE_CODECS
+from splitspec.protocol.choices import WIRE_CODECS
 
 __all__ = ["register", "run_bench", "run_probe"]
 

@@ -41,9 +41,9 @@ from typing import Any
 import splitspec
 from splitspec.bench.modes import MODES
 from splitspec.exceptions import ConfigError
-from splitspec.models.precision import AUTO, DTYPE_CHOICES
+from splitspec.models.dtype_choices import AUTO, DTYPE_CHOICES
 from splitspec.paths import display_path
-from splitspec.protocol.codec import WIRE_CODECS
+from splitspec.protocol.choices import WIRE_CODECS
 
 __all__ = [
     "DEFAULT_CORPUS_DIR",

@@ -15,6 +15,7 @@ from splitspec.decoding.controller import SpeculationPolicy
 from splitspec.decoding.drafters import Drafter, DraftModel, MixedDrafter, NgramPool, PromptLookup
 from splitspec.decoding.eagle import EagleDrafter, KeepsFeatures
 from splitspec.decoding.loop import SpecStep, TreeVerifier, decode
+from splitspec.decoding.modes import SPECULATE_MODES
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.decoding.trees import draft_depth
 from splitspec.devices import device_generator
@@ -46,9 +47,6 @@ async def speculative_decode(
         verifier, prompt_ids, max_new_tokens, params, generator, drafters, controller, stop_token_ids, trace, history
     ):
         yield emitted.token
-
-
-SPECULATE_MODES = ("off", "ngram", "prompt-lookup", "draft", "eagle", "mix", "auto")
 
 
 def _seed(generator: torch.Generator | None) -> int | None:

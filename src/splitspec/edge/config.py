@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitspec.devices import check_compute_on
+from splitspec.device_choices import check_compute_on
 from splitspec.exceptions import ConfigError
 
 

@@ -29,9 +29,9 @@ from splitspec.arguments import (
     read_token_file,
 )
 from splitspec.detokenize import IncrementalText
-from splitspec.devices import DEVICE_HELP, resolve_device
+from splitspec.device_choices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
-from splitspec.protocol.fed import DEFAULT_QUANT_BUDGET
+from splitspec.protocol.choices import DEFAULT_QUANT_BUDGET
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from splitspec.decoding.sampling import SamplingParams
+    from splitspec.devices import resolve_device
     from splitspec.federated.config import CoordinatorConfig
     from splitspec.federated.coordinator import Coordinator
     from splitspec.federated.lm import load_model

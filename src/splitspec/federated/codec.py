@@ -45,8 +45,8 @@ import torch
 
 from splitspec.exceptions import BadTensor, ConfigError
 from splitspec.federated.topk import TopK
+from splitspec.protocol.choices import DEFAULT_QUANT_BUDGET
 from splitspec.protocol.fed import (
-    DEFAULT_QUANT_BUDGET,
     MAX_QUANT_BUDGET,
     SCORES_HEADER_SIZE,
     VALUE_CODECS,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from splitspec.exceptions import ConfigError
 from splitspec.federated.topk import RECONSTRUCTIONS, Reconstruction, normalize_weights
+from splitspec.protocol.choices import DEFAULT_QUANT_BUDGET
 from splitspec.protocol.fed import (
-    DEFAULT_QUANT_BUDGET,
     EPSILON_SCOPES,
     MAX_QUANT_BUDGET,
     VALUE_CODECS,

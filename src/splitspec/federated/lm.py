@@ -15,8 +15,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from splitspec.models.checkpoint import Checkpoint, fingerprint, load_tokenizer
+from splitspec.models.dtype_choices import AUTO
 from splitspec.models.loading import load_full, resolve_dtype
-from splitspec.models.precision import AUTO
 from splitspec.models.stack import FullModel
 
 

@@ -24,8 +24,9 @@ from transformers.modeling_utils import LoadStateDictConfig
 from splitspec.devices import spread_layers
 from splitspec.exceptions import CheckpointError
 from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.dtype_choices import AUTO
 from splitspec.models.family import Skeleton, published_dtype, skeleton
-from splitspec.models.precision import AUTO, dtype_name, resolve_compute_dtype
+from splitspec.models.precision import dtype_name, resolve_compute_dtype
 from splitspec.models.quantization import plan_quantization, published_method
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, LayerStack

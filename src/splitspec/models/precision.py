@@ -18,12 +18,10 @@ from collections.abc import Mapping
 import torch
 
 from splitspec.exceptions import ConfigError
+from splitspec.models.dtype_choices import AUTO, DTYPE_CHOICES
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto"
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-DTYPE_CHOICES = (AUTO, *DTYPE_NAMES)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # CPU capability flags (torch.cpu.get_capabilities' names) that compute each half type natively

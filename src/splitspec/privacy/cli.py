@@ -19,7 +19,7 @@ from pathlib import Path
 
 from splitspec.arguments import MODEL_HELP, model_dir, set_threads
 from splitspec.exceptions import ConfigError
-from splitspec.privacy.defences import DEFAULT_DEFENCE
+from splitspec.privacy.defence_config import DEFAULT_DEFENCE
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def _run_audit(args: argparse.Namespace) -> int:
 def _run_diverge(args: argparse.Namespace) -> int:
     from splitspec.models.split import parse_edge_layers
     from splitspec.privacy.corpus import DEFAULT_CORPUS
-    from splitspec.privacy.defences import DefenceConfig
+    from splitspec.privacy.defence_config import DefenceConfig
     from splitspec.privacy.diverge import DivergeConfig, diverge
 
     set_threads(args.threads)

@@ -47,14 +47,8 @@ from splitspec.models.stack import FullModel
 from splitspec.paths import display_path
 from splitspec.privacy.activations import residual_stream, split_forward
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
-from splitspec.privacy.defences import (
-    DEFAULT_DEFENCE,
-    SCALE_CAP_WEIGHT,
-    Adversary,
-    DefenceConfig,
-    scale_excess,
-    token_rms,
-)
+from splitspec.privacy.defence_config import DEFAULT_DEFENCE, DefenceConfig
+from splitspec.privacy.defences import SCALE_CAP_WEIGHT, Adversary, scale_excess, token_rms
 from splitspec.privacy.record import DivergenceRecord
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 from splitspec.run_info import run_environment

@@ -45,7 +45,7 @@ from splitspec.privacy import attackers as atk
 from splitspec.privacy.activations import cloud_view, collect_layers, stock_tail_top5
 from splitspec.privacy.adaptive import Traffic, align, self_train
 from splitspec.privacy.corpus import DEFAULT_CORPUS, Windows, corpus_windows
-from splitspec.privacy.defences import DefenceConfig
+from splitspec.privacy.defence_config import DefenceConfig
 from splitspec.privacy.diverge import DivergeConfig, diverge, perplexity
 from splitspec.privacy.outcomes import pack_hits, unpack_hits
 from splitspec.privacy.stats import PairedDifference, cluster_bootstrap_diff, paired_difference, wilson_interval

@@ -1,49 +1,7 @@
 """Sans-I/O wire protocol: frames, tensor codec, typed messages and their validation.
 
 Nothing in this package imports asyncio, websockets or transformers (a test checks it). It turns
-bytes into typed messages and back; the transport moves the bytes.
+bytes into typed messages and back; the transport moves the bytes. Import from its modules
+(:mod:`.frames`, :mod:`.codec`, :mod:`.messages`, :mod:`.state`, :mod:`.fed`); this package module imports
+nothing, so that :mod:`.choices` loads without torch (the command line's parser reads it).
 """
-
-from splitspec.protocol.frames import (
-    DTYPES,
-    MAGIC,
-    PROTOCOL_VERSION,
-    decode_frame,
-    encode_frame,
-)
-from splitspec.protocol.messages import (
-    CacheCommand,
-    CloseSession,
-    Error,
-    Hello,
-    Message,
-    OpenSession,
-    SessionClosed,
-    SessionOpened,
-    Step,
-    StepResult,
-    Welcome,
-    decode_message,
-    encode_message,
-)
-
-__all__ = [
-    "DTYPES",
-    "MAGIC",
-    "PROTOCOL_VERSION",
-    "CacheCommand",
-    "CloseSession",
-    "Error",
-    "Hello",
-    "Message",
-    "OpenSession",
-    "SessionClosed",
-    "SessionOpened",
-    "Step",
-    "StepResult",
-    "Welcome",
-    "decode_frame",
-    "decode_message",
-    "encode_frame",
-    "encode_message",
-]

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from splitspec.exceptions import BadEncoding, BadTensor, HandshakeMismatch
+from splitspec.protocol.choices import WIRE_CODECS
 
 __all__ = [
     "INT8_BLOCK",
@@ -50,7 +51,6 @@ __all__ = [
     "wire_bytes_per_token",
 ]
 
-WIRE_CODECS: tuple[str, ...] = ("raw", "bf16", "int8")  # every codec this protocol version knows
 INT8_BLOCK = 16  # channels sharing one int8 scale (32 measured 13 % more top-1 flips: docs/architecture.md)
 INT8_OUTLIERS = 8  # largest-magnitude channels per token sent as bfloat16
 _INT8_MAX = 127

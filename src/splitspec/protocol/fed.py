@@ -48,6 +48,7 @@ from splitspec.exceptions import (
     MessageTooLarge,
     UnsupportedVersion,
 )
+from splitspec.protocol.choices import DEFAULT_QUANT_BUDGET
 from splitspec.protocol.fields import (
     bool_field,
     choice_field,
@@ -65,7 +66,6 @@ ValueCodec = Literal["quantized", "float16", "float32"]  # how top-K probabiliti
 EpsilonScope = Literal["position", "round"]  # where an adaptive-K target applies
 VALUE_CODECS: tuple[ValueCodec, ...] = get_args(ValueCodec)
 EPSILON_SCOPES: tuple[EpsilonScope, ...] = get_args(EpsilonScope)
-DEFAULT_QUANT_BUDGET = 0.05  # ρ: quantization error allowed per position, as a fraction of its tail mass
 MAX_QUANT_BUDGET = 0.5  # largest quantization budget ρ a coordinator may ask for
 SCORES_MAGIC = b"SPFS"
 MAX_SEQ = 0xFFFFFFFF  # a round counter travels as uint32 in FedScores
