@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from splitspec.exceptions import ConfigError
 
+DEVICE_CHOICES = "auto, cpu, cuda, cuda:N, mps"  # what ``--device`` takes, as an error message lists it
 DEVICE_HELP = (
     "compute device: auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps (default auto); "
     "model pieces, KV caches, masks and sampling live there, only the wire crosses to the host"

@@ -19,12 +19,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from splitspec.device_choices import check_compute_on
+from splitspec.device_choices import DEVICE_CHOICES, check_compute_on
 from splitspec.exceptions import ConfigError, DeviceUnavailable
 
 log = logging.getLogger(__name__)
-
-DEVICE_CHOICES = "auto, cpu, cuda, cuda:N, mps"
 
 
 def _cuda_count() -> int:
