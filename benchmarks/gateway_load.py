@@ -7,12 +7,16 @@ draft model and ``--speculate auto`` (float32). With ``--baseline REF`` a second
 may speak an older protocol) beside them, for the comparison side by side; the baseline is
 measured at 1 and 16 streams.
 
-The load is the official ``openai`` client: N concurrent streams (N = 1, 4, 8, 16, 32), each
-running ``--requests`` (8) streamed completions back to back, as a load tester keeps N requests in flight over many
-more requests than N (with 2 a stream, a level's wall time was mostly its start and its ramp-down, when the streams
-that finished left fewer running). The prompts: a pool of 64 128-token windows cut from held-out documents; stream
-i's r-th request takes window (i x requests + r) mod 64, so every level sends each window it uses equally often,
-and the lone stream runs every window once (each level is compared with one stream on the same text). Each request
+The load is the official ``openai`` client: N requests in flight (N = 1, 4, 8, 16, 32) over N x ``--requests`` (8)
+streamed completions, as a load tester keeps N in flight over many more requests than N. ``--schedules`` says how:
+``queue`` (the default) is vLLM's ``benchmark_serving --max-concurrency N``: N workers take the next request from
+one queue as each finishes, so all N stay busy until the queue is empty; ``streams`` (this benchmark's schedule
+until 2026-12-05) gives each of the N streams its own ``--requests`` requests, back to back, so a level ends with
+the slowest stream while those that finished leave fewer running. A second schedule is measured beside the first
+at 16 and 32 streams. The prompts: a pool of 64 128-token windows cut from held-out documents; request j takes
+window j mod 64 (``streams``: stream i's r-th request takes (i x requests + r) mod 64), so every level sends each
+window it uses equally often, and the lone stream runs every window once (each level is compared with one stream
+on the same text). Each request
 is behind a request number of its own (so the server's prefix cache never lets a prompt seen before skip its
 prefill), 64 tokens out, greedy. Per level: aggregate output tok/s
 (completion tokens / wall time), time to first token p50/p99, inter-token latency p50/p99 (per
@@ -25,7 +29,8 @@ prefills, against their p50.
 Repeats are interleaved (levels alternate direction, servers alternate order); medians and
 ratios are reported. Writes ``gateway_load.json``, ``gateway_load.md`` and ``gateway_load.png``.
 
-    python benchmarks/gateway_load.py [--repeats 3] [--baseline 2499b7e] [--out benchmarks/results/gateway]
+    python benchmarks/gateway_load.py [--repeats 3] [--schedules queue streams] [--baseline 2499b7e]
+        [--out benchmarks/results/gateway]
 """
 
 from __future__ import annotations
@@ -223,8 +228,8 @@ async def stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -
 
 
 def request_prompt(stream: int, r: int, requests: int, pool: int) -> int:
-    """The prompt of stream ``stream``'s ``r``-th request of ``requests``: n streams send each prompt they use
-    equally often whenever n x requests is a multiple of ``pool`` or at most it."""
+    """The prompt of stream ``stream``'s ``r``-th request of ``requests`` (the ``streams`` schedule): n streams send
+    each prompt they use equally often whenever n x requests is a multiple of ``pool`` or at most it."""
     return (stream * requests + r) % pool
 
 
@@ -240,6 +245,25 @@ async def stream_worker(
     return out
 
 
+async def queue_workers(
+    client: openai.AsyncOpenAI, prompts_: list[str], n: int, total: int, max_tokens: int
+) -> list[list[dict[str, Any]]]:
+    """``total`` requests, ``n`` in flight (the ``queue`` schedule, vLLM's ``--max-concurrency``): each of ``n``
+    workers takes the next request as its last one finishes, request j on prompt j mod the pool -> each worker's
+    results, in the order it ran them."""
+    queued = iter(range(total))  # one event loop: next() is never interleaved
+
+    async def worker() -> list[dict[str, Any]]:
+        out = []
+        for j in queued:
+            prompt = j % len(prompts_)
+            out.append({**await stream_one(client, prompts_[prompt], max_tokens), "prompt": prompt})
+        return out
+
+    return list(await asyncio.gather(*(worker() for _ in range(n))))
+
+
+SCHEDULES = ("queue", "streams")  # how a level's requests are spread over its n streams (the docstring)
 PROMPT_POOL = 64  # distinct prompts the levels draw from; the lone stream runs each once
 
 
@@ -272,10 +296,12 @@ async def run_level(
     max_tokens: int,
     metrics: bool = True,
     pids: dict[str, int] | None = None,
+    schedule: str = "queue",
 ) -> dict[str, Any]:
-    """One load level; ``metrics`` False: no edge compute from /metrics (with several workers each
-    scrape reaches one worker, so before/after would not be of the same process). ``pids``: processes
-    (name -> pid) whose CPU time is read around the level, with this one's as ``load``."""
+    """One load level: ``n`` streams over ``n x requests`` requests, spread by ``schedule``. ``metrics`` False: no
+    edge compute from /metrics (with several workers each scrape reaches one worker, so before/after would not be
+    of the same process). ``pids``: processes (name -> pid) whose CPU time is read around the level, with this
+    one's as ``load``."""
     import httpx
 
     async def scrape() -> tuple[dict[tuple[str, int], tuple[float, float]], dict[str, float]]:
@@ -294,7 +320,10 @@ async def run_level(
     cpu0 = {name: used(name, pid) for name, pid in watched.items()}
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
     t0 = time.perf_counter()
-    per_stream = await asyncio.gather(*(stream_worker(client, prompts_, i, requests, max_tokens) for i in range(n)))
+    if schedule == "queue":
+        per_stream = await queue_workers(client, prompts_, n, n * requests, max_tokens)
+    else:
+        per_stream = await asyncio.gather(*(stream_worker(client, prompts_, i, requests, max_tokens) for i in range(n)))
     wall = time.perf_counter() - t0
     await client.close()
     cpu = {name: used(name, pid) - cpu0[name] for name, pid in watched.items()}
@@ -318,7 +347,7 @@ async def run_level(
                                          "ms_per_sequence": (ms - m0) / (count - c0) / rows}  # fmt: skip
     tokens = sum(r["tokens"] for r in results)
     return {
-        "streams": n, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+        "streams": n, "schedule": schedule, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
         "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
         "itl_p50_s": quantile(gaps, 0.5), "itl_p99_s": quantile(gaps, 0.99), "edge_batches": batches,
         "all_active_tokens_per_s": all_active_rate(per_stream, t0),
@@ -377,6 +406,20 @@ async def run_prefill_interference(
             "delivery_ratio": quantile(inside, 0.99) / delivery_p50, "deliveries_during": len(inside)}  # fmt: skip
 
 
+def level_runs(labels: list[str], schedules: list[str], n: int, repeat: int) -> list[tuple[str, str]]:
+    """The (server, schedule) runs of level ``n`` in repeat ``repeat``, in order: the first schedule on every server
+    (the baseline only at 1 and 16 streams, where it is compared); the others on the engine at 16 and 32 streams
+    (one stream runs the same requests whatever the schedule); the schedules' order alternates by repeat."""
+    runs = []
+    for label in labels:
+        if label != "engine" and n not in (1, 16):
+            continue
+        extra = schedules[1:] if label == "engine" and n in (16, 32) else []
+        mine = [schedules[0], *extra]
+        runs += [(label, schedule) for schedule in (mine if repeat % 2 == 0 else reversed(mine))]
+    return runs
+
+
 async def run_all(
     urls: dict[str, str], args: argparse.Namespace, pids: dict[str, dict[str, int]] | None = None
 ) -> dict[str, Any]:
@@ -392,16 +435,13 @@ async def run_all(
         levels = list(LEVELS) if rep % 2 == 0 else list(reversed(LEVELS))
         for n in levels:
             labels = list(urls) if (rep + n) % 2 == 0 else list(reversed(urls))
-            for label in labels:
-                if label != "engine" and n not in (1, 16):  # the baseline is measured where it is compared
-                    continue
+            for label, schedule in level_runs(labels, args.schedules, n, rep):
                 single = label != "engine" or args.workers == 1
                 requests = lone_requests(args.requests) if n == 1 else args.requests
-                level = await run_level(
-                    urls[label], n, texts, requests, args.max_tokens, metrics=single, pids=pids.get(label)
-                )
+                level = await run_level(urls[label], n, texts, requests, args.max_tokens, metrics=single,
+                                        pids=pids.get(label), schedule=schedule)  # fmt: skip
                 raw[label].append({**level, "repeat": rep})
-                print(f"  repeat {rep} {label} {n:>2} streams: {level['tokens_per_s']:.1f} tok/s, "
+                print(f"  repeat {rep} {label} {n:>2} streams ({schedule}): {level['tokens_per_s']:.1f} tok/s, "
                       f"itl p99 {level['itl_p99_s'] * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
         measured = await run_prefill_interference(urls["engine"], texts, long_text, args.max_tokens)
         prefill.append({**measured, "repeat": rep})
@@ -428,11 +468,18 @@ def main() -> None:
     parser.add_argument(
         "--baseline", default=None, help="a commit whose `splitspec serve` runs beside, for the lone stream"
     )
+    parser.add_argument(
+        "--schedules", nargs="+", choices=SCHEDULES, default=["queue"],
+        help="how a level's requests are spread over its streams (the module's docstring); the first at every level, "
+        "the others beside it at 16 and 32 streams",
+    )  # fmt: skip
     parser.add_argument("--workers", type=int, default=1, help="`splitspec serve --workers` of the engine's server")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gateway")
     args = parser.parse_args()
+    if len(set(args.schedules)) < len(args.schedules):
+        parser.error(f"--schedules names a schedule twice: {' '.join(args.schedules)}")
     results: dict[str, Any] = {**run_environment(), "repeats": args.repeats, "requests": args.requests,
-                               "workers": args.workers, "long_prompt": args.long_prompt,
+                               "schedules": args.schedules, "workers": args.workers, "long_prompt": args.long_prompt,
                                "max_tokens": args.max_tokens, "baseline": args.baseline,
                                "command": "python benchmarks/gateway_load.py " + " ".join(sys.argv[1:])}  # fmt: skip
     with baseline_checkout(args.baseline) as src, tempfile.TemporaryDirectory() as work:
@@ -447,7 +494,7 @@ def main() -> None:
         finally:
             _stop(procs)
     results["raw"] = raw
-    results["summary"] = summarise(raw, args.requests)
+    results["summary"] = summarise(raw, args.schedules[0])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gateway_load.json").write_text(json.dumps(results, indent=1))
     (args.out / "gateway_load.md").write_text(markdown(results))

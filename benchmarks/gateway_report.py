@@ -27,15 +27,22 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def same_requests(runs: list[dict[str, Any]], n: int, requests: int) -> dict[str, list[float]]:
-    """Level ``n`` against the lone stream on the same requests, paired by repeat: each repeat's level tok/s over
-    the lone stream's rate on the prompts that level sent (``x_same``; ``x_active``: the level's rate while all
-    its streams were active), and over its rate on its first ``requests`` prompts alone (``x_first``, the lone
-    figure before the lone stream ran every prompt); the lone stream's inter-token p99 on the level's prompts,
+def schedule_of(run: dict[str, Any]) -> str:
+    """How a level spread its requests over its streams (``gateway_load.SCHEDULES``; runs before 2026-12-05 gave
+    each stream its own: ``streams``)."""
+    return str(run.get("schedule", "streams"))
+
+
+def same_requests(runs: list[dict[str, Any]], n: int, schedule: str | None = None) -> dict[str, list[float]]:
+    """Level ``n`` (of ``schedule``; None: any) against the lone stream on the same requests, paired by repeat:
+    each repeat's level tok/s over the lone stream's rate on the prompts that level sent (``x_same``; ``x_active``:
+    the level's rate while all its streams were active); the lone stream's inter-token p99 on the level's prompts,
     per token (``lone_itl_p99_s``) and per delivery (``lone_delivery_itl_p99_s``)."""
-    keys = ("x_same", "x_active", "x_first", "lone_itl_p99_s", "lone_delivery_itl_p99_s")
+    keys = ("x_same", "x_active", "lone_itl_p99_s", "lone_delivery_itl_p99_s")
     out: dict[str, list[float]] = {key: [] for key in keys}
-    for level in (r for r in runs if r["streams"] == n):
+    levels = [r for r in runs if r["streams"] == n and (schedule is None or schedule_of(r) == schedule)]
+    for level in levels:
+        # one stream runs the same requests whatever the schedule
         lone = next((r for r in runs if r["streams"] == 1 and r["repeat"] == level["repeat"]), None)
         if lone is None or "requests" not in lone:
             continue
@@ -45,7 +52,6 @@ def same_requests(runs: list[dict[str, Any]], n: int, requests: int) -> dict[str
         out["x_same"].append(level["tokens_per_s"] / rate)
         if "all_active_tokens_per_s" in level:
             out["x_active"].append(level["all_active_tokens_per_s"] / rate)
-        out["x_first"].append(level["tokens_per_s"] / lone_rate(lone["requests"], set(range(requests))))
         mine = [r for r in lone["requests"] if r["prompt"] in used]
         out["lone_itl_p99_s"].append(quantile([g for r in mine for g in r["gaps"]], 0.99))
         if all("delivery_gaps" in r for r in mine):
@@ -53,40 +59,51 @@ def same_requests(runs: list[dict[str, Any]], n: int, requests: int) -> dict[str
     return out
 
 
-def summarise(raw: dict[str, Any], requests: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _rows(runs: list[dict[str, Any]], schedule: str) -> list[dict[str, Any]]:
+    """The summary rows (one per level, medians over repeats) of ``runs``' levels of ``schedule``."""
+    rows = []
+    for n in LEVELS:
+        mine = [r for r in runs if r["streams"] == n and schedule_of(r) == schedule]
+        if not mine:
+            continue
+        row: dict[str, Any] = {"streams": n, "schedule": schedule, "runs": len(mine)}
+        for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", *LATER_KEYS):
+            row[key] = _median([r[key] for r in mine if key in r])
+        for group in ("cores", "cpu_ms_per_token", "per_step"):
+            names = {name for r in mine for name in r.get(group, {})}
+            row[group] = {k: statistics.median(r[group][k] for r in mine if k in r[group]) for k in sorted(names)}
+        row["per_repeat_tokens_per_s"] = [r["tokens_per_s"] for r in mine]
+        paired = same_requests(runs, n, schedule)
+        row["vs_1_stream"] = _median(paired["x_same"])
+        row["vs_1_stream_active"] = _median(paired["x_active"])
+        row["per_repeat_vs_1_stream"] = paired["x_same"]
+        row["lone_itl_p99_s"] = _median(paired["lone_itl_p99_s"])
+        row["lone_delivery_itl_p99_s"] = _median(paired["lone_delivery_itl_p99_s"])
+        rows.append(row)
+    return rows
+
+
+def summarise(raw: dict[str, Any], primary: str = "streams") -> dict[str, Any]:
+    """Medians per server and level, each level against the lone stream, and the targets' checks. Levels of the
+    ``primary`` schedule are the server's rows (``out[label]``); another schedule's are ``out["label, schedule"]``
+    (``out["servers"]`` lists the keys)."""
+    out: dict[str, Any] = {"servers": []}
+    others: list[str] = []  # the engine's other schedules
     for label, runs in raw["levels"].items():
-        rows = []
-        for n in LEVELS:
-            mine = [r for r in runs if r["streams"] == n]
-            if not mine:
-                continue
-            row: dict[str, Any] = {"streams": n, "runs": len(mine)}
-            for key in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", *LATER_KEYS):
-                row[key] = _median([r[key] for r in mine if key in r])
-            for group in ("cores", "cpu_ms_per_token", "per_step"):
-                names = {name for r in mine for name in r.get(group, {})}
-                row[group] = {k: statistics.median(r[group][k] for r in mine if k in r[group]) for k in sorted(names)}
-            row["per_repeat_tokens_per_s"] = [r["tokens_per_s"] for r in mine]
-            rows.append(row)
-        for row in rows:
-            paired = same_requests(runs, row["streams"], requests)
-            row["vs_1_stream"] = _median(paired["x_same"])
-            row["vs_1_stream_active"] = _median(paired["x_active"])
-            row["vs_1_stream_first"] = _median(paired["x_first"])
-            row["per_repeat_vs_1_stream"] = paired["x_same"]
-            row["lone_itl_p99_s"] = _median(paired["lone_itl_p99_s"])
-            row["lone_delivery_itl_p99_s"] = _median(paired["lone_delivery_itl_p99_s"])
-        out[label] = rows
+        schedules = [primary, *sorted({schedule_of(r) for r in runs if r["streams"] > 1} - {primary})]
+        for schedule in schedules:
+            key = label if schedule == primary else f"{label}, {schedule}"
+            out[key] = _rows(runs, schedule)
+            out["servers"].append(key)
+            if label == "engine" and schedule != primary:
+                others.append(schedule)
     engine = out["engine"]
     by_n = {r["streams"]: r for r in engine}
     checks: dict[str, Any] = {
         "x16 (target >= 10)": by_n[16]["vs_1_stream"] if 16 in by_n else None,
         "x32 (target >= 16)": by_n[32]["vs_1_stream"] if 32 in by_n else None,
-        "x16, lone stream on its first prompts only (the figure before 2026-12-04)": by_n[16]["vs_1_stream_first"]
-        if 16 in by_n
-        else None,
-        "x32, lone stream on its first prompts only": by_n[32]["vs_1_stream_first"] if 32 in by_n else None,
+        "x16 per repeat": by_n[16]["per_repeat_vs_1_stream"] if 16 in by_n else None,
+        "x32 per repeat": by_n[32]["per_repeat_vs_1_stream"] if 32 in by_n else None,
         "itl p99 16 / 1 (target <= 2)": by_n[16]["itl_p99_s"] / by_n[16]["lone_itl_p99_s"] if 16 in by_n else None,
         "prefill p99 / p50 (target <= 3)": statistics.median(p["ratio"] for p in raw["prefill"]),
     }
@@ -100,6 +117,12 @@ def summarise(raw: dict[str, Any], requests: int) -> dict[str, Any]:
         checks["prefill p99 / p50, per delivery (vLLM's ITL)"] = _median(delivery)
         control = [p["delivery_ratio"] for p in raw.get("prefill_control", []) if "delivery_ratio" in p]
         checks["same window, no prefill: p99 / p50, per delivery"] = _median(control)
+    for schedule in others:  # the same levels under another schedule, in the same run
+        for n in (16, 32):
+            row = next((r for r in out[f"engine, {schedule}"] if r["streams"] == n), None)
+            if row is not None:
+                checks[f"x{n}, {schedule} schedule"] = row["vs_1_stream"]
+                checks[f"x{n}, {schedule} schedule, per repeat"] = row["per_repeat_vs_1_stream"]
     if raw.get("prefill_control"):  # the same ratio in the same window with no long prompt, and the prefill's share
         checks["same window, no prefill: p99 / p50"] = statistics.median(p["ratio"] for p in raw["prefill_control"])
         checks["prefill p99 / no-prefill p99 (paired by repeat)"] = statistics.median(
@@ -145,6 +168,21 @@ def _long_prompt_sentence(results: dict[str, Any]) -> str:
     return sentence + "."
 
 
+def schedule_sentence(results: dict[str, Any]) -> str:
+    """How the run spread each level's requests over its streams (gateway_load's docstring)."""
+    schedules = results.get("schedules", ["streams"])  # runs before 2026-12-05 had the one
+    said = {
+        "queue": "`queue`: N requests in flight, each of the N streams taking the next request from one queue as its "
+        "last one finishes (vLLM's `benchmark_serving --max-concurrency N`)",
+        "streams": "`streams`: each of the N streams its own requests, back to back, the level ending with the "
+        "slowest stream (this benchmark's schedule until 2026-12-05)",
+    }
+    sentence = f"Each level of N streams runs {results['requests']} x N requests; schedule {said[schedules[0]]}."
+    for other in schedules[1:]:
+        sentence += f" Beside it at 16 and 32 streams (rows `engine, {other}`), schedule {said[other]}."
+    return sentence
+
+
 def markdown(results: dict[str, Any]) -> str:
     s = results["summary"]
     lines = [
@@ -153,27 +191,26 @@ def markdown(results: dict[str, Any]) -> str:
         f"Commit `{results['commit'][:12]}`"
         + (f", baseline `{results['baseline']}`" if results["baseline"] else "")
         + (f"; the engine's server runs {results['workers']} workers" if results.get("workers", 1) > 1 else "")
-        + f"; {results['repeats']} interleaved repeats, medians; {results['requests']} requests per stream, "
+        + f"; {results['repeats']} interleaved repeats, medians; "
         f"128-token prompts (each unique: no prefix-cache hits), {results['max_tokens']} tokens out, greedy, "
         "`--speculate auto` with the draft model." + _long_prompt_sentence(results),
         f"Reproduce: `{results['command']}`.",
         "",
+        schedule_sentence(results),
+        "",
         "The lone stream runs every prompt a level may send (since 2026-12-05: each of a pool of 64 once; the "
         'levels send each prompt they use equally often), one after another. "vs 1 stream" is a level\'s tok/s over '
         "the lone stream's on the same prompts, each weighted by how often the level sent it (paired by repeat, "
-        'median): how many tokens a speculative step delivers depends on the text. "first prompts" is over the lone '
-        f"stream's rate on its first {results['requests']} prompts alone, as this benchmark measured it before "
-        "2026-12-04.",
+        "median): how many tokens a speculative step delivers depends on the text.",
         "",
-        "| server | streams | aggregate tok/s | while all active | vs 1 stream | vs 1 stream, all active | "
-        "vs 1 stream, first prompts |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| server | streams | aggregate tok/s | while all active | vs 1 stream | vs 1 stream, all active |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for label in ("engine", "baseline"):
-        for r in s.get(label, []):
+    for label in s["servers"]:
+        for r in s[label]:
             lines.append(
                 f"| {label} | {r['streams']} | {r['tokens_per_s']:.1f} | {r.get('all_active_tokens_per_s', nan):.1f} "
-                f"| {r['vs_1_stream']:.2f}x | {r.get('vs_1_stream_active', nan):.2f}x | {r['vs_1_stream_first']:.2f}x |"
+                f"| {r['vs_1_stream']:.2f}x | {r.get('vs_1_stream_active', nan):.2f}x |"
             )
     lines += [
         "",
@@ -185,8 +222,8 @@ def markdown(results: dict[str, Any]) -> str:
         "| TPOT p99 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for label in ("engine", "baseline"):
-        for r in s.get(label, []):
+    for label in s["servers"]:
+        for r in s[label]:
             cells = [r.get(k, nan) for k in LATENCY_KEYS]
             lines.append(f"| {label} | {r['streams']} | " + " | ".join(f"{v * 1e3:.0f}" for v in cells) + " |")
     lines += ["", "## Targets", "", "| check | value |", "|---|---|"]
@@ -241,8 +278,10 @@ def plot(results: dict[str, Any], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for label, colour in (("engine", "tab:blue"), ("baseline", "tab:orange")):
-        rows = results["summary"].get(label, [])
+    summary = results["summary"]
+    colours = ("tab:blue", "tab:orange", "tab:green", "tab:red")
+    for label, colour in zip(summary.get("servers", ["engine", "baseline"]), colours, strict=False):
+        rows = summary.get(label, [])
         if rows:
             axes[0].plot(
                 [r["streams"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", label=label, color=colour

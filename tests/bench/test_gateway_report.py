@@ -3,7 +3,9 @@ paired by repeat, and the lone stream's rate on its first prompts is kept beside
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import time
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
@@ -36,9 +38,8 @@ def test_a_level_is_compared_with_the_lone_stream_on_its_own_prompts(report: Mod
         lone_run(0, {0: 1.0, 1: 1.0, 2: 4.0, 3: 4.0}),
         {"streams": 2, "repeat": 0, "tokens_per_s": 100.0, "prompts": [0, 1, 2, 3]},
     ]
-    paired = report.same_requests(runs, 2, 2)
-    assert paired["x_same"] == [pytest.approx(100.0 / (256 / 10.0))]  # 25.6 tok/s over all four
-    assert paired["x_first"] == [pytest.approx(100.0 / 64.0)]  # 64 tok/s on the easy first two alone
+    paired = report.same_requests(runs, 2)
+    assert paired["x_same"] == [pytest.approx(100.0 / (256 / 10.0))]  # 25.6 tok/s over all four, not 64 on 0-1
     assert paired["lone_itl_p99_s"] == [pytest.approx(4.0 / 64)]
 
 
@@ -49,9 +50,9 @@ def test_a_prompt_the_level_sent_more_often_weighs_more_in_the_lone_rate(report:
         lone_run(0, {0: 1.0, 1: 4.0}),
         {"streams": 2, "repeat": 0, "tokens_per_s": 100.0, "prompts": [0, 1], "prompt_uses": [[0, 3], [1, 1]]},
     ]
-    assert report.same_requests(runs, 2, 2)["x_same"] == [pytest.approx(100.0 / (256 / 7.0))]
+    assert report.same_requests(runs, 2)["x_same"] == [pytest.approx(100.0 / (256 / 7.0))]
     runs[1].pop("prompt_uses")  # a run before 2026-12-05: each prompt it sent counts once
-    assert report.same_requests(runs, 2, 2)["x_same"] == [pytest.approx(100.0 / (128 / 5.0))]
+    assert report.same_requests(runs, 2)["x_same"] == [pytest.approx(100.0 / (128 / 5.0))]
 
 
 def test_every_level_sends_its_prompts_equally_often_and_the_lone_stream_runs_them_all(report: ModuleType) -> None:
@@ -71,28 +72,77 @@ def test_levels_pair_with_the_lone_run_of_their_repeat(report: ModuleType) -> No
         {"streams": 2, "repeat": 0, "tokens_per_s": 96.0, "prompts": [0, 1]},
         {"streams": 2, "repeat": 1, "tokens_per_s": 48.0, "prompts": [0, 1]},
     ]
-    assert report.same_requests(runs, 2, 1)["x_same"] == [pytest.approx(3.0), pytest.approx(3.0)]
+    assert report.same_requests(runs, 2)["x_same"] == [pytest.approx(3.0), pytest.approx(3.0)]
 
 
-def test_the_summary_reports_both_multiples(report: ModuleType) -> None:
-    lone = lone_run(0, {0: 1.0, 1: 1.0, 2: 4.0, 3: 4.0})
-    level: dict[str, Any] = {"streams": 16, "repeat": 0, "tokens_per_s": 128.0, "prompts": [0, 1, 2, 3]}
-    for run in (lone, level):
+def test_the_summary_reports_each_schedule_against_the_same_lone_stream(report: ModuleType) -> None:
+    lone = lone_run(0, {0: 1.0, 1: 1.0, 2: 4.0, 3: 4.0})  # 25.6 tok/s over the four prompts
+    lone["schedule"] = "queue"
+    queue: dict[str, Any] = {"streams": 16, "schedule": "queue", "repeat": 0, "tokens_per_s": 256.0,
+                             "prompts": [0, 1, 2, 3]}  # fmt: skip
+    streams: dict[str, Any] = {**queue, "schedule": "streams", "tokens_per_s": 128.0}
+    for run in (lone, queue, streams):
         run.update(ttft_p50_s=0.1, ttft_p99_s=0.2, itl_p50_s=0.01, itl_p99_s=0.05, edge_batches={})
-    raw = {"levels": {"engine": [lone, level]}, "prefill": [{"ratio": 5.0, "repeat": 0}], "prefill_control": []}
-    summary = report.summarise(raw, 2)
+    raw = {"levels": {"engine": [lone, queue, streams]}, "prefill": [{"ratio": 5.0, "repeat": 0}],
+           "prefill_control": []}  # fmt: skip
+    summary = report.summarise(raw, "queue")
+    assert summary["servers"] == ["engine", "engine, streams"]
+    assert [r["streams"] for r in summary["engine"]] == [1, 16]
+    assert [r["streams"] for r in summary["engine, streams"]] == [16]  # the lone stream is the primary's row
     checks = summary["checks"]
-    assert checks["x16 (target >= 10)"] == pytest.approx(128.0 / 25.6)
-    assert checks["x16, lone stream on its first prompts only (the figure before 2026-12-04)"] == pytest.approx(2.0)
+    assert checks["x16 (target >= 10)"] == pytest.approx(10.0)
+    assert checks["x16, streams schedule"] == pytest.approx(5.0)
     assert checks["itl p99 16 / 1 (target <= 2)"] == pytest.approx(0.05 / (4.0 / 64))
+    # a run from before the schedules (no "schedule" key) is all "streams"
+    old = {"levels": {"engine": [{k: v for k, v in run.items() if k != "schedule"} for run in (lone, streams)]},
+           "prefill": raw["prefill"], "prefill_control": []}  # fmt: skip
+    assert report.summarise(old)["checks"]["x16 (target >= 10)"] == pytest.approx(5.0)
     results = {"summary": summary, "commit": "abc", "baseline": None, "repeats": 1, "requests": 2, "max_tokens": 64,
-               "command": "python benchmarks/gateway_load.py", "platform": "test", "cpu_count": 2}  # fmt: skip
-    assert "vs 1 stream, first prompts" in report.markdown(results)
-    assert "prefill-interference prompt" not in report.markdown(results)  # results from before it was recorded
+               "command": "python benchmarks/gateway_load.py", "platform": "test", "cpu_count": 2,
+               "schedules": ["queue", "streams"]}  # fmt: skip
+    text = report.markdown(results)
+    assert "| engine, streams | 16 | 128.0 |" in text
+    assert "vLLM's `benchmark_serving --max-concurrency N`" in text
+    assert "Beside it at 16 and 32 streams (rows `engine, streams`)" in text
+    assert "prefill-interference prompt" not in text  # results from before it was recorded
     raw["prefill"] = [{"ratio": 5.0, "repeat": 0, "prefill_s": 2.5}, {"ratio": 4.0, "repeat": 1, "prefill_s": 1.5}]
     longer = report.markdown({**results, "raw": raw, "long_prompt": 2000, "base_positions": 4096})
     assert "The prefill-interference prompt: 2000 tokens (and prefilled in a median 2.00 s among 16 streams)" in longer
     assert "a copy of the base model declaring 4096 positions" in longer
+
+
+def test_other_schedules_run_beside_the_first_on_the_engine_at_16_and_32_streams(report: ModuleType) -> None:
+    load = importlib.import_module("gateway_load")
+    labels = ["engine", "baseline"]
+    assert load.level_runs(labels, ["queue", "streams"], 1, 0) == [("engine", "queue"), ("baseline", "queue")]
+    assert load.level_runs(labels, ["queue", "streams"], 8, 0) == [("engine", "queue")]
+    assert load.level_runs(labels, ["queue", "streams"], 16, 0) == [
+        ("engine", "queue"), ("engine", "streams"), ("baseline", "queue")
+    ]  # fmt: skip
+    assert load.level_runs(labels, ["queue", "streams"], 32, 1) == [("engine", "streams"), ("engine", "queue")]
+    assert load.level_runs(["engine"], ["streams"], 32, 1) == [("engine", "streams")]
+
+
+def test_the_queue_schedule_keeps_every_stream_busy_until_the_queue_is_empty(
+    report: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    load = importlib.import_module("gateway_load")
+    seconds = {0: 0.2}  # prompt 0 is slow, the others quick
+
+    async def fake_stream(client: object, prompt: str, max_tokens: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        await asyncio.sleep(seconds.get(int(prompt), 0.01))
+        return {"start": t0, "chunks": [time.perf_counter()], "tokens": max_tokens, "end": time.perf_counter()}
+
+    monkeypatch.setattr(load, "stream_one", fake_stream)
+    pool = [str(p) for p in range(8)]
+    per_worker = asyncio.run(load.queue_workers(None, pool, 2, 8, 16))
+    prompts = [[r["prompt"] for r in worker] for worker in per_worker]
+    # the first worker's slow request 0 outlasts the other seven, which the second takes one after another (the
+    # streams schedule would have given each stream four whatever they cost)
+    assert prompts == [[0], [1, 2, 3, 4, 5, 6, 7]]
+    assert [r["prompt"] for r in asyncio.run(load.queue_workers(None, pool, 1, 12, 16))[0]] == [*range(8), 0, 1, 2, 3]
+    assert all(r["tokens"] == 16 for worker in per_worker for r in worker)
 
 
 @pytest.fixture(scope="module")
