@@ -29,20 +29,23 @@ test: install cluster lint types coverage
 cluster: install
 	$(BIN)/pip install -q -e '.[cluster]'
 
-# ruff lint rules (pyproject: [tool.ruff.lint], PT included) and the formatter, as checks.
+# ruff lint rules (pyproject: [tool.ruff.lint], PT included) and the formatter, as checks; the benchmarks and
+# scripts too (they run rarely, and a renamed function would otherwise break them unseen).
 lint: install
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
 
 # Rewrite the code to the formatter's layout and apply ruff's safe fixes.
 format: install
-	$(BIN)/ruff format src tests
-	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests benchmarks scripts
+	$(BIN)/ruff check --fix src tests benchmarks scripts
 
-# mypy --strict on src/ (pyproject: [tool.mypy]), and on the tests.
+# mypy --strict on src/ (pyproject: [tool.mypy]), on the tests, and on the benchmarks (which call the library's
+# internals: mypy found fuzz.py's trunk target calling a method renamed long before).
 types: install
 	$(BIN)/mypy
 	$(BIN)/mypy tests
+	$(BIN)/mypy benchmarks
 
 # The whole suite (both lanes) with branch coverage, then the floors. Tests run on TEST_WORKERS
 # pytest-xdist workers, a test file per worker at a time (module fixtures stay shared), in the

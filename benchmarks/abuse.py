@@ -180,7 +180,7 @@ async def watch_close(ws: ClientConnection, run: Run, since: float, limit_s: flo
     if ws.protocol.close_rcvd is not None:
         run.closed_by_server += 1
         run.close_latency_s.append(time.perf_counter() - since)
-        run.close_codes.append(ws.close_code)
+        run.close_codes.append(ws.protocol.close_rcvd.code)
     else:
         await ws.close()
 

@@ -76,7 +76,7 @@ def one(http: httpx.Client, base: str, prompt: list[int], mode: str) -> dict[str
 
 
 def run(base: str, prompts: list[list[int]], repeats: int) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     names = list(MODES)
     with httpx.Client(timeout=600) as http:
         for mode in names:  # warm up: connections, the token-bytes table
@@ -100,7 +100,7 @@ def check_echo_modes(base: str, prompt: list[int]) -> float:
     diff = max(abs(x - y) for x, y in zip(a["token_logprobs"][1:], b["token_logprobs"][1:], strict=True))
     if diff > 1e-4:
         raise SystemExit(f"echo modes disagree by {diff}")
-    return diff
+    return float(diff)
 
 
 def edge_cost(tokens: int, repeats: int) -> dict[str, float]:

@@ -51,13 +51,23 @@ import splitspec
 from splitspec.exceptions import SplitspecError
 from splitspec.federated.codec import decode_topk, encode_topk
 from splitspec.federated.topk import TopKPolicy, select_topk
-from splitspec.protocol.fed import FedHello, FedScore, FedScores, FedWelcome, decode_fed, encode_fed
+from splitspec.protocol.fed import (
+    FedHello,
+    FedMessage,
+    FedScore,
+    FedScores,
+    FedWelcome,
+    ValueCodec,
+    decode_fed,
+    encode_fed,
+)
 from splitspec.protocol.frames import PREFIX_SIZE, decode_frame
 from splitspec.protocol.messages import (
     CacheCommand,
     CloseSession,
     Error,
     Hello,
+    Message,
     OpenSession,
     SessionClosed,
     SessionOpened,
@@ -69,6 +79,7 @@ from splitspec.protocol.messages import (
 )
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
 from splitspec.run_info import run_environment
+from splitspec.transport.server import Peer
 
 HANG_S = 1.0  # an input using more CPU time than this is a hang (more wall-clock time: a stall), seconds
 ABORT_S = 30.0  # an input still running after this long is interrupted (and counted as a hang), seconds
@@ -107,7 +118,7 @@ def split_seeds() -> list[bytes]:
         torch.tensor([-1, 0, 0, 1], dtype=torch.int32),
         CacheCommand(keep_last=(0, 2)),
     )
-    messages = [
+    messages: list[Message] = [
         Hello(fingerprint="f" * 16, layer_start=2, layer_end=6, dtype="float32", hidden_size=h, auth_token="t"),
         Welcome(
             server="s",
@@ -133,15 +144,16 @@ def codec_seeds(vocab: int) -> list[tuple[bytes, int]]:
     gen = torch.Generator().manual_seed(0)
     laws = torch.softmax(torch.randn(5, vocab, generator=gen) * 3, -1)
     out = []
-    for codec in ("quantized", "float16", "float32"):
+    codecs: tuple[ValueCodec, ...] = ("quantized", "float16", "float32")
+    for codec in codecs:
         for policy in (TopKPolicy(k=8), TopKPolicy(target_epsilon=0.1, max_k=200)):
-            out.append((encode_topk(laws, select_topk(laws, policy), codec), 5))  # type: ignore[arg-type]
+            out.append((encode_topk(laws, select_topk(laws, policy), codec), 5))
     return out
 
 
 def fed_seeds(vocab: int) -> list[bytes]:
     stream, _ = codec_seeds(vocab)[0]
-    messages = [
+    messages: list[FedMessage] = [
         FedHello(vocab_size=vocab, tokenizer_fingerprint="abc", auth_token=None),
         FedWelcome(
             worker="w",
@@ -393,7 +405,7 @@ class Handlers:
         self.session = ""
 
     async def fresh_trunk_peer(self) -> Any:
-        peer = self.trunk._new_peer("fuzz")
+        peer = self.trunk.new_peer("fuzz")
         await peer.handle(self.hello)
         reply, _ = await peer.handle(encode_message(OpenSession(request_id=1)))
         opened = decode_message(reply)
@@ -430,9 +442,10 @@ class Handlers:
 
     async def run(self, stats: TargetStats, kind: str, data: bytes, handshaken: bool) -> None:
         decode: Callable[[bytes], object]
+        peer: Peer
         if kind == "trunk":
             if not handshaken:
-                peer = self.trunk._new_peer("fuzz")
+                peer = self.trunk.new_peer("fuzz")
             else:
                 if self.trunk_peer is None:
                     self.trunk_peer = await self.fresh_trunk_peer()

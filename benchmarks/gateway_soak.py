@@ -56,7 +56,7 @@ def prompts(count: int, tokens: int) -> list[str]:
         ids += tokenizer(doc.read_text(encoding="utf-8"))["input_ids"]
         if len(ids) >= count * tokens:
             break
-    return [tokenizer.decode(ids[i * tokens : (i + 1) * tokens], skip_special_tokens=True) for i in range(count)]
+    return [str(tokenizer.decode(ids[i * tokens : (i + 1) * tokens], skip_special_tokens=True)) for i in range(count)]
 
 
 def process_footprint(pid: int) -> tuple[int, int]:

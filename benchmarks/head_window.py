@@ -72,7 +72,7 @@ def head_out(
 def measure(model: FullModel, head: DraftHead, tokens: list[int], feats: torch.Tensor, prompt_len: int,
             windows: list[int]) -> list[dict[str, Any]]:  # fmt: skip
     positions = range(prompt_len - 1, len(tokens) - 2)  # pair i's prediction scores x_{i+2}, an answer token
-    rows = []
+    rows: list[dict[str, Any]] = []  # window (None: all before it), accuracy
     every = head_out(model, head, tokens, feats, 0, len(tokens) - 2)  # causal: row i is pair i's, all before it
     with torch.inference_mode():
         top = head.logits(model, every).argmax(-1)

@@ -143,7 +143,7 @@ def aggregate(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def strongest(row: dict[str, Any], side: str, tiers: tuple[str, ...] = TIERS) -> float:
-    return max(row["sides"][side][t]["rate"] for t in tiers if row["sides"][side][t] is not None)
+    return float(max(row["sides"][side][t]["rate"] for t in tiers if row["sides"][side][t] is not None))
 
 
 def significant_drop(row: dict[str, Any], side: str, tier: str) -> bool:
@@ -530,7 +530,8 @@ def plot(points: list[dict[str, Any]], side: str, path: Path) -> None:
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5.2), squeeze=False)
     families = sorted({r["family"] for r in rows if r["family"] not in ("stock", "none")})
-    colours = dict(zip(families, plt.get_cmap("tab10").colors, strict=False))
+    tab10 = plt.get_cmap("tab10")  # a listed colour map: tab10(i) is its i-th colour
+    colours = dict(zip(families, (tab10(i) for i in range(tab10.N)), strict=False))
     for ax, model in zip(axes[0], models, strict=True):
         mrows = [r for r in rows if r["model"] == model]
         none = next((r for r in mrows if r["setting"] == "none"), None)

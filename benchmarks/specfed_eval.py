@@ -77,7 +77,8 @@ def load_windows(
 def logits_of(model: Any, ids: list[int]) -> torch.Tensor:
     """(L-1, V) float32 logits predicting tokens 1..L-1 of ``ids`` (teacher forcing)."""
     out = model(input_ids=torch.tensor([ids]), use_cache=False)
-    return out.logits[0, :-1].float()
+    logits: torch.Tensor = out.logits[0, :-1].float()
+    return logits
 
 
 ADAPTIVE_RULES = ("fixed", "round_mean", "position_mean", "position_max")
@@ -175,7 +176,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
                     rep = bound_report(laws, coded, weights, m, draft=q, tolerance=TOLERANCE)  # type: ignore[arg-type]
                     a = acc[(t, f, m)]
                     drift = rep.drift
-                    assert drift is not None and rep.alpha is not None and rep.alpha_hat is not None
+                    if drift is None or rep.alpha is None or rep.alpha_hat is None:
+                        raise RuntimeError("a bound report with a draft carries drift, alpha and alpha_hat")
                     a["delta"] += rep.delta.tolist()
                     a["weps"] += rep.weighted_epsilon.tolist()
                     a["wtail"] += rep.weighted_tail.tolist()

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,7 +53,8 @@ def build_model(directory: Path) -> LlamaForCausalLM:
         max_position_embeddings=2048,
         eos_token_id=None,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config)
+    model.eval()
     model.save_pretrained(directory)
     return model
 
@@ -60,7 +62,9 @@ def build_model(directory: Path) -> LlamaForCausalLM:
 def local_run(model: LlamaForCausalLM, prompt: list[int], n: int) -> tuple[float, list[int]]:
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = model.generate(  # type: ignore[misc]  # transformers types generate's self as a mixin protocol
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
     wall = time.perf_counter() - t0
     return n / wall, out[0, len(prompt) :].tolist()
 
@@ -69,6 +73,7 @@ class _EchoPeer:
     """Decodes a Step and answers with a StepResult carrying the same hidden state."""
 
     ready = True  # no handshake
+    concurrent = False  # one frame at a time
 
     async def handle(self, data: bytes) -> tuple[bytes, bool]:
         step = decode_message(data)
@@ -108,7 +113,7 @@ async def framework_overhead(width: int, trips: int) -> dict[str, float]:
     }
 
 
-async def split_runs(model_dir: Path, url: str, prompt: list[int], n: int) -> tuple[float, list[int], dict]:
+async def split_runs(model_dir: Path, url: str, prompt: list[int], n: int) -> tuple[float, list[int], dict[str, Any]]:
     async with SplitClient(EdgeConfig(allow_stock_edge_weights=True, model_dir=model_dir, cloud_url=url)) as client:
         result = await client.generate(prompt, n, SamplingParams(), stop_token_ids=())
     return len(result.token_ids) / result.wall_s, result.token_ids, result.summary()
@@ -169,7 +174,10 @@ def main() -> int:
         server.terminate()
         server.wait(timeout=30)
     overhead = asyncio.run(framework_overhead(4096, args.trips))
-    med = lambda key: statistics.median(s["median_step_ms"][key] for s in summaries)  # noqa: E731
+
+    def med(key: str) -> float:
+        return float(statistics.median(s["median_step_ms"][key] for s in summaries))
+
     results = {
         **run_environment(),
         "model": "random Llama, hidden 512, 8 layers, vocab 8192, float32, edge 2+2",

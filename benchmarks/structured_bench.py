@@ -33,7 +33,7 @@ import torch
 from transformers import AutoTokenizer
 
 from splitspec.decoding.grammar import GrammarCompiler
-from splitspec.demo import free_port, _spawn, _stop, _wait_for_port, embedded_model
+from splitspec.demo import _spawn, _stop, _wait_for_port, embedded_model, free_port
 from splitspec.run_info import run_environment
 
 PROMPTS = ["KING HENRY.\nNow, lords, what news", "def main():\n    ", "HAMLET.\nTo be, or not"]

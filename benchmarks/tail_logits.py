@@ -126,8 +126,8 @@ def main() -> int:
             f"| {r['rows']} | {r['q']} | {statistics.median(r['per_row_ms']):.2f} "
             f"| {statistics.median(r['joined_ms']):.2f} | **{r['ratio']:.2f}** | {per_repeat} | {r['equal']} |"
         )
-    same = "At one row both ways are the same call (one row's `row_logits` is `logits`): its ratio is the noise."
-    lines += ["", same, "", f"Machine: {env.get('platform', '')}; a noisy shared 2-core machine: read the ratios."]
+    one_row = "At one row both ways are the same call (one row's `row_logits` is `logits`): its ratio is the noise."
+    lines += ["", one_row, "", f"Machine: {env.get('platform', '')}; a noisy shared 2-core machine: read the ratios."]
     (args.out / "tail_logits.md").write_text("\n".join(lines) + "\n")
     return 0
 

@@ -27,9 +27,9 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head_eval import greedy_chains, heldout_prompts
 from splitspec.models.draft_head_io import load_draft_head, save_draft_head
 from splitspec.models.kv_cache import KVCache
+from splitspec.models.loading import load_full
 from splitspec.models.masks import chain
 from splitspec.models.stack import FullModel
-from splitspec.models.loading import load_full
 from splitspec.models.train_draft_head import LocalFeatures, read_corpus
 
 ASSETS = Path(__file__).resolve().parents[1] / "src" / "splitspec" / "assets"
