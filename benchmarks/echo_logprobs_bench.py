@@ -152,7 +152,11 @@ def main() -> int:
     prompts = corpus_ids(args.tokens, 1 + args.repeats * len(MODES) + 1)
     base_model, draft = embedded_model("base"), embedded_model("draft")
     trunk_port, link_port, port = free_port(), free_port(), free_port()
-    procs = [_spawn(["cloud", "serve", "--model", str(base_model), "--port", str(trunk_port), "--threads", "1"])]
+    # float32 at both ends whatever the CPU: under --dtype auto a CPU with AVX512-FP16 computes the float16 demo
+    # models in float16, where the two echo modes' prefills differ by ~4e-3 (the trunk chunks a prefill by its
+    # measured step time), beyond the check's 1e-4
+    procs = [_spawn(["cloud", "serve", "--model", str(base_model), "--port", str(trunk_port), "--threads", "1",
+                     "--dtype", "float32"])]  # fmt: skip
     try:
         _wait_for_port(trunk_port, procs[0], 120)
         procs.append(_spawn(["netem", "--listen", f"127.0.0.1:{link_port}", "--upstream",
@@ -160,7 +164,8 @@ def main() -> int:
         _wait_for_port(link_port, procs[1], 60)
         procs.append(_spawn(["serve", "--model", str(base_model), "--draft-model", str(draft), "--cloud",
                              f"ws://127.0.0.1:{link_port}", "--served-model-name", "demo", "--port", str(port),
-                             "--threads", "1", "--allow-stock-edge-weights", "--prefix-cache-size", "1"]))  # fmt: skip
+                             "--threads", "1", "--allow-stock-edge-weights", "--prefix-cache-size", "1",
+                             "--dtype", "float32"]))  # fmt: skip
         _wait_for_port(port, procs[-1], 120)
         base = f"http://127.0.0.1:{port}"
         rows = run(base, prompts, args.repeats)

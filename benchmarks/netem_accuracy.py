@@ -165,7 +165,7 @@ def to_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# WAN emulator accuracy",
         "",
-        f"{result['timestamp_utc']}, Python {result['python']}, {result['cpu_count']} CPUs, "
+        f"{result['started_utc']}, Python {result['python']}, {result['cpu_count']} CPUs, "
         f"load average {', '.join(f'{x:.2f}' for x in result['loadavg'] or [])}. "
         f"{result['pings_per_setting']} pings of 8 bytes per setting through the emulator to a "
         f"loopback echo server. Direct loopback RTT: median {d['median']:.3f} ms "
