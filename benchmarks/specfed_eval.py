@@ -38,9 +38,11 @@ from typing import Any
 
 import torch
 
+from splitspec.decoding.local import LocalSequence
 from splitspec.federated.codec import decode_topk, encode_topk
 from splitspec.federated.lm import load_model
 from splitspec.federated.topk import TopKPolicy, bound_report, select_topk, true_residual_mass
+from splitspec.models.stack import FullModel
 from splitspec.paths import display_path
 from splitspec.protocol.fed import SCORES_HEADER_SIZE
 from splitspec.run_info import run_environment
@@ -73,12 +75,9 @@ def load_windows(
     return out
 
 
-@torch.no_grad()
-def logits_of(model: Any, ids: list[int]) -> torch.Tensor:
-    """(L-1, V) float32 logits predicting tokens 1..L-1 of ``ids`` (teacher forcing)."""
-    out = model(input_ids=torch.tensor([ids]), use_cache=False)
-    logits: torch.Tensor = out.logits[0, :-1].float()
-    return logits
+def logits_of(model: FullModel, ids: list[int]) -> torch.Tensor:
+    """(L-1, V) float32 logits predicting tokens 1..L-1 of ``ids`` (teacher forcing, one forward from empty)."""
+    return LocalSequence(model).run(ids[:-1])
 
 
 ADAPTIVE_RULES = ("fixed", "round_mean", "position_mean", "position_max")

@@ -2,7 +2,8 @@
 
 A benchmark runs rarely, so what breaks it goes unseen until a session needs its figures: mypy (``make types``)
 catches a renamed or retyped function, not a dictionary key that moved (``netem_accuracy.py`` read
-``run_environment()['timestamp_utc']`` long after it became ``started_utc``) or a check that a machine's
+``run_environment()['timestamp_utc']`` long after it became ``started_utc``), a model called as another library's
+(``specfed_eval.py`` called splitspec's ``FullModel`` as a transformers model) or a check that a machine's
 defaults defeat (``echo_logprobs_bench.py``'s 1e-4 agreement failed where ``--dtype auto`` computes the demo
 models in float16). Each script here runs in its own interpreter at the smallest size it accepts, a few seconds,
 and must exit 0 and write its report with the commit it measured.
@@ -22,7 +23,7 @@ from tests.bench.scripts import BENCHMARKS
 
 pytestmark = pytest.mark.slow  # each test runs a script in a subprocess
 
-# script -> its toy-size arguments (each writes <name>.json and <name>.md under --out)
+# script -> its toy-size arguments (each writes <name>.json and <name>.md under --out, or REPORTS[name]'s)
 SCRIPTS: dict[str, list[str]] = {
     "controller_cost": ["--repeats", "1", "--calls", "20"],
     "cpu_dtype": ["--rounds", "1", "--repeats", "1"],
@@ -31,9 +32,13 @@ SCRIPTS: dict[str, list[str]] = {
     "draft_window": ["--tokens", "1100", "--docs", "1", "--repeats", "1", "--steps", "3"],
     "echo_logprobs_bench": ["--repeats", "1", "--tokens", "100", "--rtt-ms", "5"],
     "head_window": ["--windows", "16", "--answer", "8"],
+    "privacy_transforms": ["--windows", "4"],
     "sibling_proposals": ["--tokens", "20", "--draws", "1"],
+    "specfed_eval": ["--docs", "1", "--windows", "1", "--length", "32", "--domains", "prose"],
+    "specfed_wan": ["--prompts", "1", "--new-tokens", "4", "--rtt-ms", "5"],
     "tail_logits": ["--repeats", "1", "--calls", "2"],
 }
+REPORTS = {"privacy_transforms": "transforms"}
 
 
 def run_script(name: str, args: list[str]) -> None:
@@ -50,10 +55,11 @@ def run_script(name: str, args: list[str]) -> None:
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_a_benchmark_runs_at_a_toy_size_and_writes_its_report(name: str, tmp_path: Path) -> None:
     run_script(name, [*SCRIPTS[name], "--out", str(tmp_path)])
-    report = json.loads((tmp_path / f"{name}.json").read_text())
+    stem = REPORTS.get(name, name)
+    report = json.loads((tmp_path / f"{stem}.json").read_text())
     commit = report["commit"] if "commit" in report else report["environment"]["commit"]
     assert re.match(r"[0-9a-f]{40}", commit), commit  # the measurement names its code (+dirty in a work tree)
-    assert (tmp_path / f"{name}.md").read_text().strip()
+    assert (tmp_path / f"{stem}.md").read_text().strip()
 
 
 def test_the_emulator_accuracy_check_runs_and_writes_its_report(tmp_path: Path) -> None:
