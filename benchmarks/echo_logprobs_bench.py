@@ -153,8 +153,9 @@ def main() -> int:
     base_model, draft = embedded_model("base"), embedded_model("draft")
     trunk_port, link_port, port = free_port(), free_port(), free_port()
     # float32 at both ends whatever the CPU: under --dtype auto a CPU with AVX512-FP16 computes the float16 demo
-    # models in float16, where identical echo requests after this benchmark's others differed by up to 7e-3
-    # (.diag probe, stop 55; the cause not found), beyond the check's 1e-4
+    # models in float16, where identical echo requests right after others differed by up to 7e-3 (within a second
+    # of decode traffic a prefill's chunks are sized from measured times, and a float16 product's rounding depends
+    # on its row count), beyond the check's 1e-4
     procs = [_spawn(["cloud", "serve", "--model", str(base_model), "--port", str(trunk_port), "--threads", "1",
                      "--dtype", "float32"])]  # fmt: skip
     try:
