@@ -304,6 +304,9 @@ async def run_level(
     one's as ``load``."""
     import httpx
 
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
     async def scrape() -> tuple[dict[tuple[str, int], tuple[float, float]], dict[str, float]]:
         if not metrics:
             return {}, {}

@@ -166,3 +166,9 @@ def test_the_all_active_rate_leaves_out_the_ramp_down(measures: ModuleType) -> N
     slow = [{"chunks": [0.5, 1.0, 2.0, 3.0], "tokens": 4, "end": 3.0}]
     assert measures.all_active_rate([fast, slow], 0.0) == pytest.approx(6.0)  # 6 tokens in the first second
     assert measures.all_active_rate([slow], 0.0) == pytest.approx(4 / 3)  # a lone stream: its whole run
+
+
+def test_an_unknown_schedule_is_refused_before_any_request(report: ModuleType) -> None:
+    load = importlib.import_module("gateway_load")
+    with pytest.raises(ValueError, match="schedule must be one of queue, streams"):
+        asyncio.run(load.run_level("http://127.0.0.1:9", 2, ["p"], 1, 4, metrics=False, schedule="stream"))
