@@ -1,8 +1,10 @@
-"""Import a script of ``benchmarks/`` (not a package) as a module, for tests of its pure parts."""
+"""Run a script of ``benchmarks/`` (not a package) in a child interpreter, or import it as a module for tests of
+its pure parts."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,3 +21,12 @@ def load_script(filename: str, name: str) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def run_script(filename: str, args: list[str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<filename> args`` in a child interpreter; fails the test unless it exits 0 (with the tails of
+    its output)."""
+    command = [sys.executable, str(BENCHMARKS / filename), *args]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    assert run.returncode == 0, f"{filename} exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    return run

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.bench.scripts import BENCHMARKS
+from tests.bench.scripts import run_script
 
 
 def test_a_short_run_writes_its_report_and_drafts_after_a_stall(tmp_path: Path) -> None:
-    script = str(BENCHMARKS / "controller_stalls.py")
-    run = subprocess.run(
-        [sys.executable, script, "--seeds", "3", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script("controller_stalls.py", ["--seeds", "3", "--out", str(tmp_path)], timeout=240)
     results = json.loads((tmp_path / "controller_stalls.json").read_text())
     this = results["this"]
     assert results["before"] is None  # no baseline asked

@@ -4,11 +4,9 @@ split, eager and with its decode steps compiled (capture only here), gives the w
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.bench.scripts import BENCHMARKS
+from tests.bench.scripts import run_script
 
 
 def test_a_short_cpu_run_writes_every_figure_and_keeps_greedy_identity(tmp_path: Path) -> None:
@@ -17,10 +15,7 @@ def test_a_short_cpu_run_writes_every_figure_and_keeps_greedy_identity(tmp_path:
         *("--trips", "20", "--steps", "5", "--context", "64", "--split-compile", "auto", "--compile-backend", "eager"),
         *("--out", str(tmp_path)),
     ]
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "device_targets.py"), *args], capture_output=True, text=True, timeout=400
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script("device_targets.py", args, timeout=400)
     results = json.loads((tmp_path / "device_targets.json").read_text())
     split = results["split_vs_whole"]
     assert len(split["split_tok_s"]) == len(split["compiled_split_tok_s"]) == 3

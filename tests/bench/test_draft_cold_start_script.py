@@ -4,11 +4,9 @@ run writes its report (the GPU check reads it: 0-1 proposals per answer there be
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.bench.scripts import BENCHMARKS, load_script
+from tests.bench.scripts import load_script, run_script
 
 
 def test_a_short_run_drafts_in_every_answer_and_writes_its_report(tmp_path: Path) -> None:
@@ -17,9 +15,7 @@ def test_a_short_run_drafts_in_every_answer_and_writes_its_report(tmp_path: Path
     # rest of the answer, as a GPU's cold start made it do; a longer round trip keeps drafting worth it past a stall
     # (since b71e135 the controller also measures such a step again after 4 one-token steps: the margin stays)
     args = ["--device", "cpu", "--clients", "1", "--answers", "2", "--rtt-ms", "150", "--out", str(tmp_path)]
-    script = str(BENCHMARKS / "draft_cold_start.py")
-    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script("draft_cold_start.py", args, timeout=240)
     rows = json.loads((tmp_path / "draft_cold_start.json").read_text())["rows"]
     assert [(r["client"], r["answer"], r["tokens"]) for r in rows] == [(0, 0, 16), (0, 1, 16)]
     assert all(r["proposals"] >= 3 and len(r["proposal_ms"]) == r["proposals"] for r in rows), rows

@@ -6,21 +6,18 @@ verdict, exit status 0)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.bench.scripts import BENCHMARKS
+from tests.bench.scripts import run_script
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_short_soak_with_one_trunk_kill(tmp_path: Path) -> None:
     args = ["--seconds", "60", "--kills", "1", "--cuts", "0", "--streams", "8", "--out", str(tmp_path)]
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "gateway_soak.py"), *args], capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_script("gateway_soak.py", args)
     results = json.loads((tmp_path / "gateway_soak.json").read_text())
     counts = results["verdict"]["counts"]
     assert counts.get("ok", 0) >= 8  # the load really ran, through the kill

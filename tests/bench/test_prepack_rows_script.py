@@ -4,15 +4,13 @@ calling every row count builds fewer shapes padded than exact (the run writes it
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from splitspec.models.prepack import prepack_available
-from tests.bench.scripts import BENCHMARKS, load_script
+from tests.bench.scripts import load_script, run_script
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build lacks oneDNN's packed linear")
 
@@ -27,8 +25,7 @@ def test_the_exact_variant_is_the_operator_on_the_rows_as_they_are() -> None:
 
 def test_a_tiny_run_writes_its_report(tmp_path: Path) -> None:
     args = ["--repeats", "1", "--memory-rows", "24", "--out", str(tmp_path)]
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "prepack_rows.py"), *args], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script("prepack_rows.py", args)
     results = json.loads((tmp_path / "prepack_rows.json").read_text())
     assert results["shapes"] == {"padded": 16 + 4, "exact": 24}  # 17..24 pad to 18, 20, 22, 24
     assert [t["rows"] for t in results["times"]][:4] == [1, 4, 8, 16]

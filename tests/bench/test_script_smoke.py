@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.bench.scripts import BENCHMARKS
+from tests.bench.scripts import run_script
 
 pytestmark = pytest.mark.slow  # each test runs a script in a subprocess
 
@@ -41,20 +39,9 @@ SCRIPTS: dict[str, list[str]] = {
 REPORTS = {"privacy_transforms": "transforms"}
 
 
-def run_script(name: str, args: list[str]) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / f"{name}.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stderr[-3000:]}"
-
-
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_a_benchmark_runs_at_a_toy_size_and_writes_its_report(name: str, tmp_path: Path) -> None:
-    run_script(name, [*SCRIPTS[name], "--out", str(tmp_path)])
+    run_script(f"{name}.py", [*SCRIPTS[name], "--out", str(tmp_path)], timeout=300)
     stem = REPORTS.get(name, name)
     report = json.loads((tmp_path / f"{stem}.json").read_text())
     commit = report["commit"] if "commit" in report else report["environment"]["commit"]
@@ -64,7 +51,8 @@ def test_a_benchmark_runs_at_a_toy_size_and_writes_its_report(name: str, tmp_pat
 
 def test_the_emulator_accuracy_check_runs_and_writes_its_report(tmp_path: Path) -> None:
     out = tmp_path / "netem_accuracy"  # the script's --out is a path without its suffix
-    run_script("netem_accuracy", ["--pings", "5", "--rtt-ms", "5", "--bytes", "100000", "--out", str(out)])
+    args = ["--pings", "5", "--rtt-ms", "5", "--bytes", "100000", "--out", str(out)]
+    run_script("netem_accuracy.py", args, timeout=300)
     report = json.loads(out.with_suffix(".json").read_text())
     assert [row["setting_ms"] for row in report["rtt"]] == [5.0]
     assert "WAN emulator accuracy" in out.with_suffix(".md").read_text()

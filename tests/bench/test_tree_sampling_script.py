@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.bench.scripts import BENCHMARKS, load_script
+from tests.bench.scripts import load_script, run_script
 
 
 def test_each_shape_is_taken_at_its_own_best_budget_per_rtt() -> None:
@@ -29,8 +27,7 @@ def test_each_shape_is_taken_at_its_own_best_budget_per_rtt() -> None:
 
 def test_a_tiny_head_run_writes_its_report(tmp_path: Path) -> None:
     args = ["--drafter", "head", "--budgets", "3", "--tokens", "4", "--repeats", "1", "--out", str(tmp_path)]
-    run = subprocess.run([sys.executable, str(BENCHMARKS / "tree_sampling.py"), *args], capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
+    run_script("tree_sampling.py", args)
     result = json.loads((tmp_path / "tree_sampling.json").read_text())
     assert set(result["settings"]["shapes"]) == {"chain", "tree", "tree-2"}
     assert result["results"][0]["budget"] == 3

@@ -4,18 +4,14 @@ counts say the two do about the same work (the H200 run found 514 vs 522 kernel 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.bench.scripts import BENCHMARKS
+from tests.bench.scripts import run_script
 
 
 def test_a_short_cpu_run_counts_each_sides_ops_per_step(tmp_path: Path) -> None:
     args = ["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--steps", "3", "--out", str(tmp_path)]
-    script = str(BENCHMARKS / "trunk_step_profile.py")
-    run = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_script("trunk_step_profile.py", args, timeout=240)
     sides = json.loads((tmp_path / "summary.json").read_text())["sides"]
     assert set(sides) == {"ours", "transformers"}
     ours, theirs = (sides[s]["aten_ops_top_level_per_step"] for s in ("ours", "transformers"))
