@@ -16,7 +16,7 @@ Each arm runs in its own process: this checkout's code, and ``--baseline REF``'s
 same venv). Per shape the median of ``--calls`` calls; the arms alternate, their order swapped each
 repeat; the outputs of the two arms are checked equal (1e-5).
 
-    python benchmarks/batched_attention.py --baseline REF [--repeats 3] [--calls 30]
+    python benchmarks/batched_attention.py --baseline REF [--repeats 3] [--calls 30] [--contexts 200 1000]
         [--out benchmarks/results/batched_attention]
 
 Writes ``batched_attention.json``, ``batched_attention.md`` and ``batched_attention.png``.
@@ -56,10 +56,10 @@ def shape_label(widths: tuple[int, ...]) -> str:
     return "+".join(str(q) for q in widths)
 
 
-CONTEXTS = (200, 1000)  # committed tokens per row
+CONTEXTS = (200, 1000)  # committed tokens per row (default of --contexts)
 
 
-def child(out: Path, calls: int) -> None:
+def child(out: Path, calls: int, contexts: tuple[int, ...] = CONTEXTS) -> None:
     """Time every (part, context, shape) with the code on ``sys.path``; write timings and outputs."""
     from safetensors.torch import save_file
 
@@ -80,7 +80,7 @@ def child(out: Path, calls: int) -> None:
     timings: dict[str, float] = {}
     outputs: dict[str, torch.Tensor] = {}
     for name, stack in parts.items():
-        for context in CONTEXTS:
+        for context in contexts:
             for widths in SHAPES:
                 torch.manual_seed(0)
                 rows = []
@@ -113,10 +113,11 @@ def child(out: Path, calls: int) -> None:
     out.write_text(json.dumps(timings))
 
 
-def run_arm(src: Path, calls: int, tmp: Path, tag: str) -> tuple[dict[str, float], Path]:
+def run_arm(src: Path, calls: int, contexts: tuple[int, ...], tmp: Path, tag: str) -> tuple[dict[str, float], Path]:
     out = tmp / f"{tag}.json"
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{Path(__file__).parent}"}
-    subprocess.run([sys.executable, __file__, "--child", str(out), "--calls", str(calls)], check=True, env=env)
+    command = [sys.executable, __file__, "--child", str(out), "--calls", str(calls), "--contexts", *map(str, contexts)]
+    subprocess.run(command, check=True, env=env)
     return json.loads(out.read_text()), out.with_suffix(".safetensors")
 
 
@@ -125,12 +126,17 @@ def main() -> None:
     parser.add_argument("--baseline", help="the commit whose forward_batch is the baseline arm")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=30, help="timed calls per shape and arm")
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", default=list(CONTEXTS), help="committed tokens per row (default 200 1000)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/batched_attention"))
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        child(args.child, args.calls)
+        child(args.child, args.calls, tuple(args.contexts))
         return
+    if min(args.contexts) < 1:
+        parser.error(f"--contexts must be at least 1 token, got {args.contexts}")
     if args.baseline is None:
         parser.error("--baseline REF is required (the commit to compare against)")
     from gateway_load import baseline_checkout
@@ -146,7 +152,8 @@ def main() -> None:
             order = ["rows", "baseline"] if repeat % 2 == 0 else ["baseline", "rows"]
             files = {}
             for arm in order:
-                timings, tensors = run_arm(here if arm == "rows" else baseline, args.calls, Path(tmp), f"{arm}{repeat}")
+                src = here if arm == "rows" else baseline
+                timings, tensors = run_arm(src, args.calls, tuple(args.contexts), Path(tmp), f"{arm}{repeat}")
                 per_arm[arm].append(timings)
                 files[arm] = load_file(str(tensors))
                 print(f"repeat {repeat + 1}/{args.repeats}: {arm} done", file=sys.stderr)
@@ -166,7 +173,13 @@ def main() -> None:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     environment = run_environment()
-    results = {"environment": environment, "baseline": args.baseline, "repeats": args.repeats, "table": table}
+    results = {
+        "environment": environment,
+        "baseline": args.baseline,
+        "repeats": args.repeats,
+        "contexts": args.contexts,
+        "table": table,
+    }
     (args.out / "batched_attention.json").write_text(json.dumps(results, indent=2))
     lines = [
         "# forward_batch: this checkout against the baseline's",
@@ -176,7 +189,7 @@ def main() -> None:
         "repeats; ratio = this checkout / baseline (median of per-repeat ratios; < 1 is faster). Outputs equal (1e-5).",
         "",
         f"Reproduce: `python benchmarks/batched_attention.py --baseline {args.baseline} --repeats {args.repeats} "
-        f"--calls {args.calls}`",
+        f"--calls {args.calls} --contexts {' '.join(map(str, args.contexts))}`",
         "",
         "| part / context / rows x q (or ragged widths) | this ms | baseline ms | ratio | per repeat |",
         "|---|---:|---:|---:|---|",

@@ -185,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(Path(args.child[0]), args.child[1], args.child[2])))
         return 0
+    if args.layers < 5:
+        p.error(f"--layers must be at least 5 (2 edge layers at each end and a trunk), got {args.layers}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     env = run_environment()
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
