@@ -40,12 +40,13 @@ format: install
 	$(BIN)/ruff format src tests benchmarks scripts
 	$(BIN)/ruff check --fix src tests benchmarks scripts
 
-# mypy --strict on src/ (pyproject: [tool.mypy]), on the tests, and on the benchmarks (which call the library's
-# internals: mypy found fuzz.py's trunk target calling a method renamed long before).
+# mypy --strict on src/ (pyproject: [tool.mypy]), on the tests, on the benchmarks (which call the library's
+# internals: mypy found fuzz.py's trunk target calling a method renamed long before) and on scripts/.
 types: install
 	$(BIN)/mypy
 	$(BIN)/mypy tests
 	$(BIN)/mypy benchmarks
+	$(BIN)/mypy scripts
 
 # The whole suite (both lanes) with branch coverage, then the floors. Tests run on TEST_WORKERS
 # pytest-xdist workers, a test file per worker at a time (module fixtures stay shared), in the

@@ -60,6 +60,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -189,7 +190,7 @@ def train_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     fast.save_pretrained(str(out_dir))
-    loaded = AutoTokenizer.from_pretrained(str(out_dir))
+    loaded = fast_tokenizer(out_dir)
     sample = "To be, or not to be:\n    def f(x):\n        return x  # ok\n"
     ids = loaded(sample)["input_ids"]
     if ids[0] != loaded.bos_token_id or loaded.decode(ids, skip_special_tokens=True) != sample:
@@ -198,10 +199,18 @@ def train_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
     return loaded
 
 
+def fast_tokenizer(tok_dir: Path) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in ``tok_dir``, which must load as a fast (``tokenizers``) one."""
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    if not isinstance(tok, PreTrainedTokenizerFast):
+        raise SystemExit(f"{tok_dir} holds a {type(tok).__name__}, not a fast tokenizer")
+    return tok
+
+
 def load_tokenizer(tok_dir: Path) -> PreTrainedTokenizerFast:
     if not (tok_dir / "tokenizer.json").exists():
         raise SystemExit(f"{tok_dir} has no tokenizer; run --stage tokenizer first")
-    return AutoTokenizer.from_pretrained(str(tok_dir))
+    return fast_tokenizer(tok_dir)
 
 
 def encode_docs(tok: PreTrainedTokenizerFast, texts: list[str]) -> np.ndarray:
@@ -241,7 +250,7 @@ def build_model(spec: ModelSpec, tok: PreTrainedTokenizerFast) -> LlamaForCausal
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
         max_position_embeddings=spec.max_positions,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         rms_norm_eps=1e-5,
         initializer_range=0.02,
         tie_word_embeddings=True,
@@ -381,14 +390,15 @@ def heldout_perplexity(
 
 
 @torch.no_grad()
-def samples(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, max_new_tokens: int = 80) -> list[dict]:
+def samples(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, max_new_tokens: int = 80) -> list[dict[str, str]]:
     out = []
     model.eval()
     for domain, prompts in (("prose", PROSE_PROMPTS), ("code", CODE_PROMPTS)):
         for prompt in prompts:
             torch.manual_seed(SEED)
             ids = tok(prompt, return_tensors="pt")["input_ids"]
-            gen = model.generate(
+            # transformers types generate's self as a GenerativePreTrainedModel, which LlamaForCausalLM is
+            gen = model.generate(  # type: ignore[misc]
                 ids,
                 max_new_tokens=max_new_tokens,
                 do_sample=True,
@@ -399,6 +409,8 @@ def samples(model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, max_new_token
                 eos_token_id=tok.eos_token_id,
             )
             text = tok.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
+            if not isinstance(text, str):  # one sequence of ids decodes to one string
+                raise SystemExit(f"decode returned {type(text).__name__}, not a string")
             out.append({"domain": domain, "prompt": prompt, "continuation": text})
     return out
 
@@ -407,7 +419,7 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def model_card(spec: ModelSpec, info: dict) -> str:
+def model_card(spec: ModelSpec, info: dict[str, Any]) -> str:
     ppl = info["heldout"]
     ppl32 = info["heldout_fp32_before_save"]
     others = " and ".join(f"`{n}`" for n in MODEL_NAMES if n != spec.name)
@@ -511,7 +523,7 @@ python scripts/train_demo_models.py --stage {spec.name}
 """
 
 
-def write_card(spec: ModelSpec, info: dict) -> None:
+def write_card(spec: ModelSpec, info: dict[str, Any]) -> None:
     """Write README.md (its own size included in the directory size) and the metrics JSON."""
     out_dir = MODELS_DIR / spec.name
     info.setdefault("torch", torch.__version__)
@@ -523,7 +535,7 @@ def write_card(spec: ModelSpec, info: dict) -> None:
     (WORK_DIR / f"{spec.name}_metrics.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
 
 
-def reevaluate(name: str, tok: PreTrainedTokenizerFast, eval_max_tokens: int) -> dict:
+def reevaluate(name: str, tok: PreTrainedTokenizerFast, eval_max_tokens: int) -> dict[str, Any]:
     """Re-measure held-out perplexity and samples of a *saved* model and rewrite its card.
 
     Uses the training metrics saved by a previous run (``build/demo_models/<name>_metrics.json``);
@@ -532,7 +544,7 @@ def reevaluate(name: str, tok: PreTrainedTokenizerFast, eval_max_tokens: int) ->
     path = WORK_DIR / f"{name}_metrics.json"
     if not path.exists():
         raise SystemExit(f"{path} missing; train the model first")
-    info = json.loads(path.read_text(encoding="utf-8"))
+    info: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     spec = ModelSpec(**info["spec"])
     model = LlamaForCausalLM.from_pretrained(str(MODELS_DIR / name), dtype=torch.float32)
     info["heldout"] = heldout_perplexity(model, tok, spec.seq_len, eval_max_tokens)
@@ -543,7 +555,7 @@ def reevaluate(name: str, tok: PreTrainedTokenizerFast, eval_max_tokens: int) ->
     return info
 
 
-def log_report(name: str, info: dict) -> None:
+def log_report(name: str, info: dict[str, Any]) -> None:
     ppl = info["heldout"]
     log(f"{name}: {MODELS_DIR / name} ({info['dir_bytes']:,} bytes); held-out ppl "
         f"prose {ppl['prose']['ppl']:.2f} code {ppl['code']['ppl']:.2f}")  # fmt: skip
@@ -551,7 +563,9 @@ def log_report(name: str, info: dict) -> None:
         log(f"sample [{s['domain']}]\n{s['prompt']}{s['continuation']}\n---")
 
 
-def save_and_report(spec: ModelSpec, tok: PreTrainedTokenizerFast, result: dict, eval_max_tokens: int) -> dict:
+def save_and_report(
+    spec: ModelSpec, tok: PreTrainedTokenizerFast, result: dict[str, Any], eval_max_tokens: int
+) -> dict[str, Any]:
     """Save float16 weights + tokenizer + card; evaluate the reloaded float32 model."""
     model: LlamaForCausalLM = result["model"]
     model.eval()
@@ -560,7 +574,7 @@ def save_and_report(spec: ModelSpec, tok: PreTrainedTokenizerFast, result: dict,
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    model.to(SAVE_DTYPE)
+    model.to(SAVE_DTYPE)  # type: ignore[arg-type]  # transformers' decorator on `to` loses the bound self
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(str(out_dir), safe_serialization=True)
     for fname in TOKENIZER_FILES:  # byte-identical copies of the trained tokenizer
@@ -575,7 +589,7 @@ def save_and_report(spec: ModelSpec, tok: PreTrainedTokenizerFast, result: dict,
         "name": spec.name,
         "spec": asdict(spec),
         "n_params": result["n_params"],
-        "n_embedding_params": reloaded.get_input_embeddings().weight.numel(),
+        "n_embedding_params": sum(p.numel() for p in reloaded.get_input_embeddings().parameters()),
         "vocab_size": len(tok),
         "train_wall_s": result["train_wall_s"],
         "history": result["history"],
