@@ -126,6 +126,16 @@ def test_over_long_prompt(stack: Stack) -> None:
     assert "4100" in err["message"]
 
 
+def test_an_empty_prompt_is_a_400_not_a_server_error(stack: Stack) -> None:
+    assert stack.server.state.tokenizer.encode("") == []  # no BOS token added: "" encodes to nothing
+    err = error_of(post(stack, "/completions", json={"model": MODEL_NAME, "prompt": "", "max_tokens": 4}), 400)
+    assert err["param"] == "prompt"
+    assert "empty" in err["message"]
+    err = error_of(post(stack, "/completions", json={"model": MODEL_NAME, "prompt": ["the cat", ""]}), 400)
+    assert err["param"] == "prompt"
+    assert post(stack, "/completions", json={"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 2}).is_success
+
+
 def test_unknown_route_and_method(stack: Stack) -> None:
     assert error_of(post(stack, "/embeddings", json={}), 404)["code"] == "not_found"
     assert error_of(httpx.get(f"{stack.base_url}/chat/completions"), 405)["code"] == "method_not_allowed"

@@ -259,7 +259,10 @@ class RunnerStream(StreamingResponse):
 
 
 def token_budget(prompt_tokens: int, requested: int | None, max_positions: int, param: str) -> int:
-    """Tokens the completion may have: as requested, else what the context has left (400 if none)."""
+    """Tokens the completion may have: as requested, else what the context has left (400 if none, or if the
+    prompt has no token: a tokenizer without a BOS token encodes "" to nothing, and a model needs one to start)."""
+    if prompt_tokens == 0:
+        raise invalid(f"The {param} is empty: it encodes to no token, and generation needs at least one.", param)
     room = max_positions - prompt_tokens
     if requested is None:
         requested = room
