@@ -6,14 +6,17 @@ once: a reader task takes every reply off the socket and hands it to the request
 step's reply names its session and sequence number; every other request (handshake, opening and
 closing sessions) goes one at a time and takes the reply that names no step in flight, since a
 refusal of it names nothing; OpenSession requests go together, answered by their request id (a
-refusal of one, which names nothing, goes to every open in flight). A broken connection fails
-every request in flight.
+refusal of one, which names nothing, goes to every open in flight). A reply that names a step or an open nobody
+waits for any more (it timed out or was cancelled) goes to no other request: a late step's reply is dropped, and
+a session opened too late is closed at once, so the trunk holds no session the edge does not know. A broken
+connection fails every request in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 import time
 from collections.abc import Callable
@@ -27,6 +30,7 @@ from websockets.frames import CloseCode
 
 from splitspec.exceptions import ConfigError, MessageTooLarge, ProtocolError, TransportError, error_from_code
 from splitspec.protocol.messages import (
+    CloseSession,
     Error,
     Message,
     OpenSession,
@@ -37,7 +41,10 @@ from splitspec.protocol.messages import (
     encode_message,
 )
 
+log = logging.getLogger(__name__)
+
 Request = TypeVar("Request")
+ORPHAN_CLOSE_TIMEOUT_S = 5.0  # closing a session opened for a request that was gone, seconds
 OPEN_KEY = "\x00open"  # the session id half of an OpenSession's key in flight (no real session id has a NUL)
 Reply = TypeVar("Reply")
 
@@ -84,6 +91,7 @@ class Channel:
         self._waiting: dict[tuple[str, int] | None, asyncio.Future[_Arrival]] = {}  # None: the control request
         self._control = asyncio.Lock()  # requests that are not steps go one at a time
         self._broken: TransportError | None = None  # why a multiplexed connection is gone, once it is
+        self._orphan_closes: set[asyncio.Task[None]] = set()  # closing sessions opened for requests gone
 
     @classmethod
     async def connect(
@@ -176,8 +184,9 @@ class Channel:
                 reply = decode_message(raw, max_bytes=cap)
                 arrival = _Arrival(reply, at, (time.perf_counter() - at) * 1e3, len(raw))
                 key = _answers(reply)
-                if key not in self._waiting and key is not None:
-                    key = None
+                if key is not None and key not in self._waiting:  # its request timed out or was cancelled
+                    self._late(reply)
+                    continue
                 if key is None and None not in self._waiting and isinstance(reply, Error):
                     # a refusal that names nothing and no control request waits: it refuses an OpenSession,
                     # and which one cannot be told; every open in flight gets it (each may try again)
@@ -194,6 +203,21 @@ class Channel:
         except asyncio.CancelledError:
             self._fail(TransportError("connection closed"))
             raise
+
+    def _late(self, reply: Message) -> None:
+        """A reply to a step or an open that nobody waits for: dropped; a session it opened is closed."""
+        if not isinstance(reply, SessionOpened):
+            log.debug("dropped a late %s", reply.TYPE)
+            return
+        task = asyncio.get_running_loop().create_task(self._close_orphan(reply.session_id))
+        self._orphan_closes.add(task)
+        task.add_done_callback(self._orphan_closes.discard)
+
+    async def _close_orphan(self, session_id: str) -> None:
+        try:
+            await self.request(CloseSession(session_id), ORPHAN_CLOSE_TIMEOUT_S)
+        except (ProtocolError, TransportError) as exc:  # best effort: a broken connection lost it anyway
+            log.debug("closing session %s, opened too late: %s", session_id, exc)
 
     def _fail(self, exc: TransportError) -> None:
         self._broken = exc
@@ -280,6 +304,8 @@ class Channel:
         )
 
     async def close(self) -> None:
+        for task in list(self._orphan_closes):
+            task.cancel()
         await self._ws.close()
         if self._reader is not None:
             self._reader.cancel()
