@@ -192,3 +192,39 @@ async def test_a_prefill_with_nobody_else_active_runs_whole_chunks_without_waiti
     assert out.shape == (1, prompt, 64)
     assert batcher.chunk_flags == [True, True, True]
     assert [tokens for _, tokens in metrics.forwards] == [64, 64, 22]  # the maximum, with decoding over
+
+
+class _CacheLog(StepBatcher):
+    """A batcher that notes which caches each forward ran rows for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.forwards: list[set[int]] = []
+
+    def run_rows(self, rows: list[Any]) -> list[torch.Tensor]:
+        self.forwards.append({id(row.cache) for row in rows})
+        return super().run_rows(rows)
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+async def test_a_cancelled_prefill_takes_no_more_chunks(trunk: LayerStack, threaded: bool) -> None:
+    """A client that goes away during a long prefill (its step's submit cancelled) frees the worker at once: the
+    step's remaining chunks are not computed, and it takes no place in a batch."""
+    batcher = _CacheLog(trunk, _Recorder(), prefill_chunk_tokens=16, threaded=threaded)
+    batcher.start()
+    prompt, gone = 400, KVCache()
+    hidden, positions = torch.randn(1, prompt, 64), torch.arange(prompt, dtype=torch.int32)
+    prefill = asyncio.create_task(batcher.submit(hidden, positions, torch.arange(-1, prompt - 1).int(), gone))
+    while not batcher.forwards:
+        await asyncio.sleep(0.001)
+    prefill.cancel()
+    ran_before = len(batcher.forwards)  # chunks computed or under way when the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await prefill
+    async with asyncio.timeout(10):
+        while batcher._pending:  # the step leaves the queue (it used to stay until all its chunks had run)
+            await asyncio.sleep(0.001)
+    await _decode_step(batcher, KVCache())  # the worker carries on with the others
+    await batcher.stop()
+    ran = sum(id(gone) in caches for caches in batcher.forwards)
+    assert ran <= ran_before + 1 < 25  # at most one more (planned before the cancellation was seen), of 25 chunks

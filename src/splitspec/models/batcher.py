@@ -204,11 +204,20 @@ class RowBatcher:
             self._wake.clear()
             while self._pending:
                 await self._gather()
+                self._drop_abandoned()
+                if not self._pending:
+                    break
                 small, big, chunk = self._plan()
                 if small:  # first, and delivered before any chunk runs
                     await self._run(small, None)
                 if big:
                     await self._run(big, chunk if chunk is not None else big[0].tokens)  # a tree goes whole
+
+    def _drop_abandoned(self) -> None:
+        """Forget the steps whose caller stopped waiting (its submit was cancelled: a client went away), before they
+        take a batch's place or another chunk. Their caches are left as they are: the edge starts a cancelled
+        sequence's caches afresh, and the trunk closes the sessions of a connection that went away."""
+        self._pending = [p for p in self._pending if not p.future.done()]
 
     def _active(self, now: float) -> set[KVCache]:
         """Sequences with a step waiting or delivered within :data:`ACTIVE_S` (older entries are dropped)."""
