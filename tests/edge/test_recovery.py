@@ -10,6 +10,7 @@ import asyncio
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +162,80 @@ async def test_sent_is_called_once_after_the_head_and_before_the_step_even_throu
             assert client.recoveries == 1
     assert seen == [(len(PROMPT) + 1, len(PROMPT), len(PROMPT))]
     assert logits.shape[0] == 1
+
+
+async def _session_count(server: TrunkServer, expected: int) -> int:
+    for _ in range(300):  # a session the edge abandons is closed in the background
+        if len(server.sessions) == expected:
+            break
+        await asyncio.sleep(0.01)
+    return len(server.sessions)
+
+
+async def test_a_failure_after_the_trunk_ran_the_step_is_recovered_and_the_old_session_closed(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """The edge's tail forward fails once the trunk has run the step: the trunk's cache holds the step, the
+    edge's does not. The edge used to keep the session and send its next step from the old position, refused
+    for good (position_out_of_range); now that step recovers on a new session, and the old one is closed."""
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        async with SplitClient(_edge(model, server)) as client:
+            client.reset()
+            await client.forward(PROMPT)
+            tail = client.engine._tail
+            run_rows = tail.run_rows
+            failures = [RuntimeError("injected tail failure")]
+
+            def failing(rows: list[Any]) -> list[torch.Tensor]:
+                if failures:
+                    raise failures.pop()
+                return run_rows(rows)
+
+            tail.run_rows = failing  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="injected tail failure"):
+                await client.forward([23])
+            assert client.sequence.tokens == PROMPT
+            recovered = await client.forward([24])
+            assert client.recoveries == 1
+            assert await _session_count(server, 1) == 1  # the abandoned session does not wait for its TTL
+        async with SplitClient(_edge(model, server)) as clean:
+            clean.reset()
+            expected = await clean.forward([*PROMPT, 24])
+    torch.testing.assert_close(recovered[-1], expected[-1])
+
+
+async def test_a_cancelled_step_leaves_no_session_and_no_feature_stream_behind(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """A chat whose turn is cancelled while its step waits for the tail (the caller went away): the sequence
+    recovers on its next forward, its old trunk session is closed, and the tail worker keeps nothing of the
+    step (a sequence keeping features for a draft head used to leave its output stream registered for good)."""
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        config = _edge(model, server, edge_layers=(2, 2))
+        async with SplitClient(config) as client:
+            client.reset()
+            assert client.sequence.keep_features((2, 4, 6)) is not None
+            await client.forward(PROMPT)
+            tail = client.engine._tail
+            submit = tail.submit
+            reached = asyncio.Event()
+
+            async def stalled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, float, float]:
+                reached.set()
+                await asyncio.sleep(30)
+                return await submit(*args, **kwargs)
+
+            tail.submit = stalled  # type: ignore[method-assign]
+            step = asyncio.ensure_future(client.forward([23]))
+            await reached.wait()
+            assert tail._streams  # the step's stream is registered while it waits
+            step.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await step
+            assert tail._streams == {}
+            tail.submit = submit  # type: ignore[method-assign]
+            await client.forward([24])
+            assert client.recoveries == 1
+            assert await _session_count(server, 1) == 1

@@ -300,6 +300,8 @@ class EdgeEngine:
         positions = torch.tensor(step_positions(base, parents), dtype=torch.int32)
         ids = torch.tensor(tokens, dtype=torch.long)
         features: torch.Tensor | None = None  # (q, F * H) when the sequence keeps features
+        tail_cache = sequence.tail_cache  # this step's (a cancellation gives the sequence new caches)
+        sent_to_trunk = False
         try:
             t0 = time.perf_counter()
             with torch.inference_mode():  # as the head's own forward (a compiled step guards on it)
@@ -322,6 +324,7 @@ class EdgeEngine:
             step = Step(session_id, sequence.seq, host_hidden, positions, parent_t, sequence.command, codec, asked)
             if sent:
                 sent.pop()()
+            sent_to_trunk = True
             raw_reply, exchange = await self._send_step(sequence, step)
             reply = _checked_reply(raw_reply, step, runtime.dtype)
             t3 = time.perf_counter()
@@ -340,13 +343,17 @@ class EdgeEngine:
             sequence.head_cache, sequence.tail_cache = runtime.new_cache(), runtime.new_cache()
             sequence.lost = True
             raise
-        except BaseException:  # the workers are done with this step: leave no half-run step behind
+        except BaseException as exc:  # the workers are done with this step: leave no half-run step behind
             for cache in (sequence.head_cache, sequence.tail_cache):
                 if len(cache) > base:
                     cache.truncate(base)
+            if sent_to_trunk and not isinstance(exc, CapacityExceeded):  # a refused step changed nothing there
+                # the trunk may have run the step (a reply that failed our checks, a failed tail forward): its
+                # cache no longer matches the edge's, so the next forward starts with a recovery
+                sequence.lost = True
             raise
         finally:
-            self._tail.drop_stream(sequence.tail_cache)
+            self._tail.drop_stream(tail_cache)
         sequence.command = None
         sequence.tokens.extend(tokens)
         sequence.digests.extend(digests)
@@ -434,7 +441,7 @@ class EdgeEngine:
         conn, session_id = sequence.connection, sequence.session_id
         sequence.connection = sequence.session_id = None
         if conn is not None and session_id is not None:
-            await self.link.forget(conn, session_id)
+            await self.link.abandon(conn, session_id)
         deadline = time.monotonic() + self.config.reconnect_timeout_s
         delay = 0.05
         while True:

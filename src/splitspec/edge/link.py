@@ -99,7 +99,7 @@ class TrunkLink:
         self.connections: list[TrunkConnection] = []
         self._connecting: dict[asyncio.Task[TrunkConnection], int] = {}  # connections being opened -> sessions waiting
         self._ids = itertools.count()
-        self._closing: set[asyncio.Task[None]] = set()  # idle connections being closed
+        self._closing: set[asyncio.Task[None]] = set()  # idle connections and abandoned sessions being closed
 
     async def connect(self) -> TrunkConnection:
         """A new connection past its handshake (the trunk fingerprint checked)."""
@@ -217,11 +217,18 @@ class TrunkLink:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def forget(self, conn: TrunkConnection, session_id: str) -> None:
-        """A session the trunk lost (or a connection that broke): drop it without asking the trunk."""
-        conn.sessions.discard(session_id)
-        if not conn.alive and not conn.sessions:
-            await self._drop(conn)
+    async def abandon(self, conn: TrunkConnection, session_id: str) -> None:
+        """A session the edge gives up (its cache no longer matches the edge's, or the trunk lost it): closed on
+        the trunk in the background while the connection lives, so its KV memory is freed now rather than at its
+        time-to-live (a session the trunk lost answers the close with an error, logged); forgotten otherwise."""
+        if not conn.alive:
+            conn.sessions.discard(session_id)
+            if not conn.sessions:
+                await self._drop(conn)
+            return
+        task = asyncio.get_running_loop().create_task(self.close_session(conn, session_id))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _drop(self, conn: TrunkConnection) -> None:
         if conn.idle_timer is not None:
