@@ -181,3 +181,36 @@ async def test_busy_pool_gets_429_with_retry_after(make_stack: Callable[..., Sta
     assert reply.usage is not None
     assert reply.usage.completion_tokens == 2
     await client.close()
+
+
+def test_a_failure_of_our_own_is_openais_error_json_and_ends_a_stream_with_an_error_event(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """An exception that is no splitspec error (here the edge's tail forward fails, as a torch error would) was
+    Starlette's plain-text 500, and a stream it hit stopped with neither an error event nor [DONE]."""
+    s = make_stack()
+    tail = s.server.state.engine._tail
+    run_rows = tail.run_rows
+    calls = {"left": 0}
+
+    def failing(rows: list[Any]) -> Any:
+        calls["left"] -= 1
+        if calls["left"] == 0:
+            raise RuntimeError("injected tail failure")
+        return run_rows(rows)
+
+    tail.run_rows = failing  # type: ignore[method-assign]
+    request = {"model": MODEL_NAME, "prompt": "the cat sat", "max_tokens": 8, "temperature": 0.0}
+    calls["left"] = 1  # the prefill's tail forward
+    err = error_of(post(s, "/completions", json=request), 500)
+    assert err["code"] == "internal_error"
+    assert "injected tail failure" in err["message"]
+    calls["left"] = 3  # a decode step, once tokens have streamed
+    with httpx.stream("POST", f"{s.base_url}/completions", json={**request, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert '"code": "internal_error"' in events[-2] or '"code":"internal_error"' in events[-2]
+    assert any('"text"' in e for e in events[:-2])  # tokens came before the failure
+    calls["left"] = 0  # no more failures: the server serves on
+    assert post(s, "/completions", json=request).is_success

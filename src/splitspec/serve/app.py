@@ -29,7 +29,7 @@ from splitspec.serve import schemas
 from splitspec.serve.chat_request import plan_chat, response_grammar, template_messages
 from splitspec.serve.choices import Item, Job, Runner, processors, sampling, stop_ids
 from splitspec.serve.disconnect import DisconnectPoll
-from splitspec.serve.errors import ApiError, invalid, unsupported
+from splitspec.serve.errors import ApiError, internal_error, invalid, unsupported
 from splitspec.serve.logprobs import chat_logprobs, completion_logprobs, text_length, triples
 from splitspec.serve.schemas import (
     ChatCompletionRequest,
@@ -83,6 +83,11 @@ def create_app(state: ServeState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def on_invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(request, validation_error(exc))
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette logs the traceback and re-raises after sending this (its server error middleware)
+        return error_response(request, internal_error(exc))
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -367,6 +372,11 @@ async def sse_events(
                 )
     except ApiError as err:
         yield _event(err.body())
+        yield _event("[DONE]")
+        return
+    except Exception as exc:  # a failure of our own mid-stream: the client still gets an error event and [DONE]
+        log.exception("a stream failed")
+        yield _event(internal_error(exc).body())
         yield _event("[DONE]")
         return
     if include_usage:

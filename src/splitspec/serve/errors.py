@@ -80,4 +80,9 @@ def api_error_for(exc: SplitspecError) -> ApiError:
         return ApiError(502, f"the trunk server failed: {exc}", "server_error", code=exc.code)
     if isinstance(exc, ConfigError):
         return invalid(str(exc))
-    return ApiError(500, f"{type(exc).__name__}: {exc}", "server_error")
+    return internal_error(exc)
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """500: a failure of this server's own (a bug, or an exception from torch), as OpenAI's error JSON."""
+    return ApiError(500, f"{type(exc).__name__}: {exc}", "server_error", code="internal_error")
