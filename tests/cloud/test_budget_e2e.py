@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ import torch
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
-from splitspec.exceptions import PositionOutOfRange, SessionQuotaExceeded
-from splitspec.protocol.messages import OpenSession, SessionOpened, Step, StepResult
+from splitspec.exceptions import PositionOutOfRange, SessionQuotaExceeded, UnknownSession
+from splitspec.protocol.messages import CloseSession, OpenSession, SessionClosed, SessionOpened, Step, StepResult
 from tests.conftest import local_greedy
 from tests.e2e.test_bad_input import raw_channel
 from tests.e2e.test_split_generate import PROMPT
@@ -88,3 +89,38 @@ async def test_a_connection_over_its_session_cap_is_refused_while_others_are_ser
             await asyncio.gather(hog.close(), second.close())
     assert result.token_ids[0] == greedy
     assert result.token_ids == local_greedy(model, PROMPT, 4)
+
+
+async def test_closing_a_session_stops_its_step_in_flight(make_checkpoint: Callable[..., Path]) -> None:
+    """The edge closes a session it gave up (a step that timed out, a failed tail) while the trunk may still be
+    prefilling it: the step's remaining chunks are not computed, its reservation is released, and its reply is
+    a typed unknown_session refusal (which the edge drops as late)."""
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, prefill_chunk_tokens=16)) as server:
+        batcher = server.batcher
+        assert batcher is not None
+        run_rows = batcher.run_rows
+        forwards: list[int] = []
+
+        def counted(rows: list[Any]) -> list[torch.Tensor]:
+            forwards.append(len(rows))
+            return run_rows(rows)
+
+        batcher.run_rows = counted  # type: ignore[method-assign]
+        async with SplitClient(EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url)) as e:
+            channel, sid = await raw_channel(server, e.hello)
+        channel.multiplex()
+        q = 512  # 32 chunks of 16
+        prefill = Step(sid, 1, torch.randn(1, q, 64), torch.arange(q, dtype=torch.int32), torch.arange(-1, q - 1).int())
+        step = asyncio.ensure_future(channel.request(prefill, 30))
+        while not forwards:
+            await asyncio.sleep(0.001)
+        closed, _ = await channel.request(CloseSession(sid), 5)
+        ran = len(forwards)
+        with pytest.raises(UnknownSession, match="closed while its step ran"):
+            await step
+        await channel.close()
+        assert not batcher._pending
+    assert isinstance(closed, SessionClosed)
+    assert len(forwards) <= ran + 1 < 32  # all 32 chunks ran before
+    assert not server.sessions._reserved

@@ -82,3 +82,37 @@ def test_the_default_budget_is_a_share_of_available_memory() -> None:
     available = available_memory_bytes(cpu)
     assert available > 0
     assert 0 < default_budget_bytes([cpu]) <= available
+
+
+def test_steps_in_flight_together_cannot_count_on_the_same_free_bytes() -> None:
+    """Each step's reservation is held until it ends: the bytes reach the ledger only when a cache grows, on the
+    compute thread, so prefills arriving together all passed a check against the same empty ledger."""
+    store = SessionStore(64, ttl_s=600, budget=KVBudget(2 * SLAB, PER_TOKEN, evict_idle_s=1.0))
+    a, b, c = store.open(1), store.open(2), store.open(3)
+    store.reserve(a, 10, now=100.0)  # one block each: the budget holds two
+    store.reserve(b, 10, now=100.0)
+    with pytest.raises(CapacityExceeded):
+        store.reserve(c, 10, now=100.0)  # nothing grown yet, and nothing idle to evict: no room
+    store.release(a)  # a's step ended (failed before growing its cache)
+    store.reserve(c, 10, now=100.0)
+    assert a.reserved_bytes == 0
+    assert c.reserved_bytes == SLAB
+
+
+def test_a_step_within_its_caches_capacity_is_never_refused() -> None:
+    store = SessionStore(64, ttl_s=600, budget=KVBudget(SLAB, PER_TOKEN, evict_idle_s=1.0))
+    a = _filled(store, 1, 10, last_used=100.0)
+    over = store.open(2)  # grown past the budget without a reservation (as before reservations were held)
+    over.cache.update(torch.zeros(1, 2, 10, 16), torch.zeros(1, 2, 10, 16), 0)
+    over.cache.commit()
+    over.busy = True
+    assert store.kv_bytes() == 2 * SLAB
+    store.reserve(a, KV_BLOCK_TOKENS, now=100.5)  # fits a's buffers: it needs nothing new, whatever the ledger says
+
+
+def test_another_connections_steps_do_not_count_in_a_sessions_bytes() -> None:
+    store = SessionStore(64, ttl_s=600)
+    mine = store.open(owner=1)
+    store.account_bytes(mine.session_id, 2, 1000, 2000)  # a step of connection 2 naming it (refused as unknown)
+    store.account_bytes(mine.session_id, 1, 10, 20)
+    assert (mine.bytes_in, mine.bytes_out) == (10, 20)

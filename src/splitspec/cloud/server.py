@@ -32,6 +32,7 @@ from splitspec.exceptions import (
     MalformedFrame,
     PositionOutOfRange,
     UnexpectedMessage,
+    UnknownSession,
 )
 from splitspec.models.checkpoint import Checkpoint, fingerprint
 from splitspec.models.kv_cache import KVCache
@@ -278,6 +279,14 @@ class TrunkServer:
         self.metrics.observe_batch(1, step.hidden.shape[1], cloud_ms)
         return out, cloud_ms, (started - queued) * 1e3
 
+    async def _compute_step(self, step: Step, cache: KVCache) -> tuple[torch.Tensor, float, float]:
+        """The step through the batcher, or alone (``batching=False``) -> output, compute ms, queue wait ms."""
+        if self.batcher is not None:
+            return await self.batcher.submit(
+                step.hidden, step.positions, step.parents, cache, capture=self._capture(step)
+            )
+        return await self._compute_alone(step, cache)
+
     def _capture(self, step: Step) -> int | None:
         """The local trunk layer whose output is the state after the step's ``return_layer`` model layers."""
         return None if step.return_layer is None else step.return_layer - self.plan.trunk_layers.start - 1
@@ -342,24 +351,28 @@ class TrunkServer:
             raise UnexpectedMessage(f"session {step.session_id} already has a step in flight: send one at a time")
         cache = session.cache
         length = self.validate_step(step, len(cache), cache.last_step)
-        # may evict idle sessions, or refuse before anything changed (the edge sends the step again)
+        # may evict idle sessions, or refuse before anything changed (the edge sends the step again); the bytes
+        # are held for this step until it ends
         self.sessions.reserve(session, length + step.hidden.shape[1])
-        cache.reserve(length + step.hidden.shape[1])  # the bytes just accounted: grown at once, not per chunk
-        if step.cache is not None:
-            if step.cache.truncate_to is not None:
-                cache.truncate(step.cache.truncate_to)
-            if step.cache.keep_last is not None:
-                cache.keep_last(step.cache.keep_last)
-        if step.hidden.dtype != self.dtype:  # a bf16 or int8 wire: decoded to bfloat16 or float32
-            step = dataclasses.replace(step, hidden=step.hidden.to(self.dtype))
         session.busy = True
         try:
-            if self.batcher is not None:
-                out, cloud_ms, queue_ms = await self.batcher.submit(
-                    step.hidden, step.positions, step.parents, cache, capture=self._capture(step)
-                )
-            else:
-                out, cloud_ms, queue_ms = await self._compute_alone(step, cache)
+            cache.reserve(length + step.hidden.shape[1])  # the bytes just accounted: grown at once, not per chunk
+            if step.cache is not None:
+                if step.cache.truncate_to is not None:
+                    cache.truncate(step.cache.truncate_to)
+                if step.cache.keep_last is not None:
+                    cache.keep_last(step.cache.keep_last)
+            if step.hidden.dtype != self.dtype:  # a bf16 or int8 wire: decoded to bfloat16 or float32
+                step = dataclasses.replace(step, hidden=step.hidden.to(self.dtype))
+            compute = asyncio.ensure_future(self._compute_step(step, cache))
+            session.step = compute  # closing the session meanwhile cancels it
+            try:
+                out, cloud_ms, queue_ms = await compute
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if compute.cancelled() and task is not None and not task.cancelling():
+                    raise UnknownSession(f"session {step.session_id} was closed while its step ran") from None
+                raise
         except Exception:
             # the cache command is applied and the compute may have half-run: the cache no longer
             # matches anything the edge knows, so the session goes (the edge replays its history)
@@ -367,6 +380,8 @@ class TrunkServer:
             raise
         finally:
             session.busy = False
+            session.step = None
+            self.sessions.release(session)
             session.last_used = time.monotonic()
         q = step.hidden.shape[1]
         session.steps += 1
@@ -442,7 +457,7 @@ class _TrunkPeer(MessagePeer[Message]):
         if isinstance(reply, Error):
             metrics.errors.labels(reply.code).inc()
         if isinstance(request, Step):
-            self.server.sessions.account_bytes(request.session_id, bytes_in, bytes_out)
+            self.server.sessions.account_bytes(request.session_id, self.conn_id, bytes_in, bytes_out)
 
     async def closed(self) -> None:
         self.server.sessions.close_owned_by(self.conn_id)

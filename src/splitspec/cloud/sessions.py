@@ -2,20 +2,23 @@
 
 The store bounds what sessions may hold in three ways: a session count (all connections, per
 connection, per remote address), an idle TTL, and a KV memory budget in bytes. Before a step
-grows a cache, :meth:`SessionStore.reserve` accounts the bytes the cache will hold after it; when
-the budget would overflow it evicts idle sessions, least recently used first (their edges replay
-their history on a fresh session, as after a TTL expiry), and when nothing is evictable it refuses
-the step with :class:`~splitspec.exceptions.CapacityExceeded` and a retry-after hint.
+grows a cache, :meth:`SessionStore.reserve` accounts the bytes the cache will hold after it, and holds them
+until the step ends (:meth:`SessionStore.release`), so that steps queued or computing together cannot each
+count on the same free bytes; when the budget would overflow it evicts idle sessions, least recently used
+first (their edges replay their history on a fresh session, as after a TTL expiry), and when nothing is
+evictable it refuses the step with :class:`~splitspec.exceptions.CapacityExceeded` and a retry-after hint.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from splitspec.exceptions import CapacityExceeded, SessionQuotaExceeded, TooManySessions, UnknownSession
 from splitspec.models.kv_cache import KV_BLOCK_TOKENS, KVCache, KVLedger
@@ -39,6 +42,8 @@ class Session:
     bytes_in: int = 0  # request frame bytes of its steps
     bytes_out: int = 0  # reply frame bytes of its steps
     compute_ms: float = 0.0  # trunk compute of its steps, milliseconds
+    reserved_bytes: int = 0  # while a step is in flight: its cache's size once the step ran, bytes (see reserve)
+    step: asyncio.Future[Any] | None = None  # the compute of its step in flight (closing the session cancels it)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,7 @@ class SessionStore:
         self.evictions = 0  # sessions evicted to make room, since start
         self._sessions: dict[str, Session] = {}
         self._ledger = KVLedger()  # the live caches' bytes, kept as they grow: read in O(1) on every step
+        self._reserved: dict[str, Session] = {}  # sessions whose step in flight holds a reservation
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -116,10 +122,10 @@ class SessionStore:
         session.last_used = time.monotonic()
         return session
 
-    def account_bytes(self, session_id: str, bytes_in: int, bytes_out: int) -> None:
-        """Add one step's frame sizes to the session's totals (if it is still live)."""
+    def account_bytes(self, session_id: str, owner: int, bytes_in: int, bytes_out: int) -> None:
+        """Add one step's frame sizes to the session's totals (if it is still live and ``owner``'s)."""
         session = self._sessions.get(session_id)
-        if session is not None:
+        if session is not None and session.owner == owner:
             session.bytes_in += bytes_in
             session.bytes_out += bytes_out
 
@@ -140,8 +146,12 @@ class SessionStore:
                 f"a cache of {entries} entries needs {needed / 2**20:.1f} MiB, more than the whole KV budget "
                 f"of {budget.budget_bytes / 2**20:.1f} MiB"
             )
-        held = self._ledger.nbytes - session.cache.nbytes  # the other sessions' bytes
-        if held + needed <= budget.budget_bytes:  # the common case, in O(1)
+        if needed <= session.cache.nbytes:  # the step fits in the buffers the cache holds: nothing to add
+            return
+        # the other sessions' bytes, and what their steps in flight reserved and have not grown into yet
+        held = self._ledger.nbytes - session.cache.nbytes + self._unmaterialised(session)
+        if held + needed <= budget.budget_bytes:  # the common case
+            self._hold(session, needed)
             return
         others = [s for s in self._sessions.values() if s is not session]
         idle = sorted(
@@ -164,10 +174,28 @@ class SessionStore:
         for victim in victims:
             self.evictions += 1
             self.close(victim.session_id, "evicted: the KV budget is full")
+        self._hold(session, needed)
+
+    def _unmaterialised(self, session: Session) -> int:
+        """Bytes the other sessions' steps in flight reserved that their caches do not hold yet."""
+        return sum(max(0, s.reserved_bytes - s.cache.nbytes) for s in self._reserved.values() if s is not session)
+
+    def _hold(self, session: Session, needed: int) -> None:
+        session.reserved_bytes = needed
+        self._reserved[session.session_id] = session
+
+    def release(self, session: Session) -> None:
+        """``session``'s step in flight ended (it ran, failed or was cancelled): its reservation goes."""
+        session.reserved_bytes = 0
+        self._reserved.pop(session.session_id, None)
 
     def close(self, session_id: str, reason: str) -> None:
+        """Close a session; a step of it in flight is cancelled (nobody waits for its reply: its chunks stop)."""
         session = self._sessions.pop(session_id, None)
+        self._reserved.pop(session_id, None)
         if session is not None:
+            if session.step is not None:
+                session.step.cancel()
             session.cache.detach()
             log.info(
                 "session %s closed (%s, %d live) %s",
