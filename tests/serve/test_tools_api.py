@@ -6,6 +6,7 @@ official ``openai`` client: forced calls (``required``, a named function) parsed
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -199,3 +200,33 @@ def test_bad_tool_and_format_values_are_named(tool_stack: Stack, change: dict[st
     fixed = {**body, "messages": ASK, "tools": None, "tool_choice": None, "response_format": None}
     ok = httpx.post(f"{tool_stack.base_url}/chat/completions", json=fixed, timeout=60)
     assert ok.status_code == 200, ok.text  # and the server keeps serving
+
+
+@pytest.mark.parametrize("speculate", ["prompt-lookup", "ngram"])
+def test_structured_output_is_whole_when_steps_verify_several_tokens(
+    tool_model: Path, client: openai.OpenAI, speculate: str
+) -> None:
+    """A speculative step's tokens are all emitted: the grammar is complete after the step, not after its first
+    token (the reply used to stop there, cut mid-object with finish_reason stop). The prompt holds the object's
+    text, so the lookups draft whole runs of it, and the grammar's forced tokens are accepted together."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}
+    shown = json.dumps({"answer": "yes", "score": 3, "note": "ok"})
+    ask: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"{shown} {shown} {shown}"}]
+    request: dict[str, Any] = dict(model=MODEL_NAME, messages=ask, response_format=fmt, max_tokens=60, temperature=0)
+    alone = chat(client, **request)  # the shared stack (speculate auto over a 0 ms link)
+    stack = Stack(tool_model, speculate=speculate)
+    try:
+        drafting = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+        reply = chat(drafting, **request)
+        trips = stack.server.state.metrics.registry.get_sample_value("splitspec_serve_tokens_per_round_trip_sum")
+    finally:
+        stack.close()
+    text = reply.choices[0].message.content or ""
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert text == alone.choices[0].message.content
+    assert reply.usage is not None
+    assert alone.usage is not None
+    assert reply.usage.completion_tokens == alone.usage.completion_tokens
+    assert reply.choices[0].finish_reason == "stop"
+    assert trips is not None
+    assert trips > 1  # the request's steps verified several tokens each, on average

@@ -153,13 +153,32 @@ def first_chain(draft: Draft) -> Draft:
 
 
 def cut_draft(draft: Draft, processors: Sequence[LogitsProcessor]) -> Draft:
-    """The draft as one chain, cut at the first token a processor forbids."""
+    """The draft as one chain, cut at the first token a processor forbids, and before a token that completes a
+    processor (a grammar): that token then comes from its own row, as one-token decoding makes it, and no row is
+    verified past the end, where only a stop token may follow (and ``min_tokens`` may forbid that one too)."""
     chain_draft = first_chain(draft)
     allowed = min((p.validate_draft(chain_draft.tokens) for p in processors), default=len(chain_draft))
+    allowed = _before_completion(chain_draft.tokens[:allowed], processors)
     if allowed >= len(chain_draft):
         return chain_draft
     probs = None if chain_draft.probs is None else chain_draft.probs[:allowed]
     return Draft(chain_draft.tokens[:allowed], chain_draft.parents[:allowed], probs)
+
+
+def _before_completion(tokens: Sequence[int], processors: Sequence[LogitsProcessor]) -> int:
+    """How many leading ``tokens`` leave every processor unfinished (each accepted in turn, then rolled back)."""
+    accepted = 0
+    try:
+        for token in tokens:
+            for processor in processors:
+                processor.accept([token])
+            accepted += 1
+            if any(p.finished for p in processors):
+                return accepted - 1
+    finally:
+        for processor in processors:
+            processor.rollback(accepted)
+    return len(tokens)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[Emitted]:
@@ -341,8 +360,6 @@ async def decode(
         else:
             target = params.probabilities(logits)
             verdict = sample_verify_tree(draft.tokens, draft.parents, draft.probs, target, generator)
-        if len(verdict.path) < len(draft):
-            verifier.keep([0, *[i + 1 for i in verdict.path]])  # t and the accepted path
         new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
         rows = [0, *[i + 1 for i in verdict.path]]  # row r scored new[r]: the pending token's, then each node's
         new = new[: max_new_tokens - produced]
@@ -350,6 +367,11 @@ async def decode(
             if token in stop_token_ids:
                 new = new[: i + 1]
                 break
+        # the caches keep t and the path's tokens that are emitted, all but the last (which, as every step's last
+        # token, is not in them yet): a stop token or the length limit inside the path cuts them there too
+        kept = verdict.path[: len(new) - 1]
+        if len(kept) < len(draft):
+            verifier.keep([0, *[i + 1 for i in kept]])
         controller.observe_step(len(tokens), step_s, len(context))
         if used is not None:
             controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), used_s)

@@ -98,19 +98,19 @@ class Generation:
         lease = self._lease
         self.outcome.cached_tokens = lease.reused
         self.state.metrics.active.set(self.state.pool.active)
-        self._tokens = lease.client.stream_tokens(
-            self.prompt_ids[lease.reused :],
-            max(1, self.max_tokens),  # max_tokens 0 (echo): the prefill alone, its token dropped
-            self.params,
-            stop_token_ids=self.stop_token_ids,
-            generator=lease.client.runtime.generator(self.params)[0],  # where the edge's logits live
-            speculate=self.speculate,
-            fresh=lease.reused == 0,
-            processors=() if self.processor is None else (self.processor,),
-            logprobs=self.logprobs,
-            prompt_logprobs=self._prompt,
-        )
-        try:
+        try:  # from here on, however it fails, the session is given back
+            self._tokens = lease.client.stream_tokens(
+                self.prompt_ids[lease.reused :],
+                max(1, self.max_tokens),  # max_tokens 0 (echo): the prefill alone, its token dropped
+                self.params,
+                stop_token_ids=self.stop_token_ids,
+                generator=lease.client.runtime.generator(self.params)[0],  # where the edge's logits live
+                speculate=self.speculate,
+                fresh=lease.reused == 0,
+                processors=() if self.processor is None else (self.processor,),
+                logprobs=self.logprobs,
+                prompt_logprobs=self._prompt,
+            )
             self._first = await anext(self._tokens)
         except BaseException as exc:
             await self._finish(healthy=False)
@@ -141,8 +141,7 @@ class Generation:
                 if delta:
                     yield Piece(delta, held)
                     held = []
-                done = self.processor is not None and self.processor.finished  # a grammar complete
-                if token in self.stop_token_ids or self.text.stopped or done:
+                if token in self.stop_token_ids or self.text.stopped:
                     self.outcome.finish_reason = "stop"
                     break
                 if self.outcome.completion_tokens >= self.max_tokens:
@@ -152,6 +151,9 @@ class Generation:
                     return
                 try:
                     emitted = await anext(self._tokens)
+                except StopAsyncIteration:  # the decoder ends where a grammar completes, after its whole last step
+                    self.outcome.finish_reason = "stop"
+                    break
                 except SplitspecError as exc:
                     raise self._failed(exc) from exc
             tail = self.text.flush()

@@ -138,7 +138,7 @@ class GenerationRequest(BaseModel):
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling at T = 1
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; 0 or -1 keeps every token
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit integer, as vLLM and torch take
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension: more tokens that end the reply
     stream: bool | None = False
@@ -166,7 +166,7 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # "²" is a digit to str.isdigit, and not to int()
                 raise ValueError(f"keys must be token ids, got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
