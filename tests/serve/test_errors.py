@@ -144,6 +144,18 @@ def test_unknown_route_and_method(stack: Stack) -> None:
     assert error_of(httpx.get(f"{stack.base_url}/chat/completions"), 405)["code"] == "method_not_allowed"
 
 
+def test_requests_are_counted_by_route_not_by_url(make_stack: Callable[..., Stack]) -> None:
+    """A scanner's 404s, or /v1/models/<any name>, used to make a metric series per URL, without bound."""
+    s = make_stack()
+    for i in range(5):
+        assert httpx.get(f"{s.base_url}/probe-{i}").status_code == 404
+        assert httpx.get(f"{s.base_url}/models/name-{i}").status_code == 404
+    metrics = httpx.get(s.base_url.removesuffix("/v1") + "/metrics").text
+    endpoints = {line.split('endpoint="')[1].split('"')[0] for line in metrics.splitlines()
+                 if line.startswith("splitspec_serve_requests_total{")}  # fmt: skip
+    assert endpoints == {"unmatched", "/v1/models/{model_id}"}
+
+
 def test_wrong_api_key(make_stack: Callable[..., Stack]) -> None:
     s = make_stack(api_key="sesame")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):

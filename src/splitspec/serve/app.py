@@ -68,7 +68,10 @@ def create_app(state: ServeState) -> FastAPI:
         return compilers[0]
 
     def count(request: Request, status: int) -> None:
-        state.metrics.requests.labels(request.url.path, str(status)).inc()
+        # the matched route's template ("/v1/models/{model_id}"), not the URL: a scanner's paths must not each make
+        # a new metric series
+        route = getattr(request.scope.get("route"), "path", None)
+        state.metrics.requests.labels(route if isinstance(route, str) else "unmatched", str(status)).inc()
 
     def error_response(request: Request, err: ApiError) -> JSONResponse:
         count(request, err.status)
