@@ -66,6 +66,8 @@ GOOD_DESC = '{"name":"h","dtype":"float32","shape":[2],"nbytes":8}'
         (frame(b'{"tensors":[{"name":"h","dtype":"float32","shape":[3],"nbytes":8}]}', b"\x00" * 8), BadTensor),
         (frame(b'{"tensors":[{"name":"h","dtype":"float32","shape":[-2],"nbytes":8}]}', b"\x00" * 8), BadTensor),
         (frame(b'{"tensors":[{"name":"h","dtype":"float32","shape":[1,1,1,1,2],"nbytes":8}]}'), BadTensor),
+        # empty, so its bytes match, but 2**64 is no torch size: reshape raised TypeError (answered server_error)
+        (frame(b'{"tensors":[{"name":"h","dtype":"float32","shape":[0,18446744073709551616],"nbytes":0}]}'), BadTensor),
         (frame(b'{"tensors":[{"name":"h","dtype":"float32","shape":[2],"nbytes":true}]}'), BadTensor),
         (frame(b'{"tensors":[' + GOOD_DESC.encode() + b"]}", b"\x00" * 7), MalformedFrame),  # short payload
         (frame(b'{"tensors":[' + GOOD_DESC.encode() + b"]}", b"\x00" * 9), MalformedFrame),  # trailing byte

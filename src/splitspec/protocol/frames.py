@@ -48,6 +48,7 @@ PREFIX_SIZE = _PREFIX.size  # 10 bytes
 MAX_HEADER_BYTES = 64 * 1024  # a header is metadata only; tensors carry the bulk
 MAX_HEADER_VALUES = 128  # commas and opening brackets a header may hold, i.e. a bound on its JSON values
 MAX_TENSOR_DIMS = 4
+MAX_TENSOR_DIM = 2**63 - 1  # torch's sizes are int64: an empty tensor's other dimensions must fit one
 
 # Wire dtype name -> torch dtype. Nothing outside this whitelist is ever decoded.
 DTYPES: dict[str, torch.dtype] = {
@@ -113,9 +114,9 @@ def _descriptor(raw: object) -> tuple[str, torch.dtype, tuple[int, ...], int]:
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_TENSOR_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_TENSOR_DIM for d in shape)
     ):
-        raise BadTensor(f"tensor {name!r}: shape {shape!r} is not a list of <= 4 non-negative ints")
+        raise BadTensor(f"tensor {name!r}: shape {shape!r} is not a list of <= 4 non-negative 64-bit ints")
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise BadTensor(f"tensor {name!r}: nbytes {nbytes!r} is not a non-negative int")
     torch_dtype = DTYPES[dtype]
