@@ -30,7 +30,7 @@ from splitspec.serve.chat_request import plan_chat, response_grammar, template_m
 from splitspec.serve.choices import Item, Job, Runner, processors, sampling, stop_ids
 from splitspec.serve.disconnect import DisconnectPoll
 from splitspec.serve.errors import ApiError, internal_error, invalid, unsupported
-from splitspec.serve.logprobs import chat_logprobs, completion_logprobs, text_length, triples
+from splitspec.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs, triples
 from splitspec.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -332,7 +332,7 @@ async def sse_events(
         use = runner.tally.usage(runner.running()) if continuous else None
         return _event(schemas.envelope(rid, obj, created, model, choices, use))
 
-    offsets: dict[int, int] = {}  # choice index -> characters of its tokens so far (completions)
+    offsets: dict[int, TextOffsets] = {}  # choice index -> where its next token starts in its text (completions)
 
     def logprobs(item: Item) -> dict[str, Any] | None:
         if token_bytes is None or not item.tokens:
@@ -340,8 +340,7 @@ async def sse_events(
         entries = triples(item.tokens)
         if chat:
             return chat_logprobs(entries, token_bytes)
-        at = offsets.get(item.index, 0)
-        offsets[item.index] = at + text_length(entries, token_bytes)
+        at = offsets.setdefault(item.index, TextOffsets(token_bytes))
         return completion_logprobs(entries, token_bytes, at)
 
     started: set[int] = set()

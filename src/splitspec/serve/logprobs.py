@@ -13,6 +13,7 @@ part of a UTF-8 character keeps its bytes (its text is then ``bytes:\\xNN...``, 
 
 from __future__ import annotations
 
+import codecs
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -41,6 +42,8 @@ class TokenBytes:
         self._tokenizer = tokenizer
         self._ll: llguidance.LLTokenizer | None = None
         self._known: dict[int, bytes] = {}
+        # the tokens a response's text leaves out (it is decoded with skip_special_tokens)
+        self.special_ids = frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()))
         if not isinstance(tokenizer, PreTrainedTokenizerFast):
             log.info(
                 "logprob token bytes: each token decoded alone (%s is not a fast tokenizer)", type(tokenizer).__name__
@@ -67,9 +70,23 @@ def triples(entries: Sequence[Emitted]) -> list[TokenLogprob]:
     return [(e.token, e.logprob, e.top) for e in entries]
 
 
-def text_length(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> int:
-    """Characters ``entries`` add to ``text_offset`` (what the next entry's offset starts from)."""
-    return sum(len(token_bytes(t).decode("utf-8", errors="ignore")) for t, _, _ in entries)
+class TextOffsets:
+    """Where each token of one choice starts in its text, in characters, as its tokens come (across a stream's
+    chunks). A token that ends inside a UTF-8 character adds nothing until a later one completes it, and a
+    special token, which the text leaves out, adds nothing: each offset is the length of the text before it."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._token_bytes = token_bytes
+        self._special_ids = token_bytes.special_ids if isinstance(token_bytes, TokenBytes) else frozenset()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # as the text shows bad bytes
+        self.at = 0  # characters of text so far
+
+    def next(self, token_id: int) -> int:
+        """The offset of ``token_id``, the choice's next token."""
+        start = self.at
+        if token_id not in self._special_ids:
+            self.at += len(self._decoder.decode(self._token_bytes(token_id)))
+        return start
 
 
 def _finite(logprob: float) -> float:
@@ -102,19 +119,19 @@ def chat_logprobs(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], 
 
 
 def completion_logprobs(
-    entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes], text_offset: int = 0
+    entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes], offsets_of: TextOffsets | None = None
 ) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object; offsets count characters from ``text_offset``."""
+    """The legacy completions ``logprobs`` object; ``offsets_of``: the choice's text offsets so far (a stream's
+    earlier chunks), else they start at 0."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    at = text_offset
+    at = TextOffsets(token_bytes) if offsets_of is None else offsets_of
     for token_id, logprob, alternatives in entries:
         text = token_text(token_bytes(token_id))
         tokens.append(text)
-        offsets.append(at)
-        at += len(token_bytes(token_id).decode("utf-8", errors="ignore"))
+        offsets.append(at.next(token_id))
         if logprob is None:
             token_logprobs.append(None)
             top.append(None)
