@@ -180,6 +180,10 @@ _VALUES = [(_f32(0.5), 32), (_f32(0.25), 32)]
         (_stream((2, 2), (1, 4)), 1, "ends inside an epsilon"),
         (_stream((2, 2), (15, 4), (0, 16), (0, 5), *[(1, 1)] * 16), 1, "exceeds the vocabulary"),
         (_stream((2, 2), (0, 4), (0, 16), (0, 5), (0, 3), (15, 4)), 1, "outside the vocabulary"),  # EG_0: id 14
+        (_stream((2, 2), (1, 4), (0, 16), (0, 5), (6, 5), (6, 5)), 1, "outside the vocabulary"),  # gaps 5, 5: id 11
+        # gaps near 2**52 wrapped the running sum in int64, past the last id's check: EG_0 of 2**52 - 2 is
+        # 51 zeros and 52 bits of 2**52 - 1
+        (_stream((2, 2), (1, 4), (0, 16), (0, 5), *[(0, 51), ((1 << 52) - 1, 52)] * 2), 1, "outside the vocabulary"),
         (_stream((2, 2), (0, 4), (0, 16), (0, 5), (0, 60)), 1, "over-long code"),
         (_stream((2, 2), (0, 4), (0, 16), (0, 5), (1, 4)), 1, "ends inside the ids"),  # "0001" needs 3 more bits
         (_stream((2, 2), (9, 4), (0, 16), (5, 5)), 1, "ends inside the ids"),  # 10 codes of >= 6 bits: no room

@@ -19,7 +19,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.exceptions import MessageTooLarge, SessionQuotaExceeded, error_from_code
+from splitspec.exceptions import BadTensor, MessageTooLarge, SessionQuotaExceeded, TransportError, error_from_code
 from splitspec.federated import codec as codec_module
 from splitspec.federated import coordinator as coordinator_module
 from splitspec.federated.codec import encode_topk, max_reply_bytes, max_stream_bytes
@@ -116,7 +116,9 @@ async def fakes(models: dict[str, LoadedModel]) -> AsyncIterator[FakeWorkers]:
         await server.wait_closed()
 
 
-async def generate_beside(models: dict[str, LoadedModel], hostile_url: str, n: int = 6) -> list[str]:
+async def generate_beside(
+    models: dict[str, LoadedModel], hostile_url: str, n: int = 6, audit: bool = False
+) -> list[str]:
     """Greedy generation with one honest worker and the hostile one; the hostile one's drop reasons."""
     async with FedWorker(WorkerConfig(model_dir=Path("."), port=0), models["worker"]) as honest:
         honest_url = honest.url
@@ -127,6 +129,7 @@ async def generate_beside(models: dict[str, LoadedModel], hostile_url: str, n: i
             gamma=3,
             round_timeout_s=10.0,
             rejoin_interval_s=0.0,
+            audit=audit,
         )
         async with Coordinator(cfg, models["draft"]) as coord:
             result = await coord.generate(PROMPT, n, SamplingParams(temperature=0.0))
@@ -240,3 +243,74 @@ async def test_one_address_cannot_take_every_worker_session(models: dict[str, Lo
         assert isinstance(e, FedWelcome)
         for ch in (second, third, other, again):
             await ch.close()
+
+
+async def test_a_prefill_in_chunks_keeps_the_scored_positions_in_its_last_message(
+    models: dict[str, LoadedModel],
+) -> None:
+    """A worker taking 8 tokens a message, a round scoring 4: a context of 10 was sent as 8 + 2, and the last
+    message, shorter than the positions it scores, was refused, dropping the worker every round (a prompt within
+    gamma of 4096 tokens does the same with the default limit). Now 6 + 4; the output is the unchunked one."""
+    prompt = [*PROMPT, 9]  # 7 tokens + 3 drafted = 10 = 8 + 2
+
+    async def run(max_query_tokens: int) -> list[int]:
+        config = WorkerConfig(model_dir=Path("."), port=0, max_query_tokens=max_query_tokens)
+        async with FedWorker(config, models["worker"]) as worker:
+            cfg = CoordinatorConfig(draft_dir=Path("."), worker_urls=(worker.url,), top_k=K, gamma=3)
+            async with Coordinator(cfg, models["draft"]) as coord:
+                result = await coord.generate(prompt, 6, SamplingParams(temperature=0.0))
+        assert all(w.status == "ok" for r in result.rounds for w in r.workers)
+        return result.token_ids
+
+    assert await run(8) == await run(4096)
+
+
+def _valid_reply(request: FedScore, vocab: int) -> bytes:
+    """A well-formed answer of K tokens per scored position, without the full laws an audit asks for."""
+    p = laws(request.num_scored, vocab)
+    stream = encode_topk(p, select_topk(p, TopKPolicy(k=K)), "float32")
+    return FedScores(request.seq, request.num_scored, vocab, stream, 1.0).to_bytes()
+
+
+async def test_in_audit_mode_a_worker_without_its_full_laws_is_dropped_not_the_generation(
+    models: dict[str, LoadedModel], fakes: FakeWorkers
+) -> None:
+    """One worker omitting what the audit reads used to abort the whole generation mid-round."""
+    reasons = await generate_beside(models, await fakes.start(_valid_reply), audit=True)
+    assert all(r.startswith("ProtocolError") and "full distributions" in r for r in reasons), reasons
+
+
+async def test_when_only_workers_of_weight_zero_answer_the_round_fails_in_words(
+    models: dict[str, LoadedModel], fakes: FakeWorkers
+) -> None:
+    """Weights (1, 0) and the weighted worker down: a ConfigError about weights used to surface mid-generation."""
+
+    def never(request: FedScore, vocab: int) -> bytes:
+        raise ConnectionClosed(None, None)
+
+    async with FedWorker(WorkerConfig(model_dir=Path("."), port=0), models["worker"]) as honest:
+        cfg = CoordinatorConfig(
+            draft_dir=Path("."),
+            worker_urls=(await fakes.start(never), honest.url),
+            weights=(1.0, 0.0),
+            top_k=K,
+            gamma=3,
+            round_timeout_s=10.0,
+        )
+        async with Coordinator(cfg, models["draft"]) as coord:
+            with pytest.raises(TransportError, match="positive weight"):
+                await coord.generate(PROMPT, 4, SamplingParams(temperature=0.0))
+
+
+async def test_a_worker_refuses_to_score_more_positions_than_a_round_needs(models: dict[str, LoadedModel]) -> None:
+    """Scores at 4,096 positions of a 150k vocabulary would make the worker build tens of GB of laws."""
+    async with FedWorker(WorkerConfig(model_dir=Path("."), port=0, max_scored_positions=8), models["worker"]) as w:
+        cfg = CoordinatorConfig(draft_dir=Path("."), worker_urls=(w.url,), top_k=K)
+        link = WorkerLink(w.url, 1.0, cfg)
+        loaded = models["draft"]
+        await link.connect(FedHello(loaded.vocab_size, loaded.tokenizer_fingerprint))
+        with pytest.raises(BadTensor, match="exceed this worker's limit of 8"):
+            await link.score([*PROMPT, *PROMPT], 9, 1.0)
+        reply, _, _ = await link.score([*PROMPT, *PROMPT], 8, 1.0)
+        assert reply.positions == 8
+        await link.drop("test over")

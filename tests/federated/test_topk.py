@@ -45,6 +45,21 @@ def test_residual_spreads_the_rest_uniformly() -> None:
     assert float(l1(p2, r2)[0]) == pytest.approx(0.1)  # ≤ 2ε = 0.2
 
 
+@pytest.mark.parametrize("method", RECONSTRUCTIONS)
+def test_a_position_with_no_mass_reconstructs_uniform(method: str) -> None:
+    """A peer may send K = |V| probabilities of 0 (its ε of 1 allows it): no information, so uniform; residual
+    divided by a total of 0 and gave NaN."""
+    topk = TopK(
+        vocab_size=4,
+        counts=torch.tensor([4, 1]),
+        ids=torch.tensor([0, 1, 2, 3, 2]),
+        probs=torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0]),
+    )
+    r = reconstruct(topk, method)  # type: ignore[arg-type]
+    assert r[0].tolist() == [0.25] * 4
+    assert r[1].tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
 def test_k_equal_to_vocab_is_lossless() -> None:
     p = torch.softmax(torch.randn(3, 50), -1)
     for method in RECONSTRUCTIONS:

@@ -301,6 +301,10 @@ def decode_topk(data: bytes, positions: int, vocab_size: int, max_k: int | None 
             )
         epsilon = reader.fixed(16, "an epsilon") / EPS_SCALE
         ids = reader.exp_golomb(k, reader.fixed(ORDER_BITS, "an order"), "the ids")  # gaps, turned into ids in place
+        # a gap of |V| or more leaves the vocabulary at once; with every gap below |V| <= 2**28 and K <= |V|, the
+        # running sum stays far inside int64 (gaps of up to 2**52 used to wrap it past the last id's check)
+        if int(ids.max()) >= vocab_size:
+            raise BadTensor(f"position {j}: a top-K id is outside the vocabulary of {vocab_size}")
         ids += 1
         np.cumsum(ids, out=ids)
         ids -= 1

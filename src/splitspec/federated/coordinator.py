@@ -207,6 +207,8 @@ class Coordinator:
             raise BadTensor(f"reply over a vocabulary of {reply.vocab_size}, expected {self.draft.vocab_size}")
         # decoding costs CPU in proportion to the reply: off the event loop, which keeps serving
         # the other workers' links; a count above the request's K is refused before allocation
+        if self.config.audit and reply.full is None:  # this worker is dropped, not the round
+            raise ProtocolError("audit mode: the worker did not send its full distributions")
         cap = self.config.k_cap(reply.vocab_size)
         topk = await asyncio.to_thread(decode_topk, reply.stream, reply.positions, reply.vocab_size, cap)
         return _Answer(link, reply, topk, up, down, (time.perf_counter() - t0) * 1e3)
@@ -232,6 +234,8 @@ class Coordinator:
                 answered.append(r)
         if not answered:
             raise TransportError("every worker failed this round; cannot continue")
+        if sum(a.link.weight for a in answered) <= 0:
+            raise TransportError("every worker with a positive weight failed this round; cannot continue")
         return answered, dropped
 
     async def stream(
@@ -305,11 +309,9 @@ class Coordinator:
         return emitted
 
     def _audit(self, answered: list[_Answer], weights: list[float], q: torch.Tensor) -> AuditRound:
-        fulls = [a.reply.full for a in answered]
-        if any(f is None for f in fulls):
-            raise ProtocolError("audit mode: a worker did not send its full distributions")
+        fulls = [a.reply.full for a in answered if a.reply.full is not None]  # every one: _score_one checks
         report = bound_report(
-            [f for f in fulls if f is not None],
+            fulls,
             [a.topk for a in answered],
             weights,
             self.config.reconstruct,

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from splitspec.exceptions import BadTensor, HandshakeMismatch, TransportError, UnexpectedMessage
+from splitspec.exceptions import BadTensor, ConfigError, HandshakeMismatch, TransportError, UnexpectedMessage
 from splitspec.federated.codec import max_reply_bytes
 from splitspec.federated.config import CoordinatorConfig
 from splitspec.prefix import common_prefix
@@ -85,10 +85,14 @@ class WorkerLink:
             raise TransportError("not connected")
         cfg = self.config
         keep = common_prefix(self.tokens, context, len(context) - num_scored)
+        limit = welcome.max_query_tokens
+        if num_scored > limit:
+            raise ConfigError(f"the worker takes {limit} tokens a message, fewer than the {num_scored} a round scores")
         up = down = 0
-        # chunked prefill: no single message appends more than the worker's max_query_tokens
-        while len(context) - keep > welcome.max_query_tokens:
-            chunk = context[keep : keep + welcome.max_query_tokens]
+        # chunked prefill: no single message appends more than the worker's max_query_tokens, and the last one
+        # still holds the num_scored positions it scores (a last chunk shorter than that was refused)
+        while len(context) - keep > limit:
+            chunk = context[keep : keep + min(limit, len(context) - keep - num_scored)]
             reply, u, d = await self._exchange(channel, welcome.vocab_size, keep, chunk, 1, 1.0, k=1)
             up, down, keep = up + u, down + d, keep + len(chunk)
             self.tokens = context[:keep]

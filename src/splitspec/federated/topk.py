@@ -176,7 +176,11 @@ def reconstruct(topk: TopK, method: Reconstruction) -> torch.Tensor:
     out += fill[:, None]
     out[rows, topk.ids] = p
     total = out.sum(dim=-1, keepdim=True)  # 1 unless quantized masses exceeded 1 or K = |V|
-    return (out / total).float()
+    out /= torch.where(total > 0, total, torch.ones_like(total))
+    # K = |V| with every probability 0 (a peer's upload, within a loose ε) carries no information: uniform, as for
+    # renorm; dividing by its total of 0 made a row of NaN that aborted the round
+    out[total[:, 0] <= 0] = 1.0 / vocab
+    return out.float()
 
 
 def normalize_weights(weights: Sequence[float]) -> torch.Tensor:

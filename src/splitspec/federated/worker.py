@@ -64,6 +64,9 @@ class WorkerConfig:
     auth_token: str | None = None  # shared secret the coordinator must present
     max_message_bytes: int = 64 * 1024 * 1024  # largest frame accepted or sent, bytes
     max_query_tokens: int = 4096  # most tokens one FedScore may append, tokens
+    # most positions one FedScore may ask scores for (a round's gamma + 1): bounds the (positions, V) float32
+    # probabilities and the adaptive K's sort a reply builds
+    max_scored_positions: int = 64
     max_sessions: int = 16  # concurrent connections (each holds a KV cache)
     max_sessions_per_address: int = 4  # sessions one IP address may hold at once
     handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
@@ -77,6 +80,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.max_sessions_per_address < 1:
             raise ConfigError("--max-sessions and --max-sessions-per-address must be at least 1")
+        if self.max_scored_positions < 1:
+            raise ConfigError("the scored positions a request may ask for must be at least 1")
 
 
 class FedWorker:
@@ -225,6 +230,11 @@ class _WorkerPeer(MessagePeer[FedMessage]):
             raise PositionOutOfRange(f"cannot keep {request.keep} tokens of a cache holding {len(lm.tokens)}")
         if n > worker.config.max_query_tokens:
             raise BadTensor(f"{n} new tokens exceed the limit of {worker.config.max_query_tokens}")
+        if request.num_scored > worker.config.max_scored_positions:
+            raise BadTensor(
+                f"scores at {request.num_scored} positions exceed this worker's limit of "
+                f"{worker.config.max_scored_positions} (a round's gamma + 1)"
+            )
         if request.keep + n > worker.loaded.max_positions:
             raise PositionOutOfRange(f"sequence of {request.keep + n} tokens exceeds {worker.loaded.max_positions}")
         vocab = worker.identity.vocab_size
