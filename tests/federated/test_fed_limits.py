@@ -314,3 +314,17 @@ async def test_a_worker_refuses_to_score_more_positions_than_a_round_needs(model
         reply, _, _ = await link.score([*PROMPT, *PROMPT], 8, 1.0)
         assert reply.positions == 8
         await link.drop("test over")
+
+
+async def test_a_rejoin_prefill_in_several_messages_may_take_longer_than_one_round_timeout(
+    models: dict[str, LoadedModel],
+) -> None:
+    """Each message waits the round timeout, not the whole prefill: 4 messages of 0.4 s under a 1 s timeout (one
+    timeout for all of them dropped a worker whose context took several messages, on every rejoin)."""
+    config = WorkerConfig(model_dir=Path("."), port=0, max_query_tokens=8, delay_s=0.4)
+    async with FedWorker(config, models["worker"]) as worker:
+        cfg = CoordinatorConfig(draft_dir=Path("."), worker_urls=(worker.url,), top_k=K, gamma=3, round_timeout_s=1.0)
+        async with Coordinator(cfg, models["draft"]) as coord:
+            result = await coord.generate(PROMPT * 4, 2, SamplingParams(temperature=0.0))  # 24 + 3 tokens: 4 messages
+    assert len(result.token_ids) == 2
+    assert all(w.status == "ok" for r in result.rounds for w in r.workers)

@@ -189,7 +189,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=DEFAULT_QUANT_BUDGET,
         help=f"quantized: error allowed per position, as a fraction of its tail mass (default {DEFAULT_QUANT_BUDGET})",
     )
-    g.add_argument("--round-timeout", type=float, default=30.0, help="seconds before a slow worker is dropped")
+    g.add_argument(
+        "--round-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a worker may take to answer one message before it is dropped for the round",
+    )
     add_token_file(g)
     add_tls_ca(g)
     g.add_argument("--json", action="store_true", help="print tokens, text and per-round figures as JSON")

@@ -35,7 +35,7 @@ class CoordinatorConfig:
     audit: bool = False  # workers also send full laws; rounds record Δ, drift and bound checks
     auth_token: str | None = None  # shared secret for the workers
     tls_ca_file: Path | None = None  # PEM CA bundle to verify wss:// workers (e.g. behind a TLS proxy); None = system
-    round_timeout_s: float = 30.0  # a worker slower than this is dropped for the round, seconds
+    round_timeout_s: float = 30.0  # a worker slower than this to answer a message is dropped for the round, seconds
     connect_timeout_s: float = 10.0  # connecting and handshaking, seconds
     rejoin_interval_s: float = 0.5  # first wait before reconnecting a dropped worker, seconds (doubles, <= 10)
     max_message_bytes: int = 64 * 1024 * 1024  # largest frame sent or accepted, bytes

@@ -200,9 +200,9 @@ class Coordinator:
 
     async def _score_one(self, link: WorkerLink, context: list[int], num_scored: int, temperature: float) -> _Answer:
         t0 = time.perf_counter()
-        reply, up, down = await asyncio.wait_for(
-            link.score(context, num_scored, temperature), self.config.round_timeout_s
-        )
+        # each message waits round_timeout_s (link.score): a rejoining worker's prefill, in several messages, may
+        # take longer in all (one timeout for all of them dropped it on every rejoin of a long context)
+        reply, up, down = await link.score(context, num_scored, temperature)
         if reply.vocab_size != self.draft.vocab_size:
             raise BadTensor(f"reply over a vocabulary of {reply.vocab_size}, expected {self.draft.vocab_size}")
         # decoding costs CPU in proportion to the reply: off the event loop, which keeps serving
@@ -227,7 +227,8 @@ class Coordinator:
             if isinstance(r, BaseException):
                 if not isinstance(r, (SplitspecError, TimeoutError, OSError)):
                     raise r  # a bug of ours (or cancellation), not a worker fault
-                reason = "timed out" if isinstance(r, TimeoutError) else f"{type(r).__name__}: {r}"
+                timed_out = isinstance(r, TimeoutError) or isinstance(r.__cause__, TimeoutError)  # a message's wait
+                reason = "timed out" if timed_out else f"{type(r).__name__}: {r}"
                 await link.drop(reason)
                 dropped[link.url] = WorkerRound(url=link.url, status="dropped", weight=0.0, error=reason)
             else:
