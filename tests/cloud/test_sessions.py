@@ -116,3 +116,14 @@ def test_another_connections_steps_do_not_count_in_a_sessions_bytes() -> None:
     store.account_bytes(mine.session_id, 2, 1000, 2000)  # a step of connection 2 naming it (refused as unknown)
     store.account_bytes(mine.session_id, 1, 10, 20)
     assert (mine.bytes_in, mine.bytes_out) == (10, 20)
+
+
+def test_the_retry_hint_counts_only_sessions_that_may_become_evictable() -> None:
+    """A busy session and one evictable already (which did not free enough) used to give the floor, 0.05 s."""
+    store = SessionStore(64, ttl_s=600, budget=KVBudget(2 * SLAB, PER_TOKEN, evict_idle_s=1.0))
+    busy = _filled(store, 1, 10, last_used=100.0)
+    busy.busy = True  # idle-looking, but computing: not evictable until its step ends
+    _filled(store, 2, 10, last_used=100.5)
+    with pytest.raises(CapacityExceeded) as refused:
+        store.reserve(store.open(3), 10, now=101.0)
+    assert refused.value.retry_after_s == pytest.approx(0.5)  # when the second one has idled for 1 s

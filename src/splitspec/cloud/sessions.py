@@ -165,7 +165,13 @@ class SessionStore:
             victims.append(candidate)
             held -= candidate.cache.nbytes
         if held + needed > budget.budget_bytes:
-            waits = [s.last_used + budget.evict_idle_s - now for s in others if s.cache.nbytes]
+            # when a session not evictable now may become so: an idle one once it has idled long enough, a busy one
+            # at the earliest that long after this moment (its step ends later); those evictable now did not suffice
+            waits = [
+                budget.evict_idle_s if s.busy else s.last_used + budget.evict_idle_s - now
+                for s in others
+                if s.cache.nbytes and (s.busy or now - s.last_used < budget.evict_idle_s)
+            ]
             raise CapacityExceeded(
                 f"the KV budget of {budget.budget_bytes / 2**20:.1f} MiB is full and no session is idle enough "
                 "to evict",
