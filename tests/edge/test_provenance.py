@@ -57,6 +57,30 @@ def test_comparison_with_the_published_checkpoint(make_checkpoint: Callable[...,
     assert edge_provenance(trunk_only, PLAN, published).stock
 
 
+def test_a_tail_of_its_own_does_not_hide_stock_head_layers(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The cloud receives the head layers' output: with those published, anyone holding the model can invert it,
+    whatever the tail is (a fine-tune of the upper layers passed as private)."""
+    published = make_checkpoint("llama")
+    tail_only = perturbed_copy(published, tmp_path / "tail", layer=5)  # layer 5 is the tail's
+    with pytest.raises(ConfigError, match="head layers, whose output the cloud sees"):
+        check_edge_weights(tail_only, PLAN, published, allow_stock=False)
+
+
+def test_a_bfloat16_copy_of_the_published_weights_is_stock(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Rounding to bfloat16 moves a float32 tensor by about 2e-3 of its norm: still the published weights."""
+    published = make_checkpoint("llama")
+    copy = shutil.copytree(published, tmp_path / "bf16")
+    tensors = load_file(copy / "model.safetensors")
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in tensors.items()}, copy / "model.safetensors", metadata={"format": "pt"}
+    )
+    assert edge_provenance(copy, PLAN, published).stock
+
+
 def test_divergence_record_must_match_the_weights(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
     published = make_checkpoint("llama")
     diverged = perturbed_copy(published, tmp_path / "diverged", layer=5)

@@ -5,10 +5,13 @@ same weights. With stock public edge weights, an untrusted cloud can rebuild (ac
 pairs at will, so splitspec treats stock edge weights as a conscious choice:
 
 * with ``published_model_dir`` the edge layers are compared tensor by tensor with the published
-  checkpoint;
+  checkpoint: the weights count as stock when the head layers, whose output the cloud receives, are (a tail of
+  its own does not hide what the head sends);
 * otherwise the checkpoint must carry a divergence record (``splitspec_edge.json``, written by
   ``splitspec diverge``) whose fingerprint matches the edge tensors actually loaded and differs
-  from the published fingerprint. A checkpoint without a valid record counts as stock.
+  from the published fingerprint. A checkpoint without a valid record counts as stock. The record is trusted
+  as written (its published fingerprint is the one ``diverge`` computed): ``published_model_dir`` checks the
+  weights against the published ones themselves.
 
 Stock weights raise :class:`~splitspec.exceptions.ConfigError` unless explicitly allowed; then the
 client warns at every session.
@@ -41,8 +44,10 @@ def edge_provenance(model_dir: Path, plan: SplitPlan, published_model_dir: Path 
     """Decide whether ``model_dir``'s edge weights are the published ones."""
     if published_model_dir is not None:
         report = edge_weight_report(model_dir, published_model_dir, plan)
-        if report.is_stock:
-            return EdgeProvenance(True, f"edge layers equal those of {published_model_dir}")
+        if report.head_is_stock:  # what the cloud sees is then public, however the tail differs
+            return EdgeProvenance(
+                True, f"the head layers, whose output the cloud sees, equal those of {published_model_dir}"
+            )
         if report.stock_layers:
             log.warning("edge layers %s are still the published ones", report.stock_layers)
         return EdgeProvenance(

@@ -18,7 +18,10 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint, hash_tensors
 from splitspec.models.split import SplitPlan
 
-DEFAULT_TOLERANCE = 1e-3  # relative Frobenius difference below which a tensor counts as stock
+# relative Frobenius difference below which a tensor counts as stock: a bfloat16 copy of float32 weights differs by
+# about 2e-3 (bfloat16 keeps 8 significant bits) and is as public as they are; `splitspec diverge` moves the edge
+# layers' tensors by about 0.5
+DEFAULT_TOLERANCE = 1e-2
 
 
 def edge_layer_names(ckpt: Checkpoint, plan: SplitPlan) -> list[str]:
@@ -65,6 +68,13 @@ class WeightReport:
         return all(t.stock for t in self.tensors)
 
     @property
+    def head_is_stock(self) -> bool:
+        """True when every head-layer tensor equals the published one: the hidden state the cloud receives is then
+        what anyone holding the published model computes, whatever the tail layers are."""
+        head = set(self.plan.head_layers)
+        return all(t.stock for t in self.tensors if int(t.name.split(".")[2]) in head)
+
+    @property
     def stock_layers(self) -> list[int]:
         """Edge layers none of whose tensors differ from the published ones: public to an attacker."""
         by_layer: dict[int, bool] = {}
@@ -83,6 +93,7 @@ class WeightReport:
             "tail": self.plan.tail,
             "tolerance": self.tolerance,
             "is_stock": self.is_stock,
+            "head_is_stock": self.head_is_stock,
             "stock_layers": self.stock_layers,
             "max_relative_difference": self.max_relative_difference,
             "tensors": {t.name: t.relative_difference for t in self.tensors},
