@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.exceptions import CheckpointError, ConfigError
 from splitspec.models.checkpoint import Checkpoint, fingerprint
-from splitspec.models.loading import load_edge
+from splitspec.models.loading import load_edge, load_trunk
 from splitspec.models.split import SplitPlan, parse_edge_layers
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -79,3 +82,38 @@ def test_fingerprint_tracks_architecture_not_paths(make_checkpoint: Callable[...
     c = Checkpoint(make_checkpoint("llama", layers=8)).config
     assert fingerprint(a) == fingerprint(b)
     assert fingerprint(a) != fingerprint(c)
+
+
+def test_old_checkpoints_with_per_layer_rotary_buffers_load_as_transformers_loads_them(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Llama-2 era conversions store model.layers.N.self_attn.rotary_emb.inv_freq, which transformers ignores;
+    the edge and the trunk refused them as unexpected tensors."""
+    model = make_checkpoint("llama")
+    old = shutil.copytree(model, tmp_path / "old")
+    tensors = load_file(old / "model.safetensors")
+    layers = Checkpoint(model).config.num_hidden_layers
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
+    save_file(tensors, old / "model.safetensors", metadata={"format": "pt"})
+    plan = SplitPlan(layers, 2, 2)
+    edge, reference = load_edge(Checkpoint(old), plan, torch.float32), load_edge(Checkpoint(model), plan, torch.float32)
+    assert all(
+        torch.equal(a, b) for a, b in zip(edge.state_dict().values(), reference.state_dict().values(), strict=True)
+    )
+    load_trunk(Checkpoint(old), plan, torch.float32)
+
+
+def test_a_single_file_is_read_before_a_stale_index(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """A folder saved again as one file may keep the index of its old shards: transformers reads the single file,
+    and so must the edge (it read the index, and failed on the deleted shards)."""
+    model = make_checkpoint("llama")
+    folder = shutil.copytree(model, tmp_path / "resaved")
+    stale = {
+        "metadata": {},
+        "weight_map": dict.fromkeys(Checkpoint(model).tensor_names, "model-00001-of-00002.safetensors"),
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps(stale))
+    name = "model.layers.0.mlp.up_proj.weight"
+    read = Checkpoint(folder).read([name], torch.float32)[name]
+    assert torch.equal(read, Checkpoint(model).read([name], torch.float32)[name])

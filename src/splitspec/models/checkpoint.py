@@ -136,13 +136,7 @@ class Checkpoint:
         self.read_names: set[str] = set()  # every tensor name read so far
 
     def _tensor_files(self) -> dict[str, Path]:
-        index = self.directory / INDEX_FILE
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                return {str(name): self.directory / str(fname) for name, fname in weight_map.items()}
-            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-                raise CheckpointError(f"{index} is not a valid safetensors index ({exc!r})") from None
+        # the single file first, as transformers looks: a folder saved again may keep a stale index beside it
         single = self.directory / SINGLE_FILE
         if single.is_file():
             try:
@@ -150,6 +144,13 @@ class Checkpoint:
                     return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
             except SafetensorError as exc:
                 raise CheckpointError(f"{single} is not a readable safetensors file ({exc})") from None
+        index = self.directory / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return {str(name): self.directory / str(fname) for name, fname in weight_map.items()}
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({exc!r})") from None
         raise CheckpointError(f"{self.directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
     @property

@@ -112,6 +112,9 @@ def _load_modules(
         names = [n for n in ckpt.tensor_names if n.startswith(group)]
         with ckpt.open_slices(names, device, pread=on_host) as state:
             info, _ = convert_and_load_state_dict_in_model(lm, state, load_config)
+        # what transformers' own load forgives: the family's ignore patterns, and old checkpoints' per-layer
+        # rotary_emb.inv_freq buffers (Llama-2 era conversions)
+        lm._adjust_missing_and_unexpected_keys(info)
         if on_host:
             _return_freed_host_memory()
         problems += [
