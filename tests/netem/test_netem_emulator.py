@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import socketserver
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -266,3 +267,36 @@ def test_threaded_emulator_for_sync_callers(sync_echo_port: int) -> None:
     assert 18.0 <= added <= 45.0, samples
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", emu.port), timeout=1.0).close()
+
+
+async def test_a_reset_follows_the_bytes_sent_before_it() -> None:
+    """An upstream that answers, then resets (closing with unread input): the answer still crosses the link, and
+    the reset after it, one delay later. The emulator used to tear both sides down at once, dropping the answer."""
+
+    async def answer_then_reset(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readexactly(10)  # 90 bytes stay unread: closing resets the connection
+        w.write(b"error: bye")
+        await w.drain()
+        sock = w.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset on close
+        w.transport.abort()
+
+    server = await asyncio.start_server(answer_then_reset, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with WanEmulator(NetemConfig(upstream_port=port, rtt_ms=100.0)) as emu:
+            r, w = await _connect(emu.port)
+            t0 = time.perf_counter()
+            w.write(bytes(100))
+            await w.drain()
+            got = b""
+            with contextlib.suppress(ConnectionError):
+                while chunk := await asyncio.wait_for(r.read(100), 5.0):
+                    got += chunk
+            elapsed_ms = (time.perf_counter() - t0) * 1000.0
+            await _close(w)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert got == b"error: bye"
+    assert elapsed_ms >= 90.0  # up and down: the answer and the reset each crossed the link

@@ -95,7 +95,8 @@ class _Direction:
         self._schedule = schedule
         self._chunk = config.chunk_bytes
         self._max_queued = config.max_queue_bytes
-        self._queue: deque[tuple[float, bytes]] = deque()
+        # (release time, chunk): b"" forwards the sender's EOF, None its reset
+        self._queue: deque[tuple[float, bytes | None]] = deque()
         self._queued = 0
         self._has_data = asyncio.Event()
         self._has_room = asyncio.Event()
@@ -109,7 +110,12 @@ class _Direction:
             try:
                 data = await self._src.read(self._chunk)
             except OSError as exc:
-                raise _LinkAborted(f"{self.name}: read failed: {exc!r}") from exc
+                # the sender reset the connection: what it sent before still crosses the link, and the reset
+                # follows it after the same delay (a real link does not drop the bytes in flight ahead of it)
+                logger.debug("netem %s: the sender reset the connection: %r", self.name, exc)
+                self._queue.append((self._schedule.release_time(loop.time(), 0), None))
+                self._has_data.set()
+                return
             release = self._schedule.release_time(loop.time(), len(data))
             self._queue.append((release, data))
             self._queued += len(data)
@@ -132,6 +138,9 @@ class _Direction:
             wait = release - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
+            if data is None:
+                _abort(self._dst)
+                raise _LinkAborted(f"{self.name}: the sender reset the connection")
             try:
                 if not data:
                     if self._dst.can_write_eof():
