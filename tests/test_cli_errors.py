@@ -79,6 +79,43 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
             "0",
         ],
         "checkpoints quantized with gptq are not supported": ["cloud", "serve", "--model", str(gptq), "--port", "0"],
+        # the HTTP server binds its port before the edge loads (uvicorn's own lines and exit 3 came after it)
+        f"cannot listen on 127.0.0.1:{port}: Address already in use": [
+            "serve",
+            "--model",
+            str(model),
+            "--cloud",
+            "ws://127.0.0.1:9",
+            "--allow-stock-edge-weights",
+            "--port",
+            str(port),
+        ],
+        f"netem cannot listen on 127.0.0.1:{port}": [
+            "netem",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--upstream",
+            "127.0.0.1:9",
+        ],
+        "cannot load TLS certificate": [
+            "cloud",
+            "serve",
+            "--model",
+            str(model),
+            "--tls-cert",
+            str(tmp_path / "no.pem"),
+            "--tls-key",
+            str(tmp_path / "no.key"),
+        ],
+        "--session-ttl must be positive": ["cloud", "serve", "--model", str(model), "--session-ttl", "0"],
+        "--ray-cpus-per-replica needs --ray-replicas": [
+            "cloud",
+            "serve",
+            "--model",
+            str(model),
+            "--ray-cpus-per-replica",
+            "2",
+        ],
     }
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_TELEMETRY": "1"}
     env.pop("HF_HUB_OFFLINE", None)  # our code must not rely on it
@@ -92,3 +129,30 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
         assert "Traceback" not in out.stderr, out.stderr
         assert len(lines) == 1, out.stderr
         assert needle in lines[0], lines[0]
+
+
+def test_values_no_server_can_use_are_refused_by_the_parser(make_checkpoint: Callable[..., Path]) -> None:
+    """Refused before anything loads, with argparse's usage line and exit 2: a port out of range (a traceback
+    from bind, after the model loaded), zero threads (torch's RuntimeError), a zero message cap (the server then
+    refused every edge) and a zero K cap (blamed on the workers)."""
+    model = str(make_checkpoint("llama"))
+    cases = {
+        "argument --port: a port is 0 to 65535, got 70000": ["cloud", "serve", "--model", model, "--port", "70000"],
+        "argument --threads: expected an integer >= 1, got 0": ["cloud", "serve", "--model", model, "--threads", "0"],
+        "argument --max-message-mb: expected an integer >= 1, got 0": [
+            "cloud", "serve", "--model", model, "--max-message-mb", "0",
+        ],
+        "argument --port: a port is 0 to 65535, got -1": ["fed", "worker", "--model", model, "--port", "-1"],
+        "argument --max-k: expected an integer >= 1, got 0": [
+            "fed", "generate", "--draft", model, "--worker", "ws://127.0.0.1:9", "--target-epsilon", "0.1",
+            "--max-k", "0", "--prompt", "x",
+        ],
+        "argument --port: a port is 0 to 65535, got 65536": [
+            "serve", "--model", model, "--cloud", "ws://127.0.0.1:9", "--port", "65536",
+        ],
+    }  # fmt: skip
+    outs = run_commands([list(args) for args in cases.values()], timeout=300)
+    for needle, out in zip(cases, outs, strict=True):
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+        assert needle in out.stderr.splitlines()[-1], out.stderr

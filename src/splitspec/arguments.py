@@ -34,6 +34,8 @@ __all__ = [
     "add_wire_codecs",
     "edge_layers",
     "model_dir",
+    "port_number",
+    "positive_int",
     "read_token_file",
     "set_threads",
     "wire_codecs",
@@ -170,6 +172,28 @@ def edge_layers(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a count, a size, threads)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (pick a free one) to 65535, refused before anything loads."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value
+
+
 # -- shared by the commands that run a split model ------------------------------------------------
 
 
@@ -201,7 +225,7 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, help=QUANTIZE_HELP)
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_token_file(p)
-    p.add_argument("--threads", type=int, help="CPU threads for this side's compute (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads for this side's compute (default: torch's choice)")
     p.add_argument("--compute-on", choices=COMPUTE_ON_CHOICES, default="auto", help=COMPUTE_ON_HELP)
 
 

@@ -27,6 +27,7 @@ from splitspec.arguments import (
     add_wire_codec,
     edge_layers,
     model_dir,
+    positive_int,
     set_threads,
 )
 from splitspec.detokenize import IncrementalText
@@ -179,15 +180,28 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--prompt", help="prompt text (default: a short prose and code showcase)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens per prompt (default 48)")
     p.add_argument("--rtt-ms", type=float, default=80.0, help="emulated round-trip time, ms (default 80)")
-    p.add_argument("--mode", choices=SPECULATE_MODES, default="auto", help="speculation mode (default auto)")
+    p.add_argument(
+        "--mode",
+        "--speculate",
+        dest="mode",
+        choices=SPECULATE_MODES,
+        default="auto",
+        help="speculation mode (default auto)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--model", type=model_dir, help=MODEL_HELP + ", to split (default: the embedded base model)")
     p.add_argument(
         "--draft-model", type=model_dir, help="drafter, a directory or model id (default: the embedded draft model)"
     )
     add_draft_head_arg(p, " (default: the embedded base model's head)")
-    p.add_argument("--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads for the edge (default 1: small models)")
+    p.add_argument(
+        "--edge-layers",
+        type=edge_layers,
+        default=(2, 2),
+        metavar="HEAD,TAIL",
+        help="decoder layers kept on the edge before and after the trunk (default 2,2)",
+    )
+    p.add_argument("--threads", type=positive_int, default=1, help="CPU threads for the edge (default 1: small models)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + "; the trunk server child uses it too")
     add_wire_codec(p)
     add_dtype_arg(p, "; the trunk server child uses it too")

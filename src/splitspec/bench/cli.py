@@ -33,6 +33,7 @@ from splitspec.arguments import (
     add_wire_codec,
     edge_layers,
     model_dir,
+    positive_int,
     read_token_file,
     set_threads,
 )
@@ -67,16 +68,6 @@ def _float_list(text: str) -> tuple[float, ...]:
     if any(not v >= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected numbers >= 0, got {text!r}")
     return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
 
 
 # -- probe ---------------------------------------------------------------------------------------
@@ -134,9 +125,9 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_token_file(p)
     add_tls_ca(p)
     p.add_argument("--dollars-per-hour", type=float, help="cloud rental price, USD/hour (adds $/M tokens)")
-    p.add_argument("--repeats", type=_positive_int, default=10, help="timed steps per k (default 10)")
+    p.add_argument("--repeats", type=positive_int, default=10, help="timed steps per k (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per k first (default 2)")
-    p.add_argument("--pings", type=_positive_int, default=20, help="control round-trip pairs, before and after")
+    p.add_argument("--pings", type=positive_int, default=20, help="control round-trip pairs, before and after")
     p.add_argument(
         "--query-tokens",
         type=_int_list,
@@ -144,7 +135,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="K,...",
         help="step sizes (default 1,2,4,8,16)",
     )
-    p.add_argument("--context-tokens", type=_positive_int, default=32, help="committed prefix, tokens (default 32)")
+    p.add_argument("--context-tokens", type=positive_int, default=32, help="committed prefix, tokens (default 32)")
     p.add_argument(
         "--project-rtt",
         type=_float_list,
@@ -152,7 +143,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="MS,...",
         help="RTTs to project to, ms (default 5,20,40,80,150)",
     )
-    p.add_argument("--threads", type=_positive_int, help="CPU threads for the edge's compute (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads for the edge's compute (default: torch's choice)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(run=run_probe)
 

@@ -11,6 +11,8 @@ from splitspec.arguments import (
     add_connection_limit_args,
     add_split_args,
     add_wire_codecs,
+    port_number,
+    positive_int,
     read_token_file,
 )
 from splitspec.exceptions import ConfigError
@@ -54,12 +56,16 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_cache_tokens=args.max_cache_tokens,
     )
     if args.ray_replicas is not None:
+        if args.ray_cpus_per_replica <= 0:
+            raise ConfigError(f"--ray-cpus-per-replica must be positive, got {args.ray_cpus_per_replica}")
         from splitspec.cloud.ray_serve import serve_on_ray
 
         serve_on_ray(config, args.ray_replicas, address=args.ray_address, cpus_per_replica=args.ray_cpus_per_replica)
         return 0
     if args.ray_address is not None:
         raise ConfigError("--ray-address needs --ray-replicas")
+    if args.ray_cpus_per_replica != 1.0:
+        raise ConfigError("--ray-cpus-per-replica needs --ray-replicas")
     asyncio.run(serve_forever(config))
     return 0
 
@@ -71,8 +77,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_split_args(p)
     add_wire_codecs(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8765, help="TCP port (default 8765; 0 picks one)")
-    p.add_argument("--session-ttl", type=float, default=300.0, help="idle seconds before a session is dropped")
+    p.add_argument("--port", type=port_number, default=8765, help="TCP port (default 8765; 0 picks one)")
+    p.add_argument(
+        "--session-ttl", type=float, default=300.0, help="idle seconds before a session is dropped (default 300)"
+    )
     p.add_argument("--max-sessions", type=int, default=64, help="concurrent sessions (default 64)")
     p.add_argument(
         "--max-sessions-per-connection", type=int, default=4, help="sessions one connection may hold (default 4)"
@@ -136,7 +144,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "flowing a chunk is cut to about one decode batch's time, so a prefill never stalls them",
     )
     add_connection_limit_args(p)
-    p.add_argument("--max-message-mb", type=int, default=16, help="largest accepted message, MiB (default 16)")
+    p.add_argument("--max-message-mb", type=positive_int, default=16, help="largest accepted message, MiB (default 16)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain: serve wss:// (TLS)")
     p.add_argument("--tls-key", type=Path, help="PEM private key for --tls-cert")
     p.add_argument(

@@ -103,6 +103,22 @@ class TrunkServer:
                 "--compile runs each session's decode step alone over static KV buffers: add --no-batching "
                 "(batched steps use growable caches)"
             )
+        # what needs no model is checked before the model loads (minutes, for a big one)
+        if config.session_ttl_s <= 0:
+            raise ConfigError(f"--session-ttl must be positive, got {config.session_ttl_s} s")
+        if config.handshake_timeout_s <= 0:
+            raise ConfigError(f"--handshake-timeout must be positive, got {config.handshake_timeout_s} s")
+        if config.max_connections_per_address < 1:
+            raise ConfigError("--max-connections-per-address must be at least 1")
+        if config.max_message_bytes < 1:
+            raise ConfigError("--max-message-mb must be at least 1")
+        if config.max_cache_tokens is not None and config.max_cache_tokens < 1:
+            raise ConfigError(f"--max-cache-tokens must be at least 1, got {config.max_cache_tokens}")
+        tls = None
+        if (config.tls_cert_file is None) != (config.tls_key_file is None):
+            raise ConfigError("TLS needs both a certificate and a key file")
+        if config.tls_cert_file is not None and config.tls_key_file is not None:
+            tls = server_tls(config.tls_cert_file, config.tls_key_file)
         self.checkpoint = Checkpoint(config.model_dir)
         model_config = self.checkpoint.config
         self.plan = SplitPlan(model_config.num_hidden_layers, *config.edge_layers)
@@ -168,13 +184,9 @@ class TrunkServer:
         # a session runs one step at a time (run_step refuses a second while one is in flight);
         # different sessions compute in parallel (torch releases the GIL in its kernels)
         self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")
-        tls = None
-        if (config.tls_cert_file is None) != (config.tls_key_file is None):
-            raise ConfigError("TLS needs both a certificate and a key file")
-        if config.tls_cert_file is not None and config.tls_key_file is not None:
-            tls = server_tls(config.tls_cert_file, config.tls_key_file)
-        elif config.auth_token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("the shared secret and all hidden states travel unencrypted: serve TLS (--tls-cert/--tls-key)")
+        if tls is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+            secret = "the shared secret and all hidden states" if config.auth_token is not None else "all hidden states"
+            log.warning("%s travel unencrypted: serve TLS (--tls-cert/--tls-key)", secret)
         self.scheme = "ws" if tls is None else "wss"
         limits = ConnectionLimits(
             handshake_timeout_s=config.handshake_timeout_s,

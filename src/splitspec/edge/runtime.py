@@ -17,6 +17,7 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 import torch
 from torch import nn
@@ -71,6 +72,14 @@ def prepack_pieces(model: ModelEnds, stacks: Sequence[nn.Module], measure: bool)
     return packed
 
 
+def _warn_if_unencrypted(config: EdgeConfig) -> None:
+    """Say at start-up that hidden states (and a shared secret) would cross a network in the clear."""
+    url = urlsplit(config.cloud_url)
+    if url.scheme == "ws" and url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        secret = "the shared secret and the hidden states" if config.auth_token else "the hidden states"
+        log.warning("%s travel unencrypted to %s: use a wss:// trunk (cloud serve --tls-cert)", secret, url.hostname)
+
+
 class EdgeRuntime:
     """The edge's weights, device, dtype and handshake, loaded and checked once per process.
 
@@ -87,6 +96,7 @@ class EdgeRuntime:
             config.model_dir, self.plan, config.published_model_dir, config.allow_stock_edge_weights
         )
         self.send_noise = send_noise(config.model_dir)  # the defence the edge layers were trained with
+        _warn_if_unencrypted(config)
         if config.wire_codec not in WIRE_CODECS:
             raise ConfigError(f"--wire-codec must be one of {', '.join(WIRE_CODECS)}, got {config.wire_codec!r}")
         self.device = edge.device if edge is not None else resolve_device(config.device)

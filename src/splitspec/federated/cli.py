@@ -26,6 +26,8 @@ from splitspec.arguments import (
     add_tls_ca,
     add_token_file,
     model_dir,
+    port_number,
+    positive_int,
     read_token_file,
 )
 from splitspec.detokenize import IncrementalText
@@ -139,9 +141,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w = fed_sub.add_parser("worker", help="serve a whole model that scores draft tokens with top-K replies")
     w.add_argument("--model", type=model_dir, required=True, help=MODEL_HELP + ", with a tokenizer")
     w.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    w.add_argument("--port", type=int, default=8781, help="TCP port (default 8781; 0 picks one)")
+    w.add_argument("--port", type=port_number, default=8781, help="TCP port (default 8781; 0 picks one)")
     add_token_file(w)
-    w.add_argument("--max-message-mb", type=int, default=64, help="largest message, MiB (default 64)")
+    w.add_argument("--max-message-mb", type=positive_int, default=64, help="largest message, MiB (default 64)")
     w.add_argument("--max-sessions", type=int, default=16, help="concurrent coordinator sessions (default 16)")
     w.add_argument(
         "--max-sessions-per-address",
@@ -169,7 +171,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="position",
         help="adaptive K: the target holds at every position (default), or on each round's mean (fewest tokens)",
     )
-    g.add_argument("--max-k", type=int, default=4096, help="cap on adaptive K (default 4096)")
+    g.add_argument("--max-k", type=positive_int, default=4096, help="cap on adaptive K (default 4096)")
     g.add_argument("--reconstruct", choices=["renorm", "residual"], default="renorm", help="reconstruction")
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
@@ -193,7 +195,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--round-timeout",
         type=float,
         default=30.0,
-        help="seconds a worker may take to answer one message before it is dropped for the round",
+        help="seconds a worker may take to answer one message before it is dropped for the round (default 30)",
     )
     add_token_file(g)
     add_tls_ca(g)

@@ -53,6 +53,8 @@ class CoordinatorConfig:
             raise ConfigError("give exactly one of --top-k and --target-epsilon")
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError("--top-k must be at least 1")
+        if self.max_k < 1:
+            raise ConfigError("--max-k must be at least 1")
         if self.target_epsilon is not None and not 0 <= self.target_epsilon < 1:
             raise ConfigError("--target-epsilon must be in [0, 1)")
         if self.reconstruct not in RECONSTRUCTIONS:

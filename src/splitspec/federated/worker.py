@@ -80,6 +80,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.max_sessions < 1 or self.max_sessions_per_address < 1:
             raise ConfigError("--max-sessions and --max-sessions-per-address must be at least 1")
+        if self.max_message_bytes < 1:
+            raise ConfigError("--max-message-mb must be at least 1")
         if self.max_scored_positions < 1:
             raise ConfigError("the scored positions a request may ask for must be at least 1")
 

@@ -52,6 +52,7 @@ from collections import deque
 from dataclasses import dataclass
 from types import TracebackType
 
+from splitspec.exceptions import ConfigError
 from splitspec.netem.schedule import LinkSchedule, NetemConfig
 
 __all__ = ["EmulatorStats", "ThreadedWanEmulator", "WanEmulator"]
@@ -227,7 +228,11 @@ class WanEmulator:
         """Bind the listening socket and start accepting connections."""
         if self._server is not None:
             raise RuntimeError("WanEmulator already started")
-        self._server = await asyncio.start_server(self._on_client, self.config.listen_host, self.config.listen_port)
+        try:
+            self._server = await asyncio.start_server(self._on_client, self.config.listen_host, self.config.listen_port)
+        except OSError as exc:
+            where = f"{self.config.listen_host}:{self.config.listen_port}"
+            raise ConfigError(f"netem cannot listen on {where}: {exc.strerror or exc}") from None
         sockname = self._server.sockets[0].getsockname()
         self._host, self._port = str(sockname[0]), int(sockname[1])
         logger.info(

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-from splitspec.arguments import add_edge_link_args, read_token_file
+from splitspec.arguments import add_edge_link_args, port_number, read_token_file
 from splitspec.edge_cli import edge_config
 from splitspec.exceptions import ConfigError
 
@@ -15,7 +15,7 @@ from splitspec.exceptions import ConfigError
 def _run_serve(args: argparse.Namespace) -> int:
     from splitspec.models.hub import model_label
     from splitspec.serve.config import ServeConfig
-    from splitspec.serve.server import serve_forever
+    from splitspec.serve.server import listen_socket, serve_forever
 
     if args.trunk_sessions_per_connection < 1:
         raise ConfigError(
@@ -48,7 +48,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
         config = dataclasses.replace(config, port=resolve_port(config.host, config.port))
         return Supervisor(config, args.workers, args.log_level, args.threads).run()
-    asyncio.run(serve_forever(config, args.log_level.lower()))
+    listener = listen_socket(config.host, config.port)  # before the edge loads: a port in use fails at once
+    config = dataclasses.replace(config, port=int(listener.getsockname()[1]))
+    try:
+        asyncio.run(serve_forever(config, args.log_level.lower(), sockets=[listener]))
+    finally:
+        listener.close()
     return 0
 
 
@@ -65,7 +70,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the edge (chat/completions, completions)")
     add_edge_link_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000; 0 picks one)")
     p.add_argument(
         "--served-model-name", help="model id clients send (default: the --model id, or the model directory's name)"
     )
@@ -85,12 +90,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="server processes sharing the port (Linux SO_REUSEPORT), each with its own engine, session pool and "
         "--max-active; more than 1 lets a CPU edge use more cores than one interpreter can (default 1)",
     )
-    p.add_argument("--max-active", type=int, default=8, help="requests generating at once, one cloud session each")
-    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a request waits for a session, then 429")
+    p.add_argument(
+        "--max-active", type=int, default=8, help="requests generating at once, one cloud session each (default 8)"
+    )
+    p.add_argument(
+        "--queue-timeout", type=float, default=10.0, help="seconds a request waits for a session, then 429 (default 10)"
+    )
     p.add_argument("--prefix-cache-size", type=int, default=16, help="idle conversations kept for reuse (default 16)")
-    p.add_argument("--prefix-cache-mb", type=int, default=512, help="edge KV memory of kept conversations, MiB")
+    p.add_argument(
+        "--prefix-cache-mb", type=int, default=512, help="edge KV memory of kept conversations, MiB (default 512)"
+    )
     p.add_argument("--no-prefix-reuse", action="store_true", help="re-prefill every prompt (for comparison)")
-    p.add_argument("--reconnect-timeout", type=float, default=10.0, help="seconds to retry a lost trunk before 503")
+    p.add_argument(
+        "--reconnect-timeout", type=float, default=10.0, help="seconds to retry a lost trunk before 503 (default 10)"
+    )
     p.add_argument(
         "--trunk-sessions-per-connection",
         type=int,

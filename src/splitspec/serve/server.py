@@ -11,11 +11,44 @@ from types import TracebackType
 
 import uvicorn
 
+from splitspec.exceptions import ConfigError
 from splitspec.serve.app import create_app
 from splitspec.serve.config import ServeConfig
 from splitspec.serve.state import ServeState
 
 log = logging.getLogger(__name__)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on (host, port), bound before the edge loads: a port in use is one line at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def warn_if_exposed(config: ServeConfig) -> None:
+    """Say at start-up that a server reachable beyond this machine serves prompts and answers to anyone (no
+    --api-key-file), and in plain HTTP (a key and the conversations cross the network readable)."""
+    if config.host in LOOPBACK:
+        return
+    if config.api_key is None:
+        log.warning(
+            "splitspec serve on %s:%d requires NO key: anyone who can reach it can send prompts and read answers "
+            "(give clients a key with --api-key-file)",
+            config.host,
+            config.port,
+        )
+    log.warning("splitspec serve speaks plain HTTP: put a TLS proxy in front of it beyond a trusted network")
 
 
 def _uvicorn_config(config: ServeConfig, state: ServeState, log_level: str) -> uvicorn.Config:
@@ -34,6 +67,7 @@ async def serve_forever(
     ``sockets``: listen on these (a worker of ``serve --workers``) instead of binding config's host
     and port; ``on_started``: called once the server accepts connections.
     """
+    warn_if_exposed(config)
     state = ServeState(config)
     log.info(
         "serving %s as %r on http://%s:%d/v1 (trunk %s, speculate %s, %d active sessions at most)",
