@@ -25,6 +25,7 @@ __all__ = [
     "add_draft_head_arg",
     "add_dtype_arg",
     "add_edge_args",
+    "add_edge_layers_arg",
     "add_edge_link_args",
     "add_speculation_args",
     "add_split_args",
@@ -208,8 +209,7 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads)
 
 
-def add_split_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=model_dir, required=True, help=MODEL_HELP)
+def add_edge_layers_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--edge-layers",
         type=edge_layers,
@@ -217,6 +217,11 @@ def add_split_args(p: argparse.ArgumentParser) -> None:
         metavar="HEAD,TAIL",
         help="decoder layers kept on the edge before and after the trunk (default 2,2)",
     )
+
+
+def add_split_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=model_dir, required=True, help=MODEL_HELP)
+    add_edge_layers_arg(p)
     add_dtype_arg(
         p,
         ". With the raw wire codec it is the wire's dtype too: an auto edge follows the trunk's (stated at the "

@@ -24,8 +24,8 @@ from splitspec.arguments import (
     add_draft_head_arg,
     add_dtype_arg,
     add_edge_args,
+    add_edge_layers_arg,
     add_wire_codec,
-    edge_layers,
     model_dir,
     positive_int,
     set_threads,
@@ -194,13 +194,7 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--draft-model", type=model_dir, help="drafter, a directory or model id (default: the embedded draft model)"
     )
     add_draft_head_arg(p, " (default: the embedded base model's head)")
-    p.add_argument(
-        "--edge-layers",
-        type=edge_layers,
-        default=(2, 2),
-        metavar="HEAD,TAIL",
-        help="decoder layers kept on the edge before and after the trunk (default 2,2)",
-    )
+    add_edge_layers_arg(p)
     p.add_argument("--threads", type=positive_int, default=1, help="CPU threads for the edge (default 1: small models)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + "; the trunk server child uses it too")
     add_wire_codec(p)

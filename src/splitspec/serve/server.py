@@ -22,12 +22,15 @@ log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on (host, port), bound before the edge loads: a port in use is one line at once."""
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket listening on (host, port), bound before the edge loads: a port in use is one line at once.
+    ``reuse_port``: with SO_REUSEPORT, so that ``serve --workers`` processes each bind the same port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError as exc:

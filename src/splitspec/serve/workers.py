@@ -32,6 +32,7 @@ from types import FrameType
 
 from splitspec.exceptions import ConfigError
 from splitspec.serve.config import ServeConfig
+from splitspec.serve.server import listen_socket
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +44,7 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port) with SO_REUSEPORT, listening: one per worker, same port."""
     if not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT"):
         raise ConfigError("--workers above 1 needs SO_REUSEPORT load balancing, which only Linux provides")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from None
-    return sock
+    return listen_socket(host, port, reuse_port=True)
 
 
 def resolve_port(host: str, port: int) -> int:
