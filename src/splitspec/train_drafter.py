@@ -24,6 +24,7 @@ from splitspec.arguments import (
     add_token_file,
     edge_layers,
     model_dir,
+    positive_int,
     read_token_file,
     set_threads,
 )
@@ -55,7 +56,7 @@ async def _train_through_the_split(config: TrainConfig, args: argparse.Namespace
     edge = EdgeConfig(
         model_dir=args.model,
         cloud_url=args.cloud,
-        edge_layers=args.edge_layers,
+        edge_layers=args.edge_layers or (2, 2),
         dtype="float32",  # training reads float32 features, as from the whole model
         device=args.device,
         auth_token=read_token_file(args.token_file),
@@ -66,6 +67,16 @@ async def _train_through_the_split(config: TrainConfig, args: argparse.Namespace
     layers = config.feature_layers or (int(Checkpoint(args.model).config.num_hidden_layers),)
     async with SplitClient(edge) as client:
         await train(config, SplitFeatures(client, layers))
+
+
+# flags that only mean something with --cloud -> their argparse destinations
+_CLOUD_ONLY = {
+    "--edge-layers": "edge_layers",
+    "--allow-stock-edge-weights": "allow_stock_edge_weights",
+    "--trunk-fingerprint": "trunk_fingerprint",
+    "--token-file": "token_file",
+    "--tls-ca": "tls_ca",
+}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -93,6 +104,11 @@ def _run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         draft_vocab=args.draft_vocab,
     )
+    if args.cloud is None:  # the split's own flags mean nothing without it: refused, never silently ignored
+        given = [flag for flag, value in _CLOUD_ONLY.items() if getattr(args, value) not in (None, False)]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ConfigError(f"{', '.join(given)} {verb} only with --cloud (features read through a trunk server)")
     if args.cloud is not None:
         if args.eval_corpus:
             raise ConfigError("--eval-corpus needs the whole model on this machine, not --cloud")
@@ -204,9 +220,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--model is then this edge's checkpoint, which may hold only the edge's layers; the features are the ones "
         "the edge has (its head's output, the trunk's, the last layer's)",
     )
-    p.add_argument(
-        "--edge-layers", type=edge_layers, default=(2, 2), metavar="HEAD,TAIL", help="with --cloud (default 2,2)"
-    )
+    p.add_argument("--edge-layers", type=edge_layers, metavar="HEAD,TAIL", help="with --cloud (default 2,2)")
     p.add_argument(
         "--allow-stock-edge-weights",
         action="store_true",
@@ -219,7 +233,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_token_file(p)
     add_tls_ca(p)
-    p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
     p.add_argument(
         "--eval-corpus",

@@ -77,9 +77,13 @@ def test_resume_continues_from_the_saved_step_exactly(setup: tuple[Path, Path], 
 
 
 def test_bad_uses_fail_in_one_line(
-    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     model, corpus = setup
     assert main([*_args(model, corpus, tmp_path / "empty", 2), "--resume"]) == 2
     assert main(_args(model, corpus, tmp_path / "x", 2, "--feature-layers", "0,9")) == 2
     assert main(_args(model, corpus, tmp_path / "y", 0)) == 2
+    # the split's own flags without --cloud were silently ignored (a user believed the trunk was pinned)
+    caplog.clear()
+    assert main(_args(model, corpus, tmp_path / "z", 2, "--trunk-fingerprint", "ab", "--edge-layers", "1,1")) == 2
+    assert "--edge-layers, --trunk-fingerprint apply only with --cloud" in caplog.text
