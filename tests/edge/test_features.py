@@ -91,6 +91,9 @@ async def test_split_features_equal_the_whole_models(
             await client.forward([34])
             committed = list(client.sequence.tokens)
             split = log.rows()
+            sequence = client.sequence  # a kept conversation's memory counts the features too (prefix cache bound)
+            assert sequence.edge_cache_bytes == sequence.head_cache.nbytes + sequence.tail_cache.nbytes + log.nbytes
+            assert log.nbytes >= split.numel() * split.element_size() > 0
             fed = [s.feature_bytes_down for s in client.steps]
     assert committed == [*prompt, 30, 33, 34]
     expected = _whole_model_features(model, committed, layers)

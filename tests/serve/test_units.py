@@ -88,6 +88,35 @@ def test_prefix_cache_takes_the_longest_match_and_leaves_a_token_to_run() -> Non
     assert taken.reused == 2
 
 
+def test_a_shared_header_does_not_take_another_conversations_session_while_there_is_room() -> None:
+    """Every chat shares its first few tokens (BOS, the system header) with every other: conversation B used to
+    take A's idle session and cut it back to those, throwing A's turns away with room to spare."""
+    header = [1, 2, 3]
+    a = FakeClient([*header, *range(10, 30)])
+    cache: PrefixCache[FakeClient] = PrefixCache(max_entries=8, max_edge_bytes=1000)
+    cache.put(a)
+    assert cache.take([*header, *range(40, 50)]) is None  # B opens a session of its own
+    assert a.history == (*header, *range(10, 30))
+    taken = cache.take([*header, *range(10, 30), 31])  # A's next turn reuses all of it
+    assert taken is not None
+    assert taken.reused == 23
+    full: PrefixCache[FakeClient] = PrefixCache(max_entries=1, max_edge_bytes=1000)
+    full.put(a)
+    taken = full.take([*header, 99])  # no room: the best match is recycled, keeping what it can
+    assert taken is not None
+    assert taken.reused == 3
+
+
+def test_a_session_larger_than_the_byte_bound_is_turned_away_alone() -> None:
+    cache: PrefixCache[FakeClient] = PrefixCache(max_entries=8, max_edge_bytes=100)
+    small = [FakeClient([i]) for i in range(5)]
+    for client in small:
+        assert cache.put(client) == []
+    big = FakeClient([9], nbytes=120)
+    assert cache.put(big) == [big]  # it used to flush the five others, then itself
+    assert len(cache) == 5
+
+
 def test_prefix_cache_bounds_and_recycling() -> None:
     cache: PrefixCache[FakeClient] = PrefixCache(max_entries=2, max_edge_bytes=25)
     clients = [FakeClient([i, i]) for i in range(3)]

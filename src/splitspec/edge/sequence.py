@@ -74,8 +74,10 @@ class EdgeSequence:
 
     @property
     def edge_cache_bytes(self) -> int:
-        """Memory held by this sequence's edge KV caches (head and tail), bytes."""
-        return self.head_cache.nbytes + self.tail_cache.nbytes
+        """Memory this sequence holds on the edge: its KV caches (head and tail) and the features it keeps for a
+        draft head, bytes (what a kept conversation costs the prefix cache)."""
+        features = 0 if self.features is None else self.features.nbytes
+        return self.head_cache.nbytes + self.tail_cache.nbytes + features
 
     def reset(self) -> None:
         """Start a new sequence: the cloud cache is truncated on the next step."""

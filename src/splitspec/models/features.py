@@ -33,6 +33,11 @@ class FeatureLog:
         self._buffer: torch.Tensor | None = None  # (capacity, F * H)
         self._length = 0
 
+    @property
+    def nbytes(self) -> int:
+        """Memory its buffer holds (its capacity, not only the rows in use), bytes."""
+        return 0 if self._buffer is None else self._buffer.numel() * self._buffer.element_size()
+
     def __len__(self) -> int:
         return self._length
 

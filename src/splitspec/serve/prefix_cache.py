@@ -56,9 +56,12 @@ class PrefixCache(Generic[C]):
     def take(self, prompt: Sequence[int], reuse: bool = True) -> Taken[C] | None:
         """The idle session to run ``prompt`` on, truncated to what it can reuse; None: open a new one.
 
-        With ``reuse`` the longest match wins (ties: the most recent). Without a match, the least
-        recently used session is recycled from scratch when the cache is full (its connection is
-        kept; only its sequence is dropped). At least one prompt token is always left to run.
+        With ``reuse`` the longest match wins (ties: the most recent). While the cache has room, a match that
+        would keep less than half of that session's tokens is not taken: every chat shares a few header tokens
+        with every other, and truncating another conversation's session to them would throw its turns away for
+        nothing. Without a match, the least recently used session is recycled from scratch when the cache is
+        full (its connection is kept; only its sequence is dropped). At least one prompt token is always left
+        to run.
         """
         if not self._idle:
             return None
@@ -68,8 +71,11 @@ class PrefixCache(Generic[C]):
                 n = plan_turn(client.history, prompt).keep
                 if n > best:
                     best_key, best = key, n
+        room = len(self._idle) < self.max_entries
+        if best_key is not None and room and 2 * best < len(self._idle[best_key].history):
+            return None  # another conversation's: keep it, open a session of our own
         if best_key is None:
-            if reuse and len(self._idle) < self.max_entries:
+            if reuse and room:
                 return None
             best_key = next(iter(self._idle))
         client = self._idle.pop(best_key)
@@ -77,7 +83,10 @@ class PrefixCache(Generic[C]):
         return Taken(client, best)
 
     def put(self, client: C) -> list[C]:
-        """Keep ``client`` as the most recent entry; return the entries evicted to stay in bounds."""
+        """Keep ``client`` as the most recent entry; return the entries evicted to stay in bounds (a client larger
+        than the whole byte bound alone: it would have flushed every other entry, then itself)."""
+        if client.edge_cache_bytes > self.max_edge_bytes:
+            return [client]
         self._idle[id(client)] = client
         evicted = []
         while self._idle and (len(self._idle) > self.max_entries or self.edge_bytes > self.max_edge_bytes):
