@@ -60,6 +60,22 @@ def test_unsplittable_family_is_refused_naming_what_is_missing(model_type: str, 
         skeleton(config, torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("model_type", "why"),
+    [
+        ("stablelm", "attend across sequences"),  # batched rows leaked into each other (0.07 of the output)
+        ("diffllama", "after the cache update"),  # batched against alone: 0.49
+        ("deepseek_v3", "latent"),  # a batch of two rows crashed at o_proj
+        ("nanochat", "normalizes the embeddings"),  # every path differed from transformers by 0.33
+    ],
+)
+def test_families_whose_layers_cannot_run_in_pieces_are_refused(model_type: str, why: str) -> None:
+    """They passed forward_quirks and split silently wrong (or crashed in a batch): compared with transformers
+    in stop 56's review."""
+    with pytest.raises(CheckpointError, match=f"model type '{model_type}' cannot be split: .*{why}"):
+        skeleton(transformers.CONFIG_MAPPING[model_type](), torch.float32)
+
+
 def test_family_without_a_causal_lm_class_is_refused() -> None:
     with pytest.raises(CheckpointError, match="no causal-LM class"):
         skeleton(transformers.CONFIG_MAPPING["vit"](), torch.float32)
