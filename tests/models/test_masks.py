@@ -68,6 +68,18 @@ def test_sliding_window_mask() -> None:
     assert visible[2].tolist() == [False] * 5 + [True, True, True]
 
 
+def test_a_window_of_keys_that_does_not_start_at_zero() -> None:
+    """An EAGLE head's cache holds the pairs of its window, from the window's start: 4 keys at positions 16-19
+    before a step at 20-21. With a window of 5 the query at 20 sees all of them and the one at 21 all but 16; the
+    mask placed them at 0-3 and hid them all (the head's root feature then ignored its whole cached window once
+    the window moved on)."""
+    chain = torch.arange(-1, 1, dtype=torch.int32)
+    positions = torch.arange(20, 22, dtype=torch.int32)
+    visible = step_mask(chain, positions, past_length=4, dtype=torch.float32, sliding_window=5)[0, 0] == 0
+    assert visible[0].tolist() == [True, True, True, True, True, False]  # keys 16-19 and itself, not 21
+    assert visible[1].tolist() == [False, True, True, True, True, True]  # 16 is 5 behind 21: out of its window
+
+
 @pytest.fixture
 def edge(make_checkpoint: Callable[..., Path]) -> EdgeModel:
     model = make_checkpoint("llama")

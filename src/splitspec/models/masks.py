@@ -72,7 +72,8 @@ def step_mask(
 ) -> torch.Tensor:
     """Additive mask (1, 1, q, past_length + q) on ``device``: 0 where attention is allowed, dtype-min elsewhere.
 
-    Query i sees the committed prefix (positions 0 .. past_length-1, in order) and, among the step's
+    Query i sees the committed prefix (the past_length positions just before the step's first one, in order:
+    0 .. past_length-1 for a model's cache, a window's for a draft head's) and, among the step's
     tokens, itself and its ancestors (:func:`ancestor_matrix`). With ``sliding_window`` w, a query at
     position p also stops seeing keys at positions <= p - w. ``parents`` and ``positions`` (each (q,))
     are host tensors (they came off the wire); the mask is built on the host and copied once.
@@ -139,6 +140,9 @@ def _mask(
     mask[:, past_length:].masked_fill_(hidden, floor)
     if sliding_window is not None:
         query_pos = positions.to(torch.long)  # (q,)
-        key_pos = torch.cat([torch.arange(past_length), query_pos])  # (past + q,): the prefix holds 0 .. past - 1
+        # the prefix's keys sit just before the step's first position: 0 .. past - 1 for a model's cache, from the
+        # window's start for an EAGLE head's (it assumed 0 and hid keys in the window once the window moved on)
+        first = int(query_pos.min()) - past_length
+        key_pos = torch.cat([torch.arange(first, first + past_length), query_pos])  # (past + q,)
         mask.masked_fill_(key_pos[None, :] <= query_pos[:, None] - sliding_window, floor)
     return mask.to(device, non_blocking=True)[None, None]
