@@ -1,0 +1,56 @@
+"""The benchmark scripts run at a toy size by ``test_script_smoke.py`` and ``test_script_smoke_more.py``: their
+arguments, and the run and checks each gets. Two files, half the scripts each (alternate names), so that the
+suite's two workers (``--dist loadfile``: a file per worker) share them."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tests.bench.scripts import run_script
+
+# script -> its toy-size arguments (each writes <name>.json and <name>.md under --out, or REPORTS[name]'s)
+SCRIPTS: dict[str, list[str]] = {
+    "abuse": ["--hostile", "2", "--hog", "2", "--repeats", "1", "--tokens", "4", "--handshake-timeout", "1"],
+    "auto_floor": ["--quick", "--answers", "8", "--long-tokens", "300"],
+    "batched_attention": ["--baseline", "HEAD", "--repeats", "1", "--calls", "2", "--contexts", "16"],
+    "controller_cost": ["--repeats", "1", "--calls", "20"],
+    "cpu_dtype": ["--rounds", "1", "--repeats", "1"],
+    "draft_cost": ["--repeats", "1"],
+    "draft_lockstep": ["--repeats", "1", "--steps", "3"],
+    "draft_under_load": ["--repeats", "1", "--streams", "2", "--seconds", "2", "--warm-s", "1", "--rtt-ms", "5"],
+    "draft_window": ["--tokens", "1100", "--docs", "1", "--repeats", "1", "--steps", "3"],
+    "eagle_matrix": ["--repeats", "1", "--rtts", "5", "--temperatures", "0", "--modes", "off,ngram"],
+    "echo_logprobs_bench": ["--repeats", "1", "--tokens", "100", "--rtt-ms", "5"],
+    "head_window": ["--windows", "16", "--answer", "8"],
+    "privacy_transforms": ["--windows", "4"],
+    "quant_load": ["--repeats", "1", "--layers", "5"],
+    "serve_bench": ["--repeats", "1", "--max-tokens", "4", "--rtt-ms", "5", "--bandwidth-mbit", "0"],
+    "sibling_proposals": ["--tokens", "20", "--draws", "1"],
+    "specfed_eval": ["--docs", "1", "--windows", "1", "--length", "32", "--domains", "prose"],
+    "specfed_wan": ["--prompts", "1", "--new-tokens", "4", "--rtt-ms", "5"],
+    "split_overhead": ["--repeats", "1", "--new-tokens", "4", "--trips", "5"],
+    "structured_bench": ["--repeats", "1", "--max-tokens", "8", "--rtt-ms", "5"],
+    "tail_logits": ["--repeats", "1", "--calls", "2"],
+}
+REPORTS = {"privacy_transforms": "transforms"}
+# exit 1 says a target gate failed: quant_load's weight-memory gates hold for its 16-layer default, not for a
+# 1-layer trunk whose fixed costs dominate
+RETURNCODES = {"quant_load": (0, 1)}
+
+
+def halves() -> tuple[list[str], list[str]]:
+    """The scripts in two halves of about equal run time: alternate names of the sorted list."""
+    names = sorted(SCRIPTS)
+    return names[::2], names[1::2]
+
+
+def run_at_toy_size(name: str, out: Path) -> None:
+    """``benchmarks/<name>.py`` at its toy size must exit as expected and write its report, naming its commit."""
+    run_script(f"{name}.py", [*SCRIPTS[name], "--out", str(out)], timeout=300, returncodes=RETURNCODES.get(name, (0,)))
+    stem = REPORTS.get(name, name)
+    report = json.loads((out / f"{stem}.json").read_text())
+    commit = report["commit"] if "commit" in report else report["environment"]["commit"]
+    assert re.match(r"[0-9a-f]{40}", commit), commit  # the measurement names its code (+dirty in a work tree)
+    assert (out / f"{stem}.md").read_text().strip()
