@@ -72,17 +72,22 @@ def _peak_bytes() -> int:
     raise SystemExit("no VmHWM in /proc/self/status: this benchmark needs Linux")
 
 
-def build_model(directory: Path, layers: int) -> None:
+def intermediate_size(hidden: int) -> int:
+    """The MLP width for ``hidden``: 4096 at the default 1536 (8/3 of it), rounded up to a multiple of 64."""
+    return -(-hidden * 8 // 3 // 64) * 64
+
+
+def build_model(directory: Path, layers: int, hidden: int = 1536) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=32000,
-        hidden_size=1536,
-        intermediate_size=4096,
+        hidden_size=hidden,
+        intermediate_size=intermediate_size(hidden),
         num_hidden_layers=layers,
-        num_attention_heads=12,
-        num_key_value_heads=12,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=hidden // 128,
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     )
@@ -178,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=2, help="interleaved loads per method (default 2)")
     p.add_argument("--layers", type=int, default=16, help="decoder layers of the random Llama (default 16)")
+    p.add_argument(
+        "--hidden", type=int, default=1536, help="hidden size, a multiple of 128 (default 1536; smaller for a toy run)"
+    )
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quant_load")
     p.add_argument("--device", default="cpu", help="where the trunk loads: cpu (default) or cuda[:N]")
     p.add_argument("--child", nargs=3, metavar=("MODEL", "METHOD", "DEVICE"), help=argparse.SUPPRESS)
@@ -189,13 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--layers must be at least 5 (2 edge layers at each end and a trunk), got {args.layers}")
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.hidden < 128 or args.hidden % 128:
+        p.error(f"--hidden must be a positive multiple of 128 (the head size), got {args.hidden}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     env = run_environment()
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     with tempfile.TemporaryDirectory(prefix="quant-load-") as tmp:
         model = Path(tmp) / "llama"
         log.info("building a random %d-layer Llama in %s", args.layers, model)
-        build_model(model, args.layers)
+        build_model(model, args.layers, args.hidden)
         for r in range(args.repeats):
             for method in METHODS:
                 runs[method].append(run_child(model, method, args.device))
@@ -206,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     gates = {m: ratios[m] <= g for m, g in GATES.items()}
     results = {
         **env,
-        "model": f"random Llama, hidden 1536, {args.layers} layers, intermediate 4096, vocab 32000, bfloat16",
+        "model": f"random Llama, hidden {args.hidden}, {args.layers} layers, intermediate "
+        f"{intermediate_size(args.hidden)}, vocab 32000, bfloat16",
         "trunk": f"layers 2..{args.layers - 3} (edge 2+2)",
         "repeats": args.repeats,
         "device": args.device,

@@ -25,7 +25,7 @@ SCRIPTS: dict[str, list[str]] = {
     "echo_logprobs_bench": ["--repeats", "1", "--tokens", "100", "--rtt-ms", "5"],
     "head_window": ["--windows", "16", "--answer", "8"],
     "privacy_transforms": ["--windows", "4"],
-    "quant_load": ["--repeats", "1", "--layers", "5"],
+    "quant_load": ["--repeats", "1", "--layers", "5", "--hidden", "256"],
     "serve_bench": ["--repeats", "1", "--max-tokens", "4", "--rtt-ms", "5", "--bandwidth-mbit", "0"],
     "sibling_proposals": ["--tokens", "20", "--draws", "1"],
     "specfed_eval": ["--docs", "1", "--windows", "1", "--length", "32", "--domains", "prose"],
