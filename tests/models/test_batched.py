@@ -5,15 +5,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from splitspec.exceptions import ConfigError
 from splitspec.models.batched import BatchedCaches, BatchRow, forward_batch
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.loading import load_edge, load_trunk
 from splitspec.models.masks import depths
+from splitspec.models.row_attention import ROWS_KWARG
 from splitspec.models.split import SplitPlan
 from tests.families import FAMILIES, save_family_checkpoint
 
@@ -125,3 +128,36 @@ def test_row_logits_equal_each_rows_own(make_checkpoint: Callable[..., Path], tm
     for got, want in zip(joined, alone, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lone, alone[0], rtol=0, atol=0)
+
+
+def test_a_layer_that_drops_the_row_attention_argument_is_refused_not_silently_mixed(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """A family whose decoder layer does not pass its attention keyword arguments on (StableLM's does not) ran
+    its attention over the packed step as one sequence: each row saw the rows packed before it and none of its
+    own cache, and the batch's outputs were silently wrong. forward_batch now checks every layer attended row by
+    row."""
+    model = make_checkpoint("llama")
+    stack = load_trunk(Checkpoint(model), SplitPlan(6, 2, 2), torch.float32)
+    attention = stack.layers[0].self_attn
+    assert isinstance(attention, torch.nn.Module)
+    forward = attention.forward
+
+    def dropping(*args: Any, **kwargs: Any) -> Any:
+        kwargs.pop(ROWS_KWARG, None)
+        return forward(*args, **kwargs)
+
+    attention.forward = dropping  # a layer that drops the keyword, as StableLM's does
+    torch.manual_seed(0)
+    rows = [
+        BatchRow(
+            torch.randn(1, q, 64),
+            torch.arange(q, dtype=torch.int32),
+            torch.arange(-1, q - 1, dtype=torch.int32),
+            KVCache(),
+        )
+        for q in (3, 2)
+    ]
+    with pytest.raises(ConfigError, match=r"decoder layers \[2\] did not attend row by row"):
+        forward_batch(stack, rows)
+    assert [len(row.cache) for row in rows] == [0, 0]  # rolled back

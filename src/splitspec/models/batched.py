@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from splitspec.exceptions import ConfigError
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.masks import step_masks, visible_masks
 from splitspec.models.row_attention import RowAttention, RowKeys, row_starts
@@ -131,6 +132,12 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
             for b, (row, start, q) in enumerate(zip(rows, starts, lengths, strict=True)):
                 if row.capture == j:
                     captured[b] = hidden[:, start : start + q]
+        skipped = sorted(set(caches.keys.rows) - caches.keys.attended)
+        if skipped:  # their attention ran over the packed step as one sequence: rows saw each other, not their caches
+            raise ConfigError(
+                f"decoder layers {skipped} did not attend row by row: this family's layers do not pass splitspec's "
+                "attention arguments on, so it cannot batch several sequences' steps"
+            )
     except BaseException:
         caches.rollback()
         raise

@@ -51,6 +51,7 @@ class RowKeys:
 
     def __init__(self) -> None:
         self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # layer index -> per row
+        self.attended: set[int] = set()  # layers whose attention ran row by row (see forward_batch's check)
 
     def put(self, layer_idx: int, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         per_row = self.rows.setdefault(layer_idx, [])
@@ -88,7 +89,9 @@ def row_attention(
     rows: RowAttention | None = kwargs.pop(ROWS_KWARG, None)
     if rows is None:
         return base(module, query, key, value, attention_mask, **kwargs)
-    per_row = rows.keys.rows[int(module.layer_idx)]  # type: ignore[arg-type]  # the attention's own index
+    layer_idx = int(module.layer_idx)  # type: ignore[arg-type]  # the attention's own index
+    per_row = rows.keys.rows[layer_idx]
+    rows.keys.attended.add(layer_idx)
     outs = []
     for b, (start, q) in enumerate(zip(rows.starts, rows.lengths, strict=True)):
         row_keys, row_values = per_row[b]
