@@ -239,3 +239,39 @@ async def test_a_cancelled_step_leaves_no_session_and_no_feature_stream_behind(
             await client.forward([24])
             assert client.recoveries == 1
             assert await _session_count(server, 1) == 1
+
+
+async def test_a_sequence_cut_short_after_a_cancelled_step_can_still_be_truncated(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """A cancelled step leaves the sequence with fresh, empty edge caches (a worker may still hold the old ones):
+    truncating its history then raised (the caches held 0 entries), so a caller could not rewind a chat turn. The
+    kept tokens are what the recovery replays."""
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        async with SplitClient(_edge(model, server)) as client:
+            client.reset()
+            await client.forward(PROMPT)
+            tail = client.engine._tail
+            submit = tail.submit
+            reached = asyncio.Event()
+
+            async def stalled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, float, float]:
+                reached.set()
+                await asyncio.sleep(30)
+                return await submit(*args, **kwargs)
+
+            tail.submit = stalled  # type: ignore[method-assign]
+            step = asyncio.ensure_future(client.forward([23]))
+            await reached.wait()
+            step.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await step
+            tail.submit = submit  # type: ignore[method-assign]
+            client.sequence.truncate(len(PROMPT) - 2)
+            rewound = await client.forward([24])
+            assert client.recoveries == 1
+        async with SplitClient(_edge(model, server)) as clean:
+            clean.reset()
+            expected = await clean.forward([*PROMPT[:-2], 24])
+    torch.testing.assert_close(rewound[-1], expected[-1])

@@ -100,6 +100,12 @@ class EdgeSequence:
             raise ValueError(f"cannot truncate {len(self.tokens)} committed tokens to {length}")
         if length == len(self.tokens):
             return
+        if self.lost:  # its caches were dropped (a cancelled step): the recovery replays what is kept
+            del self.tokens[length:]
+            del self.digests[length:]
+            if self.features is not None:
+                self.features.truncate(length)
+            return
         pending = self.command
         command = CacheCommand(truncate_to=length)
         if pending is not None and pending.keep_last is not None:
