@@ -275,3 +275,32 @@ async def test_a_sequence_cut_short_after_a_cancelled_step_can_still_be_truncate
             clean.reset()
             expected = await clean.forward([*PROMPT[:-2], 24])
     torch.testing.assert_close(rewound[-1], expected[-1])
+
+
+async def test_a_prefill_failing_after_its_first_chunk_commits_none_of_it(make_checkpoint: Callable[..., Path]) -> None:
+    """A forward is all or nothing: a failure of another kind than a lost session (here the tail's, on the second
+    of five chunks) left the first chunk committed, and the next forward replayed it ahead of the prompt sent
+    again."""
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        async with SplitClient(_edge(model, server, max_message_bytes=SMALL_CAP)) as client:
+            client.reset()
+            tail = client.engine._tail
+            run_rows = tail.run_rows
+            calls = {"n": 0}
+
+            def failing_second(rows: list[Any]) -> list[torch.Tensor]:
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise RuntimeError("injected tail failure")
+                return run_rows(rows)
+
+            tail.run_rows = failing_second  # type: ignore[method-assign]
+            with pytest.raises(RuntimeError, match="injected"):
+                await client.forward(LONG_PROMPT, logits_from=len(LONG_PROMPT) - 1)
+            assert client.sequence.tokens == []
+            again = await client.forward(LONG_PROMPT, logits_from=len(LONG_PROMPT) - 1)
+        async with SplitClient(_edge(model, server)) as clean:
+            clean.reset()
+            expected = await clean.forward(LONG_PROMPT, logits_from=len(LONG_PROMPT) - 1)
+    torch.testing.assert_close(again[-1], expected[-1])

@@ -257,6 +257,11 @@ class EdgeEngine:
                 if attempt == self.config.max_recoveries:
                     raise
                 log.warning("lost the cloud session (%s); recovering by replaying %d tokens", exc, base)
+            except Exception:
+                if len(sequence.tokens) > base:  # chunks of this forward went through: all or nothing, as above
+                    sequence.tokens = sequence.tokens[:base]
+                    sequence.lost = True
+                raise
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _forward_chunked(
