@@ -37,7 +37,7 @@ from splitspec.arguments import read_token_file
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.exceptions import ConfigError
-from splitspec.transport.server import HttpRoute, SocketClosed, warn_if_open
+from splitspec.transport.server import HttpRoute, SocketClosed, warn_if_open, warn_if_unencrypted
 
 log = logging.getLogger(__name__)
 
@@ -249,8 +249,7 @@ def serve_on_ray(
         url = f"{scheme}://{config.host}:{config.port}"
         log.info("trunk on Ray Serve: %d replicas behind %s", replicas, url)
         warn_if_open(config.auth_token, url, "trunk server")
-        if scheme == "ws" and config.auth_token is not None and config.host not in ("127.0.0.1", "localhost", "::1"):
-            log.warning("the shared secret and all hidden states travel unencrypted: serve TLS (--tls-cert/--tls-key)")
+        warn_if_unencrypted(config.host, scheme == "wss", config.auth_token)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())

@@ -68,6 +68,7 @@ from splitspec.transport.server import (
     run_until_signalled,
     server_tls,
     warn_if_open,
+    warn_if_unencrypted,
 )
 
 log = logging.getLogger(__name__)
@@ -184,9 +185,7 @@ class TrunkServer:
         # a session runs one step at a time (run_step refuses a second while one is in flight);
         # different sessions compute in parallel (torch releases the GIL in its kernels)
         self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")
-        if tls is None and config.host not in ("127.0.0.1", "localhost", "::1"):
-            secret = "the shared secret and all hidden states" if config.auth_token is not None else "all hidden states"
-            log.warning("%s travel unencrypted: serve TLS (--tls-cert/--tls-key)", secret)
+        warn_if_unencrypted(config.host, tls is not None, config.auth_token)
         self.scheme = "ws" if tls is None else "wss"
         limits = ConnectionLimits(
             handshake_timeout_s=config.handshake_timeout_s,

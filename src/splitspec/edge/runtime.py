@@ -46,6 +46,7 @@ from splitspec.models.warm_up import WARM_UP_WIDTHS, pays_cold_start, warm_up_ed
 from splitspec.protocol.codec import WIRE_CODECS
 from splitspec.protocol.messages import AUTO_DTYPE, Hello
 from splitspec.protocol.trunk_fingerprint import TrunkFingerprint
+from splitspec.transport import LOOPBACK_HOSTS
 
 if TYPE_CHECKING:
     from splitspec.models.draft_head import DraftHead
@@ -75,7 +76,7 @@ def prepack_pieces(model: ModelEnds, stacks: Sequence[nn.Module], measure: bool)
 def _warn_if_unencrypted(config: EdgeConfig) -> None:
     """Say at start-up that hidden states (and a shared secret) would cross a network in the clear."""
     url = urlsplit(config.cloud_url)
-    if url.scheme == "ws" and url.hostname not in ("127.0.0.1", "localhost", "::1"):
+    if url.scheme == "ws" and url.hostname not in LOOPBACK_HOSTS:
         secret = "the shared secret and the hidden states" if config.auth_token else "the hidden states"
         log.warning("%s travel unencrypted to %s: use a wss:// trunk (cloud serve --tls-cert)", secret, url.hostname)
 

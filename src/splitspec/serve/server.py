@@ -15,11 +15,9 @@ from splitspec.exceptions import ConfigError
 from splitspec.serve.app import create_app
 from splitspec.serve.config import ServeConfig
 from splitspec.serve.state import ServeState
+from splitspec.transport import LOOPBACK_HOSTS
 
 log = logging.getLogger(__name__)
-
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -42,7 +40,7 @@ def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.sock
 def warn_if_exposed(config: ServeConfig) -> None:
     """Say at start-up that a server reachable beyond this machine serves prompts and answers to anyone (no
     --api-key-file), and in plain HTTP (a key and the conversations cross the network readable)."""
-    if config.host in LOOPBACK:
+    if config.host in LOOPBACK_HOSTS:
         return
     if config.api_key is None:
         log.warning(

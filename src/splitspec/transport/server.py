@@ -36,6 +36,7 @@ from websockets.http11 import Request, Response
 
 from splitspec.exceptions import ConfigError, TransportError
 from splitspec.protocol.frames import MAX_HEADER_BYTES, PREFIX_SIZE
+from splitspec.transport import LOOPBACK_HOSTS
 from splitspec.transport.client import websocket_max_size
 
 log = logging.getLogger(__name__)
@@ -329,6 +330,15 @@ class LogBudget:
         """Lines skipped since the last call (to report alongside the next line logged)."""
         count, self.suppressed = self.suppressed, 0
         return count
+
+
+def warn_if_unencrypted(host: str, tls: bool, auth_token: str | None) -> None:
+    """Say at start-up that a trunk front reachable beyond this machine serves hidden states (and takes its shared
+    secret) in the clear."""
+    if tls or host in LOOPBACK_HOSTS:
+        return
+    secret = "the shared secret and all hidden states" if auth_token is not None else "all hidden states"
+    log.warning("%s travel unencrypted: serve TLS (--tls-cert/--tls-key)", secret)
 
 
 def warn_if_open(auth_token: str | None, url: str, name: str) -> None:
