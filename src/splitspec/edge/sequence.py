@@ -100,25 +100,22 @@ class EdgeSequence:
             raise ValueError(f"cannot truncate {len(self.tokens)} committed tokens to {length}")
         if length == len(self.tokens):
             return
-        if self.lost:  # its caches were dropped (a cancelled step): the recovery replays what is kept
-            del self.tokens[length:]
-            del self.digests[length:]
-            if self.features is not None:
-                self.features.truncate(length)
-            return
-        pending = self.command
-        command = CacheCommand(truncate_to=length)
-        if pending is not None and pending.keep_last is not None:
-            start = len(self.tokens) - len(pending.keep_last)  # the kept step's first entry
-            if length > start:
-                command = CacheCommand(truncate_to=pending.truncate_to, keep_last=pending.keep_last[: length - start])
-        self.head_cache.truncate(length)
-        self.tail_cache.truncate(length)
+        if not self.lost:  # a lost sequence's caches may be dropped (a cancelled step): its recovery replays the rest
+            pending = self.command
+            command = CacheCommand(truncate_to=length)
+            if pending is not None and pending.keep_last is not None:
+                start = len(self.tokens) - len(pending.keep_last)  # the kept step's first entry
+                if length > start:
+                    command = CacheCommand(
+                        truncate_to=pending.truncate_to, keep_last=pending.keep_last[: length - start]
+                    )
+            self.head_cache.truncate(length)
+            self.tail_cache.truncate(length)
+            self.command = command
         del self.tokens[length:]
         del self.digests[length:]
         if self.features is not None:
             self.features.truncate(length)
-        self.command = command
 
     def keep(self, indices: Sequence[int]) -> None:
         """Keep only ``indices`` of the last step's entries (the accepted path), on both sides.
