@@ -205,6 +205,30 @@ async def test_a_failure_after_the_trunk_ran_the_step_is_recovered_and_the_old_s
     torch.testing.assert_close(recovered[-1], expected[-1])
 
 
+async def _cancel_in_the_tail(client: SplitClient, tokens: list[int], before_cancel: Callable[[], None]) -> None:
+    """A forward of ``tokens`` cancelled while its step waits for the tail (its caller went away);
+    ``before_cancel`` runs while it waits."""
+    tail = client.engine._tail
+    submit = tail.submit
+    reached = asyncio.Event()
+
+    async def stalled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, float, float]:
+        reached.set()
+        await asyncio.sleep(30)
+        return await submit(*args, **kwargs)
+
+    tail.submit = stalled  # type: ignore[method-assign]
+    try:
+        step = asyncio.ensure_future(client.forward(tokens))
+        await reached.wait()
+        before_cancel()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+    finally:
+        tail.submit = submit  # type: ignore[method-assign]
+
+
 async def test_a_cancelled_step_leaves_no_session_and_no_feature_stream_behind(
     make_checkpoint: Callable[..., Path],
 ) -> None:
@@ -219,23 +243,12 @@ async def test_a_cancelled_step_leaves_no_session_and_no_feature_stream_behind(
             assert client.sequence.keep_features((2, 4, 6)) is not None
             await client.forward(PROMPT)
             tail = client.engine._tail
-            submit = tail.submit
-            reached = asyncio.Event()
 
-            async def stalled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, float, float]:
-                reached.set()
-                await asyncio.sleep(30)
-                return await submit(*args, **kwargs)
+            def registered() -> None:
+                assert tail._streams  # the step's stream is registered while it waits
 
-            tail.submit = stalled  # type: ignore[method-assign]
-            step = asyncio.ensure_future(client.forward([23]))
-            await reached.wait()
-            assert tail._streams  # the step's stream is registered while it waits
-            step.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await step
+            await _cancel_in_the_tail(client, [23], registered)
             assert tail._streams == {}
-            tail.submit = submit  # type: ignore[method-assign]
             await client.forward([24])
             assert client.recoveries == 1
             assert await _session_count(server, 1) == 1
@@ -252,22 +265,7 @@ async def test_a_sequence_cut_short_after_a_cancelled_step_can_still_be_truncate
         async with SplitClient(_edge(model, server)) as client:
             client.reset()
             await client.forward(PROMPT)
-            tail = client.engine._tail
-            submit = tail.submit
-            reached = asyncio.Event()
-
-            async def stalled(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, float, float]:
-                reached.set()
-                await asyncio.sleep(30)
-                return await submit(*args, **kwargs)
-
-            tail.submit = stalled  # type: ignore[method-assign]
-            step = asyncio.ensure_future(client.forward([23]))
-            await reached.wait()
-            step.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await step
-            tail.submit = submit  # type: ignore[method-assign]
+            await _cancel_in_the_tail(client, [23], lambda: None)
             client.sequence.truncate(len(PROMPT) - 2)
             rewound = await client.forward([24])
             assert client.recoveries == 1
