@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+from scipy import stats as sps
 
-from splitspec.privacy.audit import holm
-from splitspec.privacy.outcomes import pack_hits, unpack_hits
+from splitspec.privacy.audit import AuditConfig, analyse, holm
+from splitspec.privacy.corpus import Windows
+from splitspec.privacy.outcomes import AuditData, SeriesKey, pack_hits, unpack_hits
 from splitspec.privacy.stats import (
     cluster_bootstrap_diff,
+    cluster_sign_flip_p,
     mcnemar_exact,
     mcnemar_exact_table,
     mcnemar_table,
@@ -108,3 +113,100 @@ def test_paired_difference_pools_runs() -> None:
     assert (same.diff, same.low, same.high, same.mcnemar_p) == (0.0, 0.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="same number"):
         paired_difference([a1], [b1, b2], [clusters])
+
+
+# Per-document differences in hits of the shipped audit's stock nn-embed input test, depth 1 against 2: 13 test
+# documents, one of which goes strongly the other way. Tokens as independent units call it p ~ 1e-11.
+DOC_DIFFS = [8, 20, 7, 4, 6, 4, 0, 0, 16, 25, 3, 10, -26]
+DOC_TOKENS = 64
+
+
+def doc_outcomes(diffs: list[int], tokens: int = DOC_TOKENS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(a, b, clusters) over len(diffs) documents of ``tokens`` tokens: a - b hits per document = diffs[i]."""
+    a = np.zeros((len(diffs), tokens), dtype=bool)
+    b = np.zeros_like(a)
+    for i, d in enumerate(diffs):
+        a[i, : 20 + max(d, 0)] = True
+        b[i, : 20 + max(-d, 0)] = True
+    clusters = np.repeat(np.arange(len(diffs)), tokens)
+    return a.ravel(), b.ravel(), clusters
+
+
+def scipy_sign_flip_p(d: np.ndarray) -> float:
+    def total(x: np.ndarray, axis: int) -> np.ndarray:
+        return np.asarray(np.sum(x, axis=axis))
+
+    res = sps.permutation_test((d,), total, permutation_type="samples", vectorized=True, n_resamples=100_000)
+    return float(res.pvalue)
+
+
+def test_sign_flip_counts_documents_not_tokens() -> None:
+    a, b, clusters = doc_outcomes(DOC_DIFFS)
+    assert mcnemar_exact(a, b).p_value < 1e-9  # the token-level test calls it certain
+    p = cluster_sign_flip_p(a, b, clusters)
+    assert p == pytest.approx(scipy_sign_flip_p(np.array(DOC_DIFFS, dtype=float)), rel=1e-12)  # exact: 2^13 flips
+    assert 0.1 < p < 0.12
+    # More documents than the exact enumeration covers: random flips, close to the exact value.
+    many = DOC_DIFFS * 2
+    a2, b2, c2 = doc_outcomes(many)
+    p2 = cluster_sign_flip_p(a2, b2, c2, resamples=20_000, seed=1)
+    assert p2 == pytest.approx(scipy_sign_flip_p(np.array(many, dtype=float)), abs=0.01)
+    assert p2 < p  # the same pattern over twice the documents is stronger evidence
+    # No difference at all, and one document: nothing to reject.
+    assert cluster_sign_flip_p(a, a, clusters) == 1.0
+    one = clusters == 0
+    assert cluster_sign_flip_p(a[one], b[one], clusters[one]) == 1.0
+
+
+def test_one_document_has_no_bootstrap_interval() -> None:
+    a, b, clusters = doc_outcomes([12])
+    ci = cluster_bootstrap_diff(a, b, clusters)
+    assert ci.diff == pytest.approx(12 / DOC_TOKENS)
+    assert (ci.clusters, ci.resamples) == (1, 0)
+    assert np.isnan(ci.low)
+    assert np.isnan(ci.high)
+
+
+def synthetic_audit(diffs: list[int]) -> AuditData:
+    """Two depths of one attacker whose top-1 hits differ per test document by ``diffs``."""
+    a, b, _ = doc_outcomes(diffs)
+    n = len(diffs)
+    windows = Windows(
+        np.zeros((n, DOC_TOKENS + 1), dtype=np.int64),
+        np.arange(n, dtype=np.int64),
+        tuple(f"doc{i}" for i in range(n)),
+        np.zeros(n, dtype=np.int64),
+    )
+    data = AuditData(windows, np.zeros((n, DOC_TOKENS), dtype=np.int64), vocab_size=100)
+    data.ranks[SeriesKey("stock", "mlp", "input", 1)] = a.reshape(n, DOC_TOKENS).astype(np.int8)
+    data.ranks[SeriesKey("stock", "mlp", "input", 2)] = b.reshape(n, DOC_TOKENS).astype(np.int8)
+    data.ranks[SeriesKey("stock", "mlp", "input", 3)] = b.reshape(n, DOC_TOKENS).astype(np.int8)  # as depth 2
+    return data
+
+
+def test_audit_significance_rests_on_documents(tmp_path: Path) -> None:
+    config = AuditConfig(model_dir=tmp_path, out_dir=tmp_path, depths=(1, 2, 3), bootstrap=500)
+    tests = analyse(synthetic_audit(DOC_DIFFS), config)["tests"]
+    key = [(t["family"], t["metric"], t["a"].split("|")[3], t["b"].split("|")[3]) for t in tests]
+    assert key == [
+        ("adjacent depths", "top1", "1", "2"),
+        ("adjacent depths", "top5", "1", "2"),
+        ("adjacent depths", "top1", "2", "3"),
+        ("adjacent depths", "top5", "2", "3"),
+        ("shallowest vs deepest", "top1", "1", "3"),
+        ("shallowest vs deepest", "top5", "1", "3"),
+    ]
+    for t in (tests[0], tests[1], tests[4], tests[5]):
+        assert t["p_exact_mcnemar"] < 1e-9
+        assert 0.1 < t["p_documents"] < 0.12
+        assert t["bootstrap95"][0] < 0 < t["bootstrap95"][1]
+        assert t["significant"] is False
+    for t in tests[2:4]:
+        assert t["p_documents"] == t["p_holm"] == 1.0  # no difference at all
+    # Holm within each question: the two adjacent-depth tests of a metric; shallowest vs deepest alone.
+    assert tests[0]["p_holm"] == pytest.approx(2 * tests[0]["p_documents"])
+    assert tests[4]["p_holm"] == tests[4]["p_documents"]
+    # One document: no interval and no evidence, whatever the token counts say.
+    one = analyse(synthetic_audit([30]), config)["tests"][0]
+    assert one["p_exact_mcnemar"] < 1e-8
+    assert (one["bootstrap95"], one["p_documents"], one["significant"]) == (None, 1.0, False)

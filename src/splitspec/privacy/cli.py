@@ -3,6 +3,7 @@
     splitspec audit --model DIR --depths 1,2,3,4 --out DIR [--corpus DIR] [--max-tokens N]
         [--max-test-tokens N] [--seed S] [--attackers freq,mlp,...] [--epochs E] [--seq-epochs E]
         [--diverge-steps N] [--edge D=DIR ...]
+    splitspec audit-retest --out DIR
     splitspec diverge --model DIR --out DIR --edge-layers 2,2 [--rank R] [--steps N] [--seed S]
         [--noise-scale S] [--adversary-weight W] [--max-scale C]
 
@@ -81,6 +82,15 @@ def _run_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_retest(args: argparse.Namespace) -> int:
+    from splitspec.privacy.audit import retest
+
+    results = retest(args.out)
+    significant = sum(bool(t["significant"]) for t in results["tests"])
+    print(json.dumps({"out": str(args.out), "tests": len(results["tests"]), "significant": significant}))
+    return 0
+
+
 def _run_diverge(args: argparse.Namespace) -> int:
     from splitspec.models.split import parse_edge_layers
     from splitspec.privacy.corpus import DEFAULT_CORPUS
@@ -154,6 +164,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     audit.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     audit.set_defaults(run=_run_audit)
+
+    re = sub.add_parser(
+        "audit-retest",
+        help="re-run an audit's paired tests from its stored per-token outcomes",
+        description="Recompute the statistics of an audit directory (report.json + outcomes.csv.gz) with this "
+        "version's tests, and rewrite report.json, report.md and the plot; nothing is re-measured.",
+    )
+    re.add_argument("--out", type=Path, required=True, help="the audit's report directory")
+    re.set_defaults(run=_run_retest)
 
     div = sub.add_parser(
         "diverge",

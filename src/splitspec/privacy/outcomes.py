@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +76,47 @@ def load_outcomes(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
     docs = np.array([r[2] for r in rows])
     cols = {h: np.array([int(r[j]) for r in rows], dtype=np.int8) for j, h in enumerate(header) if j >= 4}
     return cols, docs
+
+
+def read_audit_data(
+    path: Path, vocab_size: int, doc_ids: Sequence[str] = (), series: Sequence[SeriesKey] = ()
+) -> AuditData:
+    """The :class:`AuditData` that :func:`write_outcomes` wrote (BOS columns, not stored, read as 0).
+
+    The paired tests need only the per-token ranks, their documents and the window layout, all of which
+    the file holds. Given the audit's test documents (``doc_ids``, in its order: the bootstrap's cluster
+    numbering) and its ``series`` order, :func:`splitspec.privacy.audit.analyse` re-runs them exactly.
+    """
+    columns, docs = load_outcomes(path)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [ln.split(",", 4)[:4] for ln in f.read().splitlines()[2:]]
+    if not rows:
+        raise ValueError(f"{path} holds no outcomes")
+    window = np.array([int(r[0]) for r in rows])
+    position = np.array([int(r[1]) for r in rows])
+    n, w = int(window.max()) + 1, int(position.max())
+    if len(rows) != n * w or not np.array_equal(window * w + position - 1, np.arange(n * w)):
+        raise ValueError(f"{path}: rows are not {n} whole windows of {w} tokens in order")
+    doc_of_window = docs.reshape(n, w)[:, 0]
+    order = list(doc_ids) or sorted(set(doc_of_window.tolist()))
+    number = {d: i for i, d in enumerate(order)}
+    missing = set(doc_of_window.tolist()) - set(number)
+    if missing:
+        raise ValueError(f"{path}: outcomes of documents outside the audit's test split: {sorted(missing)[:3]}")
+    doc_index = np.array([number[d] for d in doc_of_window.tolist()], dtype=np.int64)
+    targets = np.array([int(r[3]) for r in rows], dtype=np.int64).reshape(n, w)
+    tokens = np.concatenate([np.zeros((n, 1), dtype=np.int64), targets], axis=1)
+    test = Windows(tokens, doc_index, tuple(order), np.zeros(n, dtype=np.int64))
+    data = AuditData(test, targets, vocab_size)
+    stored = {}
+    for column, ranks in columns.items():
+        condition, attacker, side, depth = column.split("|")
+        stored[SeriesKey(condition, attacker, side, int(depth))] = ranks.reshape(n, w)
+    if series and set(series) != set(stored):
+        raise ValueError(f"{path} holds other series than the report names")
+    for key in series or sorted(stored, key=lambda k: k.column):
+        data.ranks[key] = stored[key]
+    return data
 
 
 def pack_hits(hits: np.ndarray) -> str:

@@ -53,19 +53,46 @@ def _name(column: str) -> str:
 
 def _tests_table(tests: list[dict[str, Any]], family: str, metric: str) -> list[str]:
     lines = [
-        "| A | B | rate A | rate B | A - B (doc-bootstrap 95%) | only A / only B | exact McNemar p | Holm p | sig. |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| A | B | rate A | rate B | A - B (doc-bootstrap 95%) | only A / only B | McNemar p (tokens) "
+        "| document p | Holm p | sig. |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t in tests:
         if t["family"] != family or t["metric"] != metric:
             continue
-        lo, hi = t["bootstrap95"]
         lines.append(
             f"| {_name(t['a'])} | {_name(t['b'])} | {100 * t['rate_a']:.1f} | {100 * t['rate_b']:.1f} | "
-            f"{100 * t['diff']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] | {t['only_a']} / {t['only_b']} | "
-            f"{t['p_exact_mcnemar']:.2g} | {t['p_holm']:.2g} | {'yes' if t['significant'] else 'no'} |"
+            f"{100 * t['diff']:+.1f} {_interval(t.get('bootstrap95'))} | {t['only_a']} / {t['only_b']} | "
+            f"{t['p_exact_mcnemar']:.2g} | {_p(t.get('p_documents'))} | {t['p_holm']:.2g} | "
+            f"{'yes' if t['significant'] else 'no'} |"
         )
     return lines
+
+
+def _interval(bounds: list[float] | None) -> str:
+    """A bootstrap interval in points, or why there is none (one test document)."""
+    if bounds is None:
+        return "[n/a: one document]"
+    return f"[{100 * bounds[0]:+.1f}, {100 * bounds[1]:+.1f}]"
+
+
+def _p(value: float | None) -> str:
+    """A p-value, or n/a for a report written before the document-level test."""
+    return "n/a" if value is None else f"{value:.2g}"
+
+
+FEW_DOCUMENTS = 10  # below this many test documents, percentile intervals under-cover
+
+
+def _few_documents(tests: list[dict[str, Any]]) -> str:
+    """A warning when the tests rest on fewer than FEW_DOCUMENTS test documents."""
+    fewest = min((int(t["clusters"]) for t in tests), default=FEW_DOCUMENTS)
+    if fewest >= FEW_DOCUMENTS:
+        return ""
+    return (
+        f" **Only {fewest} test document(s):** percentile bootstrap intervals from so few documents are too "
+        "narrow, and the document-level test has little power; test on more documents (`--max-test-tokens`)."
+    )
 
 
 def _headline(results: dict[str, Any]) -> list[str]:
@@ -186,9 +213,12 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += [
         "## Paired tests",
         "",
-        f"Exact McNemar on per-token outcomes of the same test tokens; Holm-adjusted over all {len(tests)} "
-        f"tests in this report (alpha {results['alpha']}); differences with a 95% percentile bootstrap that "
-        "resamples whole test documents.",
+        "Each test's p-value (`document p`) treats the test *document* as the unit: each document's "
+        "difference in hits keeps or flips its sign under the null (exact over every flip up to 16 "
+        f"documents). Holm-adjusted within each question below (family and metric; alpha {results['alpha']}). "
+        "Differences carry a 95% percentile bootstrap that resamples whole test documents. Exact McNemar on "
+        "the per-token outcomes is shown for reference only: it counts the tokens of one document as "
+        "independent, which they are not, so it overstates the evidence." + _few_documents(tests),
         "",
         "### Adjacent depths (top-1)",
         "",
@@ -294,10 +324,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(data: AuditData, results: dict[str, Any], out_dir: Path) -> None:
+def write_report(data: AuditData, results: dict[str, Any], out_dir: Path, outcomes: bool = True) -> None:
+    """The report files; ``outcomes=False`` keeps an existing ``outcomes.csv.gz`` (a re-test)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(results, indent=1) + "\n")
     (out_dir / "report.md").write_text(render_markdown(results))
     plot(results, out_dir / "recovery_vs_depth.png")
-    write_outcomes(data, out_dir / "outcomes.csv.gz")
-    log.info("wrote report.json, report.md, recovery_vs_depth.png, outcomes.csv.gz to %s", out_dir)
+    if outcomes:
+        write_outcomes(data, out_dir / "outcomes.csv.gz")
+    log.info("wrote the audit report to %s", out_dir)

@@ -6,6 +6,9 @@
   when the *same* test tokens are attacked at two split depths.
 * :func:`cluster_bootstrap_diff` - percentile CI of a difference of two paired recovery rates,
   resampling whole documents (tokens of one document are not independent).
+* :func:`cluster_sign_flip_p` - the paired test with documents as the unit: each document's
+  difference keeps or flips its sign (exact over every flip for up to 16 documents). McNemar's
+  test counts tokens as independent, so its p-value is descriptive only; this one is the test.
 * :func:`paired_difference` - both of the above on outcomes pooled over several runs (seeds), each
   run's documents its own clusters: the paired comparison of two defences.
 """
@@ -87,8 +90,8 @@ class BootstrapCI:
     """Document-clustered bootstrap of mean(a) - mean(b)."""
 
     diff: float  # observed difference of recovery rates (a - b)
-    low: float  # 2.5th percentile of the bootstrap distribution
-    high: float  # 97.5th percentile
+    low: float  # 2.5th percentile of the bootstrap distribution (NaN with one cluster: no interval)
+    high: float  # 97.5th percentile (NaN with one cluster)
     clusters: int  # documents resampled
     resamples: int  # bootstrap replicates
 
@@ -96,24 +99,64 @@ class BootstrapCI:
 def cluster_bootstrap_diff(
     a: np.ndarray, b: np.ndarray, clusters: np.ndarray, resamples: int = 2000, seed: int = 0
 ) -> BootstrapCI:
-    """95% percentile CI for mean(a) - mean(b), resampling whole clusters (documents) with replacement."""
+    """95% percentile CI for mean(a) - mean(b), resampling whole clusters (documents) with replacement.
+
+    One cluster gives no interval (every resample is that cluster): ``low`` and ``high`` are NaN.
+    """
+    sum_a, sum_b, count = _cluster_sums(a, b, clusters)
+    k = sum_a.size
+    diff = float((sum_a.sum() - sum_b.sum()) / count.sum())
+    if k < 2:
+        return BootstrapCI(diff, float("nan"), float("nan"), k, 0)
+    rng = np.random.default_rng(seed)
+    draws = rng.multinomial(k, np.full(k, 1.0 / k), size=resamples).astype(np.float64)  # (R, k)
+    diffs = (draws @ sum_a - draws @ sum_b) / np.maximum(draws @ count, 1.0)
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    return BootstrapCI(diff, float(low), float(high), k, resamples)
+
+
+def cluster_sign_flip_p(
+    a: np.ndarray, b: np.ndarray, clusters: np.ndarray, resamples: int = 20_000, seed: int = 0
+) -> float:
+    """Two-sided p that A and B recover equally, with documents (``clusters``) as the independent unit.
+
+    Under the null, swapping the labels A and B within a document changes nothing, so each
+    document's difference d_c = hits_a - hits_b is as likely as -d_c. The statistic is the total
+    |sum_c d_c|; p is the share of sign flips whose total is at least as large. Every one of the
+    2^k flips is counted when 2^k <= ``resamples``, else ``resamples`` random flips ((hits + 1) /
+    (resamples + 1), never 0). One document gives p = 1.
+    """
+    sum_a, sum_b, _ = _cluster_sums(a, b, clusters)
+    d = sum_a - sum_b  # (k,) per-document difference in hits
+    k = d.size
+    observed = abs(float(d.sum()))
+    tolerance = 1e-9 * max(1.0, observed)  # sums of integers in float64: exact, but be safe
+    if 2**k <= resamples:
+        signs = 1.0 - 2.0 * ((np.arange(2**k)[:, None] >> np.arange(k)) & 1)  # (2^k, k) every flip
+        totals = np.abs(signs @ d)
+        return float(np.mean(totals >= observed - tolerance))
+    rng = np.random.default_rng(seed)
+    signs = rng.choice(np.array([-1.0, 1.0]), size=(resamples, k))  # (R, k)
+    hits = int(np.sum(np.abs(signs @ d) >= observed - tolerance))
+    return (hits + 1) / (resamples + 1)
+
+
+def _cluster_sums(a: np.ndarray, b: np.ndarray, clusters: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-cluster sums of ``a`` and ``b`` and token counts, clusters in sorted order."""
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     clusters = np.asarray(clusters)
     if not (a.shape == b.shape == clusters.shape):
         raise ValueError("a, b and clusters must have the same shape")
     if a.size == 0:
-        raise ValueError("no outcomes to bootstrap")
+        raise ValueError("no outcomes to compare")
     _, idx = np.unique(clusters, return_inverse=True)
+    idx = idx.ravel()
     k = int(idx.max()) + 1
-    sum_a = np.bincount(idx, weights=a, minlength=k)
-    sum_b = np.bincount(idx, weights=b, minlength=k)
+    sum_a = np.bincount(idx, weights=a.ravel(), minlength=k)
+    sum_b = np.bincount(idx, weights=b.ravel(), minlength=k)
     count = np.bincount(idx, minlength=k).astype(np.float64)
-    rng = np.random.default_rng(seed)
-    draws = rng.multinomial(k, np.full(k, 1.0 / k), size=resamples).astype(np.float64)  # (R, k)
-    diffs = (draws @ sum_a - draws @ sum_b) / np.maximum(draws @ count, 1.0)
-    low, high = np.percentile(diffs, [2.5, 97.5])
-    return BootstrapCI(float(a.mean() - b.mean()), float(low), float(high), k, resamples)
+    return sum_a, sum_b, count
 
 
 @dataclass(frozen=True)
