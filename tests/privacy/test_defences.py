@@ -6,16 +6,20 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.loading import load_full
 from splitspec.models.split import SplitPlan
 from splitspec.privacy.activations import cloud_view, collect_layers
-from splitspec.privacy.corpus import CorpusWindows, corpus_windows
+from splitspec.privacy.attackers import TrainConfig
+from splitspec.privacy.audit import AuditConfig, run_audit
+from splitspec.privacy.corpus import CorpusWindows, corpus_windows, load_documents, split_documents
 from splitspec.privacy.defence_config import DefenceConfig, parse_defence
 from splitspec.privacy.defences import (
     Adversary,
@@ -25,7 +29,7 @@ from splitspec.privacy.defences import (
     prefix_digests,
 )
 from splitspec.privacy.diverge import DivergeConfig, DivergeResult, diverge
-from splitspec.privacy.record import EDGE_RECORD
+from splitspec.privacy.record import EDGE_RECORD, DivergenceRecord
 from tests.privacy.test_audit import write_corpus
 
 torch.set_num_threads(1)
@@ -118,6 +122,7 @@ def edges(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPat
         name: diverge(DivergeConfig(out_dir=root / name, defence=d, **common))  # type: ignore[arg-type]
         for name, d in settings.items()
     }
+    out["model"], out["corpus"] = model, corpus
     out["windows"] = corpus_windows(
         model, corpus, test_fraction=0.3, seed=0, window=16, max_train_tokens=1500, max_test_tokens=400
     )
@@ -229,3 +234,54 @@ def test_noise_reaches_the_record_and_the_cloud_view(edges: dict[str, object]) -
     sent = cloud_view(full, PLAN, tokens, 2.0)["input"]
     rel = np.linalg.norm(sent - ref[1], axis=-1) / np.linalg.norm(ref[1], axis=-1)
     assert abs(float(rel.mean()) - 2.0) < 0.2
+
+
+def test_audit_sees_the_edge_as_the_cloud_does(edges: dict[str, object], tmp_path: Path) -> None:
+    """`audit --edge` attacks the noisy states the cloud receives, and refuses stock or leaky edges."""
+    noisy, plain = edges["noise"], edges["none"]
+    assert isinstance(noisy, DivergeResult)
+    assert isinstance(plain, DivergeResult)
+    model, corpus = edges["model"], edges["corpus"]
+    assert isinstance(model, Path)
+    assert isinstance(corpus, Path)
+
+    def audit(edge: Path, seed: int = 0) -> dict[str, Any]:
+        config = AuditConfig(
+            model_dir=model,
+            out_dir=tmp_path / f"audit-{edge.parent.name}-{seed}",
+            depths=(1,),
+            corpus_dir=corpus,
+            window=16,
+            max_train_tokens=320,
+            max_test_tokens=96,
+            seed=seed,
+            attackers=("freq", "mlp"),
+            train=TrainConfig(epochs=1),
+            diverge_steps=0,
+            edges=((1, edge),),
+            bootstrap=50,
+        )
+        return run_audit(config)
+
+    for result, scale in ((noisy, 2.0), (plain, 0.0)):
+        info = audit(result.checkpoint_dir)["edges"]["1"]
+        assert info["send_noise_scale"] == scale
+        assert info["train_documents_checked"] is True
+        distance = info["activation_relative_distance"]["input"]
+        assert distance > 1.5 if scale else distance < 1.0  # the noise is in what the audit attacks
+    record = DivergenceRecord.read(noisy.checkpoint_dir)
+    assert record is not None
+    assert record.train_documents
+    # An audit whose test documents the edge was fitted on is refused, before any attacker trains.
+    fitted = set(record.train_documents)
+    seed = next(
+        s for s in range(1, 50) if {d.doc_id for d in split_documents(load_documents(corpus), 0.3, s).test} & fitted
+    )
+    with pytest.raises(ConfigError, match="fitted on"):
+        audit(noisy.checkpoint_dir, seed=seed)
+    with pytest.raises(ConfigError, match="published ones"):
+        audit(model)
+    with pytest.raises(ConfigError, match="not among the audited depths"):
+        AuditConfig(model_dir=model, out_dir=tmp_path, depths=(1,), edges=((2, model),))
+    with pytest.raises(ConfigError, match="more than once"):
+        AuditConfig(model_dir=model, out_dir=tmp_path, depths=(1,), edges=((1, model), (1, model)))

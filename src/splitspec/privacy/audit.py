@@ -40,10 +40,11 @@ from splitspec.models.split import SplitPlan
 from splitspec.models.stack import FullModel
 from splitspec.paths import display_path
 from splitspec.privacy import attackers as atk
-from splitspec.privacy.activations import collect_layers, stock_tail_top5
+from splitspec.privacy.activations import cloud_view, collect_layers, stock_tail_top5
 from splitspec.privacy.corpus import DEFAULT_CORPUS, CorpusWindows, corpus_windows
 from splitspec.privacy.diverge import DivergeConfig, diverge
 from splitspec.privacy.outcomes import AuditData, SeriesKey, ranks_of, read_audit_data
+from splitspec.privacy.record import DivergenceRecord
 from splitspec.privacy.report import write_report
 from splitspec.privacy.stats import cluster_bootstrap_diff, cluster_sign_flip_p, mcnemar_exact, wilson_interval
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
@@ -84,6 +85,15 @@ class AuditConfig:
             raise ConfigError(f"depths must be positive integers, got {self.depths}")
         if self.max_train_tokens < self.window or self.max_test_tokens < self.window:
             raise ConfigError(f"token caps must be at least one window ({self.window} tokens)")
+        edge_depths = [d for d, _ in self.edges]
+        repeated = sorted({d for d in edge_depths if edge_depths.count(d) > 1})
+        if repeated:
+            raise ConfigError(f"--edge names depth {repeated[0]} more than once")
+        unused = sorted(set(edge_depths) - set(self.depths))
+        if unused:
+            raise ConfigError(
+                f"--edge {unused[0]}=DIR: depth {unused[0]} is not among the audited depths {self.depths}"
+            )
 
 
 def _depth_plans(n_layers: int, depths: tuple[int, ...]) -> None:
@@ -189,13 +199,20 @@ class _AuditRun:
         plan = SplitPlan(self.n_layers, d, d)
         wr = edge_weight_report(edge_dir, self.config.model_dir, plan)
         info["is_stock"] = wr.is_stock
+        info["head_is_stock"] = wr.head_is_stock
         info["max_relative_weight_difference"] = wr.max_relative_difference
         info.setdefault("fingerprint_sha256", edge_fingerprint(edge_dir, plan))
+        record = DivergenceRecord.read(edge_dir)
+        noise = record.send_noise_scale if record is not None else 0.0
+        info["send_noise_scale"] = noise
+        info["train_documents_checked"] = bool(record is not None and record.train_documents) or bool(
+            info.get("built_here")
+        )
         self.edges[d] = info
         edge_model = load_full(Checkpoint(edge_dir), torch.float32)
-        dk = list(self.sides[d].values())
-        div_test = collect_layers(edge_model, self.corpus.test.tokens, dk)
-        div_train = collect_layers(edge_model, self.corpus.train.tokens, dk)
+        # What the cloud sees from this deployment: with the edge's send noise, as the serving edge adds it.
+        div_test = self._cloud_view(edge_model, plan, self.corpus.test.tokens, noise, self.config.seed)
+        div_train = self._cloud_view(edge_model, plan, self.corpus.train.tokens, noise, self.config.seed + 1)
         info["activation_relative_distance"] = {
             side: float(
                 np.mean(
@@ -213,6 +230,33 @@ class _AuditRun:
                 if kind in self.config.attackers:
                     inv = self.inverter(f"diverged-d{d}", k, kind, div_train[k])
                     self.record(SeriesKey("diverged/adaptive", kind, side, d), inv.predict_top5(div_test[k][:, 1:]))
+
+    def _cloud_view(
+        self, model: FullModel, plan: SplitPlan, tokens: np.ndarray, noise: float, seed: int
+    ) -> dict[int, np.ndarray]:
+        """{stream index: states} the cloud receives (input side, with send noise) and returns (output side)."""
+        view = cloud_view(model, plan, tokens, noise, seed)
+        return {k: view[side] for side, k in self.sides[plan.head].items()}
+
+    def check_given_edge(self, d: int, edge_dir: Path) -> None:
+        """Refuse a ``--edge`` that is the published model, or one fitted on this audit's test documents."""
+        where = f"--edge {d}={display_path(edge_dir)}"
+        record = DivergenceRecord.read(edge_dir)
+        if edge_weight_report(edge_dir, self.config.model_dir, SplitPlan(self.n_layers, d, d)).is_stock:
+            raise ConfigError(
+                f"{where}: its edge layers are the published ones (a stock edge, measured as 'stock' anyway); "
+                "give the checkpoint `splitspec diverge` wrote"
+            )
+        tested = {self.corpus.test.doc_ids[i] for i in self.corpus.test.doc_index}
+        fitted = set(record.train_documents) if record is not None else set()
+        leaked = sorted(tested & fitted)
+        if leaked:
+            raise ConfigError(
+                f"{where}: its edge layers were fitted on {len(leaked)} of this audit's test documents "
+                f"(e.g. {leaked[0]}); audit with the seed and test fraction it was diverged with, or rebuild it"
+            )
+        if not fitted:
+            log.warning("%s: no record of its training documents; train/test separation not checked", where)
 
     def summary(self) -> dict[str, object]:
         """What the report says besides the measured series: model, split, edges, inverter losses."""
@@ -291,6 +335,8 @@ def run_audit(config: AuditConfig) -> dict[str, Any]:
     t0 = time.monotonic()
     torch.manual_seed(config.seed)
     run = _start(config)
+    for d, edge_dir in config.edges:  # before any attacker trains
+        run.check_given_edge(d, edge_dir)
     for d in run.depths:
         run.attack("stock", d, run.stock_test, "stock", run.stock_train)
         log.info("stock depth %d done (%.0f s)", d, time.monotonic() - t0)

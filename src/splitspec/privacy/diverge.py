@@ -302,6 +302,7 @@ def diverge(config: DivergeConfig) -> DivergeResult:
         send_noise_scale=defence.noise_scale,
         # secret: makes the serving noise a keyed function of the token prefix
         send_noise_key=secrets.token_hex(32) if defence.noise_scale > 0 else "",
+        train_documents=tuple(sorted({train.doc_ids[i] for i in train.doc_index})),
     ).write(ckpt_dir)
     log.info("diverged edge %s: ppl %.2f -> %.2f, fingerprint %s", ckpt_dir, ppl_before, ppl_after, fp[:16])
     return DivergeResult(ckpt_dir, fp, ppl_before, ppl_after, summary)

@@ -28,6 +28,8 @@ class DivergenceRecord:
     published_model: str = ""  # where the published checkpoint was, for people reading the file
     send_noise_scale: float = 0.0  # send-noise defence: std relative to each token's RMS (0 = none)
     send_noise_key: str = ""  # hex secret key of the per-prefix send noise (set when the scale is > 0)
+    # ids of the corpus documents the edge layers were fitted on: an audit must not test on them (empty: unknown)
+    train_documents: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.send_noise_scale) and self.send_noise_scale >= 0):
@@ -65,6 +67,7 @@ class DivergenceRecord:
                 published_model=str(raw.get("published_model", "")),
                 send_noise_scale=float(raw.get("send_noise_scale", 0.0)),
                 send_noise_key=str(raw.get("send_noise_key", "")),
+                train_documents=tuple(str(d) for d in raw.get("train_documents", ())),
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError, ConfigError) as exc:
             raise ConfigError(f"{path} is not a valid divergence record: {exc}") from None

@@ -190,13 +190,21 @@ def render_markdown(results: dict[str, Any]) -> str:
             "## Diverged edges",
             "",
             "| depth | held-out ppl stock -> diverged | max rel. weight diff "
-            "| activation rel. distance (in / out) | fingerprint |",
-            "|---|---|---|---|---|",
+            "| activation rel. distance (in / out) | send noise | fingerprint |",
+            "|---|---|---|---|---|---|",
         ]
+        notes: list[str] = []
         for d, e in sorted(edges.items(), key=lambda kv: int(kv[0])):
             if "skipped" in e:
-                lines.append(f"| {d} | n/a: {e['skipped']} | | | |")
+                lines.append(f"| {d} | n/a: {e['skipped']} | | | | |")
                 continue
+            if e.get("head_is_stock"):
+                notes.append(
+                    f"Depth {d}: the edge's head layers are the published ones, so the input side is what anyone "
+                    "holding the published model computes."
+                )
+            if e.get("train_documents_checked") is False:
+                notes.append(f"Depth {d}: the edge records no training documents; train/test separation unchecked.")
             ppl = (
                 f"{e['heldout_perplexity_before']:.2f} -> {e['heldout_perplexity_after']:.2f}"
                 if "heldout_perplexity_before" in e
@@ -206,9 +214,9 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {d} | {ppl} | {e['max_relative_weight_difference']:.3f} | "
                 f"{ad.get('input', float('nan')):.3f} / {ad.get('output', float('nan')):.3f} | "
-                f"`{str(e['fingerprint_sha256'])[:16]}` |"
+                f"{e.get('send_noise_scale', 0.0):g} | `{str(e['fingerprint_sha256'])[:16]}` |"
             )
-        lines.append("")
+        lines += ["", *notes, ""] if notes else [""]
     tests = results["tests"]
     lines += [
         "## Paired tests",
