@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from splitspec.cli import main
+from splitspec.models import train_draft_head
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head_io import load_draft_head
 from tests.conftest import TOKENIZER_TEXT
@@ -74,6 +75,47 @@ def test_resume_continues_from_the_saved_step_exactly(setup: tuple[Path, Path], 
     assert any(not torch.equal(done[n], halfway[n]) for n in done)  # it trained on
     for name in want:  # and it is the run that never stopped, bit for bit
         assert torch.equal(done[name], want[name]), name
+
+
+def test_a_save_cut_short_leaves_the_last_whole_save(
+    setup: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed while writing the step-4 save's optimizer state: the step-2 save stays whole and resumes exactly."""
+    model, corpus = setup
+    straight, cut = tmp_path / "straight", tmp_path / "cut"
+    assert main(_args(model, corpus, straight, 6)) == 0
+    saves = {"optimizer": 0}
+
+    def dies_on_the_second(tensors: dict[str, torch.Tensor], filename: str, **kwargs: object) -> None:
+        if filename.endswith(train_draft_head.OPTIMIZER_FILE):
+            saves["optimizer"] += 1
+            if saves["optimizer"] == 2:
+                raise KeyboardInterrupt  # as a kill would: mid-save, after the head's weights were written
+        save_file(tensors, filename, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train_draft_head, "save_file", dies_on_the_second)
+    assert main(_args(model, corpus, cut, 6)) == 130  # interrupted
+    monkeypatch.setattr(train_draft_head, "save_file", save_file)
+    assert json.loads((cut / "trainer_state.json").read_text())["step"] == 2
+    assert main([*_args(model, corpus, cut, 6), "--resume"]) == 0
+    done, want = _weights(cut), _weights(straight)
+    for name in want:
+        assert torch.equal(done[name], want[name]), name
+
+
+def test_resume_refuses_what_would_not_continue_the_run(setup: tuple[Path, Path], tmp_path: Path) -> None:
+    model, corpus = setup
+    out = tmp_path / "head"
+    assert main(_args(model, corpus, out, 2)) == 0
+    assert main([*_args(model, corpus, out, 2), "--resume"]) == 2  # already at step 2
+    assert main([*_args(model, corpus, out, 4, "--seed", "7"), "--resume"]) == 2  # other batches
+    assert main([*_args(model, corpus, out, 4, "--lr", "0.5"), "--resume"]) == 2  # another schedule
+    # files of two steps (a save cut short between its moves) are refused, not resumed from
+    state = json.loads((out / "trainer_state.json").read_text())
+    (out / "trainer_state.json").write_text(json.dumps(state | {"step": 1}))
+    assert main([*_args(model, corpus, out, 4), "--resume"]) == 2
+    (out / "trainer_state.json").write_text(json.dumps(state))
+    assert main([*_args(model, corpus, out, 4), "--resume"]) == 0
 
 
 def test_bad_uses_fail_in_one_line(

@@ -25,6 +25,8 @@ import asyncio
 import json
 import logging
 import math
+import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -33,7 +35,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -41,7 +43,7 @@ from splitspec.devices import resolve_device
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint, load_tokenizer
 from splitspec.models.draft_head import DraftHead, check_feature_layers, default_config
-from splitspec.models.draft_head_io import WEIGHTS_FILE, load_draft_head, save_draft_head
+from splitspec.models.draft_head_io import HEAD_KEY, WEIGHTS_FILE, load_draft_head, save_draft_head
 from splitspec.models.draft_vocab import frequent_tokens, token_counts, with_draft_vocab, without_draft_vocab
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.loading import load_full
@@ -51,6 +53,9 @@ from splitspec.models.stack import FullModel, ModelEnds
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+STAGING_DIR = ".saving"  # a save is written here in full, then moved into place
+# settings a resumed run must share with the run it continues (the batches drawn, the schedule, the loss)
+RESUME_FIXED = ("corpus", "seq_len", "batch", "lr", "warmup", "cls_weight", "noise", "seed")
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
@@ -207,11 +212,18 @@ def _save(
     shipped: DraftHead | None = None,
 ) -> None:
     """Write the head (``shipped``: what is saved as the head, the trained head with a reduced vocabulary) and
-    the training state."""
+    the training state.
+
+    Every file is written in full to a staging folder first, then moved into place, the training state last.
+    A process killed while writing leaves the previous save whole; one killed between the moves leaves files
+    of two steps, which :func:`_restore` refuses (each file names its step) rather than resume from.
+    """
+    staging = config.out / STAGING_DIR
+    shutil.rmtree(staging, ignore_errors=True)
     dtype = getattr(torch, config.save_dtype)
     save_draft_head(
         shipped if shipped is not None else head,
-        config.out,
+        staging,
         dtype=dtype,
         notes={**notes, "steps": step, "train_wall_s": round(wall_s, 1)},
     )
@@ -220,26 +232,59 @@ def _save(
     for param, state in opt.state.items():
         for key, value in state.items():
             moments[f"{names[id(param)]}/{key}"] = torch.as_tensor(value).detach().cpu().clone()
-    save_file(moments, str(config.out / OPTIMIZER_FILE))
+    save_file(moments, str(staging / OPTIMIZER_FILE), metadata={"step": str(step)})
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
     args["corpus"] = [str(p) for p in config.corpus]
     state_doc = {"step": step, "train_wall_s": wall_s, "args": args}
-    (config.out / STATE_FILE).write_text(json.dumps(state_doc, indent=2) + "\n")
+    (staging / STATE_FILE).write_text(json.dumps(state_doc, indent=2) + "\n")
+    for path in sorted(staging.iterdir(), key=lambda f: f.name == STATE_FILE):  # the state, naming the step, last
+        os.replace(path, config.out / path.name)
+    staging.rmdir()
 
 
-def _restore(head: DraftHead, opt: torch.optim.AdamW, out: Path) -> tuple[int, float]:
-    """Load the optimizer's moments saved beside the head; (step, wall seconds so far)."""
+def _restore(head: DraftHead, opt: torch.optim.AdamW, config: TrainConfig) -> tuple[int, float]:
+    """Load the optimizer's moments saved beside the head; (step, wall seconds so far).
+
+    Refuses files of different steps (a save cut short between its moves), a run already at ``config.steps``,
+    and settings that change what the steps ahead draw or compute: a resumed run is the run that never stopped.
+    """
+    out = config.out
     try:
         state_doc = json.loads((out / STATE_FILE).read_text())
         step, wall_s = int(state_doc["step"]), float(state_doc["train_wall_s"])
+        saved_args = dict(state_doc["args"])
         moments = load_file(str(out / OPTIMIZER_FILE))
+        with safe_open(str(out / OPTIMIZER_FILE), framework="pt") as f:
+            moments_step = int((f.metadata() or {}).get("step", step))
+        head_step = int(json.loads((out / "config.json").read_text())[HEAD_KEY]["notes"]["steps"])
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
         raise ConfigError(f"--resume: {out} holds no readable training state ({exc})") from None
+    if not step == moments_step == head_step:
+        raise ConfigError(
+            f"--resume: {out} holds a save cut short (the head is at step {head_step}, the optimizer at "
+            f"{moments_step}, the training state at {step}); train again without --resume"
+        )
+    if step >= config.steps:
+        raise ConfigError(f"--resume: {out} is already at step {step}; give --steps above it to train on")
+    now = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()} | {
+        "corpus": [str(p) for p in config.corpus]
+    }
+    changed = [k for k in RESUME_FIXED if k in saved_args and _jsonish(saved_args[k]) != _jsonish(now[k])]
+    if changed:
+        raise ConfigError(
+            f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)} differ from the run being resumed "
+            f"({', '.join(f'{k}={saved_args[k]}' for k in changed)}); resume with the same settings"
+        )
     for name, param in head.named_parameters():
         keys = {k.split("/", 1)[1]: v for k, v in moments.items() if k.split("/", 1)[0] == name}
         if keys:
             opt.state[param] = {k: (v.to(param.device) if k != "step" else v.float()) for k, v in keys.items()}
     return step, wall_s
+
+
+def _jsonish(value: object) -> object:
+    """A setting as its JSON round trip reads (tuples as lists), so saved and current settings compare."""
+    return json.loads(json.dumps(value))
 
 
 def local_source(config: TrainConfig) -> LocalFeatures:
@@ -271,7 +316,7 @@ async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
         j = source.feature_layers.index(num_layers)
         reg_slice = slice(j * head.config.hidden_size, (j + 1) * head.config.hidden_size)
     opt = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    start, wall_before = _restore(head, opt, config.out) if config.resume else (0, 0.0)
+    start, wall_before = _restore(head, opt, config) if config.resume else (0, 0.0)
     streams = read_corpus(config.corpus, config.model, config.seq_len)
     notes: dict[str, object] = {
         "corpus": [Path(p).name for p in config.corpus],
