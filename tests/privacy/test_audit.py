@@ -70,12 +70,15 @@ def test_whitebox_search_recovers_stock_activations(make_checkpoint: Callable[..
     full = load_full(Checkpoint(directory), torch.float32)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 96, size=(3, 17))
-    tokens[:, 0] = 0
+    tokens[:, 0] = 2  # a window's first token, whatever the config's bos_token_id says
+    full.config.bos_token_id = None  # a config without one (the search used to read it and fail)
     acts = collect_layers(full, tokens, [2])[2]
     cand = rng.integers(3, 96, size=(3, 16, 8))
     cand[..., 3] = tokens[:, 1:]  # the truth is among the candidates
-    top = whitebox_search_top5(full, acts, 2, cand)
+    top = whitebox_search_top5(full, acts, 2, cand, tokens[:, 0])
     assert (top[..., 0] == tokens[:, 1:]).all()
+    with pytest.raises(ValueError, match="one first token per window"):
+        whitebox_search_top5(full, acts, 2, cand, tokens[:2, 0])
 
 
 def test_weight_report_detects_stock_and_modified(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:

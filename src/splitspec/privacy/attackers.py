@@ -263,10 +263,13 @@ def train_inverter(
 
 
 @torch.no_grad()
-def whitebox_search_top5(public: FullModel, observed: np.ndarray, k: int, candidates: np.ndarray) -> np.ndarray:
+def whitebox_search_top5(
+    public: FullModel, observed: np.ndarray, k: int, candidates: np.ndarray, first: np.ndarray
+) -> np.ndarray:
     """Invert h_k with the *published* first k layers, position by position.
 
-    ``observed`` (n, W+1, H) holds what the cloud saw for BOS-led windows; ``candidates`` (n, W, K)
+    ``observed`` (n, W+1, H) holds what the cloud saw for BOS-led windows, ``first`` (n,) each window's
+    BOS token (no secret: the same for every window, and the edge's tokenizer is public); ``candidates`` (n, W, K)
     token guesses per position (from a learned inverter). At each position j every window tries
     its K candidates after its already-decoded prefix (one tree step: all candidates are children
     of the prefix), ranks them by cosine distance between the recomputed and the observed h_k, and
@@ -281,9 +284,10 @@ def whitebox_search_top5(public: FullModel, observed: np.ndarray, k: int, candid
     cand = torch.from_numpy(candidates).long()
     out = np.empty((n, w1 - 1, TOPK), dtype=np.int64)
     cache = KVCache()
-    bos = int(public.config.bos_token_id)
+    if first.shape != (n,):
+        raise ValueError(f"need one first token per window ({n}), got shape {first.shape}")
     one = torch.zeros(1, dtype=torch.int32)
-    stack(public.embed(torch.full((n, 1), bos)), one, one - 1, cache)
+    stack(public.embed(torch.from_numpy(first).long()[:, None]), one, one - 1, cache)
     chosen = torch.empty(n, dtype=torch.long)
     for j in tqdm(range(1, w1), desc=f"search h{k}", leave=False, mininterval=2.0):
         positions = torch.full((n_cand,), j, dtype=torch.int32)

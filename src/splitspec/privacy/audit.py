@@ -161,7 +161,8 @@ class _AuditRun:
                 inv = self.inverter(train_tag, k, proposer, train_acts[k])
                 cand = inv.predict_topk(acts[:, 1:], self.config.search_candidates)
                 self.record(
-                    SeriesKey(condition, "search", side, d), atk.whitebox_search_top5(self.stock, acts, k, cand)
+                    SeriesKey(condition, "search", side, d),
+                    atk.whitebox_search_top5(self.stock, acts, k, cand, self.corpus.test.tokens[:, 0]),
                 )
             if side == "output" and "stock-tail" in attackers:
                 top5 = stock_tail_top5(self.stock, acts, d)[:, :-1]  # position j-1 guesses token j

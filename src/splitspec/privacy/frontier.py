@@ -271,7 +271,9 @@ def run_frontier(
         for side in ks:
             out[side][f"t1-{config.inverter}"] = _ranks(t1[side].predict_top5(view[side][:, 1:]), targets)
         cand = t1["input"].predict_topk(view["input"][:, 1:], config.search_candidates)
-        out["input"]["t1-search"] = _ranks(atk.whitebox_search_top5(stock, view["input"], ks["input"], cand), targets)
+        out["input"]["t1-search"] = _ranks(
+            atk.whitebox_search_top5(stock, view["input"], ks["input"], cand, test.tokens[:, 0]), targets
+        )
         out["output"]["t1-stock-tail"] = _ranks(stock_tail_top5(stock, view["output"], config.depth)[:, :-1], targets)
         return out
 
