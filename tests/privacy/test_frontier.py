@@ -75,4 +75,5 @@ def test_frontier_points(make_checkpoint: Callable[..., Path], tmp_path: Path) -
             assert cmp.only_a - cmp.only_b == int(point_hits(defended, side, tier).sum()) - int(
                 point_hits(stock, side, tier).sum()
             )
+            assert cmp.clusters == len(set(stock["outcomes"]["window_doc_ids"]))  # clusters named by document
     assert compare_points([defended], [{**stock, "seed": 99}], "input", "T1") is None  # no seed pairs up

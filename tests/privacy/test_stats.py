@@ -109,6 +109,20 @@ def test_paired_difference_pools_runs() -> None:
     assert 0 < res.low <= res.diff <= res.high < 1
     assert res.mcnemar_p == pytest.approx(mcnemar_exact_table(np.array([[75, 75], [0, 50]])).p_value)
     assert res.mcnemar_p < 1e-10
+    # The same five documents in both runs, named as such: five clusters, each resampled with both its runs.
+    named = np.array([f"doc{i}" for i in clusters])
+    pooled = paired_difference([a1, a2], [b1, b2], [named, named], resamples=500, same_across_runs=True)
+    assert (pooled.diff, pooled.clusters) == (res.diff, 5)
+    # Two identical runs over the same documents are no more evidence than one: the interval does not narrow.
+    a, b, docs = doc_outcomes(DOC_DIFFS)
+    names = np.array([f"doc{i}" for i in docs])
+    one_run = paired_difference([a], [b], [names], resamples=500, seed=4)
+    twice = paired_difference([a, a], [b, b], [names, names], resamples=500, seed=4, same_across_runs=True)
+    assert one_run.low < one_run.high
+    assert (twice.low, twice.high) == pytest.approx((one_run.low, one_run.high))
+    apart = paired_difference([a, a], [b, b], [names, names], resamples=500, seed=4)  # each run its own clusters
+    assert apart.clusters == 2 * len(DOC_DIFFS)
+    assert apart.high - apart.low < 0.8 * (one_run.high - one_run.low)  # what pooling as independent overstated
     same = paired_difference([a2], [a2], [clusters], resamples=100)
     assert (same.diff, same.low, same.high, same.mcnemar_p) == (0.0, 0.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="same number"):

@@ -156,6 +156,8 @@ def _point(
         "encoding": "top-1 hit per test token (window-major), numpy packbits, base64",
         "n": int(shared.clusters.size),
         "window_docs": shared.test.doc_index.tolist(),  # document of each test window (the bootstrap's clusters)
+        # the same by name: one document tested under several seeds is one cluster when seeds are pooled
+        "window_doc_ids": [shared.test.doc_ids[i] for i in shared.test.doc_index.tolist()],
         "sides": {side: {a: pack_hits(r == 1) for a, r in by_attacker.items()} for side, by_attacker in ranks.items()},
     }
     return {
@@ -177,8 +179,10 @@ def point_hits(point: dict[str, Any], side: str, tier: str) -> np.ndarray:
 
 
 def point_clusters(point: dict[str, Any]) -> np.ndarray:
-    """(tokens,) test document of each token of a point with outcomes."""
-    docs = np.asarray(point["outcomes"]["window_docs"], dtype=np.int64)
+    """(tokens,) test document of each token of a point with outcomes: its name where the point records names
+    (comparable across seeds), else its index in that seed's split."""
+    named = point["outcomes"].get("window_doc_ids")
+    docs = np.asarray(named) if named is not None else np.asarray(point["outcomes"]["window_docs"], dtype=np.int64)
     n = int(point["outcomes"]["n"])
     if n % docs.size:
         raise ValueError(f"{n} outcomes do not split into {docs.size} equal windows")
@@ -199,11 +203,13 @@ def compare_points(
     for pa, pb in pairs:
         if pa["outcomes"]["window_docs"] != pb["outcomes"]["window_docs"]:
             raise ValueError(f"seed {pa['seed']}: {pa['setting']} and {pb['setting']} were tested on different tokens")
+    named = all("window_doc_ids" in p["outcomes"] for pair in pairs for p in pair)
     return paired_difference(
         [point_hits(pa, side, tier) for pa, _ in pairs],
         [point_hits(pb, side, tier) for _, pb in pairs],
         [point_clusters(pa) for pa, _ in pairs],
         resamples,
+        same_across_runs=named,
     )
 
 

@@ -170,7 +170,7 @@ class PairedDifference:
     only_a: int  # tokens recovered under A only
     only_b: int  # tokens recovered under B only
     n: int  # paired tokens
-    clusters: int  # documents resampled (one per run and document)
+    clusters: int  # documents resampled (one per document, or per run and document: ``same_across_runs``)
     runs: int  # runs pooled (e.g. seeds)
 
 
@@ -180,18 +180,25 @@ def paired_difference(
     clusters: Sequence[np.ndarray],
     resamples: int = 2000,
     seed: int = 0,
+    same_across_runs: bool = False,
 ) -> PairedDifference:
     """Pool paired 0/1 outcomes of conditions A and B over runs (``a[i]``, ``b[i]``, ``clusters[i]`` per run).
 
-    A document of run i and one of run j are different clusters, even if they are the same text.
+    With ``same_across_runs`` the cluster labels name documents across runs: a document tested in several runs
+    (seeds) is one cluster, resampled with all its runs, since its outcomes in different runs are not
+    independent. Without it (labels local to each run, e.g. indices into each run's own split) a document of
+    run i and one of run j are different clusters, which overstates the evidence when the same text recurs.
     """
     if not (len(a) == len(b) == len(clusters)) or not a:
         raise ValueError("need the same number (>= 1) of runs for a, b and clusters")
-    ids = [np.unique(np.asarray(c), return_inverse=True)[1].ravel() for c in clusters]
-    offsets = np.cumsum([0] + [int(i.max()) + 1 for i in ids[:-1]])
     pooled_a = np.concatenate([np.asarray(x, dtype=bool).ravel() for x in a])
     pooled_b = np.concatenate([np.asarray(x, dtype=bool).ravel() for x in b])
-    pooled_c = np.concatenate([i + off for i, off in zip(ids, offsets, strict=True)])
+    if same_across_runs:
+        pooled_c = np.unique(np.concatenate([np.asarray(c).ravel() for c in clusters]), return_inverse=True)[1]
+    else:
+        ids = [np.unique(np.asarray(c), return_inverse=True)[1].ravel() for c in clusters]
+        offsets = np.cumsum([0] + [int(i.max()) + 1 for i in ids[:-1]])
+        pooled_c = np.concatenate([i + off for i, off in zip(ids, offsets, strict=True)])
     ci = cluster_bootstrap_diff(pooled_a, pooled_b, pooled_c, resamples, seed)
     test = mcnemar_exact(pooled_a, pooled_b)
     return PairedDifference(
