@@ -69,6 +69,19 @@ async def test_the_forwards_run_on_the_worker_thread_or_the_event_loop(trunk: La
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threaded", [True, False])
+async def test_a_step_submitted_to_a_batcher_not_running_is_refused_at_once(trunk: LayerStack, threaded: bool) -> None:
+    batcher = _Where(trunk, threaded)
+    step = (torch.randn(1, 1, 64), _positions(0, 1), _chain(1), KVCache())
+    with pytest.raises(RuntimeError, match="not running"):  # never started
+        await asyncio.wait_for(batcher.submit(*step), 1)
+    batcher.start()
+    await batcher.stop()
+    with pytest.raises(RuntimeError, match="not running"):  # stopped: refused, not left to wait forever
+        await asyncio.wait_for(batcher.submit(*step), 1)
+    assert not batcher.threads
+
+
 def _positions(start: int, count: int) -> torch.Tensor:
     return torch.arange(start, start + count, dtype=torch.int32)
 

@@ -18,6 +18,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from splitspec.decoding.eagle import _HeadExpander
+from splitspec.decoding.tree_run import TreeRun
 from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_head_io import load_draft_head
@@ -68,23 +70,41 @@ def write_eagle_head(directory: Path, reduced_vocab: bool, seed: int = 0) -> dic
     return state
 
 
-def reference(
+def eagle1_fc(
     full: FullModel, state: dict[str, torch.Tensor], tokens: torch.Tensor, feats: torch.Tensor
 ) -> torch.Tensor:
-    """EAGLE-1's forward from transformers' own layer: logits (q, V) for a chain from position 0."""
+    """EAGLE-1's fc over cat([embed(tokens), feats]), no norm here: tokens (q,), feats (q, H) -> (1, q, H)."""
+    with torch.no_grad():
+        x = torch.cat([full.embed(tokens[None]), feats[None]], -1)  # (1, q, 2H)
+        out: torch.Tensor = x @ state["fc.weight"].T + state["fc.bias"]  # (1, q, H)
+    return out
+
+
+def eagle1_layer(state: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """transformers' own layer, EAGLE-1's (no input norm), over a chain from position 0: x (1, q, H) -> (q, H)."""
     config = _layer_config()
     layer = LlamaDecoderLayer(config, 0)
     layer.load_state_dict(
         {k[len("layers.0.") :]: v for k, v in state.items() if k.startswith("layers.0.")}, strict=False
     )
     layer.input_layernorm = nn.Identity()  # type: ignore[assignment]  # EAGLE-1's first layer has no input norm
-    q = tokens.shape[0]
+    q = x.shape[1]
     with torch.no_grad():
-        x = torch.cat([full.embed(tokens[None]), full.norm(feats[None])], -1) @ state["fc.weight"].T + state["fc.bias"]
         pos = torch.arange(q)[None]
         rope = LlamaRotaryEmbedding(config)(x, pos)
         mask = torch.full((q, q), float("-inf")).triu(1)[None, None]
-        out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)[0]  # (q, H)
+        out: torch.Tensor = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)[0]  # (q, H)
+    return out
+
+
+def reference(
+    full: FullModel, state: dict[str, torch.Tensor], tokens: torch.Tensor, feats: torch.Tensor
+) -> torch.Tensor:
+    """EAGLE-1's forward from transformers' own layer: logits (q, V) for a chain from position 0."""
+    config = _layer_config()
+    q = tokens.shape[0]
+    with torch.no_grad():
+        out = eagle1_layer(state, eagle1_fc(full, state, tokens, full.norm(feats)))  # (q, H)
         if "lm_head.weight" not in state:
             shared: torch.Tensor = full.lm_head(out)
             return shared.float()
@@ -118,6 +138,36 @@ def test_an_eagle_layout_head_loads_and_runs_as_published(
     torch.testing.assert_close(logits[~torch.isinf(want)], want[~torch.isinf(want)], rtol=1e-4, atol=1e-4)
     if reduced_vocab:
         assert int(torch.isfinite(logits[0]).sum()) == DRAFT_VOCAB
+
+
+def test_an_eagle1_head_reads_its_own_predictions_without_the_targets_norm(target: Path, tmp_path: Path) -> None:
+    """The tree's second level reads the root's predicted state ĥ as EAGLE-1 trained it: fc(cat(embed(y), ĥ)),
+    with no final norm over ĥ (only the target's own features pass it), under a final norm that is not all ones."""
+    state = write_eagle_head(tmp_path / "eagle", reduced_vocab=False)
+    full = load_full(Checkpoint(target), torch.float32)
+    weight = full.norm.weight
+    assert isinstance(weight, torch.Tensor)
+    with torch.inference_mode():
+        weight.copy_(1 + 0.5 * torch.randn(64, generator=torch.Generator().manual_seed(3)))
+    head = load_draft_head(tmp_path / "eagle", Checkpoint(target), target_check=False)
+    torch.manual_seed(5)
+    tokens, feats = torch.tensor([3, 8, 1, 7, 2]), 3 * torch.randn(5, 64)  # the committed pairs: x_{i+1}, f_i
+    child = 11  # a draft root y, expanded at the second level with its parent's prediction ĥ
+    cache = KVCache()
+    with torch.inference_mode():  # level 1: the committed pairs (as the drafter's catch-up), then the root's child
+        out = head(
+            full, tokens, feats, torch.arange(5, dtype=torch.int32), torch.arange(-1, 4, dtype=torch.int32), cache
+        )
+        root = out[-1]  # (H,): ĥ, the state predicted after the last pair
+        expand = _HeadExpander(head, full, cache, TreeRun(5), root, head.logits(full, root[None]))
+        level2 = expand([child], [-1], [0])[0]  # (V,): the child's logits
+    x = torch.cat(
+        [eagle1_fc(full, state, tokens, full.norm(feats)), eagle1_fc(full, state, torch.tensor([child]), root[None])],
+        1,
+    )  # (1, 6, H): the pairs' inputs, then the child's, whose ĥ passes no norm
+    with torch.no_grad():
+        want = full.lm_head(eagle1_layer(state, x)[-1]).float()  # (V,)
+    torch.testing.assert_close(level2, want, rtol=1e-4, atol=1e-4)
 
 
 def test_the_layer_may_be_named_midlayer(target: Path, full: FullModel, tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from splitspec.models.loading import load_full
 from splitspec.models.stack import FullModel
 from splitspec.models.train_draft_head import read_corpus
 from tests.conftest import TOKENIZER_TEXT, local_greedy
+from tests.families import save_family_checkpoint
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7]
 
@@ -89,6 +90,21 @@ def test_the_reduced_heads_logits_are_the_full_heads_over_its_tokens(
     for bad in (torch.tensor([5, 2]), torch.tensor([3, 3]), torch.tensor([-1, 4]), torch.tensor([4, full.vocab_size])):
         with pytest.raises(ConfigError, match="draft vocabulary ids"):
             with_draft_vocab(head, full, bad)
+
+
+@pytest.mark.parametrize("family", ["granite", "gemma2"])  # logits scaling; final soft-capping
+def test_the_reduced_heads_logits_take_the_familys_logit_transforms(tmp_path: Path, family: str) -> None:
+    ckpt = Checkpoint(save_family_checkpoint(tmp_path, family, layers=2, seed=4, dtype=torch.float32))
+    ends = load_full(ckpt, torch.float32)
+    torch.manual_seed(0)
+    head = DraftHead(default_config(ckpt), torch.device("cpu"), torch.float32).eval()
+    ids = torch.tensor([1, 7, 20, 33, 64, 90])
+    reduced = with_draft_vocab(head, ends, ids)
+    hidden = 4 * torch.randn(5, ends.hidden_size)  # (q, H): large enough that Gemma's cap bites
+    with torch.inference_mode():
+        want = head.logits(ends, hidden)  # (q, V): through the target's own logits
+        got = reduced.logits(ends, hidden)
+    torch.testing.assert_close(got[:, ids], want[:, ids], rtol=1e-5, atol=1e-5)
 
 
 def test_a_checkpoint_whose_d2t_leaves_the_vocabulary_is_refused(target: Path, full: FullModel, tmp_path: Path) -> None:

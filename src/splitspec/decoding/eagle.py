@@ -51,6 +51,14 @@ from splitspec.prefix import common_prefix, window_start
 HEAD_WINDOW = 512  # committed pairs the head attends to, at most (see the module docstring)
 
 
+def check_draft_head(head: DraftHead) -> None:
+    """Refuse a head :class:`EagleDrafter` cannot draft with (ConfigError): one reading several feature layers
+    (the tree feeds the head its own predicted features, H wide, past the committed prefix). A runtime that loads
+    a head calls it at start-up, so that no request fails on it later."""
+    if len(head.config.feature_layers) != 1:
+        raise ConfigError("drafting with a head that reads several feature layers is not supported yet")
+
+
 class KeepsFeatures(Protocol):
     """A verifier that keeps its committed tokens' features (an edge sequence, a local sequence)."""
 
@@ -79,9 +87,7 @@ class EagleDrafter:
     ) -> None:
         if generator is None and not params.greedy:
             raise ValueError("a sampling draft head needs its own seeded generator")
-        if len(head.config.feature_layers) != 1:
-            # the tree feeds the head its own predicted features (H wide) past the committed prefix
-            raise ConfigError("drafting with a head that reads several feature layers is not supported yet")
+        check_draft_head(head)
         if top_k < 1 or depth < 1:
             raise ValueError(f"top_k ({top_k}) and depth ({depth}) must be >= 1")
         if window is not None and window < 2:
@@ -226,8 +232,8 @@ class _HeadExpander:
             inputs = torch.stack([self.root if parents[j] < 0 else self.predicted[parents[j]] for j in wave.nodes])
             ids = torch.tensor([tokens[j] for j in wave.nodes], dtype=torch.long)
             out = self.head.forward_visible(
-                self.ends, ids, inputs, wave.positions, wave.visible, wave.key_positions, self.cache
-            )  # (q, H)
+                self.ends, ids, inputs, wave.positions, wave.visible, wave.key_positions, self.cache, predicted=True
+            )  # (q, H): every input is a prediction of the head's (the root's or a parent's)
             for j, predicted, row in zip(wave.nodes, out, self.head.logits(self.ends, out), strict=True):
                 self.predicted[j], self.logits[j] = predicted, row
         return torch.stack([self.root_logits[0] if j < 0 else self.logits[j] for j in expanding])  # (len(expanding), V)

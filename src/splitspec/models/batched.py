@@ -126,7 +126,7 @@ def forward_batch(stack: LayerStack, rows: Sequence[BatchRow]) -> list[torch.Ten
                 pos = positions.to(hidden.device, non_blocking=True)
                 masks = row_masks(rows, set(stack.windows), hidden.dtype, hidden.device)
                 attend = {w: RowAttention(lengths, starts, caches.keys, masks[w]) for w in masks}
-                inputs[hidden.device] = (pos, stack.position_embeddings(hidden, pos), attend)
+                inputs[hidden.device] = (pos, stack.row_position_embeddings(hidden, pos, lengths), attend)
             pos, rope, attend = inputs[hidden.device]
             hidden = stack.run_layer(j, hidden, pos, rope, _NO_MASKS, caches, attend)
             for b, (row, start, q) in enumerate(zip(rows, starts, lengths, strict=True)):

@@ -169,7 +169,10 @@ class RowBatcher:
 
         ``outputs_from``: a :meth:`run_rows` that honours it returns only the outputs from that query index on;
         ``capture``: one that honours it appends that local layer's output to the step's (see BatchRow).
+        A batcher not started, stopping or stopped raises RuntimeError: nobody would compute the step.
         """
+        if self._task is None or self._task.done():
+            raise RuntimeError("the batcher is not running")
         future: asyncio.Future[tuple[torch.Tensor, float, float]] = asyncio.get_running_loop().create_future()
         now = time.perf_counter()
         delivered = self._delivered.get(cache)

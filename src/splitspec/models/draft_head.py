@@ -112,20 +112,46 @@ def default_config(target: Checkpoint, feature_layers: tuple[int, ...] | None = 
     )
 
 
+# rotary types whose tables never read max_position_embeddings (transformers' modeling_rope_utils): default, linear,
+# llama3 (its own original_max_position_embeddings) and proportional; yarn only with an explicit factor
+_LIMIT_FREE_ROPE = frozenset({"default", "linear", "llama3", "proportional"})
+
+
+def rope_reads_position_limit(config: PretrainedConfig) -> bool:
+    """Whether the rotary tables of ``config`` depend on its ``max_position_embeddings`` (for any layer type)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        return False  # no rotary parameters (no rope, or the plain default)
+    per_type = [params] if "rope_type" in params or "type" in params else list(params.values())
+    for entry in per_type:
+        if entry is None:
+            continue
+        if not isinstance(entry, dict):
+            return True  # a layout this check does not know: keep the limit
+        rope_type = str(entry.get("rope_type", entry.get("type", "default")))
+        if rope_type == "yarn" and entry.get("factor") is not None:
+            continue
+        if rope_type not in _LIMIT_FREE_ROPE:
+            return True
+    return False
+
+
 def target_fingerprint(target: Checkpoint) -> str:
-    """sha256 (hex) of the target: its architecture fields (its position limit aside) and the float32 values of the
-    embedding, final norm, LM head (when untied) and last decoder layer, the tensors both a whole and a stripped
-    edge checkpoint hold."""
+    """sha256 (hex) of the target: its architecture fields (its position limit aside, unless its rotary tables read
+    it) and the float32 values of the embedding, final norm, LM head (when untied) and last decoder layer, the
+    tensors both a whole and a stripped edge checkpoint hold."""
     last = f"model.layers.{int(target.config.num_hidden_layers) - 1}."
     names = sorted(
         {*(n for n in ENDS_TENSORS if target.has(n)), *(n for n in target.tensor_names if n.startswith(last))}
     )
     if not any(n.startswith(last) for n in names) or "model.embed_tokens.weight" not in names:
         raise CheckpointError(f"{target.directory} lacks the embedding or the last decoder layer ({last.rstrip('.')})")
-    # the position limit is not the head's business: a copy of the target allowed longer contexts (rotary
-    # positions extend as they are) computes the same features, and keeps the head trained for it
+    # the position limit is not the head's business where the rotary tables do not read it: a copy of the target
+    # allowed longer contexts (rotary positions extend as they are) computes the same features, and keeps the head
+    # trained for it. Where they read it (longrope's attention factor, dynamic NTK, yarn without a factor) it stays
     config = copy.deepcopy(target.config)
-    config.max_position_embeddings = 0
+    if not rope_reads_position_limit(config):
+        config.max_position_embeddings = 0
     digest = hashlib.sha256(fingerprint(config).encode())
     hash_tensors(digest, target, names)
     return digest.hexdigest()
@@ -181,15 +207,22 @@ class DraftHead(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def inputs(self, ends: ModelEnds, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """token_ids (B, q) = x_{i+1}, features (B, q, F*H) = f_i -> the layer's input (B, q, H)."""
+    def inputs(
+        self, ends: ModelEnds, token_ids: torch.Tensor, features: torch.Tensor, predicted: bool = False
+    ) -> torch.Tensor:
+        """token_ids (B, q) = x_{i+1}, features (B, q, F*H) = f_i -> the layer's input (B, q, H).
+
+        ``predicted``: the features are the head's own predictions ĥ (a draft tree past the committed prefix),
+        not the target's. A head over normed features (EAGLE-1) passes the target's pre-norm features through the
+        target's final norm, and reads its predictions as they are: it was trained to predict the normed state and
+        feeds it back unchanged. Other heads read both as they come."""
         if features.shape[-1] != self.config.feature_width:
             raise ConfigError(
                 f"draft head features are {features.shape[-1]} wide, expected {self.config.feature_width}"
             )
         embedded = ends.embed(token_ids).to(self.device, self.dtype)  # (B, q, H)
         feats = features.to(self.device, self.dtype)  # (B, q, F*H)
-        if self.config.normed_features:
+        if self.config.normed_features and not predicted:
             feats = ends.norm(feats.to(ends.device, ends.dtype)).to(self.device, self.dtype)
         out: torch.Tensor = self.fc(torch.cat([embedded, feats], dim=-1))
         return out
@@ -221,11 +254,14 @@ class DraftHead(nn.Module):
         visible: torch.Tensor,
         key_positions: torch.Tensor,
         cache: KVCache,
+        *,
+        predicted: bool,
     ) -> torch.Tensor:
         """As :meth:`forward`, but query i sees exactly the keys ``visible[i]`` marks (q, len(cache) + q) bool,
         less those the layer's sliding window hides (keys at ``key_positions``): a draft tree grown level by level
-        keeps its earlier levels in the cache, where a node must see its own ancestors only. -> ĥ (q, H)"""
-        hidden = self.inputs(ends, token_ids[None], features[None])  # (1, q, H)
+        keeps its earlier levels in the cache, where a node must see its own ancestors only. ``predicted``: the
+        features are the head's own predictions ĥ, not the target's (see :meth:`inputs`). -> ĥ (q, H)"""
+        hidden = self.inputs(ends, token_ids[None], features[None], predicted)  # (1, q, H)
         return self.stack.forward_visible(hidden, positions, visible, key_positions, cache)[0]
 
     def run_chunks(self, ends: ModelEnds, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -237,7 +273,10 @@ class DraftHead(nn.Module):
         return self.stack.run(hidden, positions, parents, None)[-1]
 
     def logits(self, ends: ModelEnds, hidden: torch.Tensor) -> torch.Tensor:
-        """ĥ (q, H) -> logits (q, V) float32 over the TARGET's vocabulary (outside a reduced draft vocabulary: -inf)."""
+        """ĥ (q, H) -> logits (q, V) float32 over the TARGET's vocabulary (outside a reduced draft vocabulary: -inf).
+
+        Every layout's logits take the target family's logit transforms (:meth:`ModelEnds.finish_logits`: Gemma's
+        soft-capping, Granite's scaling), as the target's own do."""
         if self.config.logits_norm == "target" and self.lm_head is None:
             return ends.logits(hidden.to(ends.device, ends.dtype))
         if self.config.logits_norm == "target":
@@ -247,9 +286,9 @@ class DraftHead(nn.Module):
         else:
             normed = hidden
         if self.lm_head is None:
-            shared: torch.Tensor = ends.lm_head(normed.to(ends.device, ends.dtype))
-            return shared.float()
-        small: torch.Tensor = self.lm_head(normed).float()  # (q, Vd)
+            shared: torch.Tensor = ends.lm_head(normed.to(ends.device, ends.dtype))  # (q, V)
+            return ends.finish_logits(shared).float()
+        small: torch.Tensor = ends.finish_logits(self.lm_head(normed)).float()  # (q, Vd)
         out = small.new_full((*small.shape[:-1], ends.vocab_size), float("-inf"))  # (q, V)
         assert self.d2t is not None  # set with lm_head
         target_ids = torch.arange(small.shape[-1], device=small.device) + self.d2t

@@ -18,8 +18,11 @@ on the meta device); :mod:`splitspec.models.loading` builds each role's pieces f
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import threading
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -42,6 +45,26 @@ from splitspec.models.static_kv import StaticKVCache
 
 PositionEmbeddings = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (1, q, head_dim)
 _CPU = torch.device("cpu")
+
+
+# one lock for every rotary that updates its frequencies in place from the positions of a call (see
+# rope_reads_positions): two threads calling one such module would read each other's frequencies
+_DATA_DEPENDENT_ROPE = threading.Lock()
+
+
+def rope_reads_positions(rotary: nn.Module) -> bool:
+    """Whether transformers' ``rotary`` recomputes its frequencies from the largest position of each call (as its
+    ``dynamic_rope_update`` does for longrope and the dynamic types), for any of its layer types."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    types = list(rope_type.values()) if isinstance(rope_type, dict) else [rope_type]
+    return any(isinstance(t, str) and ("dynamic" in t or t == "longrope") for t in types)
+
+
+def _rotary_lock(needed: bool) -> AbstractContextManager[object]:
+    """The lock around a data-dependent rotary call (none when not ``needed``, or under torch.compile's tracing)."""
+    if not needed or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _DATA_DEPENDENT_ROPE
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -69,6 +92,7 @@ class LayerStack(nn.Module):
             for d in (rotary_device, *self.devices)
         }
         self.rotary_per_layer_type = skel.rotary_per_layer_type
+        self.rope_reads_positions = rope_reads_positions(skel.rotary)
         self.layer_types = [skel.layer_type(i) for i in layer_indices]
         self.windows = [skel.layer_window(i) for i in layer_indices]
         self._skeleton = skel
@@ -99,12 +123,32 @@ class LayerStack(nn.Module):
         return self.devices[-1] if self.devices else _CPU
 
     def position_embeddings(self, hidden: torch.Tensor, pos: torch.Tensor) -> dict[str, PositionEmbeddings]:
-        """(cos, sin) per layer type for positions ``pos`` (1, q), on ``hidden``'s device."""
+        """(cos, sin) per layer type for positions ``pos`` (1, q), on ``hidden``'s device.
+
+        A rotary whose tables follow the positions it is given (longrope, dynamic NTK: transformers updates its
+        frequencies in place from the call's largest position) is called under a lock: stacks sharing it (the
+        edge's head and tail) may call it from two threads at once."""
         rotary = self._rotary_on[hidden.device]
-        if self.rotary_per_layer_type:
-            return {t: rotary(hidden, pos, t) for t in set(self.layer_types)}
-        shared = rotary(hidden, pos)
+        with _rotary_lock(self.rope_reads_positions):
+            if self.rotary_per_layer_type:
+                return {t: rotary(hidden, pos, t) for t in set(self.layer_types)}
+            shared = rotary(hidden, pos)
         return {t: shared for t in set(self.layer_types)}
+
+    def row_position_embeddings(
+        self, hidden: torch.Tensor, pos: torch.Tensor, lengths: Sequence[int]
+    ) -> dict[str, PositionEmbeddings]:
+        """(cos, sin) per layer type for several rows' positions packed end to end ``pos`` (1, N), N = sum of
+        ``lengths``: each row's as its step alone gets them. A rotary that reads the call's largest position
+        (:attr:`rope_reads_positions`) is run row by row, else a row beside a longer one would switch to its
+        frequencies; any other once over all of them."""
+        if not self.rope_reads_positions or len(lengths) < 2:
+            return self.position_embeddings(hidden, pos)
+        parts = [self.position_embeddings(hidden, row) for row in pos.split(list(lengths), dim=1)]  # each (1, q_b)
+        return {
+            t: (torch.cat([part[t][0] for part in parts], 1), torch.cat([part[t][1] for part in parts], 1))
+            for t in parts[0]
+        }  # each (1, N, head_dim)
 
     def _step_inputs(
         self, hidden: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor, past: int
@@ -283,7 +327,12 @@ class ModelEnds(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The stream after the last layer (B, q, H) -> logits (B, q, V) in float32."""
         logits: torch.Tensor = self.lm_head(self.norm(hidden))
-        return self._skeleton.finish_logits(logits).float()
+        return self.finish_logits(logits).float()
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """An LM head's raw output (..., V) -> the family's logits (soft-capping, Granite's scaling), in its dtype:
+        what :meth:`logits` applies, for an LM head of another's (a draft head's reduced one)."""
+        return self._skeleton.finish_logits(logits)
 
     def row_logits(self, streams: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Several rows' streams (1, n_b, H) -> each row's logits (1, n_b, V) float32, through one LM-head product:
