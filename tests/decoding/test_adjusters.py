@@ -77,3 +77,19 @@ def test_penalties_kept_as_counts_equal_the_formula_over_everything_generated() 
             c = Counter(generated + draft[:row])
             want = torch.tensor([-(c[t] * 0.3 + (0.7 if c[t] else 0.0)) for t in range(V)])
             torch.testing.assert_close(out[row], want)
+
+
+def test_a_row_after_drafted_tokens_is_penalised_to_the_bit_as_one_token_decoding_penalises_it() -> None:
+    """Row 1 after a drafted t holds what one-token decoding computes once t was accepted twice: the penalty in
+    one float32 subtraction (two, the accepted counts' then the draft's, were an ulp off and flipped near-ties)."""
+    rng = random.Random(3)
+    for _ in range(300):
+        presence, frequency = rng.uniform(-2.0, 2.0), rng.uniform(-2.0, 2.0)
+        t = rng.randrange(V)
+        logits = torch.empty(1, V).uniform_(-10.0, 10.0, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+        drafted = Penalties(presence, frequency)
+        drafted.accept([t])
+        two_rows = drafted.process(logits.repeat(2, 1), [], [t])  # (2, V)
+        one_token = Penalties(presence, frequency)
+        one_token.accept([t, t])
+        assert torch.equal(two_rows[1], one_token.process(logits.clone(), [], [])[0])

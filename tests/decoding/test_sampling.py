@@ -56,3 +56,16 @@ def test_greedy_and_seeded_choice() -> None:
 def test_bad_parameters(temperature: float, top_p: float, top_k: int) -> None:
     with pytest.raises(ConfigError):
         SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+
+
+def test_a_tiny_temperature_decodes_greedily() -> None:
+    """1e-38 is greedy (below GREEDY_BELOW, as in vLLM): logits / T overflowed to inf and the softmax to NaN,
+    and choose_token raised."""
+    logits = torch.tensor([30.0, 2.0, -1.0])
+    params = SamplingParams(temperature=1e-38)
+    assert params.greedy
+    assert choose_token(logits, params, torch.Generator().manual_seed(0)) == 0
+    probs = params.probabilities(logits)
+    assert torch.isfinite(probs).all()
+    assert probs.tolist() == [1.0, 0.0, 0.0]
+    assert not SamplingParams(temperature=1e-4).greedy

@@ -91,17 +91,30 @@ class Penalties:
         self._counts: Counter[int] = Counter()  # of _generated
 
     def process(self, logits: torch.Tensor, tokens: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+        """Each row's penalty, ``c * frequency + presence`` over the counts it follows, taken off in one
+        subtraction: the float32 result one-token decoding computes for that position, to the bit (two
+        subtractions, the accepted counts' then the draft's, differ by an ulp and can flip a near-tie argmax)."""
+        q = logits.shape[0]
+        drafted = list(dict.fromkeys(draft[: q - 1]))  # distinct draft tokens some row follows, in order
         counts = self._counts
-        if counts:  # every row follows the generated tokens: c * frequency + presence for each seen token
-            ids = torch.tensor(list(counts), dtype=torch.long, device=logits.device)  # (k,)
-            c = torch.tensor(list(counts.values()), dtype=torch.float32, device=logits.device)  # (k,)
+        in_draft = set(drafted)
+        others = [t for t in counts if t not in in_draft]  # the same count in every row
+        if others:
+            ids = torch.tensor(others, dtype=torch.long, device=logits.device)  # (k,)
+            c = torch.tensor([counts[t] for t in others], dtype=torch.float32, device=logits.device)  # (k,)
             logits[:, ids] -= c * self.frequency + self.presence
-        seen: Counter[int] = Counter()  # draft tokens before the row
-        for i in range(1, logits.shape[0]):  # row i also follows draft[:i]: one more count of draft[i - 1]
-            token = draft[i - 1]
-            first = counts[token] + seen[token] == 0
-            seen[token] += 1
-            logits[i:, token] -= self.frequency + (self.presence if first else 0.0)
+        if drafted:  # row i follows draft[:i]: its counts of the draft's tokens, row by row
+            column = {t: j for j, t in enumerate(drafted)}
+            rows = [[float(counts[t]) for t in drafted]]  # row 0: the accepted counts alone
+            for token in draft[: q - 1]:
+                row = list(rows[-1])
+                row[column[token]] += 1.0
+                rows.append(row)
+            c = torch.tensor(rows, dtype=torch.float32, device=logits.device)  # (q, d)
+            ids = torch.tensor(drafted, dtype=torch.long, device=logits.device)  # (d,)
+            # presence only where seen; 0 where unseen (x - 0 is x exactly)
+            penalty = torch.where(c > 0, c * self.frequency + self.presence, torch.zeros_like(c))  # (q, d)
+            logits[:, ids] -= penalty
         return logits
 
     def validate_draft(self, draft: Sequence[int]) -> int:

@@ -15,6 +15,7 @@ CONTEXT_BAND_TOKENS = 256  # step times are kept per context band: [0, 256), [25
 MEMO_ENTRIES = 1024  # step-time predictions kept between two observations, at most
 RECENT = 3  # latest observations whose lower median bounds a Seconds estimate
 CONFIRMED_WEIGHT = 1.5  # decayed count of observations from which an estimate counts as measured more than once
+LEVEL_FLOOR = 0.5  # a wide step moves T(1) down to this fraction of its estimate at most
 
 
 @dataclass
@@ -82,8 +83,10 @@ class _WidthTimes:
     and at the edge's workers) moves every T(q) together, and a big step measured under load and
     not tried since would otherwise keep a lone sequence from drafting long after the load has
     gone. So each step, whatever its size, moves the level T(1): a one-token step directly, a
-    bigger one by half of its surprise (the other half goes to its extra cost). Until a one-token
-    step is measured, the measured T(q) are interpolated as they are.
+    bigger one by half of its surprise (the other half goes to its extra cost), but down to
+    :data:`LEVEL_FLOOR` of the level at most (the surprise the level cannot take goes to the extra
+    cost, kept so that the step costs at least nothing). Until a one-token step is measured, the
+    measured T(q) are interpolated as they are.
 
     A width's first two steps measure its extra cost alone, and the lower of the two is believed
     (:class:`Seconds`): a stall on a width's first step is the width's until it is measured again,
@@ -109,8 +112,13 @@ class _WidthTimes:
                 extra.update(seconds - one, self.decay)
                 return
             surprise = seconds - (one + extra.value)
-            self._one.update(one + surprise / 2, self.decay)
-            extra.update(extra.value + surprise / 2, self.decay)
+            # the level takes half the surprise, but never falls below half of itself: a wide step far faster
+            # than predicted says its extra cost was overrated, not that T(1) is gone (it drove T(1) negative,
+            # and every drafter then lost to a 1 us one-token step)
+            level = max(one + surprise / 2, one * LEVEL_FLOOR)
+            self._one.update(level, self.decay)
+            # the rest of the surprise is the extra cost's, which never makes the step cost less than nothing
+            extra.update(max(extra.value + surprise - (level - one), -self._one.value), self.decay)
 
     @property
     def level(self) -> float:

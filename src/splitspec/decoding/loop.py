@@ -29,7 +29,9 @@ before it is sent at the first token a processor forbids (no round trip is spent
 processors a draft is a single chain (its first branch). Output under processors is then what
 one-token constrained decoding gives: identical tokens when greedy; when sampling, the drafts are
 deterministic (q one-hot: n-grams, prompt lookup, the draft model's greedy chain), so the
-acceptance rule stays exact.
+acceptance rule stays exact. A sampled draft (one that carries q) under processors while the target
+samples is refused with a ``ValueError``: cutting it where a processor forbids a token would not
+be lossless.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequen
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -64,6 +66,10 @@ from splitspec.decoding.warmup import catching_up, finish_prepare, start_catch_u
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
 PROMPT_ROWS_PER_CHUNK = 256  # prefill rows turned into logprobs at once: bounds the (rows, V) float32 copies
+SAMPLED_DRAFT_UNDER_PROCESSORS = (
+    "drafter {!r} drafted by sampling (its draft carries q) while logits processors constrain a sampled decode: "
+    "cutting such a draft at a forbidden token would bias the output; give the drafters greedy SamplingParams()"
+)
 
 
 class TreeVerifier(Protocol):
@@ -83,6 +89,24 @@ class TreeVerifier(Protocol):
     def keep(self, indices: Sequence[int]) -> None: ...
 
     def reset(self) -> None: ...
+
+
+@runtime_checkable
+class StepCapped(Protocol):
+    """A verifier whose steps carry a limited number of query tokens (a split edge: the trunk's ``max_query_tokens``
+    and the frame size). A chain past it goes in several steps, but a draft tree cannot be split: :func:`decode`
+    drafts at most ``max_step_tokens() - 1`` tokens (the pending token is the step's first) for such a verifier."""
+
+    def max_step_tokens(self) -> int | None:
+        """Most query tokens one step may carry now; None: no limit."""
+        ...
+
+
+def draft_room(verifier: TreeVerifier, tokens_left: int) -> int:
+    """Most tokens a step may draft: one fewer than ``tokens_left`` (the step's own token comes on top) and than
+    the verifier's step limit (:class:`StepCapped`), if it states one."""
+    cap = verifier.max_step_tokens() if isinstance(verifier, StepCapped) else None
+    return tokens_left - 1 if cap is None else min(tokens_left, cap) - 1
 
 
 @dataclass(frozen=True)
@@ -299,6 +323,9 @@ async def decode(
         # a long context makes wide steps dearer; a queue on the drafting thread makes its drafters dearer
         choices = controller.ranked(len(context), _drafting_waits(drafters, draft_executor))
         asked: set[str] = set()  # drafters asked this step (those that offered nothing were told so)
+        # drafted tokens at most, for the step and the proposals scored beside it: the answer's room, and what one
+        # step of the verifier carries (a tree larger than that cannot be sent)
+        budget_cap = draft_room(verifier, max_new_tokens - produced)
         # what a lone greedy sequence proposes during this step's round trip instead (decoding/aside.py)
         shadowing = params.greedy and not processors
         aside = plan_aside(drafters, controller, draft_executor) if shadowing else AsidePlan()
@@ -313,7 +340,7 @@ async def decode(
                 continue  # the drafting thread is catching a feature reader up with the prompt: it would wait
             if gated and is_dear(drafters[choice.drafter]):
                 continue
-            budget = min(choice.budget, max_new_tokens - produced - 1)
+            budget = min(choice.budget, budget_cap)
             if budget < 1:
                 break
             drafter = drafters[choice.drafter]
@@ -329,6 +356,8 @@ async def decode(
             # the moment, and a sequence's estimates of its drafter's cost outlive it
             draft_s += seconds
             if processors and draft:
+                if draft.probs is not None and not params.greedy:
+                    raise ValueError(SAMPLED_DRAFT_UNDER_PROCESSORS.format(choice.drafter))
                 draft = cut_draft(draft, processors)
             if draft:
                 used, used_s = choice.drafter, seconds
@@ -336,7 +365,6 @@ async def decode(
             controller.observe_draft(choice.drafter, 0, 0, 0, seconds)  # asked, nothing to offer: a miss's cost
         tokens = [pending, *draft.tokens]
         parents = [-1, *[p + 1 for p in draft.parents]]  # draft roots hang off the pending token
-        budget_cap = max_new_tokens - produced - 1
         started: list[AsideProposal] = []
         # started once the step is on its way, so that drafting does not slow the edge's own part of it
         propose_aside = partial(

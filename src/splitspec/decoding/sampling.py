@@ -14,10 +14,16 @@ import torch
 
 from splitspec.exceptions import ConfigError
 
+GREEDY_BELOW = 1e-5  # a temperature below this decodes greedily (vLLM's _SAMPLING_EPS): logits / T would overflow
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # softmax temperature; 0 means greedy (argmax)
+    """How tokens are chosen. A temperature below :data:`GREEDY_BELOW` (0 included) is greedy, as in vLLM: the
+    law it asks for is the argmax's to within float32, and ``logits / temperature`` would overflow to inf (a
+    softmax of NaN) at, say, 1e-38."""
+
+    temperature: float = 0.0  # softmax temperature; below GREEDY_BELOW (0 included) means greedy (argmax)
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1 keeps every token
     seed: int | None = None  # generator seed; None draws one (recorded in results)
     top_k: int = 0  # keep only the k most likely tokens; 0 keeps every token
@@ -32,10 +38,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether tokens are the argmax: a temperature below :data:`GREEDY_BELOW`."""
+        return self.temperature < GREEDY_BELOW
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        """(..., V) logits -> (..., V) float32 probabilities under these settings (not for greedy)."""
+        """(..., V) logits -> (..., V) float32 probabilities under these settings (greedy: the argmax's one-hot)."""
         return probabilities(logits, self.temperature, self.top_p, self.top_k)
 
     def generator(self, device: torch.device | None = None) -> tuple[torch.Generator, int]:
@@ -45,7 +52,13 @@ class SamplingParams:
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k (0: off) and top-p."""
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k (0: off) and top-p.
+
+    A temperature below :data:`GREEDY_BELOW` gives the greedy law, one-hot on each row's argmax (the first of tied
+    maxima), instead of the NaN that ``logits / temperature`` overflowing to inf would give."""
+    if temperature < GREEDY_BELOW:
+        one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # (..., V)
+        return one_hot.scatter_(-1, greedy_tokens(logits).unsqueeze(-1), 1.0)
     scores = logits.float() / temperature
     if 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # (..., 1)

@@ -240,6 +240,11 @@ class SplitClient:
         """Most query tokens one step may carry without hitting either side's caps."""
         return self.engine.chunk_tokens(self.sequence)
 
+    def max_step_tokens(self) -> int | None:
+        """:attr:`chunk_tokens` while a session is open, else None: what ``decode`` keeps a draft tree within
+        (a tree, unlike a chain, cannot be split across steps)."""
+        return None if self.sequence.connection is None else self.engine.chunk_tokens(self.sequence)
+
     # -- the verifier interface ------------------------------------------------------------------
 
     def reset(self) -> None:

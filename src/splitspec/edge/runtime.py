@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from splitspec.decoding.drafters import warm_up_draft_model
-from splitspec.decoding.eagle import warm_up_draft_head
+from splitspec.decoding.eagle import check_draft_head, warm_up_draft_head
 from splitspec.decoding.published import published_sampling, sampling_settings
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.devices import HostStaging, resolve_device
@@ -147,6 +147,7 @@ class EdgeRuntime:
             self.draft_head = load_draft_head(
                 config.draft_head_dir, ckpt, self.device, self.dtype, target_check=config.draft_head_target_check
             )
+            check_draft_head(self.draft_head)  # here, not at every request's first draft
             edge_feature_sources(self.draft_head.config.feature_layers, self.plan.num_layers, *config.edge_layers)
         # a shared edge model (and draft model) was warmed where it was loaded
         self._warm_up(edge=edge is None, draft_model=draft_model is None)
