@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import shutil
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +156,56 @@ async def test_a_turn_that_cannot_fit_is_refused_and_the_chat_goes_on(make_check
         *first["token_ids"],
         *tokenizer.encode("or not\n", add_special_tokens=False),
     ]
+
+
+async def test_the_event_loop_runs_while_a_line_is_awaited(make_checkpoint: Callable[..., Path]) -> None:
+    """Reading a line (a user typing) must not block the loop: it answers the link's keepalive pings meanwhile."""
+    model = make_checkpoint("llama")
+    reading = threading.Event()
+
+    def typed() -> Iterator[str]:  # a terminal: each line comes after a pause
+        for line in ("to be\n", "or not\n"):
+            reading.set()
+            time.sleep(0.5)
+            reading.clear()
+            yield line
+        reading.set()
+        time.sleep(0.5)  # then a pause before the end of input
+        reading.clear()
+
+    ticks_while_reading = 0
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks_while_reading
+        while not done.is_set():
+            ticks_while_reading += reading.is_set()
+            await asyncio.sleep(0.01)
+
+    out = io.StringIO()
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        edge = EdgeConfig(model_dir=model, cloud_url=server.url, allow_stock_edge_weights=True)
+        config = ChatConfig(edge=edge, max_new_tokens=3, params=SamplingParams(), speculate="off", json_lines=True)
+        tick = asyncio.create_task(ticker())
+        try:
+            turns = await chat(config, typed(), out)
+        finally:
+            done.set()
+            await tick
+    assert turns == 2
+    assert len(out.getvalue().splitlines()) == 2
+    assert ticks_while_reading >= 30  # ~100 possible in the 1.5 s of pauses; none when the loop blocks on input
+
+
+async def test_an_error_reading_a_line_reaches_the_chat(make_checkpoint: Callable[..., Path]) -> None:
+    model = make_checkpoint("llama")
+
+    def broken() -> Iterator[str]:
+        yield "to be\n"
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        edge = EdgeConfig(model_dir=model, cloud_url=server.url, allow_stock_edge_weights=True)
+        config = ChatConfig(edge=edge, max_new_tokens=3, params=SamplingParams(), speculate="off", json_lines=True)
+        with pytest.raises(UnicodeDecodeError):
+            await chat(config, broken(), io.StringIO())

@@ -6,13 +6,20 @@ cloud) do not already hold; a turn ends at the template's end-of-turn token or t
 stop tokens. Without one (base models), or with ``plain=True``, each line is plain text appended
 to the running context (special tokens such as BOS only at the very start). Lines starting with
 ``/`` are commands: ``/reset`` starts over, ``/quit`` (or end of input) leaves.
+
+Lines are read off the event loop (on a daemon thread, one line at a time): while the user types,
+the loop keeps answering the trunk connection's keepalive pings, so a long pause does not lose
+the connection (and the conversation's cloud cache with it).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -72,8 +79,40 @@ class Conversation:
         return text
 
 
+def _deliver(future: asyncio.Future[str | None], line: str | None, error: BaseException | None) -> None:
+    if future.done():  # the reader was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(line)
+
+
+async def next_line(lines: Iterator[str]) -> str | None:
+    """The next item of ``lines`` (None at its end), read on a daemon thread: the event loop runs meanwhile.
+
+    A daemon thread, not the loop's default executor: a read still blocked on a terminal when the
+    program leaves (Ctrl-C) must not hold up the interpreter's exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[str | None] = loop.create_future()
+
+    def read() -> None:
+        line: str | None = None
+        error: BaseException | None = None
+        try:
+            line = next(lines, None)
+        except BaseException as exc:  # handed to the awaiting coroutine, raised there
+            error = exc
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for this line any more
+            loop.call_soon_threadsafe(_deliver, future, line, error)
+
+    threading.Thread(target=read, name="splitspec-chat-input", daemon=True).start()
+    return await future
+
+
 async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdout) -> int:
-    """Run turns read from ``lines``; returns the number of turns answered."""
+    """Run turns read from ``lines`` (read off the event loop, see :func:`next_line`); returns the number of
+    turns answered."""
     tokenizer = load_tokenizer(config.edge.model_dir)
     conversation = Conversation(tokenizer, config)
     generator, _ = config.params.generator()
@@ -84,7 +123,8 @@ async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdou
         if not config.json_lines:
             out.write("splitspec chat: type a line and press enter; /reset starts over, /quit leaves.\n> ")
             out.flush()
-        for raw in lines:
+        source = iter(lines)
+        while (raw := await next_line(source)) is not None:
             line = raw.rstrip("\n")
             if line.strip() == "/quit":
                 break

@@ -11,8 +11,10 @@ import splitspec
 from splitspec.bench.cli import SCENARIO_DIR, resolve_scenario
 from splitspec.bench.modes import MODES
 from splitspec.bench.prompts import build_prompts, literal_runs
-from splitspec.bench.scenario import DEFAULT_CORPUS_DIR, load_scenario
+from splitspec.bench.scenario import DEFAULT_CORPUS_DIR, Scenario, load_scenario
+from splitspec.cli import main as bench_main
 from splitspec.exceptions import ConfigError
+from splitspec.paths import display_path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,3 +130,50 @@ def test_prompts_are_fixed_length_windows(tmp_path: Path) -> None:
 def test_literal_runs() -> None:
     text = "x = [\n  1,\n  2,\n  3,\n]\ny = (\n 'a',\n)\n"
     assert literal_runs(text) == [(1, 3)]
+
+
+def test_draft_modes_need_a_draft_model(tmp_path: Path, make_checkpoint: Callable[..., Path]) -> None:
+    """``bench speculative --model DIR`` drops the demo drafter: its draft and mix modes are refused up front."""
+    model = make_checkpoint("llama")
+    with pytest.raises(ConfigError, match=r"'modes' \['draft', 'mix'\] need a draft model.*'draft_model'"):
+        load_scenario(resolve_scenario("speculative"), model_dir=model)
+    with pytest.raises(ConfigError, match="'draft_model'"):
+        load_scenario(write(tmp_path, f'name = "x"\nmodel = "{model}"\nmodes = ["mix"]\n'))
+    auto = load_scenario(write(tmp_path, f'name = "x"\nmodel = "{model}"\nmodes = ["auto"]\n'))  # drafts without one
+    assert auto.draft_model_dir is None
+    assert auto.to_json()["draft_model"] is None
+
+    given = load_scenario(resolve_scenario("speculative"), model_dir=model, draft_model_dir=model)  # --draft-model
+    assert given.draft_model_dir == model.resolve()
+    assert given.to_json()["draft_model"] == display_path(model.resolve())
+    named = load_scenario(
+        write(tmp_path, f'name = "x"\nmodel = "{model}"\ndraft_model = "{model}"\nmodes = ["draft"]\n')
+    )
+    assert named.to_json()["draft_model"] == display_path(model)
+    with pytest.raises(ConfigError, match="no draft model checkpoint"):
+        load_scenario(write(tmp_path, f'name = "x"\nmodel = "{model}"\ndraft_model = "{tmp_path}"\n'))
+
+
+def test_bench_draft_model_flag(
+    tmp_path: Path,
+    make_checkpoint: Callable[..., Path],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``splitspec bench speculative --model DIR`` without --draft-model stops before any run (exit status 2)."""
+    from splitspec.bench import harness
+
+    started: list[Scenario] = []
+
+    def run_benchmark(scenario: Scenario, *args: object, **kwargs: object) -> dict[str, object]:
+        started.append(scenario)
+        return {}
+
+    monkeypatch.setattr(harness, "run_benchmark", run_benchmark)
+    model = str(make_checkpoint("llama"))
+    out = tmp_path / "o"
+    assert bench_main(["bench", "speculative", "--model", model, "--out", str(out)]) == 2
+    assert not started  # refused when the scenario is read, not in the middle of its runs
+    assert "'draft_model'" in caplog.text
+    assert bench_main(["bench", "speculative", "--model", model, "--draft-model", model, "--out", str(out)]) == 0
+    assert started[0].draft_model_dir == Path(model).resolve()

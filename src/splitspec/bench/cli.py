@@ -169,7 +169,11 @@ def run_bench(args: argparse.Namespace) -> int:
     from splitspec.bench.scenario import load_scenario
 
     scenario = load_scenario(
-        resolve_scenario(args.scenario), model_dir=args.model, device=args.device, dtype=args.dtype
+        resolve_scenario(args.scenario),
+        model_dir=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        draft_model_dir=args.draft_model,
     )
     if args.quick:
         scenario = scenario.quick()
@@ -190,6 +194,12 @@ def _add_bench(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("scenario", help="scenario TOML file, or the name of a shipped scenario (default, speculative)")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<scenario name>)")
     p.add_argument("--model", type=model_dir, help=MODEL_HELP + ", instead of the scenario's model")
+    p.add_argument(
+        "--draft-model",
+        type=model_dir,
+        help="draft model checkpoint for the draft, mix and auto modes, instead of the scenario's (with --model, "
+        "the demo drafter is dropped: the draft and mix modes then need this)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 1 prompt per set, <= 16 tokens")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-runs", action="store_true", help="skip the per-run records file (runs.jsonl.gz)")

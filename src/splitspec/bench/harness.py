@@ -30,7 +30,13 @@ Definitions (per run):
   compute), edge compute, cloud compute and edge-side serialization, and bytes each way.
 
 Decoding modes are looked up in :data:`splitspec.bench.modes.MODES` (name -> async runner); speculative modes register
-there. Split greedy output is checked token for token against the ``hf_generate`` baseline.
+there. Split greedy output is checked token for token against the ``hf_generate`` baseline (or, when that
+one is off, the ``local_loop`` baseline; each record names its reference). Every baseline and split run stops
+at the checkpoint's stop tokens (config.json's and generation_config.json's, as the edge does).
+
+Each recorded split run starts from a fresh speculation controller: acceptance estimates learnt on one prompt
+must not steer the next one's drafting (per-prompt results would depend on the prompts' order). The link's
+step-time estimates, shared by every sequence on a link by design, are kept.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from typing import Any, cast
 import torch
 from tqdm import tqdm
 
-from splitspec.bench.modes import BASELINES, MODES
+from splitspec.bench.modes import BASELINES, MODES, SPECULATE, reference_baseline
 from splitspec.bench.probe import measure_pings
 from splitspec.bench.prompts import Prompt, TokenizerLike, build_prompts
 from splitspec.bench.records import RunRecord, baseline_record, split_record
@@ -58,11 +64,14 @@ from splitspec.bench.scenario import Scenario, check_paths
 from splitspec.bench.summary import summarize
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
+from splitspec.decoding.controller import SpeculationController
+from splitspec.decoding.sampling import SamplingParams
+from splitspec.decoding.speculative import make_drafters
 from splitspec.devices import resolve_device
-from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.edge import EdgeConfig, GenerationResult, SplitClient
 from splitspec.exceptions import ConfigError
 from splitspec.measure import median
-from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.checkpoint import Checkpoint, generation_stop_ids
 from splitspec.models.loading import resolve_dtype
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
@@ -84,7 +93,11 @@ _COMPONENTS = ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")
 
 
 class LocalBaselines:
-    """The whole model in this process, generating with transformers (greedy)."""
+    """The whole model in this process, generating with transformers (greedy).
+
+    Generation stops at :func:`~splitspec.models.checkpoint.generation_stop_ids`: config.json's
+    ``eos_token_id`` and generation_config.json's (an instruct checkpoint lists its end-of-turn
+    tokens there), the same stops as the split runs'."""
 
     def __init__(
         self, model_dir: Path, dtype: torch.dtype, prompt_lookup_num_tokens: int, device: torch.device = _CPU
@@ -95,9 +108,12 @@ class LocalBaselines:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
         self.model = model.to(device).eval()
         config = self.model.config
+        self.stop_ids = generation_stop_ids(model_dir, config)
         eos = getattr(config, "eos_token_id", None)
-        self.pad_token_id = int(eos if isinstance(eos, int) else (eos[0] if eos else 0))
-        self.eos_token_id = eos
+        first = eos if isinstance(eos, int) else (eos[0] if eos else None)
+        self.pad_token_id = int(first if first is not None else min(self.stop_ids, default=0))
+        # passed to generate() always: it replaces generation_config.json's list, so it must be the union
+        self.eos_token_id: list[int] | None = sorted(self.stop_ids) or None
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
 
     def generate(self, mode: str, prompt_ids: Sequence[int], max_new_tokens: int) -> tuple[list[int], float]:
@@ -125,8 +141,7 @@ class LocalBaselines:
         return [int(t) for t in out[0, input_ids.shape[1] :].tolist()], wall
 
     def _loop(self, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], float]:
-        eos = self.eos_token_id
-        stops = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        stops = self.stop_ids
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.model(input_ids=input_ids, use_cache=True)
@@ -148,6 +163,56 @@ def _rtt_order(rtts: Sequence[float], repeat: int) -> list[float]:
     return ordered if repeat % 2 == 0 else ordered[::-1]
 
 
+def fresh_controller(client: SplitClient, mode: str) -> None:
+    """Give ``client``'s sequence a new speculation controller for ``mode``'s drafters, with no estimates yet.
+
+    The engine would otherwise keep the sequence's controller (a chat's turns share it) and seed a new
+    one from its engine-wide estimates: either way what one prompt taught would steer the next. The
+    new controller starts as a fresh engine's first sequence does; it shares the engine's step times
+    (the link's and the trunk's, not the prompt's). A mode that is not a ``--speculate`` mode of
+    :data:`~splitspec.bench.modes.SPECULATE` just drops the old controller."""
+    speculate = SPECULATE.get(mode)
+    if speculate is None:
+        client.sequence.controller = None
+        return
+    runtime = client.runtime
+    drafters = make_drafters(
+        speculate,
+        SamplingParams(temperature=0.0),
+        client.draft_model,
+        None,
+        runtime.draft_head,
+        runtime.ends,
+        client.sequence,
+        client.config.draft_tree_width,
+    )
+    names = list(drafters)  # the names and order the generation's own make_drafters gives
+    client.sequence.controller = SpeculationController(names, step_times=client.engine.step_times) if names else None
+
+
+async def run_split(client: SplitClient, mode: str, prompt_ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
+    """One recorded split run of ``mode``, from a fresh speculation controller (see :func:`fresh_controller`)."""
+    fresh_controller(client, mode)
+    return await MODES[mode](client, prompt_ids, max_new_tokens)
+
+
+def check_tokens(records: Sequence[RunRecord], reference_mode: str | None) -> None:
+    """Mark every run token-identical or not to ``reference_mode``'s run of the same prompt (first repeat)."""
+    if reference_mode is None:
+        return
+    reference: dict[str, list[int]] = {}
+    for rec in records:
+        if rec.mode == reference_mode:
+            reference.setdefault(rec.prompt_id, rec.token_ids)
+    for rec in records:
+        ref = reference.get(rec.prompt_id)
+        if ref is not None and rec.mode != reference_mode:
+            rec.matches_hf_generate = rec.token_ids == ref
+            rec.token_reference = reference_mode
+            if rec.is_split and not rec.matches_hf_generate:
+                log.warning("%s: split tokens differ from %s", rec.run_id, reference_mode)
+
+
 async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecord], bar: tqdm[Any]) -> None:
     """Baselines and split runs, interleaved by repeat; appends to ``records``."""
     sc = scenario
@@ -160,7 +225,6 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
     device = resolve_device(sc.device)
     dtype, _ = resolve_dtype(Checkpoint(sc.model_dir), sc.dtype, device, "local baseline")
     local = LocalBaselines(sc.model_dir, dtype, sc.baselines.prompt_lookup_num_tokens, device) if baselines else None
-    reference: dict[str, list[int]] = {}
     if local is not None:
         for mode in baselines:  # warm-up, not recorded
             local.generate(mode, prompts[0].token_ids, min(8, sc.max_new_tokens))
@@ -173,10 +237,7 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
                 for prompt in prompts:
                     for mode in baselines:
                         tokens, wall = local.generate(mode, prompt.token_ids, sc.max_new_tokens)
-                        rec = baseline_record(mode, tokens, wall, prompt, repeat)
-                        if mode == "hf_generate":
-                            reference.setdefault(prompt.prompt_id, tokens)
-                        records.append(rec)
+                        records.append(baseline_record(mode, tokens, wall, prompt, repeat))
                         bar.update(1)
             for rtt in _rtt_order(sc.rtt_ms, repeat):
                 netem = NetemConfig(
@@ -206,7 +267,7 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
                         await MODES[sc.modes[0]](client, prompts[0].token_ids, 4)  # warm-up, not recorded
                         for mode in sc.modes:
                             for prompt in prompts:
-                                result = await MODES[mode](client, prompt.token_ids, sc.max_new_tokens)
+                                result = await run_split(client, mode, prompt.token_ids, sc.max_new_tokens)
                                 rec = split_record(
                                     result,
                                     run_id=f"r{repeat}_{mode}_rtt{rtt:g}_{prompt.prompt_id}",
@@ -218,12 +279,7 @@ async def _run(scenario: Scenario, prompts: list[Prompt], records: list[RunRecor
                                 )
                                 records.append(rec)
                                 bar.update(1)
-    for rec in records:
-        ref = reference.get(rec.prompt_id)
-        if ref is not None and rec.mode != "hf_generate":
-            rec.matches_hf_generate = rec.token_ids == ref
-            if rec.is_split and not rec.matches_hf_generate:
-                log.warning("%s: split tokens differ from hf_generate", rec.run_id)
+    check_tokens(records, reference_baseline(baselines))
 
 
 def run_benchmark(

@@ -7,13 +7,13 @@ edge: a scenario file is checked without them.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from splitspec.edge import GenerationResult, SplitClient
 
-__all__ = ["BASELINES", "MODES", "ModeRunner"]
+__all__ = ["BASELINES", "MODES", "SPECULATE", "ModeRunner", "reference_baseline"]
 
 ModeRunner = Callable[["SplitClient", Sequence[int], int], Awaitable["GenerationResult"]]
 
@@ -35,14 +35,27 @@ def _speculative(mode: str) -> ModeRunner:
     return run
 
 
+SPECULATE: dict[str, str] = {
+    "sequential": "off",
+    **{mode: mode for mode in ("ngram", "prompt-lookup", "draft", "mix", "auto")},
+}
+"""The ``--speculate`` mode each built-in mode of :data:`MODES` runs (which drafters its generations use)."""
+
 MODES: dict[str, ModeRunner] = {
     "sequential": _sequential,
-    **{mode: _speculative(mode) for mode in ("ngram", "prompt-lookup", "draft", "mix", "auto")},
+    **{mode: _speculative(speculate) for mode, speculate in SPECULATE.items() if speculate != "off"},
 }
 """Split decoding modes by name. A mode is ``async (client, prompt_ids, max_new_tokens) ->
-GenerationResult`` and must decode greedily (its tokens are checked against ``hf_generate``)."""
+GenerationResult`` and must decode greedily (its tokens are checked against :func:`reference_baseline`)."""
 
 BASELINES = ("hf_generate", "hf_prompt_lookup", "local_loop")
 """Local-only baselines: transformers ``generate`` (greedy), transformers prompt-lookup decoding,
 and a bare KV-cached greedy loop over the full model (the local compute floor without
 ``generate()``'s per-call and per-token bookkeeping)."""
+
+
+def reference_baseline(enabled: Iterable[str]) -> str | None:
+    """The baseline every run's tokens are checked against: ``hf_generate``, else ``local_loop`` (both greedy,
+    full model); None when neither of them runs."""
+    names = set(enabled)
+    return next((m for m in ("hf_generate", "local_loop") if m in names), None)

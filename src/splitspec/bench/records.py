@@ -36,7 +36,9 @@ class RunRecord:
     prefill_ms: float | None  # prefill steps' total time, ms
     step_ms: dict[str, float] = field(default_factory=dict)  # medians over decode steps, ms
     bytes_per_step: dict[str, float] = field(default_factory=dict)  # medians over decode steps, bytes
-    matches_hf_generate: bool | None = None  # token-identical to the hf_generate baseline
+    # token-identical to the reference baseline's run of the prompt (token_reference; None: not checked)
+    matches_hf_generate: bool | None = None
+    token_reference: str | None = None  # that baseline: hf_generate, or local_loop when hf_generate is off
     token_ids: list[int] = field(default_factory=list)
     steps: list[dict[str, Any]] = field(default_factory=list)  # every StepStats, as dicts
 

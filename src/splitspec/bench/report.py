@@ -61,7 +61,7 @@ def write_markdown(summary: dict[str, Any]) -> str:
         "cloud ms",
         "serialize ms",
         "step ms",
-        "= HF tokens",
+        f"= {summary.get('token_reference') or 'hf_generate'} tokens",
     ]
     rows: list[list[str]] = []
     for name, b in summary["baselines"].items():
@@ -91,7 +91,7 @@ def write_markdown(summary: dict[str, Any]) -> str:
         rows.append(
             [
                 f"split {g['mode']}",
-                _fmt(g["rtt_ms"], 0),
+                f"{g['rtt_ms']:g}",
                 _fmt(g["measured_rtt_ms"]),
                 _fmt(g["decode_tok_s"]),
                 _fmt(g["e2e_tok_s"]),

@@ -5,6 +5,8 @@ of one benchmark. Example (``splitspec/bench/scenarios/default.toml``)::
 
     name = "split_sequential"          # also the default output folder name
     # model = "path/to/checkpoint"     # default: the demo base model shipped in splitspec/assets
+    # draft_model = "path/to/drafter"  # default: the demo drafter, with the demo model only;
+    #                                  # the draft and mix modes need one
     edge_layers = [2, 2]
     rtt_ms = [0, 5, 20, 80, 150]       # emulated round-trip times, ms
     modes = ["sequential"]             # keys of splitspec.bench.modes.MODES
@@ -27,7 +29,9 @@ of one benchmark. Example (``splitspec/bench/scenarios/default.toml``)::
 
 Relative paths are resolved against the scenario file's folder. Every mistake (unknown key,
 wrong type, out-of-range value, missing model) is a :class:`~splitspec.exceptions.ConfigError`
-naming the file and the key.
+naming the file and the key. A model given on the command line (``--model``) drops the demo
+drafter (it may not share that model's vocabulary): give ``--draft-model`` (or ``draft_model``) for
+the ``draft`` and ``mix`` modes, which a scenario without a draft model refuses.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ __all__ = [
 ASSETS_DIR = Path(splitspec.__file__).resolve().parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "models" / "base"  # the demo model that gets split
 DEFAULT_DRAFT_DIR = ASSETS_DIR / "models" / "draft"  # the demo drafter (for the draft / mix / auto modes)
+DRAFT_MODES = ("draft", "mix")  # modes that run a draft model (auto uses one only when there is one)
 DEFAULT_CORPUS_DIR = ASSETS_DIR / "corpus" / "heldout"  # held-out documents: prose/*.txt, code/*.txt
 PROMPT_SETS = ("code", "prose", "structured")
 
@@ -122,6 +127,7 @@ class Scenario:
             "name": self.name,
             "description": self.description,
             "model_dir": display_path(self.model_dir),
+            "draft_model": None if self.draft_model_dir is None else display_path(self.draft_model_dir),
             "edge_layers": list(self.edge_layers),
             "rtt_ms": list(self.rtt_ms),
             "modes": list(self.modes),
@@ -247,10 +253,12 @@ def scenario_from_dict(
     model_dir: Path | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    draft_model_dir: Path | None = None,
 ) -> Scenario:
     """Validate a parsed scenario table; relative paths resolve against ``base_dir``.
 
-    ``model_dir``, ``device`` and ``dtype``, when given, replace the scenario's (command-line overrides)."""
+    ``model_dir``, ``device``, ``dtype`` and ``draft_model_dir``, when given, replace the scenario's
+    (command-line overrides). A ``model_dir`` override drops the demo drafter (not a named ``draft_model``)."""
 
     top = _Reader(data, where, _TOP_KEYS)
     name = top.string("name")
@@ -303,7 +311,11 @@ def scenario_from_dict(
         name=name,
         description=str(data.get("description", "")),
         model_dir=model_dir.resolve() if model_dir is not None else top.path("model", DEFAULT_MODEL_DIR, base_dir),
-        draft_model_dir=_draft_dir(top, base_dir, model_dir is None and "model" not in data),
+        draft_model_dir=(
+            draft_model_dir.resolve()
+            if draft_model_dir is not None
+            else _draft_dir(top, base_dir, model_dir is None and "model" not in data)
+        ),
         edge_layers=(int(layers[0]), int(layers[1])),
         rtt_ms=tuple(float(v) for v in rtts),
         modes=top.str_list("modes", ("sequential",), tuple(MODES)),
@@ -319,6 +331,12 @@ def scenario_from_dict(
         prompts=prompts,
         baselines=baselines,
     )
+    needs_draft = [m for m in scenario.modes if m in DRAFT_MODES]
+    if needs_draft and scenario.draft_model_dir is None:
+        raise ConfigError(
+            f"{where}: 'modes' {needs_draft} need a draft model, and there is none: set 'draft_model' "
+            "(or give --draft-model; a --model override drops the demo drafter), or leave those modes out"
+        )
     check_paths(scenario, where)
     return scenario
 
@@ -332,6 +350,9 @@ def check_paths(scenario: Scenario, where: str = "scenario") -> None:
             else ""
         )
         raise ConfigError(f"{where}: no checkpoint at {scenario.model_dir} (config.json missing){hint}")
+    draft = scenario.draft_model_dir
+    if draft is not None and not (draft / "config.json").is_file():
+        raise ConfigError(f"{where}: no draft model checkpoint at {draft} (config.json missing)")
     for folder in {"code" if s == "structured" else s for s in scenario.prompts.sets}:
         docs = scenario.prompts.corpus_dir / folder
         if not docs.is_dir() or not any(docs.glob("*.txt")):
@@ -347,9 +368,15 @@ def _draft_dir(top: _Reader, base_dir: Path, default_model: bool) -> Path | None
 
 
 def load_scenario(
-    path: Path, *, model_dir: Path | None = None, device: str | None = None, dtype: str | None = None
+    path: Path,
+    *,
+    model_dir: Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    draft_model_dir: Path | None = None,
 ) -> Scenario:
-    """Read and validate a scenario TOML file (``model_dir``, ``device`` and ``dtype`` override its own)."""
+    """Read and validate a scenario TOML file (``model_dir``, ``device``, ``dtype`` and ``draft_model_dir``
+    override its own; see :func:`scenario_from_dict`)."""
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -365,4 +392,5 @@ def load_scenario(
         model_dir=model_dir,
         device=device,
         dtype=dtype,
+        draft_model_dir=draft_model_dir,
     )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from splitspec.bench.modes import BASELINES
+from splitspec.bench.modes import BASELINES, reference_baseline
 from splitspec.bench.prompts import Prompt
 from splitspec.bench.records import COMPONENTS, RunRecord
 from splitspec.bench.scenario import Scenario
@@ -75,6 +75,7 @@ def summarize(
     refs: _Refs = {
         name: {(r.repeat, r.prompt_id): r for r in records if r.mode == name} for name in ("hf_generate", "local_loop")
     }
+    token_reference = reference_baseline({r.mode for r in records})
     baselines: dict[str, Any] = {}
     for mode in BASELINES:
         group = [r for r in records if r.mode == mode]
@@ -88,7 +89,7 @@ def summarize(
             "ratio_vs_hf_generate": _ratio(group, refs, "hf_generate"),
             "ratio_vs_local_loop": _ratio(group, refs, "local_loop"),
             "new_tokens": median(float(r.new_tokens) for r in group),
-            "token_match": None if mode == "hf_generate" else [sum(matches), len(matches)],
+            "token_match": None if mode == token_reference else [sum(matches), len(matches)],
             "by_set": {s: median(r.e2e_tok_s for r in group if r.prompt_set == s) for s in scenario.prompts.sets},
         }
     split: list[dict[str, Any]] = []
@@ -128,6 +129,7 @@ def summarize(
             }
             for p in prompts
         ],
+        "token_reference": token_reference,  # the baseline token_match compares with (None: no check)
         "baselines": baselines,
         "split": split,
         "split_by_set": by_set,
