@@ -11,8 +11,10 @@ JSON Schema is never compiled here by hand.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -52,23 +54,37 @@ class GrammarCompiler:
         self.vocab_size = max(vocab_size, len(tokenizer))
         self.logits_size = vocab_size  # columns of the logits the processors mask
         self._wrapped: OrderedDict[frozenset[int], llguidance.LLTokenizer] = OrderedDict()
+        self._lock = threading.Lock()  # the cache is filled from a worker thread (:meth:`prepare`)
 
     def lltokenizer(self, stop_ids: Collection[int]) -> llguidance.LLTokenizer:
         """The tokenizer as llguidance sees it, ending a grammar with any of ``stop_ids``.
 
         Kept for the last few sets of stop tokens (a server sees two or three: chat, completions,
         ``ignore_eos``); a request's own ``stop_token_ids`` cannot grow the cache without bound.
+        Wrapping takes time in proportion to the vocabulary (about 45 ms for 8k tokens, a second for
+        128k): a server calls :meth:`prepare` off its event loop first.
         """
         key = frozenset(stop_ids)
-        if key in self._wrapped:
-            self._wrapped.move_to_end(key)
-            return self._wrapped[key]
+        with self._lock:
+            if key in self._wrapped:
+                self._wrapped.move_to_end(key)
+                return self._wrapped[key]
         eos = sorted(key) or [int(self.tokenizer.eos_token_id or 0)]
-        wrapped = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
-        self._wrapped[key] = wrapped
-        while len(self._wrapped) > WRAPPED_TOKENIZERS:
-            self._wrapped.popitem(last=False)
+        try:
+            wrapped = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        except ValueError as exc:  # e.g. "can't determine decoder type"
+            raise ConfigError(f"llguidance cannot read this tokenizer for grammars: {exc}") from None
+        with self._lock:
+            wrapped = self._wrapped.setdefault(key, wrapped)  # a thread that wrapped it meanwhile wins
+            self._wrapped.move_to_end(key)
+            while len(self._wrapped) > WRAPPED_TOKENIZERS:
+                self._wrapped.popitem(last=False)
         return wrapped
+
+    async def prepare(self, stop_ids: Collection[int]) -> None:
+        """Wrap the tokenizer for ``stop_ids`` on a worker thread, so that :meth:`processor` finds it ready
+        and an event loop serving other streams is not held up while it is built."""
+        await asyncio.to_thread(self.lltokenizer, stop_ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes of one token (part of a UTF-8 character for some byte-level tokens)."""

@@ -67,6 +67,14 @@ def create_app(state: ServeState) -> FastAPI:
                 raise invalid(str(exc), "response_format", code="grammar_unsupported") from None
         return compilers[0]
 
+    async def prepare_grammar(stops: frozenset[int]) -> None:
+        """The compiler's tokenizer for ``stops``, wrapped off the event loop (a new set takes a while); 400 when
+        llguidance cannot read the tokenizer."""
+        try:
+            await compiler().prepare(stops)
+        except ConfigError as exc:
+            raise invalid(str(exc), "response_format", code="grammar_unsupported") from None
+
     def count(request: Request, status: int) -> None:
         # the matched route's template ("/v1/models/{model_id}"), not the URL: a scanner's paths must not each make
         # a new metric series
@@ -172,6 +180,8 @@ def create_app(state: ServeState) -> FastAPI:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         plan = plan_chat(body, state.tokenizer, state.config.tool_call_parser, compiler)
         stops = stop_ids(body, state.chat_stop_ids, state.vocab_size)
+        if plan.grammar is not None:
+            await prepare_grammar(stops)
         job = Job(
             prompt_ids=plan.prompt_ids,
             max_tokens=token_budget(len(plan.prompt_ids), body.token_limit(), state.max_positions, "messages"),
@@ -194,6 +204,7 @@ def create_app(state: ServeState) -> FastAPI:
         grammar = None
         if isinstance(fmt, JsonObjectFormat | JsonSchemaResponseFormat):
             grammar = response_grammar(fmt, compiler)
+            await prepare_grammar(stops)
         make = processors(body, grammar, stops, state.vocab_size, compiler)
         jobs = []
         for prompt in body.prompts():
