@@ -3,8 +3,9 @@
 Three figures, each a median over interleaved repeats (>= 3), with the ratio the issue targets:
 
   1. split vs whole: greedy tok/s of the split model (edge + trunk server in this process, over
-     loopback, zero added RTT) against transformers ``generate`` of the whole model on the same
-     device (target >= 0.9 on a model with hidden size >= 2048); with ``--split-compile MODE`` also the split
+     loopback, zero added RTT, speculation off: one round trip per token) against transformers
+     ``generate`` of the whole model on the same device (target >= 0.9 on a model with hidden size
+     >= 2048); with ``--split-compile MODE`` also the split
      with the trunk's and the edge's decode steps compiled over static KV buffers (``auto``: CUDA graphs on
      CUDA), interleaved with the others: on the H200 (2026-12-04) the eager split ran at 0.51x, each side
      launch bound;
@@ -121,8 +122,11 @@ def hf_generate(model: Any, prompt: list[int], n: int, device: torch.device) -> 
     return n / (time.perf_counter() - t0), tokens
 
 
+SPECULATE = "off"  # one round trip per token, as the whole model's plain greedy ``generate``: no speculation gains
+
+
 async def split_generate(client: SplitClient, prompt: list[int], n: int) -> tuple[float, list[int], dict[str, Any]]:
-    result = await client.generate(prompt, n, SamplingParams(), stop_token_ids=())
+    result = await client.generate(prompt, n, SamplingParams(), stop_token_ids=(), speculate=SPECULATE)
     return len(result.token_ids) / result.wall_s, result.token_ids, result.summary()
 
 
@@ -169,8 +173,10 @@ async def split_vs_whole(
     }
     compiled: dict[str, Any] = {"compile": compile_mode, "compile_backend": compile_backend}
     compiled["max_cache_tokens"] = len(prompt) + n + 8  # static KV: the prompt, the answer and a margin
-    whole_tps, split_tps, ratios, summaries, identical = [], [], [], [], []
+    whole_tps, split_tps, ratios, identical = [], [], [], []
+    summaries: list[dict[str, Any]] = []
     compiled_tps: list[float] = []
+    compiled_summaries: list[dict[str, Any]] = []
     compiled_error: str | None = None  # the compiled split's failure, reported rather than losing the other figures
     divergences: list[dict[str, Any]] = []
     async with contextlib.AsyncExitStack() as stack:
@@ -205,7 +211,8 @@ async def split_vs_whole(
                 divergences.append(divergence(whole, prompt, wtoks, stoks, device))
                 log.info("repeat %d: first divergence %s", r, divergences[-1])
             if compiled_client is not None:
-                ct, ctoks, _ = await split_generate(compiled_client, prompt, n)
+                ct, ctoks, compiled_summary = await split_generate(compiled_client, prompt, n)
+                compiled_summaries.append(compiled_summary)
                 compiled_tps.append(ct)
                 identical.append(ctoks == wtoks)
                 log.info("repeat %d: split compiled %.1f tok/s, identical %s", r, ct, ctoks == wtoks)
@@ -226,6 +233,9 @@ async def split_vs_whole(
         "greedy_tokens_identical": identical,
         "divergences": divergences,
         "split_step_ms_median": {k: med(k) for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")},
+        "speculate": sorted({s["speculate"] for s in summaries + compiled_summaries}),
+        "split_tokens_per_decode_step": [s["tokens_per_decode_step"] for s in summaries],
+        "compiled_split_tokens_per_decode_step": [s["tokens_per_decode_step"] for s in compiled_summaries],
         "compile_mode": compile_mode,
         "compiled_split_error": compiled_error,
         "compiled_split_tok_s": compiled_tps,
@@ -446,6 +456,14 @@ def write_report(results: dict[str, Any], out: Path) -> None:
         "|---|---|---|",
         f"| whole model, HF generate, tok/s | {sv['whole_tok_s_median']:.1f} | |",
         f"| split at zero added RTT, tok/s | {sv['split_tok_s_median']:.1f} | |",
+        *(
+            [
+                f"| split speculation, tokens per decode step (median) | {', '.join(sv['speculate'])}, "
+                f"{statistics.median(sv['split_tokens_per_decode_step']):.2f} | off, 1.00 |"
+            ]
+            if sv.get("speculate")
+            else []
+        ),
         f"| split / whole ratio | {sv['ratio_median']:.3f} | >= 0.9 (hidden >= 2048) |",
         *(
             [

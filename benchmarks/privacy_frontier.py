@@ -5,7 +5,8 @@
         [--out benchmarks/results/privacy_frontier] [--report-only]
 
 Every measured point is appended to ``points-<model>-s<seed>-<tag>.jsonl`` as soon as it exists (an interrupted run
-keeps what it finished; a rerun skips points already there; parallel processes use different tags). ``--report-only``
+keeps what it finished; a rerun skips points already there with per-token outcomes and measures older ones
+again; parallel processes use different tags). ``--report-only``
 (and every new point) gathers all points into ``runs.jsonl.gz`` (one line per model, seed and setting, stamped with
 the run's commit; the points files can then be deleted) and renders ``report.md`` (threat model, frontier tables,
 targets check, recommended setting) and one plot per side, ``frontier_input.png`` and ``frontier_output.png``. See
@@ -608,8 +609,9 @@ def write_report(out: Path, meta: dict[str, Any]) -> None:
 def measured(out: Path, max_tokens: int) -> tuple[set[tuple[str, int, str]], set[tuple[str, int, str]]]:
     """(model, seed, setting) of the points in ``out`` at this attacker-train size: (with outcomes, all).
 
-    A rerun skips what is stored and does not write again what is done (older points without per-token outcomes
-    are re-measured when met); a point at another ``--max-tokens`` is another point. A size is matched exactly, so
+    A rerun skips the points stored with per-token outcomes (:func:`todo_settings`) and does not write them again;
+    older points without them are measured again, and the new point wins over the old (:func:`load_points`). A
+    point at another ``--max-tokens`` is another point. A size is matched exactly, so
     a cap above what the corpus holds (the point records what it got) is measured again on a rerun.
     """
     here = [p for p in load_points(out) if train_tokens(p) == max_tokens]
@@ -617,6 +619,16 @@ def measured(out: Path, max_tokens: int) -> tuple[set[tuple[str, int, str]], set
         {(p["model_name"], p["seed"], p["setting"]) for p in here if "outcomes" in p},
         {(p["model_name"], p["seed"], p["setting"]) for p in here},
     )
+
+
+def todo_settings(
+    settings: tuple[Any, ...], model: str, seed: int, done: set[tuple[str, int, str]]
+) -> tuple[Any, ...] | None:
+    """The ``settings`` (each with a ``label``) of ``model`` at ``seed`` to measure: those without a stored point
+    with per-token outcomes (``done``, from :func:`measured`), so an older point that keeps rates alone is measured
+    again. None when there is nothing to run: every setting and the stock point have outcomes stored."""
+    todo = tuple(s for s in settings if (model, seed, s.label) not in done)
+    return None if not todo and (model, seed, "stock") in done else todo
 
 
 def main() -> int:
@@ -645,7 +657,7 @@ def main() -> int:
     meta = {**run_environment(), "command": "python benchmarks/privacy_frontier.py " + " ".join(sys.argv[1:])}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     settings = tuple(parse_defence(s) for s in args.settings.split(","))
-    done, stored = measured(args.out, args.max_tokens)
+    done, _ = measured(args.out, args.max_tokens)
     seeds = [int(s) for s in args.seeds.split(",")]
     models = []
     for item in args.models.split(","):
@@ -655,8 +667,8 @@ def main() -> int:
     # seeds outermost: a run cut short still has every model at one seed
     for seed in seeds:
         for path, depth in models:
-            todo = tuple(s for s in settings if (path.name, seed, s.label) not in stored)
-            if not todo and (path.name, seed, "stock") in stored:
+            todo = todo_settings(settings, path.name, seed, done)
+            if todo is None:
                 continue
 
             def on_point(point: dict[str, Any]) -> None:

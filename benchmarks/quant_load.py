@@ -3,8 +3,8 @@
 A random Llama of about 0.55B parameters (hidden 1536, 16 layers, vocab 32000, about 1.1 GB in
 bfloat16) is saved with ``save_pretrained`` into a temporary directory; its trunk (layers 2..13,
 edge 2+2) is then loaded by :func:`splitspec.models.loading.load_trunk`, what ``cloud serve``
-calls, in a fresh process per quantization (none, nf4, int8), repeats interleaved. Each process
-reports:
+calls, in a fresh process per quantization (none, nf4, int8), repeats (default 3) interleaved
+with the order rotated each repeat. Each process reports:
 
 * its RSS just before the load (bitsandbytes and transformers imported) and just after it, and after
   a 16-token prefill and five one-token steps with the heap's freed pages handed back
@@ -49,6 +49,13 @@ log = logging.getLogger("quant_load")
 METHODS = ("none", "nf4", "int8")
 GATES = {"nf4": 0.35, "int8": 0.6}  # trunk weight memory against the bfloat16 trunk's
 _ITEM_BYTES = {"BF16": 2, "F16": 2, "F32": 4}  # safetensors dtype names of an unquantized checkpoint
+
+
+def method_order(repeat: int) -> tuple[str, ...]:
+    """The load order of ``repeat``: :data:`METHODS` rotated by the repeat, so that over every
+    ``len(METHODS)`` repeats each method loads once in each position (first, middle, last)."""
+    shift = repeat % len(METHODS)
+    return METHODS[shift:] + METHODS[:shift]
 
 
 def _rss_bytes() -> int:
@@ -181,7 +188,9 @@ def run_child(model: Path, method: str, device: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=2, help="interleaved loads per method (default 2)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="interleaved loads per method, order rotated each repeat (default 3)"
+    )
     p.add_argument("--layers", type=int, default=16, help="decoder layers of the random Llama (default 16)")
     p.add_argument(
         "--hidden", type=int, default=1536, help="hidden size, a multiple of 128 (default 1536; smaller for a toy run)"
@@ -207,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("building a random %d-layer Llama in %s", args.layers, model)
         build_model(model, args.layers, args.hidden)
         for r in range(args.repeats):
-            for method in METHODS:
+            for method in method_order(r):
                 runs[method].append(run_child(model, method, args.device))
                 log.info("repeat %d %s: %s", r, method, runs[method][-1])
     med = {m: {k: statistics.median(x[k] for x in rs) for k in rs[0] if k != "method"} for m, rs in runs.items()}
@@ -220,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{intermediate_size(args.hidden)}, vocab 32000, bfloat16",
         "trunk": f"layers 2..{args.layers - 3} (edge 2+2)",
         "repeats": args.repeats,
+        "order": [list(method_order(r)) for r in range(args.repeats)],
         "device": args.device,
         "weight_memory": "GPU memory allocated by the load" if args.device != "cpu" else "host RSS",
         "torch_threads": 1,
@@ -243,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Model: {results['model']} ({med['none']['checkpoint_mb']:.0f} MiB of safetensors); trunk "
         f"{results['trunk']}, {med['none']['trunk_stored_mb']:.0f} MiB stored. A fresh process per load, "
-        f"{args.repeats} interleaved repeats, medians; one torch thread; device {args.device}. Commit {env['commit']}.",
+        f"{args.repeats} interleaved repeats (order rotated each repeat), medians; one torch thread; "
+        f"device {args.device}. Commit {env['commit']}.",
         "",
         f"| quantization | load s | weight memory MiB ({results['weight_memory']}) | x bfloat16 | "
         "RSS after load - before, MiB | RSS after steps (untrimmed) - before, MiB | "

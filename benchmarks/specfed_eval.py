@@ -60,19 +60,28 @@ TOLERANCE = 1e-5  # float slack on every bound check (float32 arithmetic over 8k
 def load_windows(
     tokenizer: Any, domains: list[str], docs: int, windows: int, length: int
 ) -> list[tuple[str, list[int]]]:
-    """Up to ``windows`` windows of ``length`` tokens from each of the first ``docs`` held-out documents."""
+    """Up to ``windows`` windows of ``length`` tokens from each of the first ``docs`` held-out documents.
+
+    Windows never overlap (no position counts twice): a document too short for ``windows`` of them gives
+    as many as fit.
+    """
     out: list[tuple[str, list[int]]] = []
     for domain in domains:
         files = sorted((ASSETS / "corpus" / "heldout" / domain).glob("*.txt"))[:docs]
         for path in files:
             ids = list(tokenizer.encode(path.read_text(errors="replace")))
-            if len(ids) < length:
-                continue
-            step = max(length, (len(ids) - length) // max(1, windows))
-            for w in range(windows):
-                start = min(w * step, len(ids) - length)
+            for start in window_starts(len(ids), windows, length):
                 out.append((f"{domain}/{path.stem}@{start}", ids[start : start + length]))
     return out
+
+
+def window_starts(tokens: int, windows: int, length: int) -> list[int]:
+    """Starts of up to ``windows`` non-overlapping windows of ``length`` in ``tokens`` tokens, spread evenly
+    (at least ``length`` apart); those that would run past the end are left out."""
+    if tokens < length:
+        return []
+    step = max(length, (tokens - length) // max(1, windows))
+    return [w * step for w in range(windows) if w * step + length <= tokens]
 
 
 def logits_of(model: FullModel, ids: list[int]) -> torch.Tensor:

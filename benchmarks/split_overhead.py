@@ -2,7 +2,7 @@
 
 Measures, side by side in one run (interleaved repeats, medians):
   * tok/s of greedy generation: HF ``generate`` on the whole model vs splitspec's edge + a trunk
-    server in another process over loopback (target ratio >= 0.85);
+    server in another process over loopback, speculation off (target ratio >= 0.85);
   * per-step framework overhead for a 4096-wide fp16 hidden state: frame encode + decode alone,
     and a full loopback round trip through the real WebSocket transport to a server that decodes
     the step and replies with a StepResult (no model compute) (target <= 1 ms).
@@ -113,9 +113,12 @@ async def framework_overhead(width: int, trips: int) -> dict[str, float]:
     }
 
 
+SPECULATE = "off"  # one round trip per token, as the whole model's plain greedy ``generate``: no speculation gains
+
+
 async def split_runs(model_dir: Path, url: str, prompt: list[int], n: int) -> tuple[float, list[int], dict[str, Any]]:
     async with SplitClient(EdgeConfig(allow_stock_edge_weights=True, model_dir=model_dir, cloud_url=url)) as client:
-        result = await client.generate(prompt, n, SamplingParams(), stop_token_ids=())
+        result = await client.generate(prompt, n, SamplingParams(), stop_token_ids=(), speculate=SPECULATE)
     return len(result.token_ids) / result.wall_s, result.token_ids, result.summary()
 
 
@@ -189,6 +192,8 @@ def main() -> int:
         "ratio_median": statistics.median(ratios),
         "split_step_ms_median": {k: med(k) for k in ("network_ms", "edge_ms", "cloud_ms", "serialize_ms")},
         "split_bytes_per_step": summaries[0]["median_bytes"],
+        "split_speculate": sorted({s["speculate"] for s in summaries}),
+        "split_tokens_per_decode_step_median": statistics.median(s["tokens_per_decode_step"] for s in summaries),
         "framework_overhead_4096_fp16": overhead,
         "torch_threads_per_process": 1,
     }
@@ -199,7 +204,8 @@ def main() -> int:
         "# Split inference overhead at zero added RTT",
         "",
         f"Model: {results['model']}; prompt {len(prompt)} tokens, {args.new_tokens} new tokens, greedy; "
-        f"{args.repeats} interleaved repeats, medians; one torch thread per process.",
+        f"{args.repeats} interleaved repeats, medians; one torch thread per process; split with speculation "
+        f"{SPECULATE} ({results['split_tokens_per_decode_step_median']:.2f} tokens per decode step).",
         "",
         "| figure | value |",
         "|---|---|",

@@ -4,8 +4,10 @@
 ``KVCache``) against transformers' ``LlamaModel`` of the same layers and weights with its ``DynamicCache``.
 On an H200 ours took 12.1 ms against 8.1 ms, with the host-side time about the wall time (launch bound),
 while the aten op counts per layer on CPU were equal. This script builds the same two steps with
-``device_targets``'s own checkpoint, shapes and step bodies, warms each up, times ``--steps`` steps
-(synchronised around each), then profiles ``--steps`` more under ``torch.profiler`` and counts, per step,
+``device_targets``'s own checkpoint, shapes and step bodies, warms each up, times ``--repeats`` (default 3)
+blocks of ``--steps`` steps per side (synchronised around each), the sides' blocks interleaved in alternating
+order, and reports the median of the blocks' medians with each block's; then profiles ``--steps`` more per side
+under ``torch.profiler`` and counts, per step,
 the aten ops (top-level and all), the CUDA runtime calls (kernel launches, memcpys, synchronisations and
 every other runtime call by name) and the device kernels and copies, so that the extra host work shows.
 
@@ -172,12 +174,41 @@ def count_events(prof: profile, steps: int) -> dict[str, Any]:
     }
 
 
+def timed_blocks(
+    steps: dict[str, Callable[[], Any]], device: torch.device, n: int, repeats: int
+) -> dict[str, dict[str, Any]]:
+    """Warm each side up, then time ``repeats`` blocks of ``n`` steps per side, interleaved: the sides in their
+    order in even repeats, reversed in odd ones, so that neither always runs first on a drifting host.
+
+    Per side: ``wall_ms_median`` and ``launch_ms_median``, the medians of the blocks' medians, and each block's
+    median (``..._per_repeat``, in repeat order).
+    """
+    for step in steps.values():
+        _time_steps(step, device, WARM_UP)
+    names = list(steps)
+    launch: dict[str, list[float]] = {name: [] for name in names}
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            block_launch, block_wall = _time_steps(steps[name], device, n)
+            launch[name].append(statistics.median(block_launch))
+            wall[name].append(statistics.median(block_wall))
+            log.info("repeat %d %s: %.3f ms/step (launch %.3f)", r, name, wall[name][-1], launch[name][-1])
+    return {
+        name: {
+            "wall_ms_median": statistics.median(wall[name]),
+            "launch_ms_median": statistics.median(launch[name]),
+            "wall_ms_per_repeat": wall[name],
+            "launch_ms_per_repeat": launch[name],
+        }
+        for name in names
+    }
+
+
 def profile_side(
     name: str, step: Callable[[], Any], device: torch.device, steps: int, out: Path, with_stack: bool, trace: bool
 ) -> dict[str, Any]:
-    """Warm up, time ``steps`` steps, profile ``steps`` more; write the op tables; return the figures."""
-    _time_steps(step, device, WARM_UP)
-    launch, total = _time_steps(step, device, steps)
+    """Profile ``steps`` steps (after :func:`timed_blocks` warmed them up); write the op tables; return the counts."""
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda" and torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
@@ -204,16 +235,12 @@ def profile_side(
     if trace:
         prof.export_chrome_trace(str(out / f"{name}_trace.json"))
     figures = {
-        "wall_ms_median": statistics.median(total),
-        "launch_ms_median": statistics.median(launch),
         "profiled_wall_ms_median": statistics.median(profiled_ms),
         **count_events(prof, steps),
     }
     log.info(
-        "%s: %.3f ms/step (launch %.3f), %.1f top-level aten ops, %.1f launches, %.1f syncs, %.1f memcpys per step",
+        "%s: %.1f top-level aten ops, %.1f launches, %.1f syncs, %.1f memcpys per step",
         name,
-        figures["wall_ms_median"],
-        figures["launch_ms_median"],
         figures["aten_ops_top_level_per_step"],
         figures["kernel_launches_per_step"],
         figures["sync_calls_per_step"],
@@ -223,9 +250,9 @@ def profile_side(
 
 
 ROWS = (
-    ("wall ms / step (median, synced)", "wall_ms_median", "{:.3f}"),
-    ("host launch ms / step (median)", "launch_ms_median", "{:.3f}"),
-    ("profiled wall ms / step (median)", "profiled_wall_ms_median", "{:.3f}"),
+    ("wall ms / step (median of the repeats' medians, synced)", "wall_ms_median", "{:.3f}"),
+    ("host launch ms / step (median of the repeats' medians)", "launch_ms_median", "{:.3f}"),
+    ("profiled wall ms / step (median, one block per side)", "profiled_wall_ms_median", "{:.3f}"),
     ("top-level aten ops / step", "aten_ops_top_level_per_step", "{:.1f}"),
     ("all aten ops / step (incl. nested)", "aten_ops_all_per_step", "{:.1f}"),
     ("kernel launches / step", "kernel_launches_per_step", "{:.1f}"),
@@ -248,12 +275,16 @@ def write_summary(results: dict[str, Any], out: Path) -> str:
         f"# Trunk step profile: {results['device_name']}, {results['shape']} ({results['dtype']})",
         "",
         f"torch {results['torch']}, transformers {results['transformers']}; {results['trunk_layers']} trunk layers,"
-        f" context {results['context']}, {results['steps']} timed + {results['steps']} profiled steps per side"
-        f" after {WARM_UP} warm-up. Counts are per step, inside the step ranges.",
+        f" context {results['context']}; after {WARM_UP} warm-up steps, {results['repeats']} interleaved repeats"
+        f" (sides' order alternating) of {results['steps']} timed steps per side, then {results['steps']} profiled"
+        " steps per side. Counts are per step, inside the step ranges.",
         "",
         "| figure | " + " | ".join(SIDES) + " |",
         "|---|" + "---|" * len(SIDES),
         *(f"| {label} | " + " | ".join(fmt.format(sides[s][key]) for s in SIDES) + " |" for label, key, fmt in ROWS),
+        "| wall ms / step, each repeat's median | "
+        + " | ".join(", ".join(f"{v:.3f}" for v in sides[s]["wall_ms_per_repeat"]) for s in SIDES)
+        + " |",
         *(
             f"| {label} by name | " + " | ".join(_names(sides[s][key]) for s in SIDES) + " |"
             for label, key in (
@@ -308,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     parser.add_argument("--context", type=int, default=512, help="prefix before the steps")
-    parser.add_argument("--steps", type=int, default=20, help=f"timed and profiled steps per side (after {WARM_UP})")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per block and profiled steps per side")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved timed blocks per side (default 3)")
     parser.add_argument("--with-stack", action="store_true", help="also write {side}_stacks.txt (Python frames)")
     parser.add_argument("--trace", action="store_true", help="also write {side}_trace.json (Chrome trace)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/trunk_step_profile"), help="folder")
@@ -317,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("splitspec").setLevel(logging.WARNING)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
+    if args.repeats < 1:
+        raise SystemExit("--repeats must be at least 1")
     device = resolve_device(args.device)
     dtype = dtype_from_name(args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -326,8 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         log.info("building a random %s checkpoint (%s) on %s", args.shape, args.dtype, device)
         build_checkpoint(directory, args.shape, dtype, device)
         steps = build_steps(directory, dtype, device, args.context)
+        timed = timed_blocks(steps, device, args.steps, args.repeats)
         sides = {
-            name: profile_side(name, fn, device, args.steps, args.out, args.with_stack, args.trace)
+            name: {**timed[name], **profile_side(name, fn, device, args.steps, args.out, args.with_stack, args.trace)}
             for name, fn in steps.items()
         }
     results = {
@@ -341,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "trunk_layers": SHAPES[args.shape]["num_hidden_layers"] - sum(EDGE_LAYERS),
         "context": args.context,
         "steps": args.steps,
+        "repeats": args.repeats,
         "warm_up": WARM_UP,
         "run_s": time.perf_counter() - started,
         "sides": sides,

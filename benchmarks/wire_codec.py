@@ -1,7 +1,8 @@
 """Wire codec benchmark (#25 item 3): what raw, bf16 and int8 cost in bytes, time and output quality.
 
 Link figures: a random Llama of hidden size 1024 (6 layers, split 2,2, float32 on both sides) behind
-the WAN emulator at 80 ms RTT and 20 Mbit/s per direction, trunk server and edge in this process:
+the WAN emulator (``--rtt-ms``, default 80 ms RTT; ``--mbit``, default 20 Mbit/s per direction), trunk
+server and edge in this process:
 bytes per token each way, the time to first token of a 2,000-token prompt (its prefill round trip
 and the first token), and sequential decode tok/s (32 tokens after a 16-token prompt; decode steps'
 time only). Codecs are interleaved within each repeat; medians over repeats.
@@ -153,13 +154,21 @@ def quality(quick: bool, massive_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(link: list[dict[str, Any]], rows: list[dict[str, Any]], env: dict[str, Any], command: str) -> str:
+def markdown(
+    link: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    env: dict[str, Any],
+    command: str,
+    rtt_ms: float,
+    mbit: float,
+) -> str:
+    """The summary; ``rtt_ms`` and ``mbit`` are the emulated link's round trip (ms) and rate per direction (Mbit/s)."""
     lines = [
         "# Wire codecs: bytes, time to first token, decode speed, output quality",
         "",
         f"`{command}` at commit {env.get('commit')}, torch {env.get('torch')}, {env.get('cpu_count')} CPUs.",
         "",
-        "## Link: random Llama H=1024, split 2,2, float32, WAN emulator 80 ms RTT, 20 Mbit/s each way",
+        f"## Link: random Llama H=1024, split 2,2, float32, WAN emulator {rtt_ms:g} ms RTT, {mbit:g} Mbit/s each way",
         "",
         "| codec | bytes/token (H=1024) | bytes/token (H=4096) | TTFT, s | of which link, s | edge / trunk "
         "compute, s | serialization, ms | prefill MB up / down | decode tok/s | decode step bytes up / down |",
@@ -212,9 +221,12 @@ async def main_async(args: argparse.Namespace) -> None:
     command = " ".join(["python", *sys.argv])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(
-        json.dumps({"env": env, "command": command, "link": link, "quality": rows}, indent=2)
+        json.dumps(
+            {"env": env, "command": command, "rtt_ms": args.rtt_ms, "mbit": args.mbit, "link": link, "quality": rows},
+            indent=2,
+        )
     )
-    (args.out / "summary.md").write_text(markdown(link, rows, env, command))
+    (args.out / "summary.md").write_text(markdown(link, rows, env, command, args.rtt_ms, args.mbit))
     print((args.out / "summary.md").read_text())
 
 
