@@ -53,10 +53,13 @@ from typing import Any
 import openai
 from auto_floor import POSITIONS, extended_copy
 from gateway_measures import (
+    BURST_FLOOR_S,
     all_active_rate,
+    burst_s,
     delivery_gaps,
     edge_forwards,
     metric_samples,
+    overlapping,
     per_step,
     quantile,
     step_parts,
@@ -297,11 +300,12 @@ async def run_level(
     metrics: bool = True,
     pids: dict[str, int] | None = None,
     schedule: str = "queue",
+    burst: float = BURST_FLOOR_S,
 ) -> dict[str, Any]:
     """One load level: ``n`` streams over ``n x requests`` requests, spread by ``schedule``. ``metrics`` False: no
     edge compute from /metrics (with several workers each scrape reaches one worker, so before/after would not be
     of the same process). ``pids``: processes (name -> pid) whose CPU time is read around the level, with this
-    one's as ``load``."""
+    one's as ``load``. ``burst``: chunks closer than this are one delivery (:func:`gateway_measures.burst_s`)."""
     import httpx
 
     if schedule not in SCHEDULES:
@@ -335,7 +339,10 @@ async def run_level(
     ttft = [r["chunks"][0] - r["start"] for r in results if r["chunks"]]
     # each request's inter-token latencies, per token and per delivery
     latencies = [
-        ([latency for _, latency in token_latencies(r["chunks"])], [gap for _, gap in delivery_gaps(r["chunks"])])
+        (
+            [latency for _, latency in token_latencies(r["chunks"], burst)],
+            [gap for _, gap in delivery_gaps(r["chunks"], burst)],
+        )
         for r in results
     ]
     gaps = [latency for per_token, _ in latencies for latency in per_token]
@@ -371,7 +378,12 @@ async def run_level(
 
 
 async def run_prefill_interference(
-    url: str, prompts_: list[str], long_prompt: str | None, max_tokens: int, window_s: float | None = None
+    url: str,
+    prompts_: list[str],
+    long_prompt: str | None,
+    max_tokens: int,
+    burst: float,
+    window_s: float | None = None,
 ) -> dict[str, Any]:
     """16 streams decode; one long prompt arrives in the middle: their gaps while it prefills, against their p50.
 
@@ -391,22 +403,23 @@ async def run_prefill_interference(
         window = (start, start + (window_s or 0.0))
     results = [r for stream in await asyncio.gather(*workers) for r in stream]
     await client.close()
-    all_gaps, during = [], []
-    for r in results:
-        for at, latency in token_latencies(r["chunks"]):
-            all_gaps.append(latency)
-            if window[0] < at <= window[1] + latency:  # a delivery that waited through part of the window
-                during.append(latency)
+    all_gaps = [latency for r in results for _, latency in token_latencies(r["chunks"], burst)]
+    # the deliveries that waited through part of the window (came after it opened, began waiting before it
+    # closed), per delivery (vLLM's inter-token latency) and per token (each of a delivery's k tokens, g / k)
+    overlaps = [overlapping(r["chunks"], burst, window) for r in results]
+    during = [latency for per_token, _ in overlaps for latency in per_token]
+    inside = [gap for _, per_delivery in overlaps for gap in per_delivery]
     p50 = quantile(all_gaps, 0.5)
-    # per delivery (vLLM's inter-token latency): a delivery overlapped the window if it came after the window
-    # opened and its wait began before the window closed
-    every = [(at, gap) for r in results for at, gap in delivery_gaps(r["chunks"])]
-    inside = [gap for at, gap in every if window[0] < at and at - gap < window[1]]
-    delivery_p50 = quantile([gap for _, gap in every], 0.5)
+    delivery_p50 = quantile([gap for r in results for _, gap in delivery_gaps(r["chunks"], burst)], 0.5)
     return {"prefill_s": window[1] - window[0], "itl_p50_s": p50, "itl_p99_during_s": quantile(during, 0.99),
             "ratio": quantile(during, 0.99) / p50, "gaps_during": len(during),
             "delivery_itl_p50_s": delivery_p50, "delivery_itl_p99_during_s": quantile(inside, 0.99),
-            "delivery_ratio": quantile(inside, 0.99) / delivery_p50, "deliveries_during": len(inside)}  # fmt: skip
+            "delivery_ratio": quantile(inside, 0.99) / delivery_p50, "deliveries_during": len(inside),
+            "burst_s": burst,
+            # what the figures came from, for a re-analysis: the window and every stream's chunk arrivals, in
+            # seconds from the window's opening
+            "window_s": [0.0, window[1] - window[0]],
+            "chunks_s": [[round(t - window[0], 6) for t in r["chunks"]] for r in results]}  # fmt: skip
 
 
 def level_runs(labels: list[str], schedules: list[str], n: int, repeat: int) -> list[tuple[str, str]]:
@@ -429,8 +442,9 @@ async def run_all(
     pids = pids or {}
     texts = prompts(PROMPT_POOL + 1, 128)[1:]  # the first window starts the long prompt
     long_text = prompts(1, args.long_prompt)[0]
+    burst = burst_s(args.rtt_ms)
     for url in urls.values():  # warm-up: connections, the controllers' step times (of every worker)
-        await run_level(url, 8, texts, 1, 32, metrics=False)
+        await run_level(url, 8, texts, 1, 32, metrics=False, burst=burst)
     raw: dict[str, list[dict[str, Any]]] = {label: [] for label in urls}
     prefill: list[dict[str, Any]] = []
     control: list[dict[str, Any]] = []  # the same window with no long prompt
@@ -442,13 +456,13 @@ async def run_all(
                 single = label != "engine" or args.workers == 1
                 requests = lone_requests(args.requests) if n == 1 else args.requests
                 level = await run_level(urls[label], n, texts, requests, args.max_tokens, metrics=single,
-                                        pids=pids.get(label), schedule=schedule)  # fmt: skip
+                                        pids=pids.get(label), schedule=schedule, burst=burst)  # fmt: skip
                 raw[label].append({**level, "repeat": rep})
                 print(f"  repeat {rep} {label} {n:>2} streams ({schedule}): {level['tokens_per_s']:.1f} tok/s, "
                       f"itl p99 {level['itl_p99_s'] * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
-        measured = await run_prefill_interference(urls["engine"], texts, long_text, args.max_tokens)
+        measured = await run_prefill_interference(urls["engine"], texts, long_text, args.max_tokens, burst)
         prefill.append({**measured, "repeat": rep})
-        control.append({**await run_prefill_interference(urls["engine"], texts, None, args.max_tokens,
+        control.append({**await run_prefill_interference(urls["engine"], texts, None, args.max_tokens, burst,
                                                          measured["prefill_s"]), "repeat": rep})  # fmt: skip
         print(f"  repeat {rep} prefill interference: {prefill[-1]['ratio']:.2f}x "
               f"(control, no prefill: {control[-1]['ratio']:.2f}x)", file=sys.stderr)  # fmt: skip

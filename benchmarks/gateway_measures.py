@@ -5,6 +5,7 @@ round trip's parts from ``splitspec serve``'s ``/metrics``."""
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,37 +13,61 @@ from prometheus_client.samples import Sample
 
 
 def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile: the smallest value with at least ``q`` of them at or below it (p99 of 100
+    values is the 99th, not the largest)."""
     ordered = sorted(values)
     if not ordered:
         return float("nan")
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-BURST_S = 0.002  # content chunks closer than this arrived together (one speculative step's tokens)
+BURST_FLOOR_S = 0.002  # content chunks closer than this arrived together, whatever the link
 
 
-def deliveries(chunks: list[float]) -> list[tuple[float, float, int]]:
-    """(arrival, gap, tokens) of every delivery after the first: content chunks closer than :data:`BURST_S` are one
-    delivery (a speculative step's tokens, which ``serve`` streams as a chunk each); gap: seconds since the last."""
+def burst_s(rtt_ms: float) -> float:
+    """Content chunks of one stream closer than this are one delivery. Each of a stream's steps crosses the link,
+    so its deliveries are at least one round trip apart; ``serve`` streams a step's tokens as a chunk each, and
+    on a busy machine they reach the client milliseconds apart (2-8 ms at one stream in stop 56's run, more under
+    load). A quarter of the round trip tells the two apart."""
+    return max(BURST_FLOOR_S, rtt_ms / 4e3)
+
+
+def deliveries(chunks: list[float], burst: float) -> list[tuple[float, float, int]]:
+    """(arrival, gap, tokens) of every delivery after the first: content chunks less than ``burst`` seconds apart
+    are one delivery (a speculative step's tokens, :func:`burst_s`); arrival: its last chunk's; gap: seconds since
+    the previous delivery's last chunk."""
     bursts: list[list[float]] = []
     for t in chunks:
-        if bursts and t - bursts[-1][-1] < BURST_S:
+        if bursts and t - bursts[-1][-1] < burst:
             bursts[-1].append(t)
         else:
             bursts.append([t])
-    return [(burst[-1], burst[-1] - previous[-1], len(burst)) for previous, burst in itertools.pairwise(bursts)]
+    return [(b[-1], b[-1] - previous[-1], len(b)) for previous, b in itertools.pairwise(bursts)]
 
 
-def token_latencies(chunks: list[float]) -> list[tuple[float, float]]:
+def token_latencies(chunks: list[float], burst: float) -> list[tuple[float, float]]:
     """(arrival, seconds per token) for every token after the first: a delivery of k tokens that came g seconds
     after the previous delivery gives each of its k tokens g / k."""
-    return [(at, gap / k) for at, gap, k in deliveries(chunks) for _ in range(k)]
+    return [(at, gap / k) for at, gap, k in deliveries(chunks, burst) for _ in range(k)]
 
 
-def delivery_gaps(chunks: list[float]) -> list[tuple[float, float]]:
+def delivery_gaps(chunks: list[float], burst: float) -> list[tuple[float, float]]:
     """(arrival, gap) per delivery: vLLM's inter-token latency (its benchmark appends the time since the last
     chunk for every chunk, and vLLM streams a speculative step's tokens as one chunk)."""
-    return [(at, gap) for at, gap, _ in deliveries(chunks)]
+    return [(at, gap) for at, gap, _ in deliveries(chunks, burst)]
+
+
+def overlapping(chunks: list[float], burst: float, window: tuple[float, float]) -> tuple[list[float], list[float]]:
+    """A stream's latencies that waited through part of ``window`` (start, end): (per token, per delivery). A
+    delivery overlapped the window when it came after the window opened and its wait began before the window
+    closed; each of its k tokens then counts, with g / k."""
+    per_token: list[float] = []
+    per_delivery: list[float] = []
+    for at, gap, k in deliveries(chunks, burst):
+        if window[0] < at and at - gap < window[1]:
+            per_delivery.append(gap)
+            per_token += [gap / k] * k
+    return per_token, per_delivery
 
 
 def tpot(result: dict[str, Any]) -> float | None:

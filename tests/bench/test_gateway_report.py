@@ -153,11 +153,35 @@ def measures(report: ModuleType) -> ModuleType:
 def test_a_speculative_steps_chunks_are_one_delivery(measures: ModuleType) -> None:
     # tokens at 0 s; 3 in one step at 0.100 s; 1 at 0.200 s
     chunks = [0.0, 0.100, 0.1005, 0.101, 0.200]
-    assert measures.delivery_gaps(chunks) == [(0.101, pytest.approx(0.101)), (0.200, pytest.approx(0.099))]
-    per_token = measures.token_latencies(chunks)
+    burst = measures.burst_s(80.0)
+    assert burst == pytest.approx(0.02)  # a quarter of the round trip every step of a stream crosses
+    assert measures.delivery_gaps(chunks, burst) == [(0.101, pytest.approx(0.101)), (0.200, pytest.approx(0.099))]
+    per_token = measures.token_latencies(chunks, burst)
     assert [latency for _, latency in per_token] == pytest.approx([0.101 / 3] * 3 + [0.099])
+    # a step's chunks reach a busy client milliseconds apart: still one delivery (was three at a 2 ms threshold)
+    spread = [0.0, 0.100, 0.1025, 0.104]
+    assert measures.deliveries(spread, burst) == [(0.104, pytest.approx(0.104), 3)]
+    assert measures.burst_s(0.0) == measures.BURST_FLOOR_S
     assert measures.tpot({"chunks": chunks}) == pytest.approx(0.05)
     assert measures.tpot({"chunks": [0.0]}) is None
+
+
+def test_nearest_rank_quantiles(measures: ModuleType) -> None:
+    values = [float(v) for v in range(100)]
+    assert measures.quantile(values, 0.99) == 98.0  # the 99th of 100, not the largest
+    assert measures.quantile(values, 0.5) == 49.0
+    assert measures.quantile(values, 1.0) == 99.0
+    assert measures.quantile([3.0], 0.99) == 3.0
+    assert measures.quantile([], 0.5) != measures.quantile([], 0.5)  # NaN
+
+
+def test_a_delivery_that_waited_through_the_prefill_counts_during_it(measures: ModuleType) -> None:
+    # a 3-token delivery 0.25 s after the previous one, 0.1 s past the window's end: it waited through the window
+    chunks = [0.0, 0.95, 1.2, 1.2005, 1.201]
+    per_token, per_delivery = measures.overlapping(chunks, 0.02, (1.0, 1.1))
+    assert per_delivery == [pytest.approx(0.251)]
+    assert per_token == pytest.approx([0.251 / 3] * 3)  # the per-token rule dropped it (at > end + gap / k)
+    assert measures.overlapping(chunks, 0.02, (1.25, 1.3)) == ([], [])  # nothing waited through a later window
 
 
 def test_the_all_active_rate_leaves_out_the_ramp_down(measures: ModuleType) -> None:
@@ -171,4 +195,4 @@ def test_the_all_active_rate_leaves_out_the_ramp_down(measures: ModuleType) -> N
 def test_an_unknown_schedule_is_refused_before_any_request(report: ModuleType) -> None:
     load = importlib.import_module("gateway_load")
     with pytest.raises(ValueError, match="schedule must be one of queue, streams"):
-        asyncio.run(load.run_level("http://127.0.0.1:9", 2, ["p"], 1, 4, metrics=False, schedule="stream"))
+        asyncio.run(load.run_level("http://127.0.0.1:9", 2, ["p"], 1, 4, metrics=False, schedule="stream", burst=0.02))
