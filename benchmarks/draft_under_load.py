@@ -8,10 +8,15 @@ every sequence while it slows all of them. This measures that directly: the gate
 ``gateway_load.py`` (``splitspec cloud serve``, the WAN emulator at ``--rtt-ms``, ``splitspec
 serve --speculate auto``, demo models in float32) with the draft model (``draft``) and without it
 (``no-draft``), in turn, each repeat in the other order. Per arm and level: a closed loop of N
-``openai`` streams, each sending 128-token prompts (64 tokens out, greedy) back to back for
-``--seconds``, after a warm-up. Reported: aggregate output tok/s, the server's CPU ms per output
-token and the cores the whole machine kept busy; medians over repeats and the median of the
-paired per-repeat ratios draft / no-draft. Writes ``draft_under_load.json``, ``.md`` and ``.png``.
+``openai`` streams taking requests from one queue for ``--seconds``, after a warm-up: request j sends
+prompt j mod ``--pool`` (128 tokens, each behind a number of its own so the prefix cache never skips a prefill; 64
+tokens out, greedy). The level's rate counts the tokens whose chunk arrived within those seconds, over them: the
+requests still in flight when they end finish after, with fewer streams running, and are not counted. The lone
+stream runs every prompt of the pool once, one after another (as ``gateway_load.py``'s does), so that each level's
+multiple of one stream compares the same text. Reported: aggregate output tok/s, the server's CPU ms per output
+token, and the cores this script's process tree (the load generator and, as its children, the trunk, emulator and
+edge server) kept busy over the level; medians over repeats and the median of the paired per-repeat ratios draft /
+no-draft. Writes ``draft_under_load.json``, ``.md`` and ``.png``.
 
     python benchmarks/draft_under_load.py [--repeats 3] [--streams 1 16] [--seconds 25] [--baseline REF]
 
@@ -20,15 +25,17 @@ compare a change of the drafting's policy with what it replaces. ``--workers N``
 model's stack with ``splitspec serve --workers N`` (N interpreters, each batching its own streams).
 ``--arms no-draft head``: the shipped EAGLE head without the draft model (``head``) against neither.
 
-Beside each arm's tok/s: its multiple of its own one-stream rate (issue #24's targets are 10x at 16
-streams and 16x at 32), and the whole machine's CPU per output token (busy cores / tok/s: the edge, the
-trunk, the emulator and the load generator together), which bounds what the machine's cores can deliver.
+Beside each arm's tok/s: its multiple of its own one-stream rate on the prompts the level sent (issue #24's targets
+are 10x at 16 streams and 16x at 32), and the stack's CPU per output token (the CPU seconds of this script's process
+tree, i.e. the edge, the trunk, the emulator and the load generator together, over every token of the level), which
+bounds what the machine's cores can deliver. Other processes on the machine are not counted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -52,38 +59,109 @@ from splitspec.run_info import run_environment
 ARMS = ("draft", "no-draft", "head")  # head: the shipped EAGLE head, no draft model
 
 
-def busy_jiffies() -> tuple[int, int]:
-    """(busy, all) jiffies of the whole machine so far (/proc/stat: idle and iowait are not busy)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
-    return sum(fields) - fields[3] - fields[4], sum(fields)
+PROMPT_POOL = 16  # distinct prompts every level draws from (--pool); the lone stream runs each once
 
 
-async def closed_loop(url: str, texts: list[str], streams: int, seconds: float) -> int:
-    """``streams`` streams sending requests back to back until ``seconds`` have passed; output tokens.
+def prompt_pool(texts: list[str], size: int) -> list[str]:
+    """``size`` of ``texts`` 97 apart (mod their count): prompts 0, 1, 2, ... would be consecutive windows of one
+    document, and how many tokens a speculative step delivers depends on the text."""
+    return [texts[(i * 97) % len(texts)] for i in range(size)]
 
-    Stream i's k-th request takes prompt i x 97 + k, so the streams' prompts come from documents across the set. A
-    lone stream takes the first prompts of streams 0, 1, 2, ... (prompt k x 97): the texts the other levels start
-    from. Prompts 0, 1, 2, ... would be consecutive windows of one document, and how many tokens a speculative step
-    delivers depends on the text."""
+
+async def closed_loop(url: str, pool: list[str], streams: int, until: float) -> list[dict[str, Any]]:
+    """``streams`` streams taking requests from one queue until ``until`` (``time.perf_counter``) -> every request's
+    result (``stream_one``'s: start, chunks' arrival times, tokens, end), with its prompt (``prompt``).
+
+    Request j (in the order they start) sends prompt j mod the pool, whatever the level, so every level sends the
+    pool's prompts in turn and the lone stream, which runs them all (:func:`lone_pass`), ran the same text."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    until = time.monotonic() + seconds
-    total = 0
+    queued = itertools.count()  # one event loop: next() is never interleaved
+    out: list[dict[str, Any]] = []
 
-    async def stream(index: int) -> None:
-        nonlocal total
-        k = 0
-        while time.monotonic() < until:
-            prompt = (index * 97 + k) if streams > 1 else k * 97
-            result = await stream_one(client, texts[prompt % len(texts)], 64)
-            total += int(result["tokens"] or 0)
-            k += 1
+    async def stream() -> None:
+        while time.perf_counter() < until:
+            prompt = next(queued) % len(pool)
+            out.append({**await stream_one(client, pool[prompt], 64), "prompt": prompt})
 
-    await asyncio.gather(*(stream(i) for i in range(streams)))
+    await asyncio.gather(*(stream() for _ in range(streams)))
     await client.close()
-    return total
+    return out
 
 
-def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: Path | None) -> list[dict[str, Any]]:
+async def lone_pass(url: str, pool: list[str]) -> list[dict[str, Any]]:
+    """The lone stream: every prompt of the pool once, one after another -> each request's result with its prompt."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    out = [{**await stream_one(client, text, 64), "prompt": prompt} for prompt, text in enumerate(pool)]
+    await client.close()
+    return out
+
+
+def counted(request: dict[str, Any], until: float) -> float:
+    """The tokens of ``request`` that arrived by ``until``: its content chunks up to then, scaled to the tokens the
+    server reported for it (a chunk per token but for the last, as a rule)."""
+    chunks = request["chunks"]
+    if not chunks:
+        return 0.0
+    return float(request["tokens"]) * sum(1 for t in chunks if t <= until) / len(chunks)
+
+
+def level_figures(requests: list[dict[str, Any]], t0: float, until: float) -> dict[str, Any]:
+    """A level's rate from its requests: the tokens that arrived in [t0, until] over until - t0 (those of requests
+    still in flight at ``until`` arrive during the ramp-down, as fewer streams run, and are left out), and how much
+    of each prompt the rate counted (``prompt_weights``: [prompt, counted tokens / its tokens], summed per prompt),
+    the weights of the lone stream's rate on the same text."""
+    weights: dict[int, float] = {}
+    for r in requests:
+        if r["tokens"]:
+            weights[r["prompt"]] = weights.get(r["prompt"], 0.0) + counted(r, until) / r["tokens"]
+    window = sum(counted(r, until) for r in requests)
+    return {
+        "window_tokens": window,
+        "window_s": until - t0,
+        "tok_s": window / (until - t0),
+        "prompt_weights": [[p, w] for p, w in sorted(weights.items()) if w > 0],
+    }
+
+
+def lone_rate_on(lone: list[dict[str, Any]], weights: list[list[float]]) -> float:
+    """The lone stream's tok/s on a level's prompts, each weighted as the level counted it (``prompt_weights``):
+    their weighted tokens over their weighted seconds."""
+    weight = {int(p): w for p, w in weights}
+    mine = [(weight[r["prompt"]], r) for r in lone if r["prompt"] in weight]
+    seconds = sum(w * (r["end"] - r["start"]) for w, r in mine)
+    return sum(w * r["tokens"] for w, r in mine) / seconds if seconds > 0 else float("nan")
+
+
+def measure_level(url: str, pool: list[str], streams: int, seconds: float, serve: int) -> dict[str, Any]:
+    """One level: ``streams`` streams for ``seconds`` (one stream: the pool once), its rate, and the CPU that the
+    edge server ``serve`` and this script's whole process tree (the stack and the load generator) used over the
+    level, ramp-down included, per token the level produced."""
+    cpu0, stack0 = tree_cpu_seconds(serve), tree_cpu_seconds(os.getpid())
+    t0 = time.perf_counter()
+    if streams == 1:
+        requests = asyncio.run(lone_pass(url, pool))
+        until = time.perf_counter()
+    else:
+        until = t0 + seconds
+        requests = asyncio.run(closed_loop(url, pool, streams, until))
+    wall = time.perf_counter() - t0
+    cpu1, stack1 = tree_cpu_seconds(serve), tree_cpu_seconds(os.getpid())
+    tokens = int(sum(r["tokens"] for r in requests))
+    row: dict[str, Any] = {
+        "streams": streams,
+        "tokens": tokens,
+        "wall_s": wall,
+        **level_figures(requests, t0, until),
+        "serve_cpu_ms_per_token": 1e3 * (cpu1 - cpu0) / max(1, tokens),
+        "stack_busy_cores": (stack1 - stack0) / wall,
+        "stack_cpu_ms_per_token": 1e3 * (stack1 - stack0) / max(1, tokens),
+    }
+    if streams == 1:  # the lone stream's requests one by one, for lone_rate_on
+        row["requests"] = [{k: r[k] for k in ("prompt", "tokens", "start", "end")} for r in requests]
+    return row
+
+
+def measure_arm(arm: str, args: argparse.Namespace, pool: list[str], baseline: Path | None) -> list[dict[str, Any]]:
     """One arm's stack, warmed, then each load level; ``baseline``: the baseline's code (its ``src``)."""
     src = baseline if arm == "baseline" else None
     workers = args.workers if arm.startswith("workers") else 1
@@ -93,25 +171,12 @@ def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: 
     )
     try:
         url, serve = urls["engine"], pids["engine"]["serve"]
-        asyncio.run(closed_loop(url, texts, 8, args.warm_s))
+        asyncio.run(closed_loop(url, pool, 8, time.perf_counter() + args.warm_s))
         out = []
         for streams in args.streams:
-            cpu0, (busy0, all0), t0 = tree_cpu_seconds(serve), busy_jiffies(), time.monotonic()
-            tokens = asyncio.run(closed_loop(url, texts, streams, args.seconds))
-            wall = time.monotonic() - t0
-            cpu1, (busy1, all1) = tree_cpu_seconds(serve), busy_jiffies()
-            row = {
-                "arm": arm,
-                "streams": streams,
-                "tokens": tokens,
-                "wall_s": wall,
-                "tok_s": tokens / wall,
-                "serve_cpu_ms_per_token": 1e3 * (cpu1 - cpu0) / max(1, tokens),
-                "machine_busy_cores": (os.cpu_count() or 1) * (busy1 - busy0) / max(1, all1 - all0),
-            }
-            row["machine_cpu_ms_per_token"] = 1e3 * row["machine_busy_cores"] * wall / max(1, tokens)
+            row = {"arm": arm, **measure_level(url, pool, streams, args.seconds, serve)}
             print(f"{arm:9s} {streams:3d} streams: {row['tok_s']:6.1f} tok/s, serve {row['serve_cpu_ms_per_token']:.2f}"
-                  f" CPU ms/token, machine {row['machine_busy_cores']:.2f} cores busy", flush=True)  # fmt: skip
+                  f" CPU ms/token, stack {row['stack_busy_cores']:.2f} cores busy", flush=True)  # fmt: skip
             out.append(row)
         return out
     finally:
@@ -121,19 +186,22 @@ def measure_arm(arm: str, args: argparse.Namespace, texts: list[str], baseline: 
 def summarise(
     rows: list[dict[str, Any]], streams: list[int], repeats: int, arms: list[str], beside: str = "draft"
 ) -> dict[str, Any]:
-    """Per level: each arm's medians (with its multiple of its own one-stream tok/s, median of per-repeat
-    multiples, when 1 is a level), and the paired per-repeat ratios of draft over no-draft and of ``beside``
-    (the arm the baseline's is compared with: draft, or no-draft) over the baseline."""
+    """Per level: each arm's medians (with its multiple of its own one-stream tok/s on the level's prompts, median
+    of per-repeat multiples, when 1 is a level), and the paired per-repeat ratios of draft over no-draft and of
+    ``beside`` (the arm the baseline's is compared with: draft, or no-draft) over the baseline."""
     summary: dict[str, Any] = {}
     for n in streams:
         cell: dict[str, Any] = {}
         for arm in arms:
             mine = [r for r in rows if r["arm"] == arm and r["streams"] == n]
-            for key in ("tok_s", "serve_cpu_ms_per_token", "machine_busy_cores", "machine_cpu_ms_per_token"):
+            for key in ("tok_s", "serve_cpu_ms_per_token", "stack_busy_cores", "stack_cpu_ms_per_token"):
                 cell[f"{arm}:{key}"] = statistics.median(r[key] for r in mine)
-            lone = {r["repeat"]: r["tok_s"] for r in rows if r["arm"] == arm and r["streams"] == 1}
+            # each repeat's level over the same repeat's lone stream on the prompts the level sent
+            lone = {r["repeat"]: r["requests"] for r in rows if r["arm"] == arm and r["streams"] == 1}
             if lone:
-                cell[f"{arm}:x_one_stream"] = statistics.median(r["tok_s"] / lone[r["repeat"]] for r in mine)
+                cell[f"{arm}:x_one_stream"] = statistics.median(
+                    r["tok_s"] / lone_rate_on(lone[r["repeat"]], r["prompt_weights"]) for r in mine
+                )
 
         def tok_s(arm: str, k: int, n: int = n) -> float:
             return float(next(r for r in rows if r["arm"] == arm and r["streams"] == n and r["repeat"] == k)["tok_s"])
@@ -155,7 +223,7 @@ def against_no_draft(results: dict[str, Any], arm: str, key: str) -> list[str]:
     """The table of ``arm`` against ``no-draft`` per level (``key``: their paired ratio in the summary)."""
     lines = [
         f"| streams | {arm} tok/s | no-draft tok/s | {arm} / no-draft | per repeat | serve CPU ms/token {arm}, "
-        f"no-draft | machine busy cores {arm}, no-draft |",
+        f"no-draft | stack busy cores {arm}, no-draft |",
         "|---:|---:|---:|---:|---|---|---|",
     ]
     for n, c in results["summary"].items():
@@ -163,7 +231,7 @@ def against_no_draft(results: dict[str, Any], arm: str, key: str) -> list[str]:
         lines.append(
             f"| {n} | {c[f'{arm}:tok_s']:.1f} | {c['no-draft:tok_s']:.1f} | {c[key]:.2f} | {per} "
             f"| {c[f'{arm}:serve_cpu_ms_per_token']:.2f}, {c['no-draft:serve_cpu_ms_per_token']:.2f} "
-            f"| {c[f'{arm}:machine_busy_cores']:.2f}, {c['no-draft:machine_busy_cores']:.2f} |"
+            f"| {c[f'{arm}:stack_busy_cores']:.2f}, {c['no-draft:stack_busy_cores']:.2f} |"
         )
     return lines
 
@@ -175,7 +243,10 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Commit `{env['commit']}`; {results['repeats']} repeats (arms alternate order), {results['seconds']:g} s of "
         f"closed-loop load per level after an {results['warm_s']:g} s warm-up, {results['rtt_ms']:g} ms RTT; "
-        "128-token prompts, 64 tokens out, greedy. Medians; the ratio is the median of paired per-repeat ratios.",
+        f"128-token prompts (a pool of {results.get('pool', PROMPT_POOL)}, request j on prompt j mod the pool, each "
+        "unique: no prefix-cache hits), 64 tokens out, greedy. tok/s counts the tokens that arrived within the "
+        "level's seconds, over them (the requests in flight at the end finish with fewer streams running: not "
+        "counted); the lone stream runs the pool once. Medians; the ratio is the median of paired per-repeat ratios.",
         f"Reproduce: `{results['command']}`.",
     ]
     if "draft" in results["arms"] and "no-draft" in results["arms"]:
@@ -202,10 +273,12 @@ def markdown(results: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "Each arm against its own one stream, and the whole machine's CPU per output token (busy cores / tok/s: "
-        "edge, trunk, emulator and load generator together).",
+        "Each arm against its own one stream on the prompts the level sent (each weighted by how much of it the level "
+        "counted; paired by repeat, median), and the stack's CPU: the CPU seconds of the benchmark's process tree "
+        "(edge server, trunk, emulator and load generator; not the rest of the machine) over the level, as busy "
+        "cores and per output token (every token of the level, ramp-down included).",
         "",
-        "| streams | arm | tok/s | x its one stream | serve CPU ms/token | machine busy cores | machine CPU ms/token |",
+        "| streams | arm | tok/s | x its one stream | serve CPU ms/token | stack busy cores | stack CPU ms/token |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     for n, c in results["summary"].items():
@@ -213,8 +286,8 @@ def markdown(results: dict[str, Any]) -> str:
             multiple = c.get(f"{arm}:x_one_stream")
             lines.append(
                 f"| {n} | {arm} | {c[f'{arm}:tok_s']:.1f} | {'' if multiple is None else f'{multiple:.2f}'} "
-                f"| {c[f'{arm}:serve_cpu_ms_per_token']:.2f} | {c[f'{arm}:machine_busy_cores']:.2f} "
-                f"| {c[f'{arm}:machine_cpu_ms_per_token']:.2f} |"
+                f"| {c[f'{arm}:serve_cpu_ms_per_token']:.2f} | {c[f'{arm}:stack_busy_cores']:.2f} "
+                f"| {c[f'{arm}:stack_cpu_ms_per_token']:.2f} |"
             )
     if any("ratio_workers" in c for c in results["summary"].values()):
         per = "; ".join(
@@ -249,6 +322,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=25.0, help="closed-loop load per level, seconds")
     parser.add_argument("--warm-s", type=float, default=8.0, help="warm-up load (8 streams) per server, seconds")
     parser.add_argument("--rtt-ms", type=float, default=80.0)
+    parser.add_argument("--pool", type=int, default=PROMPT_POOL, help="distinct prompts (lone stream: each once)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_under_load")
     parser.add_argument("--baseline", help="a commit whose code runs a third arm (with the draft model), in turn")
     parser.add_argument("--workers", type=int, help="N >= 2: an arm with the draft model and `serve --workers N`")
@@ -260,11 +334,11 @@ def main() -> None:
         help="the baseline's arm with the draft model (on: beside the draft arm) or without it (off: beside no-draft)",
     )
     args = parser.parse_args()
-    if args.repeats < 1 or args.seconds <= 0 or not args.streams or min(args.streams) < 1:
-        parser.error("--repeats, --seconds and every --streams level must be positive")
+    if args.repeats < 1 or args.seconds <= 0 or args.pool < 1 or not args.streams or min(args.streams) < 1:
+        parser.error("--repeats, --seconds, --pool and every --streams level must be positive")
     if args.workers is not None and args.workers < 2:
         parser.error("--workers adds an arm of N >= 2 serve processes")
-    texts = prompts(200, 128)
+    pool = prompt_pool(prompts(200, 128), args.pool)
     rows: list[dict[str, Any]] = []
     beside = "draft" if args.baseline_draft == "on" else "no-draft"
     if args.baseline and beside not in args.arms:
@@ -274,7 +348,7 @@ def main() -> None:
         for repeat in range(args.repeats):
             shift = repeat % len(arms)  # each repeat starts with another arm
             for arm in arms[shift:] + arms[:shift]:
-                rows += [{**r, "repeat": repeat} for r in measure_arm(arm, args, texts, baseline)]
+                rows += [{**r, "repeat": repeat} for r in measure_arm(arm, args, pool, baseline)]
     results: dict[str, Any] = {
         "environment": run_environment(),
         "command": "python benchmarks/draft_under_load.py " + " ".join(sys.argv[1:]),
@@ -285,6 +359,7 @@ def main() -> None:
         "seconds": args.seconds,
         "warm_s": args.warm_s,
         "rtt_ms": args.rtt_ms,
+        "pool": args.pool,
         "rows": rows,
         "summary": summarise(rows, args.streams, args.repeats, arms, beside),
     }

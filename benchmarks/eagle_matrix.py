@@ -9,7 +9,10 @@ long-context rows can run 2,000-token prompts; the head's target check does not 
 position limit.
 
 Per RTT (20, 80, 150 ms), temperature (0 and 0.8) and prompt, each mode generates once per
-repeat, modes interleaved and their order rotated each repeat:
+repeat, modes interleaved and their order rotated each repeat. Each mode has a client of its own (its own
+engine and sequence over the shared weights), warmed once per RTT: an EAGLE run leaves its sequence
+recording features, and an engine's step-time estimates carry from run to run, so no mode starts from
+the state another mode left:
 
 * ``off`` (one token per trip), ``ngram``, ``prompt-lookup``, ``draft`` (the draft model),
   ``eagle`` (the draft head), ``auto`` (every drafter; the controller picks), and ``draft-chain``,
@@ -140,33 +143,43 @@ async def run_matrix(
         whole = EdgeRuntime(dataclasses.replace(base, draft_model_dir=args.whole_draft_model), loaded.model)
     rows: list[dict[str, Any]] = []
     cases = prompts(tokenizer, args.long, args.long_tokens)
+    modes = [m for m in MODES if m in args.modes]
     for rtt, port in links.items():
         config = dataclasses.replace(base, cloud_url=f"ws://127.0.0.1:{port}")
         runtime = EdgeRuntime(config, loaded.model, loaded.draft_model)
         chains = dataclasses.replace(config, draft_tree_width=1)
         chain_runtime = EdgeRuntime(chains, loaded.model, loaded.draft_model)
+        whole_config, whole_runtime = config, runtime  # unless draft-whole runs
+        if whole is not None:
+            whole_config = dataclasses.replace(config, draft_model_dir=args.whole_draft_model)
+            whole_runtime = EdgeRuntime(whole_config, loaded.model, whole.draft_model)
         async with contextlib.AsyncExitStack() as stack:
-            trees = await stack.enter_async_context(SplitClient(config, runtime=runtime))
-            chain = await stack.enter_async_context(SplitClient(chains, runtime=chain_runtime))
-            reads_whole = trees  # unused unless draft-whole runs
-            if whole is not None:
-                whole_config = dataclasses.replace(config, draft_model_dir=args.whole_draft_model)
-                whole_runtime = EdgeRuntime(whole_config, loaded.model, whole.draft_model)
-                reads_whole = await stack.enter_async_context(SplitClient(whole_config, runtime=whole_runtime))
-            for client in {id(c): c for c in (trees, chain, reads_whole)}.values():
+            # a client (its own engine and sequence) per mode, over the runtimes' shared weights: a sequence keeps
+            # recording features once an EAGLE run turned them on, and an engine's step-time estimates carry from
+            # run to run, so a client shared by the modes would start each mode from the state the last one left
+            clients: dict[str, SplitClient] = {}
+            for mode in modes:
+                if mode.startswith("eagle") and runtime.draft_head is None:
+                    continue
+                if mode in CHAIN_MODES:
+                    mine, mine_runtime = chains, chain_runtime
+                elif mode == "draft-whole":
+                    mine, mine_runtime = whole_config, whole_runtime
+                else:
+                    mine, mine_runtime = config, runtime
+                client = await stack.enter_async_context(SplitClient(mine, runtime=mine_runtime))
                 await client.generate(cases[0][1][:16], 4, SamplingParams(), speculate="off")  # warm the link
+                clients[mode] = client
             for repeat in range(args.repeats):
                 for temperature in args.temperatures:
                     for label, prompt, answer in cases:
-                        modes = [m for m in MODES if m in args.modes]
                         order = modes[repeat % len(modes) :] + modes[: repeat % len(modes)]
                         for mode in order:
-                            if mode.startswith("eagle") and runtime.draft_head is None:
+                            if mode not in clients:  # eagle without a head
                                 continue
                             seed = 1000 * repeat + 7
-                            client = chain if mode in CHAIN_MODES else reads_whole if mode == "draft-whole" else trees
                             speculate = mode.removesuffix("-chain").removesuffix("-whole")
-                            row = await one(client, prompt, answer, speculate, temperature, seed)
+                            row = await one(clients[mode], prompt, answer, speculate, temperature, seed)
                             row |= {"rtt_ms": rtt, "temperature": temperature, "prompt": label, "mode": mode,
                                     "repeat": repeat, "answer": answer}  # fmt: skip
                             rows.append(row)

@@ -12,6 +12,10 @@ Checks (exit status 1 when one fails, with the reason):
 * every request either completes with exactly the text of a fault-free run of the same prompt
   (taken before the faults start), or gets a typed HTTP error (503 or 429 with OpenAI's error
   JSON); none hangs past ``--request-timeout-s``;
+* the gateway recovers: after each recovery event (the trunk restarted, the link back) some request
+  completes ok within ``--recovery-s`` (and before the next fault), and typed errors are at most
+  ``MAX_TYPED_SHARE`` (a quarter) of all requests: a gateway that answered 503 from the first fault
+  on would otherwise pass on typed errors alone;
 * the gateway's resident memory and open file descriptors stay flat: after the warm-up (the
   first fifth of the run) they stay within 10 % of the highest value the warm-up reached. The
   fault-free reference run, at the soak's full concurrency, warms the gateway up first.
@@ -42,6 +46,8 @@ from splitspec.demo import ASSETS, _stop, _wait_for_port, embedded_model, free_p
 from splitspec.run_info import resident_bytes, run_environment
 
 MAX_GROWTH = 0.10  # RSS and open descriptors may grow at most this much after the warm-up
+MAX_TYPED_SHARE = 0.25  # typed 503/429 answers may be at most this share of all requests
+RECOVERY_S = 30.0  # after a recovery event some request must complete ok within this many seconds (--recovery-s)
 
 
 def spawn(args: list[str]) -> subprocess.Popen[bytes]:
@@ -70,10 +76,15 @@ class Soak:
         self.base, self.draft = embedded_model("base"), embedded_model("draft")
         self.trunk_port, self.link_port, self.serve_port = free_port(), free_port(), free_port()
         self.events: list[str] = []
+        self.timeline: list[tuple[str, float]] = []  # ("fault" | "recovered", seconds since the load started)
         self.t0 = time.monotonic()
         self.trunk: subprocess.Popen[bytes] | None = None
         self.netem: subprocess.Popen[bytes] | None = None
         self.serve: subprocess.Popen[bytes] | None = None
+
+    def mark(self, kind: str) -> None:
+        """A fault (``fault``) or the end of one (``recovered``), at seconds since the load started."""
+        self.timeline.append((kind, time.monotonic() - self.started))
 
     def log(self, text: str) -> None:
         line = f"{time.monotonic() - self.t0:8.2f} s  {text}"
@@ -114,18 +125,22 @@ class Soak:
             await asyncio.sleep(max(0.0, at - (time.monotonic() - self.started)))
             if kind == "kill":
                 assert self.trunk is not None
+                self.mark("fault")
                 self.trunk.send_signal(signal.SIGKILL)
                 self.trunk.wait()
                 self.log("trunk SIGKILLed")
                 await asyncio.to_thread(self.start_trunk)
+                self.mark("recovered")
                 self.log("trunk restarted")
             else:
                 assert self.netem is not None
+                self.mark("fault")
                 self.netem.send_signal(signal.SIGKILL)
                 self.netem.wait()
                 self.log(f"link cut for {args.cut_s:g} s")
                 await asyncio.sleep(args.cut_s)
                 await asyncio.to_thread(self.start_netem)
+                self.mark("recovered")
                 self.log("link back")
 
     async def request(self, http: httpx.AsyncClient, prompt: str) -> tuple[str, str | None]:
@@ -146,7 +161,10 @@ class Soak:
             typed = False
         return (f"typed-{r.status_code}" if typed and r.status_code in (429, 503) else f"HTTP {r.status_code}"), None
 
-    async def client(self, http: httpx.AsyncClient, index: int, texts: list[str], reference: list[str]) -> list[str]:
+    async def client(
+        self, http: httpx.AsyncClient, index: int, texts: list[str], reference: list[str]
+    ) -> list[tuple[str, float]]:
+        """This stream's requests: (outcome, seconds since the load started when it ended)."""
         outcomes = []
         i = index
         while time.monotonic() - self.started < self.args.seconds:
@@ -158,7 +176,7 @@ class Soak:
                 self.log(f"stream {index}: {outcome}")
                 if outcome.startswith("typed"):
                     await asyncio.sleep(0.5)  # as a client honouring the error would
-            outcomes.append(outcome)
+            outcomes.append((outcome, time.monotonic() - self.started))
             i += self.args.streams
         return outcomes
 
@@ -189,16 +207,39 @@ class Soak:
                 self.faults(),
                 self.sample(samples),
             )
-        outcomes = [o for per_stream in results[: self.args.streams] for o in per_stream]  # type: ignore[union-attr]
-        return {"outcomes": outcomes, "samples": samples}
+        per_stream = results[: self.args.streams]
+        ended = sorted((o for mine in per_stream for o in mine), key=lambda o: o[1])  # type: ignore[union-attr]
+        return {
+            "outcomes": [o for o, _ in ended],
+            "ended": [t for _, t in ended],  # each outcome's request ended then (s since the load started)
+            "timeline": [[kind, t] for kind, t in self.timeline],
+            "samples": samples,
+        }
 
 
-def judge(raw: dict[str, Any]) -> dict[str, Any]:
+def recoveries(raw: dict[str, Any], within_s: float) -> list[str]:
+    """Each recovery event (the trunk restarted, the link back) after which no request completed ok within
+    ``within_s`` seconds, nor before the next fault: a failure line each. Empty for runs without a timeline."""
+    timeline = raw.get("timeline", [])
+    oks = [t for o, t in zip(raw["outcomes"], raw.get("ended", []), strict=False) if o == "ok"]
+    failures = []
+    for i, (kind, at) in enumerate(timeline):
+        if kind != "recovered":
+            continue
+        later = [t for k, t in timeline[i + 1 :] if k == "fault"]
+        until = min([at + within_s, *later])
+        if not any(at < t <= until for t in oks):
+            failures.append(f"no request completed ok within {until - at:.1f} s of the recovery at {at:.1f} s")
+    return failures
+
+
+def judge(raw: dict[str, Any], recovery_s: float = RECOVERY_S) -> dict[str, Any]:
     outcomes: list[str] = raw["outcomes"]
     counts: dict[str, int] = {}
     for o in outcomes:
         counts[o] = counts.get(o, 0) + 1
     bad = {o: n for o, n in counts.items() if o != "ok" and not o.startswith("typed-")}
+    typed = sum(n for o, n in counts.items() if o.startswith("typed-"))
     samples = raw["samples"]
     # a leak grows past the high-water mark the warm-up reached; one low sample (descriptors while
     # the trunk reconnects) is not a baseline
@@ -210,8 +251,22 @@ def judge(raw: dict[str, Any]) -> dict[str, Any]:
         if warmup and after:
             growth[key] = max(s[key] for s in after) / max(s[key] for s in warmup) - 1
     failures = [f"{n} request(s): {o}" for o, n in bad.items()]
+    if not counts.get("ok"):
+        failures.append("no request completed ok")
+    if typed > MAX_TYPED_SHARE * len(outcomes):
+        failures.append(
+            f"typed errors were {typed / len(outcomes):.0%} of the requests (at most {MAX_TYPED_SHARE:.0%})"
+        )
+    failures += recoveries(raw, recovery_s)
     failures += [f"gateway {k} grew {g:.0%} after warm-up" for k, g in growth.items() if g > MAX_GROWTH]
-    return {"counts": counts, "growth_after_warmup": growth, "failures": failures, "passed": not failures}
+    return {
+        "counts": counts,
+        "typed_share": typed / max(1, len(outcomes)),
+        "recovery_s": recovery_s,
+        "growth_after_warmup": growth,
+        "failures": failures,
+        "passed": not failures,
+    }
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -227,6 +282,10 @@ def markdown(results: dict[str, Any]) -> str:
         "| outcome | requests |",
         "|---|---:|",
         *(f"| {o} | {n} |" for o, n in sorted(v["counts"].items())),
+        "",
+        f"Typed errors (503/429): {v.get('typed_share', 0.0):.1%} of the requests (at most "
+        f"{MAX_TYPED_SHARE:.0%}). After each recovery event (trunk restarted, link back) a request must complete ok "
+        f"within {v.get('recovery_s', RECOVERY_S):g} s, and before the next fault.",
         "",
         "| after warm-up | growth |",
         "|---|---:|",
@@ -248,6 +307,9 @@ def main() -> None:
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--request-timeout-s", type=float, default=120.0)
+    parser.add_argument(
+        "--recovery-s", type=float, default=RECOVERY_S, help="a request must complete ok this soon after a recovery"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gateway_soak")
     args = parser.parse_args()
     soak = Soak(args)
@@ -258,7 +320,8 @@ def main() -> None:
         soak.stop()
     results: dict[str, Any] = {
         **run_environment(), **{k: v for k, v in vars(args).items() if k != "out"},
-        "command": "python benchmarks/gateway_soak.py " + " ".join(sys.argv[1:]), "raw": raw, "verdict": judge(raw),
+        "command": "python benchmarks/gateway_soak.py " + " ".join(sys.argv[1:]), "raw": raw,
+        "verdict": judge(raw, args.recovery_s),
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gateway_soak.json").write_text(json.dumps(results, indent=1))

@@ -20,8 +20,9 @@ busy: two intra-op threads on 2 cores while another process kept one busy made a
 default pool of 4 threads; the load generator uses one thread.
 
 The mix decodes for seconds / 4, sends the prefill and decodes on until seconds / 4 after it
-returns; its target compares the p99 of decode steps sent while the prefill computed with their
-p50 outside it. Memory per session-token is reported for the decoding sessions (short contexts:
+returns; its target compares the p99 of decode steps that overlapped the prefill's computing (sent
+before it returned, returned after it was sent) with the p50 of the others. Quantiles are
+nearest-rank. Memory per session-token is reported for the decoding sessions (short contexts:
 at most one 16-entry block of slack each) and for the big prefill's cache.
 """
 
@@ -31,6 +32,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import multiprocessing
 import statistics
 import sys
@@ -73,8 +75,25 @@ def random_llama(directory: Path) -> Path:
 
 
 def quantile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile: the ceil(q x n)-th smallest (p99 of 100 values is the 99th, not the largest)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+    if not ordered:
+        return float("nan")
+    rank = math.ceil(q * len(ordered) - 1e-9)  # q x n is whole up to rounding (0.07 x 100 = 7.000000000000001)
+    return ordered[min(len(ordered), max(1, rank)) - 1]
+
+
+def split_by_window(
+    latencies: list[tuple[float, float]], window: tuple[float, float]
+) -> tuple[list[float], list[float]]:
+    """Steps ((sent at, ms)) that overlapped ``window`` (start, end; seconds), and the others -> their ms, (during,
+    outside). A step overlaps when it was sent before the window ended and returned after it began: one in flight
+    when the prefill arrived waited on it too."""
+    during: list[float] = []
+    outside: list[float] = []
+    for sent, ms in latencies:
+        (during if sent < window[1] and sent + ms / 1e3 > window[0] else outside).append(ms)
+    return during, outside
 
 
 @dataclass(frozen=True)
@@ -295,9 +314,9 @@ async def run_load(
         await asyncio.sleep(max(0.0, stop - time.perf_counter()))
     done.set()
     await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
     if prefill_mix:
         await heavy.close()  # after the measured window: its interpreter's exit takes a second
-    wall = time.perf_counter() - start
     held_tokens = sum(s.length for s in load)
     held = await server.kv_bytes()
     kv_bytes = sum(held[s.sid] for s in load)
@@ -305,10 +324,10 @@ async def run_load(
     for s in load:
         await s.channel.close()
     latencies = [ms for s in load for _, ms in s.latencies]
-    during = [ms for s in load for sent, ms in s.latencies if heavy_window[0] <= sent <= heavy_window[1]]
-    outside = [ms for s in load for sent, ms in s.latencies if not heavy_window[0] <= sent <= heavy_window[1]]
+    during, outside = split_by_window([step for s in load for step in s.latencies], heavy_window)
     return {
         "steps": len(latencies),
+        "wall_s": wall,
         "steps_per_s": len(latencies) / wall,
         "p50_ms": quantile(latencies, 0.5),
         "p99_ms": quantile(latencies, 0.99),
@@ -393,7 +412,8 @@ def markdown(rows: list[dict[str, Any]], env: dict[str, Any], command: str, setu
         "",
         "## One big prefill arriving among 16 decoding sessions",
         "",
-        "Decode-step p50 outside the prefill, p99 of the steps sent while it computed, and their ratio (target "
+        "Decode-step p50 outside the prefill, p99 of the steps that overlapped its computing (in flight at any "
+        "moment of it), and their ratio (target "
         "<= 3x); the prefill's own time and its cache's bytes per token.",
         "",
         "| model | prefill tokens | mode | p50 outside ms | p99 during ms | p99/p50 | prefill ms | prefill KV B/token "
