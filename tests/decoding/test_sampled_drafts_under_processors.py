@@ -49,3 +49,10 @@ async def test_deterministic_drafts_or_a_greedy_target_decode_under_processors(
     sampled: bool, temperature: float
 ) -> None:
     assert len(await _decode(sampled, temperature)) == 6
+
+
+async def test_a_call_for_no_tokens_is_refused() -> None:
+    """The prefill's token comes whatever is asked: a caller wanting none drops it, decode does not pretend."""
+    stream = decode(ConstantVerifier(torch.zeros(V)), [0], 0, SamplingParams(), torch.Generator())
+    with pytest.raises(ValueError, match="max_new_tokens must be at least 1"):
+        await anext(stream)

@@ -269,6 +269,8 @@ async def decode(
     """
     if not prompt_ids:
         raise ValueError("the prompt must hold at least one token")
+    if max_new_tokens < 1:  # the prefill's token comes whatever: a caller wanting none drops it (serve's echo)
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {logprobs}")
     if prompt_logprobs is not None and not 0 <= prompt_logprobs.top <= MAX_TOP_LOGPROBS:
