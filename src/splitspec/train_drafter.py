@@ -121,16 +121,25 @@ def _run(args: argparse.Namespace) -> int:
         streams = read_corpus(args.eval_corpus, args.model, args.eval_prompt_tokens + 1)
         prompts = heldout_prompts(streams, args.eval_prompts, args.eval_prompt_tokens, args.seed)
         report = greedy_chains(head, source, prompts, args.eval_new_tokens, args.eval_depth)
+        trained_on = {Path(p).resolve() for p in args.corpus} & {Path(p).resolve() for p in args.eval_corpus}
+        if trained_on:
+            log.warning(
+                "--eval-corpus shares %s with --corpus: the head was trained on that text, so the figure below "
+                "overstates what it does on text it has not seen",
+                ", ".join(sorted(p.name for p in trained_on)),
+            )
         log.info(
-            "greedy chains of depth %d on %d held-out prompts: mean accepted length %.3f tokens per verification",
+            "greedy chains of depth %d on %d %s prompts: mean accepted length %.3f tokens per verification",
             args.eval_depth,
             len(prompts),
+            "training" if trained_on else "held-out",
             report.mean_accepted_length,
         )
         state_path = Path(args.out) / STATE_FILE
         state = json.loads(state_path.read_text())
         state["eval"] = {
             "files": [Path(p).name for p in args.eval_corpus],
+            "held_out": not trained_on,  # no evaluation file is a training file
             "prompts": len(prompts),
             "prompt_tokens": args.eval_prompt_tokens,
             "new_tokens": args.eval_new_tokens,

@@ -54,6 +54,12 @@ def test_train_drafter_trains_saves_and_measures(setup: tuple[Path, Path], tmp_p
     assert state["step"] == 3
     assert state["eval"]["mean_accepted_length"] >= 1.0
     assert state["eval"]["verifications"] >= 1
+    assert state["eval"]["held_out"] is False  # evaluated on its own training file, and the record says so
+    other = tmp_path / "other.txt"
+    other.write_text((TOKENIZER_TEXT + "\n") * 20)
+    eval_other = ("--eval-corpus", str(other), *eval_args[2:])
+    assert main(_args(model, corpus, tmp_path / "held-out", 1, *eval_other)) == 0
+    assert json.loads((tmp_path / "held-out" / "trainer_state.json").read_text())["eval"]["held_out"] is True
     head = load_draft_head(out, Checkpoint(model))  # loads for its own target
     assert head.config.feature_layers == (3,)
     assert head.config.target_name == model.name
