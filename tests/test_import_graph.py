@@ -160,3 +160,19 @@ def test_every_module_imports_on_its_own() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_only_the_transport_imports_websockets() -> None:
+    """DESIGN: ``transport/`` is the only place that imports websockets (the protocol core stays sans-I/O, and a
+    connection's state is read through ``Channel``)."""
+    outside = []
+    for name, path in MODULES.items():
+        if name == "splitspec.transport" or name.startswith("splitspec.transport."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if any(n == "websockets" or n.startswith("websockets.") for n in names):
+                outside.append(name)
+    assert outside == []

@@ -15,6 +15,7 @@ from splitspec.federated.topk import (
     adaptive_k,
     aggregate,
     bound_report,
+    distribution_error,
     l1,
     nucleus,
     reconstruct,
@@ -120,3 +121,25 @@ def test_bound_report_flags_violations() -> None:
     bad = bound_report([p], [lying], [1.0], "renorm")
     assert [v for v in bad.violations() if "reported ε" in v]
     assert float(bad.per_worker_epsilon[0, 0]) == pytest.approx(1.7)
+
+
+def test_a_nan_law_violates_the_bounds() -> None:
+    """Every check compared with ``>``, false for NaN: a NaN law gave Δ NaN and no violation."""
+    p = torch.tensor([[0.9, 0.1]])
+    topk = select_topk(p, TopKPolicy(k=1))
+    nan = torch.full_like(p, float("nan"))
+    report = bound_report([nan], [topk], [1.0], "renorm", draft=torch.tensor([[0.5, 0.5]]))
+    assert report.delta.isnan().all()
+    violations = report.violations()
+    assert [v for v in violations if "‖p_i − p̂_i‖₁" in v]
+    assert [v for v in violations if "Δ =" in v]
+    assert [v for v in violations if "|α − α̂|" in v]
+
+
+def test_distribution_error_names_what_is_not_a_law() -> None:
+    good = torch.tensor([[0.25, 0.75], [1.0, 0.0]])
+    assert distribution_error(good, 1e-3) is None
+    assert "not finite" in str(distribution_error(torch.tensor([[float("nan"), 1.0]]), 1e-3))
+    assert "not finite" in str(distribution_error(torch.tensor([[float("inf"), 0.0]]), 1e-3))
+    assert "negative" in str(distribution_error(torch.tensor([[-0.5, 1.5]]), 1e-3))
+    assert "sum" in str(distribution_error(torch.tensor([[0.5, 0.4]]), 1e-3))

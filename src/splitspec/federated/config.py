@@ -73,8 +73,8 @@ class CoordinatorConfig:
             raise ConfigError("timeouts must be positive")
 
     def k_cap(self, vocab_size: int) -> int:
-        """The most tokens a worker may send per scored position: K, or the adaptive cap."""
-        return self.top_k if self.top_k is not None else min(self.max_k, vocab_size)
+        """The most tokens a worker may send per scored position: K, or the adaptive cap, at most the vocabulary."""
+        return min(self.top_k if self.top_k is not None else self.max_k, vocab_size)
 
     def weight_list(self) -> list[float]:
         return list(self.weights) if self.weights is not None else [1.0] * len(self.worker_urls)

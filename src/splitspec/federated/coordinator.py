@@ -10,13 +10,17 @@ One round:
    weights w_i renormalised over the workers that answered, giving the aggregate p̂;
 4. the draft is verified against p̂ with the shared acceptance code
    (:func:`splitspec.decoding.acceptance.speculative_verify`; greedy: argmax of p̂), so the emitted
-   tokens follow p̂ exactly (after top-p, which is applied to p̂).
+   tokens follow p̂ exactly (after the run's top-k, then top-p, both applied to p̂ as
+   :func:`splitspec.decoding.sampling.probabilities` applies them to logits).
 
-Workers apply the temperature before their top-K (greedy runs use T = 1 there); the aggregate of
-tempered laws is the target. A worker that times out, disconnects or sends a bad reply is dropped
-for the round (logged) and the others' weights are renormalised; the coordinator reconnects it in
-a later round and re-prefills its cache from scratch. Handshake refusals (vocabulary or tokenizer
-mismatch, auth) are fatal: they mean a misconfiguration, not a fault.
+Workers apply the temperature before their top-K (greedy runs, ``SamplingParams.greedy``, use T = 1
+there); the aggregate of tempered laws is the target. A worker that times out, disconnects or sends a
+bad reply is dropped for the round (logged) and the others' weights are renormalised; the coordinator
+reconnects it in the background (a worker slow to accept costs no round) and, once connected, it joins
+at the next round boundary with its cache re-prefilled from scratch. A connection the worker closed
+between rounds (its idle timeout) is reconnected the same way, and when no worker is left connected
+the round waits for those reconnections. Handshake refusals (vocabulary or tokenizer mismatch, auth)
+at start are fatal: they mean a misconfiguration, not a fault.
 
 Every round records K sent, ε per worker and position, bytes each way per worker, accepted
 tokens; in audit mode the workers also return their full laws and the round records the true
@@ -49,13 +53,17 @@ from splitspec.federated.topk import (
     TopK,
     aggregate,
     bound_report,
+    distribution_error,
     normalize_weights,
     nucleus,
     reconstruct,
+    top_k_filter,
 )
 from splitspec.protocol.fed import FedHello, FedScores, FedWelcome
+from splitspec.transport.client import Channel
 
 log = logging.getLogger(__name__)
+FULL_SUM_TOLERANCE = 1e-3  # audit: how far from 1 a worker's full law may sum (float32 over a large vocabulary)
 
 
 class _Answer(NamedTuple):
@@ -99,12 +107,14 @@ def verify_against(
 ) -> Verdict:
     """Verify a draft against the aggregate p̂ (γ + 1, V): argmax when greedy, else lossless sampling.
 
-    Sampling uses nucleus(p̂, top_p) as the target law; draft_probs (γ, V) is q after the same
-    temperature / top-p.
+    Sampling uses nucleus(top_k_filter(p̂, top_k), top_p) as the target law (the order of
+    :func:`splitspec.decoding.sampling.probabilities`); draft_probs (γ, V) is q after the same
+    temperature / top-k / top-p, the law the draft was drawn from, so acceptance stays lossless.
     """
     if params.greedy:
         return greedy_verify(draft, p_hat)
-    return speculative_verify(draft, draft_probs, nucleus(p_hat, params.top_p), generator)
+    target = nucleus(top_k_filter(p_hat, params.top_k), params.top_p)
+    return speculative_verify(draft, draft_probs, target, generator)
 
 
 class Coordinator:
@@ -125,6 +135,8 @@ class Coordinator:
         )
         self._draft_lm = LocalSequence(self.draft.model)
         self.rounds: list[RoundStats] = []
+        # background reconnections of dropped workers: a link joins at the round boundary after its task finished
+        self._reconnecting: dict[WorkerLink, asyncio.Task[tuple[Channel, FedWelcome]]] = {}
 
     async def __aenter__(self) -> Coordinator:
         await self.connect()
@@ -150,28 +162,71 @@ class Coordinator:
                 log.info("worker %s: %s, model %s", link.url, r.worker, r.model_fingerprint)
 
     async def close(self) -> None:
+        tasks = list(self._reconnecting.values())
+        self._reconnecting.clear()
+        for task in tasks:
+            task.cancel()
+        for r in await asyncio.gather(*tasks, return_exceptions=True):
+            if isinstance(r, tuple):  # connected before it was cancelled, never used
+                await close_quietly(r[0])
         for link in self.links:
             if link.channel is not None:
                 channel, link.channel = link.channel, None
                 await close_quietly(channel)
 
-    async def _rejoin(self) -> list[str]:
-        """Try to reconnect dropped workers whose retry time has come; return the URLs that came back."""
-        now = time.monotonic()
-        due = [link for link in self.links if not link.alive and now >= link.next_retry]
-        if not due:
-            return []
-        results = await asyncio.gather(*(link.connect(self.hello) for link in due), return_exceptions=True)
-        back = []
-        for link, r in zip(due, results, strict=True):
-            if isinstance(r, BaseException):
-                link.next_retry = time.monotonic() + link.backoff_s
-                link.backoff_s = min(10.0, 2 * link.backoff_s)
-                log.info("worker %s still unavailable: %s", link.url, r)
-            else:
-                log.warning("worker %s rejoined; its cache will be re-prefilled", link.url)
-                back.append(link.url)
+    async def _rejoin(self) -> tuple[set[str], dict[str, WorkerRound]]:
+        """At a round boundary: the URLs of the workers that rejoin, and records of connections found closed.
+
+        Dropped workers reconnect in background tasks: one whose host accepts connections but never
+        answers costs its task up to connect_timeout_s, not every round it is due. A link whose
+        reconnection finished joins here (its cache is re-prefilled this round). A connection the
+        worker closed since the last round (its idle timeout: a coordinator idle for minutes finds every
+        connection closed) is reconnected at once; when no worker is left connected, the round has
+        nothing else to do and waits for the reconnections in flight.
+        """
+        dropped: dict[str, WorkerRound] = {}
+        for link in self.links:
+            if link.closed:
+                reason = "the worker closed the connection"
+                await link.drop(reason, backoff=False)
+                dropped[link.url] = WorkerRound(url=link.url, status="dropped", weight=0.0, error=reason)
+        back = self._adopt_reconnected()
+        self._start_reconnects()
+        if self._reconnecting and not any(link.alive for link in self.links):
+            await asyncio.wait(list(self._reconnecting.values()))
+            back |= self._adopt_reconnected()
+        return back, dropped
+
+    def _adopt_reconnected(self) -> set[str]:
+        """Use the connections whose background task finished; the URLs that came back."""
+        back: set[str] = set()
+        for link, task in list(self._reconnecting.items()):
+            if not task.done():
+                continue
+            del self._reconnecting[link]
+            exc = task.exception()  # never cancelled here: only close() cancels, after clearing the dict
+            if exc is not None:
+                log.info("worker %s still unavailable: %s", link.url, exc)
+                continue
+            link.adopt(*task.result())
+            log.warning("worker %s rejoined; its cache will be re-prefilled", link.url)
+            back.add(link.url)
         return back
+
+    def _start_reconnects(self) -> None:
+        """Start a background reconnection of every dropped worker whose retry time has come."""
+        now = time.monotonic()
+        for link in self.links:
+            if not link.alive and link not in self._reconnecting and now >= link.next_retry:
+                self._reconnecting[link] = asyncio.get_running_loop().create_task(self._reopen(link))
+
+    async def _reopen(self, link: WorkerLink) -> tuple[Channel, FedWelcome]:
+        try:
+            return await link.open(self.hello)
+        except Exception:  # scheduled from when it failed; logged when the round boundary reads it
+            link.next_retry = time.monotonic() + link.backoff_s
+            link.backoff_s = min(10.0, 2 * link.backoff_s)
+            raise
 
     def _draft(
         self, sequence: list[int], gamma: int, params: SamplingParams, generator: torch.Generator
@@ -180,7 +235,7 @@ class Coordinator:
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         audit_rows: list[torch.Tensor] = []
-        t_eff = params.temperature if params.temperature > 0 else 1.0
+        t_eff = 1.0 if params.greedy else params.temperature  # the workers' temperature (see _round)
         for _ in range(gamma):
             logits = self._staging.to_host(self._draft_lm.logits_for(sequence + tokens, 1)[0])  # (V,)
             if params.greedy:
@@ -207,8 +262,13 @@ class Coordinator:
             raise BadTensor(f"reply over a vocabulary of {reply.vocab_size}, expected {self.draft.vocab_size}")
         # decoding costs CPU in proportion to the reply: off the event loop, which keeps serving
         # the other workers' links; a count above the request's K is refused before allocation
-        if self.config.audit and reply.full is None:  # this worker is dropped, not the round
-            raise ProtocolError("audit mode: the worker did not send its full distributions")
+        if self.config.audit:  # a worker failing these is dropped, not the round
+            if reply.full is None:
+                raise ProtocolError("audit mode: the worker did not send its full distributions")
+            # the protocol checks only their size; NaN or negative laws made Δ NaN and passed every bound check
+            problem = distribution_error(reply.full, FULL_SUM_TOLERANCE)
+            if problem is not None:
+                raise BadTensor(f"audit mode: the worker's full distributions are not probability laws: {problem}")
         cap = self.config.k_cap(reply.vocab_size)
         topk = await asyncio.to_thread(decode_topk, reply.stream, reply.positions, reply.vocab_size, cap)
         return _Answer(link, reply, topk, up, down, (time.perf_counter() - t0) * 1e3)
@@ -270,13 +330,16 @@ class Coordinator:
         """
         cfg = self.config
         t_round = time.perf_counter()
-        rejoined = set(await self._rejoin())
+        rejoined, records = await self._rejoin()
         gamma = min(cfg.gamma, budget - 1)
         t0 = time.perf_counter()
         draft, q, q_audit = await asyncio.to_thread(self._draft, sequence, gamma, params, generator)
         draft_ms = (time.perf_counter() - t0) * 1e3
-        worker_temperature = params.temperature if params.temperature > 0 else 1.0
-        answered, records = await self._score_all(sequence + draft, gamma + 1, worker_temperature)
+        # greedy (T below GREEDY_BELOW, not only 0) verifies on the argmax of the T = 1 aggregate: a tiny T
+        # would make every worker's law one-hot and the aggregate a vote
+        worker_temperature = 1.0 if params.greedy else params.temperature
+        answered, dropped = await self._score_all(sequence + draft, gamma + 1, worker_temperature)
+        records.update(dropped)
         weights = normalize_weights([a.link.weight for a in answered]).tolist()
         topks = [a.topk for a in answered]
         p_hat = aggregate_target(topks, weights, cfg.reconstruct)

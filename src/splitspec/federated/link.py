@@ -43,8 +43,19 @@ class WorkerLink:
     def alive(self) -> bool:
         return self.channel is not None
 
+    @property
+    def closed(self) -> bool:
+        """Connected, but the worker has closed the connection since (it closes one idle past its timeout)."""
+        return self.channel is not None and self.channel.closed
+
     async def connect(self, hello: FedHello) -> FedWelcome:
-        """Connect and handshake; a refused handshake raises its typed error."""
+        """Connect and handshake, and use the connection from now on; a refused handshake raises its typed error."""
+        channel, welcome = await self.open(hello)
+        self.adopt(channel, welcome)
+        return welcome
+
+    async def open(self, hello: FedHello) -> tuple[Channel, FedWelcome]:
+        """Connect and handshake without using the connection yet (see :meth:`adopt`)."""
         cfg = self.config
         # a worker speaks only when asked, and its welcome is a header: nothing bigger is buffered
         channel = await Channel.connect(
@@ -65,16 +76,24 @@ class WorkerLink:
         except BaseException:
             await close_quietly(channel)
             raise
-        self.channel, self.welcome, self.tokens, self.seq = channel, reply, [], 0
-        self.backoff_s = cfg.rejoin_interval_s
-        return reply
+        return channel, reply
 
-    async def drop(self, reason: str) -> None:
+    def adopt(self, channel: Channel, welcome: FedWelcome) -> None:
+        """Use a connection :meth:`open` made: the worker's cache starts empty (the next round re-prefills it)."""
+        self.channel, self.welcome, self.tokens, self.seq = channel, welcome, [], 0
+        self.backoff_s = self.config.rejoin_interval_s
+
+    async def drop(self, reason: str, *, backoff: bool = True) -> None:
+        """Close the connection; reconnect after the backoff, or at once when ``backoff`` is False."""
         channel, self.channel = self.channel, None
         self.tokens = []
-        self.next_retry = time.monotonic() + self.backoff_s
-        self.backoff_s = min(10.0, 2 * self.backoff_s)
-        log.warning("worker %s dropped: %s", self.url, reason)
+        if backoff:
+            self.next_retry = time.monotonic() + self.backoff_s
+            self.backoff_s = min(10.0, 2 * self.backoff_s)
+            log.warning("worker %s dropped: %s", self.url, reason)
+        else:
+            self.next_retry = 0.0
+            log.info("worker %s: %s; reconnecting", self.url, reason)
         if channel is not None:
             await close_quietly(channel)
 
@@ -96,8 +115,11 @@ class WorkerLink:
             reply, u, d = await self._exchange(channel, welcome.vocab_size, keep, chunk, 1, 1.0, k=1)
             up, down, keep = up + u, down + d, keep + len(chunk)
             self.tokens = context[:keep]
+        # a fixed K above the worker's vocabulary means every token (TopKPolicy caps it at |V|); the worker
+        # refuses a K above its vocabulary, so it is capped here
+        k = None if cfg.top_k is None else min(cfg.top_k, welcome.vocab_size)
         reply, u, d = await self._exchange(
-            channel, welcome.vocab_size, keep, context[keep:], num_scored, temperature, k=cfg.top_k
+            channel, welcome.vocab_size, keep, context[keep:], num_scored, temperature, k=k
         )
         self.tokens = list(context)
         return reply, up + u, down + d

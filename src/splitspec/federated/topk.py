@@ -202,6 +202,19 @@ def aggregate(distributions: Sequence[torch.Tensor], weights: Sequence[float]) -
     return out.float()
 
 
+def top_k_filter(probs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Top-k on probability rows (..., V): keep each row's ``top_k`` most likely tokens, renormalised; 0 keeps all.
+
+    Same rule as :func:`splitspec.decoding.sampling.probabilities` (ties with the k-th value are kept), which
+    applies it before top-p: so ``nucleus(top_k_filter(p, k), top_p)``.
+    """
+    if not 0 < top_k < probs.shape[-1]:
+        return probs
+    kth = torch.topk(probs, top_k, dim=-1).values[..., -1:]  # (..., 1)
+    kept = probs.masked_fill(probs < kth, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Top-p on probability rows (..., V): keep the smallest set of most likely tokens with mass >= top_p.
 
@@ -219,6 +232,20 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 # -- accounting ------------------------------------------------------------------------------------
+
+
+def distribution_error(laws: torch.Tensor, tolerance: float) -> str | None:
+    """Why rows (n, V) are not probability laws (a value not finite or negative, a row not summing to 1 within
+    ``tolerance``), or None when they are. Written so that NaN fails every check."""
+    if not bool(torch.isfinite(laws).all()):
+        return "values that are not finite"
+    if not bool((laws >= 0).all()):
+        return "negative values"
+    sums = laws.double().sum(dim=-1)
+    if not bool(((sums - 1.0).abs() <= tolerance).all()):
+        worst = float((sums - 1.0).abs().max())
+        return f"a row whose sum is {worst:.3g} away from 1 (tolerance {tolerance:.3g})"
+    return None
 
 
 def l1(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -267,26 +294,29 @@ class BoundReport:
         return (self.alpha - self.alpha_hat).abs()
 
     def violations(self) -> list[str]:
-        """Human-readable list of every bound that fails (empty when all hold)."""
+        """Human-readable list of every bound that fails (empty when all hold).
+
+        Each check is written as "not (holds)", so that a NaN (say, from a worker's NaN law) counts as a violation.
+        """
         out: list[str] = []
         t = self.tolerance
         per_worker_bound = 2 * self.per_worker_epsilon
-        for i, pos in torch.nonzero(self.per_worker_delta > per_worker_bound + t).tolist():
+        for i, pos in torch.nonzero(~(self.per_worker_delta <= per_worker_bound + t)).tolist():
             out.append(
                 f"worker {i} position {pos}: ‖p_i − p̂_i‖₁ = {float(self.per_worker_delta[i, pos]):.3g}"
                 f" > 2ε_i = {float(per_worker_bound[i, pos]):.3g}"
             )
         if self.per_worker_reported is not None:
-            for i, pos in torch.nonzero(self.per_worker_reported < self.per_worker_epsilon - t).tolist():
+            for i, pos in torch.nonzero(~(self.per_worker_reported >= self.per_worker_epsilon - t)).tolist():
                 out.append(
                     f"worker {i} position {pos}: reported ε = {float(self.per_worker_reported[i, pos]):.3g}"
                     f" < exact ‖p_i − p̃_i‖₁ = {float(self.per_worker_epsilon[i, pos]):.3g}"
                 )
-        for pos in torch.nonzero(self.delta > self.bound + t).flatten().tolist():
+        for pos in torch.nonzero(~(self.delta <= self.bound + t)).flatten().tolist():
             out.append(f"position {pos}: Δ = {float(self.delta[pos]):.3g} > {float(self.bound[pos]):.3g}")
         drift = self.drift
         if drift is not None:
-            for pos in torch.nonzero(drift > 0.5 * self.delta[: drift.numel()] + t).flatten().tolist():
+            for pos in torch.nonzero(~(drift <= 0.5 * self.delta[: drift.numel()] + t)).flatten().tolist():
                 out.append(
                     f"position {pos}: |α − α̂| = {float(drift[pos]):.3g} > ½Δ = {0.5 * float(self.delta[pos]):.3g}"
                 )

@@ -23,7 +23,7 @@ from types import TracebackType
 
 from splitspec import __version__
 from splitspec.decoding.local import LocalSequence
-from splitspec.decoding.sampling import probabilities
+from splitspec.decoding.sampling import GREEDY_BELOW, probabilities
 from splitspec.devices import HostStaging, resolve_device
 from splitspec.exceptions import (
     BadTensor,
@@ -151,7 +151,9 @@ class FedWorker:
         t0 = time.perf_counter()
         lm.truncate(request.keep)
         logits = lm.append(request.tokens.tolist(), request.num_scored)
-        temperature = request.temperature if request.temperature > 0 else 1.0
+        # a greedy run's temperature (below GREEDY_BELOW, not only 0) scores at T = 1, as the coordinator asks: a tiny
+        # T made the law one-hot
+        temperature = request.temperature if request.temperature >= GREEDY_BELOW else 1.0
         # the laws cross to the host once per round: top-K selection and the codec run there
         probs = self._staging.to_host(probabilities(logits, temperature))  # (num_scored, V)
         policy = TopKPolicy(

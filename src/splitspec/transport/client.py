@@ -27,6 +27,7 @@ from typing import TypeVar
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidURI
 from websockets.frames import CloseCode
+from websockets.protocol import State
 
 from splitspec.exceptions import ConfigError, MessageTooLarge, ProtocolError, TransportError, error_from_code
 from splitspec.protocol.messages import (
@@ -169,6 +170,11 @@ class Channel:
     def alive(self) -> bool:
         """False once a multiplexed connection broke (its reader saw the end)."""
         return self._broken is None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the WebSocket is closing or closed, multiplexed or not (say, the peer closed it as idle)."""
+        return self._ws.state is not State.OPEN
 
     def multiplex(self) -> None:
         """Let requests be in flight together from now on (see the module docstring)."""
