@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh rest      # THERE: only the benchmarks after device_targets (trunk_load, quant_load)
 #
 # Through the device tool run `timeout 560 bash scripts/gpu_check.sh` with the tool's timeout_s 600: a TERM from
-# timeout still packs what was written (the EXIT trap below), which the tool's own kill at its limit would not.
+# timeout still packs what was written and prints the summary (the EXIT trap below), which the tool's own kill at its
+# limit would not.
 # The machine stays warm 30 s after a call: if the first call did not reach trunk_load/quant_load, call at once
 # `timeout 250 bash scripts/gpu_check.sh rest` (timeout_s 280) before the device goes back (a fresh start costs minutes).
 #
@@ -102,16 +103,31 @@ summary() {
     fi
     return 0
 }
+# GNU timeout sends its TERM to the whole process group: bash (twice) and tee. tee ignores it (below), and so do the
+# exit traps once they run, so the summary reaches the output and the log and the results are packed all the same
+settle_log() {
+    # the summary reaches the log through tee: wait until tee has written it (5 s at most) before packing the log
+    local mark="== packing the results" i
+    echo "$mark"
+    for i in {1..50}; do
+        grep -qxF -- "$mark" "${LOG:-}" 2>/dev/null && break
+        sleep 0.1
+    done
+    return 0
+}
 if [[ -n "${OUT:-}" ]]; then
     RESULTS=$(mktemp -d)
+    # tee is stopped at the end: a benchmark under its own `timeout` (its own process group, which timeout's TERM
+    # does not reach) must not keep the output open through it after this shell exits
     # shellcheck disable=SC2064  # expand now: the paths are fixed
-    trap "summary; tar czf '$OUT/gpu_check.tgz' -C '$RESULTS' . && cp '$RESULTS/gpu_check.log' '$OUT/'" EXIT
+    trap "trap '' TERM; summary; settle_log; tar czf '$OUT/gpu_check.tgz' -C '$RESULTS' . && cp '$RESULTS/gpu_check.log' '$OUT/'; kill -KILL \"\${TEE:-}\" 2>/dev/null" EXIT
 else
-    trap summary EXIT
+    trap "trap '' TERM; summary" EXIT
 fi
 mkdir -p "$RESULTS"
 LOG=$RESULTS/gpu_check.log
-exec > >(tee "$LOG") 2>&1
+exec > >(trap "" TERM; exec tee "$LOG") 2>&1
+TEE=$!
 export PYTHONUNBUFFERED=1
 echo "== gpu_check $(date -u +%FT%TZ) commit $(git rev-parse HEAD 2>/dev/null || echo unknown)"
 

@@ -70,3 +70,33 @@ def test_cpu_seconds_grow_with_the_work_a_process_does() -> None:
     assert 0.2 <= spent < 5.0  # the kernel counts in clock ticks (10 ms)
     with pytest.raises(FileNotFoundError):
         cpu_seconds(2**31 - 1)  # no such process
+
+
+def test_an_untracked_code_file_marks_the_commit_dirty(tmp_path: Path) -> None:
+    """A run of a new script not yet added to git used to be recorded at a clean commit."""
+    repo = tmp_path / "repo"
+    (repo / "src" / "pkg").mkdir(parents=True)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (repo / "src" / "pkg" / "a.py").write_text("1")
+    (repo / ".gitignore").write_text("scratch/\n*.ignored.py\n")
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (repo / "notes.txt").write_text("not code")  # untracked, but neither code nor under a code folder
+    (repo / "top.py").write_text("")  # a .py file outside src/, benchmarks/ and scripts/
+    (repo / "benchmarks").mkdir()
+    (repo / "benchmarks" / "data.json").write_text("{}")
+    (repo / "scripts" / "scratch").mkdir(parents=True)
+    (repo / "scripts" / "scratch" / "x.py").write_text("")  # ignored by .gitignore
+    (repo / "scripts" / "old.ignored.py").write_text("")
+    assert git_commit(repo) == head
+    assert git_commit(repo / "src") == head
+    new = repo / "benchmarks" / "deep" / "new_bench.py"  # in a new folder: status would show only "benchmarks/"
+    new.parent.mkdir()
+    new.write_text("")
+    assert git_commit(repo) == f"{head}+dirty"
+    assert git_commit(repo / "src") == f"{head}+dirty"  # from a subfolder, too
+    new.unlink()
+    (repo / "src" / "pkg" / "b.py").write_text("")
+    assert git_commit(repo) == f"{head}+dirty"

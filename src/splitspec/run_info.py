@@ -1,7 +1,7 @@
 """Where a measurement came from, and one compact file for a benchmark's runs.
 
 Every benchmark result records :func:`run_environment`: the git commit it ran at (with a flag if
-the working tree had uncommitted changes), the splitspec version and the versions of the
+the working tree had uncommitted changes or new code files), the splitspec version and the versions of the
 libraries that set the figures, the machine, and the start time. Per-run records go into one
 gzip-compressed JSON-lines file per benchmark (:func:`write_jsonl_gz`) instead of one file per
 run, so a re-run rewrites one file, not hundreds, and each line carries the commit and version.
@@ -35,16 +35,25 @@ def _git(*args: str, cwd: Path) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+# where a Python file not yet added to git still shapes a run: the package, the benchmarks and the scripts
+# (pathspecs from the top of the checkout; ``*`` matches across ``/``: every .py file below each folder, but not
+# the .gitignore'd ones)
+_CODE_PATHSPECS = (":(top)src/*.py", ":(top)benchmarks/*.py", ":(top)scripts/*.py")
+
+
 def git_commit(cwd: Path | None = None) -> str:
     """The commit checked out at ``cwd`` (default: this package's repository), ``+dirty`` if the
-    tracked files differ from it, or ``"unknown"`` outside a git checkout (an installed wheel)."""
+    tracked files differ from it or an untracked ``.py`` file lies under ``src/``, ``benchmarks/`` or
+    ``scripts/`` (a run of a script not yet added), or ``"unknown"`` outside a git checkout (an installed wheel)."""
     if cwd is None and not (_REPO / "src" / "splitspec").is_dir():
         return "unknown"  # an installed copy: the enclosing directories are not this package's repository
     where = cwd or _REPO
     commit = _git("rev-parse", "HEAD", cwd=where)
     if not commit:
         return "unknown"
-    dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=where)
+    dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=where) or _git(
+        "ls-files", "--others", "--exclude-standard", "--full-name", "--", *_CODE_PATHSPECS, cwd=where
+    )
     return f"{commit}+dirty" if dirty else commit
 
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from splitspec.demo import free_port
 from splitspec.exceptions import ConfigError
 from splitspec.serve.config import ServeConfig
-from splitspec.serve.workers import Supervisor, resolve_port, reuse_port_socket
+from splitspec.serve.workers import Supervisor, claim_port, resolve_port, reuse_port_socket, watch_parent
 from tests.serve.conftest import MODEL_NAME, Stack
 
 PROMPTS = ["to be or not", "the quick brown", "once upon a time", "all the world"]
@@ -132,3 +133,43 @@ def test_a_supervisor_needs_two_workers(chat_model: Path) -> None:
     config = ServeConfig(EdgeConfig(model_dir=chat_model, cloud_url="ws://127.0.0.1:9"), served_model_name="m")
     with pytest.raises(ConfigError, match="2 workers or more"):
         Supervisor(config, 1)
+
+
+def test_a_second_supervisor_on_the_port_is_refused(chat_model: Path) -> None:
+    """Every worker socket sets SO_REUSEPORT, so a second ``serve --workers`` on the port used to bind it silently
+    and the kernel split the connections between two servers: the supervisor's claim on the port refuses it."""
+    from splitspec.edge import EdgeConfig
+
+    port = resolve_port("127.0.0.1", 0)
+    held = claim_port(port)
+    try:
+        with pytest.raises(ConfigError, match=f"cannot listen on port {port}: another splitspec serve"):
+            claim_port(port)
+        config = ServeConfig(
+            EdgeConfig(model_dir=chat_model, cloud_url="ws://127.0.0.1:9"), served_model_name="m", port=port
+        )
+        supervisor = Supervisor(config, 2)
+        with pytest.raises(ConfigError, match="another splitspec serve"):
+            supervisor.run()  # refused before it starts a worker
+        assert supervisor._procs == [None, None]
+        claim_port(port + 1 if port < 65535 else port - 1).close()  # another port is free to claim
+    finally:
+        held.close()
+    claim_port(port).close()  # the claim ends with its holder
+
+
+def test_a_worker_stops_when_its_supervisor_is_gone() -> None:
+    """A worker watches its parent's sentinel, a pipe whose other end the parent holds: the end closes when the parent
+    ends, however (a SIGKILLed supervisor used to leave its workers serving with ppid 1)."""
+    read, write = os.pipe()
+    gone = threading.Event()
+    try:
+        watch_parent(read, gone.set)
+        assert not gone.wait(0.2)  # the parent lives
+        os.close(write)  # the parent ends
+        write = -1
+        assert gone.wait(5)
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)

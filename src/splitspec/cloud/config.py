@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitspec.exceptions import CheckpointError, ConfigError
+from splitspec.protocol.choices import WIRE_CODECS
+
 
 @dataclass(frozen=True)
 class CloudConfig:
@@ -54,3 +57,40 @@ class CloudConfig:
     compute_workers: int = 4  # without batching: sessions computing at once (threads); others' steps queue
     torch_threads: int | None = None  # intra-op CPU threads for the trunk; None = torch's default
     sweep_interval_s: float | None = None  # TTL sweep period, seconds; None = ttl / 4 capped at 5
+
+
+def check_config(config: CloudConfig) -> None:
+    """The checks that need no model, each a :class:`ConfigError` of one line: made before a trunk loads (minutes,
+    for a big one), by :class:`~splitspec.cloud.server.TrunkServer` and, before any replica starts, by the Ray
+    Serve application (:func:`~splitspec.cloud.ray_serve.trunk_application`)."""
+    if not (config.model_dir / "config.json").is_file():
+        raise CheckpointError(f"{config.model_dir} is not a checkpoint directory: config.json is missing")
+    if config.kv_budget_mb is not None and config.kv_budget_mb <= 0:
+        raise ConfigError(f"the KV budget must be positive, got {config.kv_budget_mb} MiB")
+    if min(config.max_sessions, config.max_sessions_per_connection, config.max_sessions_per_address) < 1:
+        raise ConfigError("session limits must be at least 1")
+    if config.kv_block_tokens < 1:
+        raise ConfigError(f"--kv-block must be at least 1 entry, got {config.kv_block_tokens}")
+    if config.max_batch_steps < 1 or config.prefill_chunk_tokens < 1:
+        raise ConfigError("--max-batch-steps and --prefill-chunk must be at least 1")
+    if not 0 <= config.batch_gather <= 10:
+        raise ConfigError(f"--batch-gather must be between 0 and 10 (decode batches' time), got {config.batch_gather}")
+    if not config.wire_codecs or any(c not in WIRE_CODECS for c in config.wire_codecs):
+        raise ConfigError(f"--wire-codecs must name one or more of {', '.join(WIRE_CODECS)}, got {config.wire_codecs}")
+    if config.compile is not None and config.batching:
+        raise ConfigError(
+            "--compile runs each session's decode step alone over static KV buffers: add --no-batching "
+            "(batched steps use growable caches)"
+        )
+    if config.session_ttl_s <= 0:
+        raise ConfigError(f"--session-ttl must be positive, got {config.session_ttl_s} s")
+    if config.handshake_timeout_s <= 0:
+        raise ConfigError(f"--handshake-timeout must be positive, got {config.handshake_timeout_s} s")
+    if config.max_connections_per_address < 1:
+        raise ConfigError("--max-connections-per-address must be at least 1")
+    if config.max_message_bytes < 1:
+        raise ConfigError("--max-message-mb must be at least 1")
+    if config.max_cache_tokens is not None and config.max_cache_tokens < 1:
+        raise ConfigError(f"--max-cache-tokens must be at least 1, got {config.max_cache_tokens}")
+    if (config.tls_cert_file is None) != (config.tls_key_file is None):
+        raise ConfigError("TLS needs both a certificate and a key file")

@@ -7,7 +7,7 @@ open, KV bytes held, evictions) is read at scrape time. Every name starts with `
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -47,12 +47,17 @@ class _StoreCollector(Collector):
 
 
 class TrunkMetrics:
-    """What the trunk's ``/metrics`` exposes."""
+    """What the trunk's ``/metrics`` and ``/health`` expose.
 
-    def __init__(self, store: SessionStore) -> None:
+    ``failure`` says why the server cannot serve steps (a background task it needs has ended), or
+    None while it can; ``/health`` answers 503 with that reason.
+    """
+
+    def __init__(self, store: SessionStore, failure: Callable[[], str | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.store = store
+        self.failure = failure
         r.register(_StoreCollector(store))
         self.batch_size = Histogram(
             P + "batch_size", "steps computed together in one forward", buckets=_COUNT_BUCKETS, registry=r
@@ -86,9 +91,13 @@ class TrunkMetrics:
         return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry).decode()
 
     def health(self) -> tuple[int, str, str]:
-        """The ``/health`` answer: serving, with its load."""
+        """The ``/health`` answer: serving, with its load; 503 with the reason when steps cannot be served."""
         store = self.store
-        body = {"status": "ok", "sessions": len(store), "kv_bytes_used": store.kv_bytes()}
+        body: dict[str, str | int] = {"status": "ok", "sessions": len(store), "kv_bytes_used": store.kv_bytes()}
         if store.budget is not None:
             body["kv_bytes_budget"] = store.budget.budget_bytes
+        failure = self.failure()
+        if failure is not None:
+            body |= {"status": "failing", "error": failure}
+            return 503, "application/json", json.dumps(body)
         return 200, "application/json", json.dumps(body)

@@ -7,7 +7,8 @@ Starlette's WebSocket through a :class:`FrameSocket` adapter. A connection stays
 that accepted it for its whole life. When that replica dies or is scaled down the connection
 closes; the edge reconnects through the proxy, lands on a live replica and replays its session's
 history (``edge/client.py``), so its output does not change. Placement, health checks and
-restarts are Ray's: a replica that dies is replaced by Serve's controller.
+restarts are Ray's: a replica that dies, or whose batching loop has stopped (:meth:`TrunkReplica.check_health`),
+is replaced by Serve's controller.
 
 Every replica answers the handshake's WebSocket upgrade with the header ``x-splitspec-replica``
 (the replica's Ray actor name), so an operator or a test can tell which replica serves a
@@ -34,7 +35,7 @@ from fastapi.responses import Response
 from starlette.websockets import WebSocketDisconnect
 
 from splitspec.arguments import read_token_file
-from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.config import CloudConfig, check_config
 from splitspec.cloud.server import TrunkServer
 from splitspec.exceptions import ConfigError
 from splitspec.transport.server import HttpRoute, SocketClosed, warn_if_open, warn_if_unencrypted
@@ -107,6 +108,13 @@ class TrunkReplica:
             await self.server.stop_compute()
             self._computing = False
 
+    def check_health(self) -> None:
+        """Ray Serve's health check (called periodically): raises once the replica's batching loop or TTL sweep
+        has ended, when every step it is sent would fail, so Serve's controller replaces it."""
+        failure = self.server.compute_failure()
+        if failure is not None:
+            raise RuntimeError(f"replica {self.name}: {failure}")
+
     async def connect(self, websocket: WebSocket) -> None:
         """Serve one WebSocket connection the proxy routed here, until it closes."""
         self._start_compute()
@@ -177,12 +185,17 @@ def _ray_serve() -> Any:
 
 
 def trunk_application(config: CloudConfig, replicas: int, cpus_per_replica: float = 1.0) -> Any:
-    """The Serve application of ``replicas`` trunk replicas (a ``ray.serve.Application``, for ``serve.run``)."""
-    serve = _ray_serve()
+    """The Serve application of ``replicas`` trunk replicas (a ``ray.serve.Application``, for ``serve.run``).
+
+    The trunk's checks that need no model are made here, once, before Ray starts a replica: a bad
+    value is one :class:`ConfigError`, not a failure in each replica (or Serve's own validation error).
+    """
+    check_config(config)
     if replicas < 1:
         raise ConfigError(f"--ray-replicas must be at least 1, got {replicas}")
     if cpus_per_replica < 0:
         raise ConfigError(f"--ray-cpus-per-replica must not be negative, got {cpus_per_replica}")
+    serve = _ray_serve()
     deployment = serve.deployment(
         name="trunk",
         num_replicas=replicas,

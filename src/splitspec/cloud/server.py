@@ -22,7 +22,7 @@ import torch
 from splitspec import __version__
 from splitspec.cloud.batcher import StepBatcher
 from splitspec.cloud.budget import default_budget_bytes, kv_bytes_per_token
-from splitspec.cloud.config import CloudConfig
+from splitspec.cloud.config import CloudConfig, check_config
 from splitspec.cloud.metrics import TrunkMetrics, step_kind
 from splitspec.cloud.sessions import KVBudget, SessionStore
 from splitspec.devices import HostStaging, compute_on_threads, parse_devices, resolve_device
@@ -44,7 +44,6 @@ from splitspec.models.split import SplitPlan
 from splitspec.models.static_kv import StaticKVCache, static_cache_size
 from splitspec.models.trunk_fingerprint import trunk_fingerprint
 from splitspec.models.warm_up import WARM_UP_WIDTHS, pays_cold_start, warm_up_stack
-from splitspec.protocol.codec import WIRE_CODECS
 from splitspec.protocol.messages import (
     CloseSession,
     Error,
@@ -83,41 +82,8 @@ class TrunkServer:
         self.config = config
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
-        if config.kv_budget_mb is not None and config.kv_budget_mb <= 0:
-            raise ConfigError(f"the KV budget must be positive, got {config.kv_budget_mb} MiB")
-        if min(config.max_sessions, config.max_sessions_per_connection, config.max_sessions_per_address) < 1:
-            raise ConfigError("session limits must be at least 1")
-        if config.kv_block_tokens < 1:
-            raise ConfigError(f"--kv-block must be at least 1 entry, got {config.kv_block_tokens}")
-        if config.max_batch_steps < 1 or config.prefill_chunk_tokens < 1:
-            raise ConfigError("--max-batch-steps and --prefill-chunk must be at least 1")
-        if not 0 <= config.batch_gather <= 10:
-            raise ConfigError(
-                f"--batch-gather must be between 0 and 10 (decode batches' time), got {config.batch_gather}"
-            )
-        if not config.wire_codecs or any(c not in WIRE_CODECS for c in config.wire_codecs):
-            raise ConfigError(
-                f"--wire-codecs must name one or more of {', '.join(WIRE_CODECS)}, got {config.wire_codecs}"
-            )
-        if config.compile is not None and config.batching:
-            raise ConfigError(
-                "--compile runs each session's decode step alone over static KV buffers: add --no-batching "
-                "(batched steps use growable caches)"
-            )
-        # what needs no model is checked before the model loads (minutes, for a big one)
-        if config.session_ttl_s <= 0:
-            raise ConfigError(f"--session-ttl must be positive, got {config.session_ttl_s} s")
-        if config.handshake_timeout_s <= 0:
-            raise ConfigError(f"--handshake-timeout must be positive, got {config.handshake_timeout_s} s")
-        if config.max_connections_per_address < 1:
-            raise ConfigError("--max-connections-per-address must be at least 1")
-        if config.max_message_bytes < 1:
-            raise ConfigError("--max-message-mb must be at least 1")
-        if config.max_cache_tokens is not None and config.max_cache_tokens < 1:
-            raise ConfigError(f"--max-cache-tokens must be at least 1, got {config.max_cache_tokens}")
+        check_config(config)  # what needs no model is checked before the model loads (minutes, for a big one)
         tls = None
-        if (config.tls_cert_file is None) != (config.tls_key_file is None):
-            raise ConfigError("TLS needs both a certificate and a key file")
         if config.tls_cert_file is not None and config.tls_key_file is not None:
             tls = server_tls(config.tls_cert_file, config.tls_key_file)
         self.checkpoint = Checkpoint(config.model_dir)
@@ -168,7 +134,7 @@ class TrunkServer:
             budget=self.budget,
             new_cache=None if self.cache_size is None else partial(StaticKVCache, self.cache_size),
         )
-        self.metrics = TrunkMetrics(self.sessions)
+        self.metrics = TrunkMetrics(self.sessions, self.compute_failure)  # /health: 503 once compute died
         threaded = compute_on_threads(config.compute_on, devices)  # a CPU trunk's forwards run on the event loop
         self.batcher = (
             StepBatcher(
@@ -240,6 +206,16 @@ class TrunkServer:
         self._sweeper = asyncio.create_task(self._sweep_forever())
         if self.batcher is not None:
             self.batcher.start()
+
+    def compute_failure(self) -> str | None:
+        """Why steps cannot be served though compute was started (its batching loop or TTL sweep ended), or None."""
+        if self._sweeper is None:
+            return None  # not started (a replica before its first connection), or stopped
+        if self._sweeper.done():
+            return "the session TTL sweep stopped"
+        if self.batcher is not None and self.batcher.failed:  # every step now fails "not running"
+            return "the batching loop stopped"
+        return None
 
     async def stop_compute(self) -> None:
         if self._sweeper is not None:

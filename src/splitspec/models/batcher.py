@@ -136,6 +136,11 @@ class RowBatcher:
     def running(self) -> bool:
         return self._task is not None
 
+    @property
+    def failed(self) -> bool:
+        """Started and not stopped, yet its worker has ended (crashed): every step submitted now is refused."""
+        return self._task is not None and self._task.done()
+
     def start(self) -> None:
         """Start the worker (in the running event loop); a stopped batcher may be started again."""
         self._wake = asyncio.Event()

@@ -19,7 +19,7 @@ class ServeConfig:
     api_key: str | None = None  # bearer token clients must send; None = no authentication
     speculate: str = "auto"  # --speculate mode used for every request
     max_active: int = 8  # requests generating at once, each on its own cloud session
-    queue_timeout_s: float = 10.0  # a request waits this long for a free session, then gets 429
+    queue_timeout_s: float = 10.0  # a request waits this long for a free session, then gets 429 (0: no wait)
     prefix_cache_entries: int = 16  # idle conversations kept (edge caches + cloud session)
     prefix_cache_bytes: int = 512 * 1024 * 1024  # edge KV memory the idle conversations may hold, bytes
     prefix_reuse: bool = True  # False: every request re-prefills its whole prompt (for comparison)

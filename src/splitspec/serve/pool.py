@@ -2,7 +2,8 @@
 
 At most ``max_active`` requests generate at once. A request beyond that waits up to
 ``queue_timeout_s`` for a session to come free and then gets 429 with ``Retry-After`` (waiting
-absorbs bursts; the bound keeps a flood from queueing forever). A finished request's session goes
+absorbs bursts; the bound keeps a flood from queueing forever); ``queue_timeout_s`` 0 queues
+nothing: a free session at once, or 429 at once. A finished request's session goes
 to the :class:`PrefixCache`; a failed or abandoned one (client disconnect, trunk error) is closed at
 once in the background, so its cloud session is freed without waiting for the handler.
 """
@@ -56,10 +57,17 @@ class SessionPool:
         ``reuse=False``: no cached prefix is reused (a request that needs every prompt row computed,
         such as echo with logprobs); an idle session may still be recycled from scratch.
         """
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
-        except TimeoutError:
-            raise server_busy(max(1, round(self.queue_timeout_s))) from None
+        if self.queue_timeout_s <= 0:
+            # no queueing (--queue-timeout 0): a free slot at once, or 429 at once. wait_for with a
+            # zero timeout would cancel even an acquire that could succeed, refusing every request
+            if self._slots.locked():
+                raise server_busy(1)
+            await self._slots.acquire()  # a slot is free: returns without suspending
+        else:
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
+            except TimeoutError:
+                raise server_busy(max(1, round(self.queue_timeout_s))) from None
         self._active += 1
         try:
             taken = self.cache.take(prompt, self.reuse and reuse)

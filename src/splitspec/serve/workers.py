@@ -8,6 +8,11 @@ engine, session pool and trunk connections, each listening on the same port with
 is refused). Requests batch within a worker, not across workers, and each worker's ``/metrics``,
 prefix cache and ``--max-active`` are its own (the limit is per worker).
 
+The supervisor claims the port first (:func:`claim_port`): the workers' SO_REUSEPORT would let a
+second ``serve --workers`` on the same port join them silently, the kernel splitting connections
+between two servers; it is refused at once instead. Each worker watches the supervisor and stops
+(gracefully) when it is gone, even SIGKILLed: no orphan keeps serving with nobody to stop it.
+
 The supervisor restarts a worker that dies after it came up (accepted connections); one that dies
 before (it cannot load its model, cannot bind, cannot reach what it needs) stops them all, with
 exit status 1: starting it again would fail again.
@@ -19,13 +24,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event as EventType
 from types import FrameType
@@ -38,6 +47,7 @@ log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0  # seconds each worker gets to finish after SIGTERM before it is killed
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [worker %(process)d] %(message)s"
+CLAIM_NAME = "splitspec-serve-port-{port}"  # the abstract Unix socket a supervisor holds for its port
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -58,8 +68,51 @@ def resolve_port(host: str, port: int) -> int:
         probe.close()
 
 
+def claim_port(port: int) -> socket.socket:
+    """Hold ``port`` for one supervisor's workers, or a :class:`ConfigError` when another supervisor holds it.
+
+    SO_REUSEPORT admits any socket of the same user that sets it too, so the workers' own sockets cannot
+    refuse a second ``serve --workers`` on their port. The claim is an abstract Unix socket named after
+    the port (Linux, as SO_REUSEPORT; in the port's network namespace): only one process can bind a name,
+    and the kernel frees it when that process ends, however it ends. The workers do not inherit it.
+    """
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind("\0" + CLAIM_NAME.format(port=port))
+    except OSError as exc:
+        claim.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"cannot listen on port {port}: another splitspec serve --workers serves it") from None
+        raise ConfigError(f"cannot claim port {port} for the workers: {exc.strerror or exc}") from None
+    return claim
+
+
+def _stop_orphan() -> None:
+    """The supervisor is gone: stop as it would have stopped us (SIGTERM: uvicorn's graceful shutdown), or die."""
+    log.warning("the supervisor is gone: stopping")
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STOP_TIMEOUT_S)
+    os._exit(1)
+
+
+def watch_parent(sentinel: int, on_gone: Callable[[], None] = _stop_orphan) -> threading.Thread:
+    """Call ``on_gone`` (on a daemon thread) once ``sentinel`` is readable: the parent process's sentinel (the read
+    end of a pipe the parent holds the other end of) is when the parent has ended, SIGKILLed included."""
+
+    def watch() -> None:
+        multiprocessing.connection.wait([sentinel])
+        on_gone()
+
+    thread = threading.Thread(target=watch, name="supervisor-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def _worker_main(config: ServeConfig, log_level: str, threads: int | None, ready: EventType) -> None:
-    """One worker process: the single-process server on a SO_REUSEPORT socket of its own."""
+    """One worker process: the single-process server on a SO_REUSEPORT socket of its own, while the supervisor lives."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        watch_parent(parent.sentinel)
     import torch
 
     from splitspec.serve.server import serve_forever
@@ -104,7 +157,10 @@ class Supervisor:
         self._stop_signal = signum
 
     def run(self) -> int:
-        """Serve until SIGINT or SIGTERM (130 or 0), or until a worker cannot start (1)."""
+        """Serve until SIGINT or SIGTERM (130 or 0), or until a worker cannot start (1).
+
+        Raises :class:`ConfigError` when another supervisor serves the port."""
+        claim = claim_port(self.config.port)
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for index in range(self.workers):
@@ -127,6 +183,7 @@ class Supervisor:
             self._stop_all()
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            claim.close()
 
     def _stop_all(self) -> None:
         live = [p for p in self._procs if p is not None and p.is_alive()]
