@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,24 +13,11 @@ from splitspec.exceptions import HandshakeMismatch
 from splitspec.federated.codec import decode_topk, encode_topk
 from splitspec.federated.config import CoordinatorConfig
 from splitspec.federated.coordinator import Coordinator
-from splitspec.federated.lm import LoadedModel, load_model
+from splitspec.federated.lm import LoadedModel
 from splitspec.federated.topk import TopKPolicy, aggregate, reconstruct, select_topk
 from splitspec.federated.worker import FedWorker, WorkerConfig
 
 K = 8
-
-
-@pytest.fixture(scope="module")
-def models(make_checkpoint: Callable[..., Path]) -> dict[str, LoadedModel]:
-    """Two different worker models and a drafter sharing the 96-token tokenizer, plus a 128-vocab odd one."""
-    return {
-        "a": load_model(make_checkpoint("llama", layers=2, logit_scale=6.0)),
-        "b": load_model(make_checkpoint("llama", layers=3, logit_scale=6.0)),
-        "draft": load_model(make_checkpoint("llama", layers=1, logit_scale=6.0)),
-        "draft_like_a": load_model(make_checkpoint("llama", layers=2, logit_scale=6.0)),  # accepts some drafts
-        "odd": load_model(make_checkpoint("llama", layers=1, vocab=128)),
-        "other_tokenizer": load_model(make_checkpoint("qwen2", layers=1)),  # Qwen2Tokenizer adds a pad token
-    }
 
 
 def worker(loaded: LoadedModel, port: int = 0, delay_s: float = 0.0) -> FedWorker:

@@ -4,7 +4,6 @@ the vocabulary, greedy below GREEDY_BELOW, and the run's top-k applied to the ta
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,23 +13,12 @@ from splitspec.decoding.sampling import SamplingParams
 from splitspec.federated.config import CoordinatorConfig
 from splitspec.federated.coordinator import Coordinator
 from splitspec.federated.link import WorkerLink
-from splitspec.federated.lm import LoadedModel, load_model
+from splitspec.federated.lm import LoadedModel
 from splitspec.federated.worker import FedWorker, WorkerConfig
 from splitspec.protocol.fed import FedHello, FedScore, FedScores
 
 K = 8
 PROMPT = [0, 5, 17, 42, 8, 23]
-
-
-@pytest.fixture(scope="module")
-def models(make_checkpoint: Callable[..., Path]) -> dict[str, LoadedModel]:
-    """Two worker models and drafters sharing the 96-token tokenizer (as in test_fed_e2e)."""
-    return {
-        "a": load_model(make_checkpoint("llama", layers=2, logit_scale=6.0)),
-        "b": load_model(make_checkpoint("llama", layers=3, logit_scale=6.0)),
-        "draft": load_model(make_checkpoint("llama", layers=1, logit_scale=6.0)),
-        "draft_like_a": load_model(make_checkpoint("llama", layers=2, logit_scale=6.0)),
-    }
 
 
 def worker(loaded: LoadedModel, **overrides: object) -> FedWorker:
