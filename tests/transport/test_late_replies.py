@@ -16,7 +16,7 @@ import pytest
 import torch
 from websockets.asyncio.server import Server, ServerConnection, serve
 
-from splitspec.exceptions import CapacityExceeded, TransportError
+from splitspec.exceptions import CapacityExceeded, SessionQuotaExceeded, TransportError, UnknownSession
 from splitspec.protocol.messages import (
     CloseSession,
     Error,
@@ -122,3 +122,37 @@ async def test_a_session_opened_too_late_is_closed_and_answers_no_other_request(
             break
         await asyncio.sleep(0.01)
     assert CloseSession("s1") in trunk.received  # the session nobody waited for is closed on the trunk
+
+
+async def test_an_open_refused_while_a_close_waits_gets_its_refusal(connect: Connect) -> None:
+    """An open's refusal names nothing; a CloseSession in flight beside it must not take it (the open then waited
+    its whole timeout, and the close's own answer was dropped as nobody's)."""
+
+    async def script(ws: ServerConnection, message: Message) -> None:
+        if isinstance(message, OpenSession):
+            await _reply(ws, Error(SessionQuotaExceeded.code, "quota"), after_s=0.2)
+        elif isinstance(message, CloseSession):
+            await _reply(ws, SessionClosed(message.session_id), after_s=0.4)
+
+    _, channel = await connect(script)
+    opening = asyncio.ensure_future(channel.request(OpenSession(request_id=1), timeout_s=2.0))
+    await asyncio.sleep(0.05)
+    closing = asyncio.ensure_future(channel.request(CloseSession("s-a"), timeout_s=2.0))
+    with pytest.raises(SessionQuotaExceeded):
+        await opening
+    closed, _ = await closing
+    assert closed == SessionClosed("s-a")
+
+
+async def test_a_late_close_refusal_is_not_an_open_sessions_refusal(connect: Connect) -> None:
+    async def script(ws: ServerConnection, message: Message) -> None:
+        if isinstance(message, CloseSession):  # refused, naming its session, after the edge stopped waiting
+            await _reply(ws, Error(UnknownSession.code, "gone", message.session_id), after_s=0.3)
+        elif isinstance(message, OpenSession):  # answered after the late refusal
+            await _reply(ws, SessionOpened(message.request_id, "fresh"), after_s=0.5)
+
+    _, channel = await connect(script)
+    with pytest.raises(TransportError, match="no reply within"):
+        await channel.request(CloseSession("s-a"), timeout_s=0.1)
+    opened, _ = await channel.request(OpenSession(request_id=1), timeout_s=5.0)
+    assert opened == SessionOpened(1, "fresh")

@@ -193,13 +193,7 @@ class Channel:
                 if key is not None and key not in self._waiting:  # its request timed out or was cancelled
                     self._late(reply)
                     continue
-                if key is None and None not in self._waiting and isinstance(reply, Error):
-                    # a refusal that names nothing and no control request waits: it refuses an OpenSession,
-                    # and which one cannot be told; every open in flight gets it (each may try again)
-                    for open_key in [k for k in self._waiting if k is not None and k[0] == OPEN_KEY]:
-                        waiting = self._waiting.pop(open_key)
-                        if not waiting.done():
-                            waiting.set_result(arrival)
+                if key is None and isinstance(reply, Error) and self._route_refusal(reply, arrival):
                     continue
                 future = self._waiting.pop(key, None)
                 if future is not None and not future.done():
@@ -209,6 +203,26 @@ class Channel:
         except asyncio.CancelledError:
             self._fail(TransportError("connection closed"))
             raise
+
+    def _route_refusal(self, error: Error, arrival: _Arrival) -> bool:
+        """Deliver a refusal that answers no step and no open by name; False: it is the control request's.
+
+        An open's refusal names nothing (an OpenSession carries no session), while the one control request
+        multiplexed, CloseSession, is refused naming its session. So a refusal naming nothing goes to the opens in
+        flight, whichever control request waits (which open it refuses cannot be told: each gets it and may try
+        again), and one naming a session with no control request waiting is a late answer, nobody's.
+        """
+        opens = [k for k in self._waiting if k is not None and k[0] == OPEN_KEY]
+        if error.session_id is None and opens:
+            for open_key in opens:
+                waiting = self._waiting.pop(open_key)
+                if not waiting.done():
+                    waiting.set_result(arrival)
+            return True
+        if None not in self._waiting:  # nobody waits for a control answer: late (its request timed out)
+            self._late(error)
+            return True
+        return False
 
     def _late(self, reply: Message) -> None:
         """A reply to a step or an open that nobody waits for: dropped; a session it opened is closed."""
