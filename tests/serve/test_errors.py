@@ -63,6 +63,7 @@ def test_unknown_model(stack: Stack) -> None:
         ("/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
         ("/chat/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
         ("/chat/completions", {"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int()
+        ("/completions", {"prompt": "to be", "logit_bias": {"9" * 4301: 1}}, "logit_bias"),  # int() refuses: a 500
         ("/chat/completions", {"seed": 2**64}, "seed"),  # torch's seeds are 64-bit: it took a session, then a 500
         ("/completions", {"prompt": "to be", "seed": -(2**63) - 1}, "seed"),
         ("/chat/completions", {"min_tokens": -1}, "min_tokens"),

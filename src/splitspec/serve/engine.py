@@ -137,11 +137,14 @@ class Generation:
                 token = emitted.token
                 self.outcome.completion_tokens += 1
                 held.append(emitted)
+                if token in self.stop_token_ids:  # counted, its logprob kept, its text not shown (as vLLM)
+                    self.outcome.finish_reason = "stop"
+                    break
                 delta = self.text.push(token)
                 if delta:
                     yield Piece(delta, held)
                     held = []
-                if token in self.stop_token_ids or self.text.stopped:
+                if self.text.stopped:
                     self.outcome.finish_reason = "stop"
                     break
                 if self.outcome.completion_tokens >= self.max_tokens:

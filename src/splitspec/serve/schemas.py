@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: no vocabulary has 10^10 tokens
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat top_logprobs, completions logprobs)
 MAX_CHOICES = 128  # OpenAI's limit on n
 
@@ -166,8 +167,9 @@ class GenerationRequest(BaseModel):
     @classmethod
     def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not (key.isascii() and key.isdigit()):  # "²" is a digit to str.isdigit, and not to int()
-                raise ValueError(f"keys must be token ids, got {key!r}")
+            # "²" is a digit to str.isdigit, and not to int(); and int() refuses over 4,300 digits (a 500 before)
+            if not (key.isascii() and key.isdigit()) or len(key) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"keys must be token ids, got {key[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return value

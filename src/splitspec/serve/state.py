@@ -41,6 +41,8 @@ class ServeState:
         # batched with the others'. Each sequence learns its own acceptance; step times describe the
         # link, so they are the engine's, shared (``controller`` is the server-wide view of them)
         self.runtime = EdgeRuntime(edge)
+        if self.runtime.cache_size is not None:  # --compile: the edge's static KV holds this many positions, no more
+            self.max_positions = min(self.max_positions, self.runtime.cache_size)
         self.engine = EdgeEngine(self.runtime)
         self.edge_model, self.draft_model = self.runtime.model, self.runtime.draft_model
         runtime = self.runtime
