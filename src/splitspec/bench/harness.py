@@ -55,7 +55,7 @@ from typing import Any, cast
 import torch
 from tqdm import tqdm
 
-from splitspec.bench.modes import BASELINES, MODES, SPECULATE, reference_baseline
+from splitspec.bench.modes import BASELINES, MODES, reference_baseline
 from splitspec.bench.probe import measure_pings
 from splitspec.bench.prompts import Prompt, TokenizerLike, build_prompts
 from splitspec.bench.records import RunRecord, baseline_record, split_record
@@ -64,9 +64,6 @@ from splitspec.bench.scenario import Scenario, check_paths
 from splitspec.bench.summary import summarize
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
-from splitspec.decoding.controller import SpeculationController
-from splitspec.decoding.sampling import SamplingParams
-from splitspec.decoding.speculative import make_drafters
 from splitspec.devices import resolve_device
 from splitspec.edge import EdgeConfig, GenerationResult, SplitClient
 from splitspec.exceptions import ConfigError
@@ -163,36 +160,19 @@ def _rtt_order(rtts: Sequence[float], repeat: int) -> list[float]:
     return ordered if repeat % 2 == 0 else ordered[::-1]
 
 
-def fresh_controller(client: SplitClient, mode: str) -> None:
-    """Give ``client``'s sequence a new speculation controller for ``mode``'s drafters, with no estimates yet.
+def fresh_controller(client: SplitClient) -> None:
+    """Make ``client``'s next generation learn its speculation estimates from nothing.
 
     The engine would otherwise keep the sequence's controller (a chat's turns share it) and seed a new
-    one from its engine-wide estimates: either way what one prompt taught would steer the next. The
-    new controller starts as a fresh engine's first sequence does; it shares the engine's step times
-    (the link's and the trunk's, not the prompt's). A mode that is not a ``--speculate`` mode of
-    :data:`~splitspec.bench.modes.SPECULATE` just drops the old controller."""
-    speculate = SPECULATE.get(mode)
-    if speculate is None:
-        client.sequence.controller = None
-        return
-    runtime = client.runtime
-    drafters = make_drafters(
-        speculate,
-        SamplingParams(temperature=0.0),
-        client.draft_model,
-        None,
-        runtime.draft_head,
-        runtime.ends,
-        client.sequence,
-        client.config.draft_tree_width,
-    )
-    names = list(drafters)  # the names and order the generation's own make_drafters gives
-    client.sequence.controller = SpeculationController(names, step_times=client.engine.step_times) if names else None
+    one from its engine-wide estimates: either way what one prompt taught would steer the next. Both are
+    dropped; the engine's step times (the link's and the trunk's, not the prompt's) stay."""
+    client.engine.forget_acceptance()
+    client.sequence.controller = None
 
 
 async def run_split(client: SplitClient, mode: str, prompt_ids: Sequence[int], max_new_tokens: int) -> GenerationResult:
     """One recorded split run of ``mode``, from a fresh speculation controller (see :func:`fresh_controller`)."""
-    fresh_controller(client, mode)
+    fresh_controller(client)
     return await MODES[mode](client, prompt_ids, max_new_tokens)
 
 

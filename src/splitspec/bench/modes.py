@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from splitspec.edge import GenerationResult, SplitClient
 
-__all__ = ["BASELINES", "MODES", "SPECULATE", "ModeRunner", "reference_baseline"]
+__all__ = ["BASELINES", "MODES", "ModeRunner", "reference_baseline"]
 
 ModeRunner = Callable[["SplitClient", Sequence[int], int], Awaitable["GenerationResult"]]
 
@@ -35,15 +35,9 @@ def _speculative(mode: str) -> ModeRunner:
     return run
 
 
-SPECULATE: dict[str, str] = {
-    "sequential": "off",
-    **{mode: mode for mode in ("ngram", "prompt-lookup", "draft", "mix", "auto")},
-}
-"""The ``--speculate`` mode each built-in mode of :data:`MODES` runs (which drafters its generations use)."""
-
 MODES: dict[str, ModeRunner] = {
     "sequential": _sequential,
-    **{mode: _speculative(speculate) for mode, speculate in SPECULATE.items() if speculate != "off"},
+    **{mode: _speculative(mode) for mode in ("ngram", "prompt-lookup", "draft", "mix", "auto")},
 }
 """Split decoding modes by name. A mode is ``async (client, prompt_ids, max_new_tokens) ->
 GenerationResult`` and must decode greedily (its tokens are checked against :func:`reference_baseline`)."""

@@ -159,6 +159,12 @@ class EdgeEngine:
             self._populations[key] = SpeculationController(list(drafters), step_times=self.step_times)
         return self._populations[key]
 
+    def forget_acceptance(self) -> None:
+        """Drop the engine-wide acceptance estimates (every drafter set's); the step times, which describe the
+        link and the trunk, stay. A sequence whose controller is then cleared starts as a fresh engine's first
+        sequence does (a benchmark's runs, each learning from nothing)."""
+        self._populations.clear()
+
     def controller(self, sequence: EdgeSequence, drafters: Sequence[str]) -> SpeculationController:
         """The sequence's speculation controller: its own acceptance estimates, starting from the engine-wide
         ones (so a short request does not spend itself exploring), and the engine's step times."""
