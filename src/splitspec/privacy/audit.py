@@ -47,7 +47,7 @@ from splitspec.privacy.outcomes import AuditData, SeriesKey, ranks_of, read_audi
 from splitspec.privacy.record import DivergenceRecord
 from splitspec.privacy.report import write_report
 from splitspec.privacy.stats import cluster_bootstrap_diff, cluster_sign_flip_p, mcnemar_exact, wilson_interval
-from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
+from splitspec.privacy.weights import WeightReport, edge_fingerprint, edge_weight_report
 from splitspec.run_info import run_environment
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,9 @@ class _AuditRun:
     stock_test: dict[int, np.ndarray]  # k -> (n_test, W+1, H) stock activations
     inverters: dict[tuple[str, int, str], atk.TrainedInverter] = field(default_factory=dict)
     edges: dict[int, dict[str, object]] = field(default_factory=dict)  # depth -> diverged edge summary
+    # depth -> a given --edge's weight comparison, made by check_given_edge and used again by attack_diverged
+    # (it reads every edge tensor of both checkpoints: once is enough)
+    weight_reports: dict[int, WeightReport] = field(default_factory=dict)
 
     @property
     def train_targets(self) -> np.ndarray:
@@ -198,7 +201,7 @@ class _AuditRun:
     def attack_diverged(self, d: int, edge_dir: Path, info: dict[str, object]) -> None:
         """Both diverged conditions at depth d: stock-trained attackers, then attackers retrained on it."""
         plan = SplitPlan(self.n_layers, d, d)
-        wr = edge_weight_report(edge_dir, self.config.model_dir, plan)
+        wr = self.weight_reports.pop(d, None) or edge_weight_report(edge_dir, self.config.model_dir, plan)
         info["is_stock"] = wr.is_stock
         info["head_is_stock"] = wr.head_is_stock
         info["max_relative_weight_difference"] = wr.max_relative_difference
@@ -243,7 +246,9 @@ class _AuditRun:
         """Refuse a ``--edge`` that is the published model, or one fitted on this audit's test documents."""
         where = f"--edge {d}={display_path(edge_dir)}"
         record = DivergenceRecord.read(edge_dir)
-        if edge_weight_report(edge_dir, self.config.model_dir, SplitPlan(self.n_layers, d, d)).is_stock:
+        report = edge_weight_report(edge_dir, self.config.model_dir, SplitPlan(self.n_layers, d, d))
+        self.weight_reports[d] = report
+        if report.is_stock:
             raise ConfigError(
                 f"{where}: its edge layers are the published ones (a stock edge, measured as 'stock' anyway); "
                 "give the checkpoint `splitspec diverge` wrote"

@@ -69,13 +69,19 @@ def write_outcomes(data: AuditData, path: Path) -> None:
 
 def load_outcomes(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Read :func:`write_outcomes` back: {series column: ranks (tokens,)}, document id per token."""
+    cols, docs, _ = _read_outcomes(path)
+    return cols, docs
+
+
+def _read_outcomes(path: Path) -> tuple[dict[str, np.ndarray], np.ndarray, list[list[str]]]:
+    """:func:`load_outcomes`, and every row's first four fields (window, position, document, token) as text."""
     with gzip.open(path, "rt", encoding="utf-8") as f:
         lines = [ln for ln in f.read().splitlines() if not ln.startswith("#")]
     header = lines[0].split(",")
     rows = [ln.split(",") for ln in lines[1:]]
     docs = np.array([r[2] for r in rows])
     cols = {h: np.array([int(r[j]) for r in rows], dtype=np.int8) for j, h in enumerate(header) if j >= 4}
-    return cols, docs
+    return cols, docs, [r[:4] for r in rows]
 
 
 def read_audit_data(
@@ -87,9 +93,7 @@ def read_audit_data(
     the file holds. Given the audit's test documents (``doc_ids``, in its order: the bootstrap's cluster
     numbering) and its ``series`` order, :func:`splitspec.privacy.audit.analyse` re-runs them exactly.
     """
-    columns, docs = load_outcomes(path)
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        rows = [ln.split(",", 4)[:4] for ln in f.read().splitlines()[2:]]
+    columns, docs, rows = _read_outcomes(path)  # one pass over the file
     if not rows:
         raise ValueError(f"{path} holds no outcomes")
     window = np.array([int(r[0]) for r in rows])
