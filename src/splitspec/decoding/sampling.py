@@ -60,9 +60,9 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, 
         one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)  # (..., V)
         return one_hot.scatter_(-1, greedy_tokens(logits).unsqueeze(-1), 1.0)
     scores = logits.float() / temperature
-    if 0 < top_k < scores.shape[-1]:
-        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # (..., 1)
-        scores = scores.masked_fill(scores < kth, -float("inf"))
+    drop = outside_top_k(scores, top_k)
+    if drop is not None:
+        scores = scores.masked_fill(drop, -float("inf"))
     if top_p < 1.0:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=False)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
@@ -71,6 +71,15 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, 
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, -float("inf"))
     return scores.softmax(dim=-1)
+
+
+def outside_top_k(values: torch.Tensor, top_k: int) -> torch.Tensor | None:
+    """(..., V) -> (..., V) bool: the entries below each row's ``top_k``-th largest (ties with it are kept); None
+    when top-k keeps every entry (``top_k`` 0, or at least V). Scores and probabilities order alike."""
+    if not 0 < top_k < values.shape[-1]:
+        return None
+    kth = torch.topk(values, top_k, dim=-1).values[..., -1:]  # (..., 1)
+    return values < kth
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,7 @@ from splitspec.federated.topk import (
     normalize_weights,
     nucleus,
     reconstruct,
+    scoring_temperature,
     top_k_filter,
 )
 from splitspec.protocol.fed import FedHello, FedScores, FedWelcome
@@ -224,8 +225,7 @@ class Coordinator:
         try:
             return await link.open(self.hello)
         except Exception:  # scheduled from when it failed; logged when the round boundary reads it
-            link.next_retry = time.monotonic() + link.backoff_s
-            link.backoff_s = min(10.0, 2 * link.backoff_s)
+            link.defer_retry()
             raise
 
     def _draft(
@@ -235,7 +235,7 @@ class Coordinator:
         tokens: list[int] = []
         q_rows: list[torch.Tensor] = []
         audit_rows: list[torch.Tensor] = []
-        t_eff = 1.0 if params.greedy else params.temperature  # the workers' temperature (see _round)
+        t_eff = scoring_temperature(params.temperature)  # the workers' temperature (see _round)
         for _ in range(gamma):
             logits = self._staging.to_host(self._draft_lm.logits_for(sequence + tokens, 1)[0])  # (V,)
             if params.greedy:
@@ -337,7 +337,7 @@ class Coordinator:
         draft_ms = (time.perf_counter() - t0) * 1e3
         # greedy (T below GREEDY_BELOW, not only 0) verifies on the argmax of the T = 1 aggregate: a tiny T
         # would make every worker's law one-hot and the aggregate a vote
-        worker_temperature = 1.0 if params.greedy else params.temperature
+        worker_temperature = scoring_temperature(params.temperature)
         answered, dropped = await self._score_all(sequence + draft, gamma + 1, worker_temperature)
         records.update(dropped)
         weights = normalize_weights([a.link.weight for a in answered]).tolist()

@@ -83,13 +83,17 @@ class WorkerLink:
         self.channel, self.welcome, self.tokens, self.seq = channel, welcome, [], 0
         self.backoff_s = self.config.rejoin_interval_s
 
+    def defer_retry(self) -> None:
+        """The next reconnection waits the backoff, which doubles (10 s at most) until a connection is adopted."""
+        self.next_retry = time.monotonic() + self.backoff_s
+        self.backoff_s = min(10.0, 2 * self.backoff_s)
+
     async def drop(self, reason: str, *, backoff: bool = True) -> None:
         """Close the connection; reconnect after the backoff, or at once when ``backoff`` is False."""
         channel, self.channel = self.channel, None
         self.tokens = []
         if backoff:
-            self.next_retry = time.monotonic() + self.backoff_s
-            self.backoff_s = min(10.0, 2 * self.backoff_s)
+            self.defer_retry()
             log.warning("worker %s dropped: %s", self.url, reason)
         else:
             self.next_retry = 0.0
@@ -117,7 +121,7 @@ class WorkerLink:
             self.tokens = context[:keep]
         # a fixed K above the worker's vocabulary means every token (TopKPolicy caps it at |V|); the worker
         # refuses a K above its vocabulary, so it is capped here
-        k = None if cfg.top_k is None else min(cfg.top_k, welcome.vocab_size)
+        k = None if cfg.top_k is None else cfg.k_cap(welcome.vocab_size)
         reply, u, d = await self._exchange(
             channel, welcome.vocab_size, keep, context[keep:], num_scored, temperature, k=k
         )

@@ -29,6 +29,7 @@ from typing import Literal, get_args
 
 import torch
 
+from splitspec.decoding.sampling import GREEDY_BELOW, outside_top_k
 from splitspec.exceptions import ConfigError
 from splitspec.protocol.fed import EPSILON_SCOPES, EpsilonScope
 
@@ -202,16 +203,23 @@ def aggregate(distributions: Sequence[torch.Tensor], weights: Sequence[float]) -
     return out.float()
 
 
+def scoring_temperature(temperature: float) -> float:
+    """The temperature the workers' laws (and the coordinator's draft law) are taken at: a greedy run's
+    (below :data:`~splitspec.decoding.sampling.GREEDY_BELOW`, 0 included) at T = 1, since a tiny T would make each
+    law one-hot and the aggregate a vote; greedy verification is on the argmax of the T = 1 aggregate."""
+    return 1.0 if temperature < GREEDY_BELOW else temperature
+
+
 def top_k_filter(probs: torch.Tensor, top_k: int) -> torch.Tensor:
     """Top-k on probability rows (..., V): keep each row's ``top_k`` most likely tokens, renormalised; 0 keeps all.
 
-    Same rule as :func:`splitspec.decoding.sampling.probabilities` (ties with the k-th value are kept), which
-    applies it before top-p: so ``nucleus(top_k_filter(p, k), top_p)``.
+    The rule of :func:`splitspec.decoding.sampling.probabilities` (:func:`~splitspec.decoding.sampling.outside_top_k`:
+    ties with the k-th value are kept), which applies it before top-p: so ``nucleus(top_k_filter(p, k), top_p)``.
     """
-    if not 0 < top_k < probs.shape[-1]:
+    drop = outside_top_k(probs, top_k)
+    if drop is None:
         return probs
-    kth = torch.topk(probs, top_k, dim=-1).values[..., -1:]  # (..., 1)
-    kept = probs.masked_fill(probs < kth, 0.0)
+    kept = probs.masked_fill(drop, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)
 
 

@@ -23,7 +23,7 @@ from types import TracebackType
 
 from splitspec import __version__
 from splitspec.decoding.local import LocalSequence
-from splitspec.decoding.sampling import GREEDY_BELOW, probabilities
+from splitspec.decoding.sampling import probabilities
 from splitspec.devices import HostStaging, resolve_device
 from splitspec.exceptions import (
     BadTensor,
@@ -35,7 +35,7 @@ from splitspec.exceptions import (
 )
 from splitspec.federated.codec import encode_topk, max_reply_bytes
 from splitspec.federated.lm import LoadedModel, load_model
-from splitspec.federated.topk import TopKPolicy, select_topk
+from splitspec.federated.topk import TopKPolicy, scoring_temperature, select_topk
 from splitspec.protocol.fed import (
     FedHello,
     FedMessage,
@@ -151,9 +151,7 @@ class FedWorker:
         t0 = time.perf_counter()
         lm.truncate(request.keep)
         logits = lm.append(request.tokens.tolist(), request.num_scored)
-        # a greedy run's temperature (below GREEDY_BELOW, not only 0) scores at T = 1, as the coordinator asks: a tiny
-        # T made the law one-hot
-        temperature = request.temperature if request.temperature >= GREEDY_BELOW else 1.0
+        temperature = scoring_temperature(request.temperature)  # a greedy run's scores at T = 1
         # the laws cross to the host once per round: top-K selection and the codec run there
         probs = self._staging.to_host(probabilities(logits, temperature))  # (num_scored, V)
         policy = TopKPolicy(
