@@ -274,9 +274,8 @@ def serve_on_ray(
 
 
 def _http_options(config: CloudConfig) -> dict[str, Any]:
-    """Serve's HTTP options: where its proxies listen, with the trunk's TLS certificate if it has one."""
-    if (config.tls_cert_file is None) != (config.tls_key_file is None):
-        raise ConfigError("TLS needs both a certificate and a key file")
+    """Serve's HTTP options: where its proxies listen, with the trunk's TLS certificate if it has one (a half
+    pair was refused by :func:`~splitspec.cloud.config.check_config`, in :func:`trunk_application`)."""
     options: dict[str, Any] = {"host": config.host, "port": config.port}
     if config.tls_cert_file is not None and config.tls_key_file is not None:
         options |= {"ssl_certfile": str(config.tls_cert_file), "ssl_keyfile": str(config.tls_key_file)}
