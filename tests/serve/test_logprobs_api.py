@@ -194,6 +194,28 @@ def test_logprobs_line_up_with_the_text_under_a_stop_string(tool_stack: Stack, t
     assert covered == "".join(lp.tokens)
 
 
+def test_min_tokens_holds_off_stop_strings(tool_stack: Stack, tool_model: Path) -> None:
+    """vLLM's rule: a stop string ending in the first min_tokens tokens does not stop the reply."""
+    client = openai.OpenAI(base_url=tool_stack.base_url, api_key="unused", max_retries=0)
+    tokenizer = AutoTokenizer.from_pretrained(tool_model, local_files_only=True)
+    unseen = [*tokenizer.all_special_ids, *range(len(tokenizer), TOOL_VOCAB)]
+    kw: dict[str, Any] = dict(model=MODEL_NAME, prompt="to be or", max_tokens=12, temperature=0, logprobs=0,
+                              logit_bias={str(t): -100 for t in unseen})  # fmt: skip
+    plain = complete(client, **kw)
+    text, first = plain.choices[0].text, plain.choices[0].logprobs.tokens[0]
+    assert first
+    assert text.startswith(first)
+    now = complete(client, stop=first, **kw).choices[0]
+    assert (now.text, now.finish_reason) == ("", "stop")  # the first token's text is a stop string
+    again = text.find(first, 1)  # the next occurrence ending past the first token's text
+    held = complete(client, stop=first, extra_body={"min_tokens": 1}, **kw).choices[0]
+    assert held.text == (text[:again] if again > 0 else text)
+    assert held.finish_reason == ("stop" if again > 0 else "length")
+    streamed = "".join(c.choices[0].text for c in complete(client, stop=first, extra_body={"min_tokens": 1},
+                                                             stream=True, **kw) if c.choices)  # fmt: skip
+    assert streamed == held.text
+
+
 def test_tool_call_logprobs_cover_every_token(tool_stack: Stack) -> None:
     """A forced call under its grammar: whole and streamed logprobs agree, one per completion token."""
     client = openai.OpenAI(base_url=tool_stack.base_url, api_key="unused", max_retries=0)

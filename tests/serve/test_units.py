@@ -50,6 +50,13 @@ def test_without_a_stop_everything_is_released() -> None:
     assert run(plain, [0, 1]) == ["a", "b", ""]  # no stop strings: nothing held
 
 
+def test_min_tokens_ignores_stop_strings_ending_in_the_first_tokens() -> None:
+    assert "".join(run(StopTextStream(decode_letters, ["b"], min_tokens=2), [0, 1, 2, 1, 3])) == "abc"
+    assert "".join(run(StopTextStream(decode_letters, ["bc"], min_tokens=2), [0, 1, 2, 3])) == "a"  # ends in token 3
+    assert "".join(run(StopTextStream(decode_letters, ["ab"], min_tokens=2), [0, 1, 0, 1, 2])) == "ab"
+    assert "".join(run(StopTextStream(decode_letters, ["b"]), [0, 1, 2])) == "a"  # min_tokens 0: as before
+
+
 def test_incomplete_utf8_is_held_until_complete() -> None:
     stream = StopTextStream(decode_letters)
     assert stream.push(0) == "a"

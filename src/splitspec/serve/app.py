@@ -193,6 +193,7 @@ def create_app(state: ServeState) -> FastAPI:
             tools=plan.tools,
             parallel=plan.parallel,
             logprobs=body.logprob_alternatives(),
+            min_tokens=body.min_tokens,
         )
         return await respond(request, body, [job], chat=True)
 
@@ -219,7 +220,8 @@ def create_app(state: ServeState) -> FastAPI:
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else state.decode(prompt_ids)
             budget = token_budget(len(prompt_ids), body.token_limit(), state.max_positions, "prompt")
             jobs.append(Job(prompt_ids, budget, sampling(body), body.stop_strings(), stops, make, echo=echo,
-                            logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None))  # fmt: skip
+                            logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
+                            min_tokens=body.min_tokens))  # fmt: skip
         return await respond(request, body, jobs, chat=False)
 
     async def respond(

@@ -48,6 +48,7 @@ class Job:
     parallel: bool = True
     logprobs: int | None = None  # alternatives per generated token; None: no logprobs
     prompt_logprobs: int | None = None  # echo with logprobs: the same for the prompt's tokens
+    min_tokens: int = 0  # vLLM's: no stop token, and no stop string ending, in the first this many
 
 
 @dataclass
@@ -141,7 +142,7 @@ class Runner:
         speculate = "off" if seeded and not params.greedy else None
         return Generation(self.state, job.prompt_ids, job.max_tokens, params, job.stops, job.stop_ids,
                           self.disconnected, job.make_processor(), speculate, job.logprobs,
-                          job.prompt_logprobs)  # fmt: skip
+                          job.prompt_logprobs, job.min_tokens)  # fmt: skip
 
     @staticmethod
     def runs(job: Job) -> bool:

@@ -65,16 +65,18 @@ class Generation:
         speculate: str | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        min_tokens: int = 0,
     ) -> None:
         """``processor``: a grammar, logit_bias, penalties (drafts are cut where it forbids a token);
         ``speculate``: overrides the server's mode for this request (``off`` for a seeded sample);
         ``logprobs``: alternatives per generated token (None: no logprobs); ``prompt_logprobs``: the
-        same for the prompt's tokens (echo), which then runs on a session with no reused prefix."""
+        same for the prompt's tokens (echo), which then runs on a session with no reused prefix;
+        ``min_tokens``: a stop string ending in the first this many tokens does not stop the reply."""
         self.state = state
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
         self.params = params
-        self.text = StopTextStream(state.decode, stops)
+        self.text = StopTextStream(state.decode, stops, min_tokens)
         self.stop_token_ids = stop_token_ids  # end the reply (finish_reason "stop"), not shown
         self.disconnected = disconnected  # polled between tokens: the HTTP client went away
         self.processor = processor

@@ -5,6 +5,8 @@ a short window decoded per token). :class:`StopTextStream` releases only text th
 turn into a stop string (the last ``len(longest stop) - 1`` characters are held back). When a stop
 string appears, the text before it is the answer and the stop string itself is dropped, as OpenAI
 does. Streaming and non-streaming responses both concatenate these deltas, so the two always agree.
+With vLLM's ``min_tokens`` m, a stop string counts only if it ends in the text of token m + 1 or a
+later one (the first m tokens may not stop the reply, as they may not be a stop token).
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ from splitspec.detokenize import REPLACEMENT, IncrementalText
 class StopTextStream:
     """Turns generated token ids into safe text deltas; ``stopped`` once a stop string appeared."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = (), min_tokens: int = 0) -> None:
         self._decoded = IncrementalText(decode)
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._sent = 0  # characters of _text already released
+        self._min_tokens = min_tokens  # tokens that may not complete a stop string
+        self._pushed = 0  # tokens pushed so far
+        self._boundary = 0  # characters of the first min_tokens tokens: a stop string must end past them
         self.stopped = False
 
     @property
@@ -34,8 +39,16 @@ class StopTextStream:
         if self.stopped:
             raise RuntimeError("the stream already hit a stop string")
         self._decoded.push(token)  # the characters it completes are in _text
-        # a stop string not seen before must end in the unreleased text, so it starts at >= _sent
-        hits = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
+        self._pushed += 1
+        if self._pushed <= self._min_tokens:
+            self._boundary = len(self._text)
+        # a stop string not seen before must end in the unreleased text, so it starts at >= _sent,
+        # and past the text of the first min_tokens tokens
+        hits = [
+            i
+            for i in (self._text.find(s, max(self._sent, self._boundary - len(s) + 1)) for s in self._stops)
+            if i >= 0 and self._pushed > self._min_tokens
+        ]
         if hits:
             self.stopped = True
             return self._release(min(hits))
