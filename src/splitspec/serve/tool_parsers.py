@@ -147,8 +147,8 @@ class ToolCallStream:
         if calls is None:
             self._content(self._buffer, events)
         else:
-            for call in calls:
-                self._accept(call, "", events)
+            for call, raw in calls:  # raw: what a call parallel_tool_calls=false refuses shows as
+                self._accept(call, raw, events)
         self._buffer = ""
         return events
 
@@ -176,20 +176,24 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def _llama_calls(text: str, tools: Mapping[str, Any]) -> list[ToolCall] | None:
-    """Every call of a llama3_json reply, or None unless the whole reply is calls."""
+def _llama_calls(text: str, tools: Mapping[str, Any]) -> list[tuple[ToolCall, str]] | None:
+    """Every call of a llama3_json reply with its text (from the end of the call before it), or None
+    unless the whole reply is calls."""
     rest = text.strip().removeprefix("<|python_tag|>").strip()
-    decoder, calls = json.JSONDecoder(), []
-    while rest:
+    decoder, at = json.JSONDecoder(), 0
+    calls: list[tuple[ToolCall, str]] = []
+    while at < len(rest):
         try:
-            body, end = decoder.raw_decode(rest)
+            body, end = decoder.raw_decode(rest, at)
         except json.JSONDecodeError:
             return None
         call = _call(body, tools, "parameters")
         if call is None:
             return None
-        calls.append(call)
-        rest = rest[end:].strip().removeprefix(";").strip()
+        start = at if not calls else len(rest[:at].rstrip().removesuffix(";").rstrip())
+        calls.append((call, rest[start:end]))
+        tail = rest[end:].lstrip()
+        at = len(rest) - len(tail.removeprefix(";").lstrip())
     return calls or None
 
 
