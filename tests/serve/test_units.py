@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from splitspec.bench.scenario import DEFAULT_CORPUS_DIR as HELDOUT
@@ -15,6 +16,7 @@ from splitspec.detokenize import IncrementalText
 from splitspec.edge import EdgeConfig
 from splitspec.serve.app import create_app
 from splitspec.serve.config import ServeConfig
+from splitspec.serve.metrics import ServeMetrics
 from splitspec.serve.prefix_cache import PrefixCache
 from splitspec.serve.state import ServeState
 from splitspec.serve.text import StopTextStream
@@ -233,3 +235,17 @@ def test_a_stop_stream_releases_held_utf8_at_the_end() -> None:
     assert stream.push(-1) == ""  # unfinished, and nothing completes it
     assert stream.push(-1) == ""
     assert stream.flush() == "\ufffd\ufffd"
+
+
+def test_a_workers_metrics_carry_its_index_on_every_sample() -> None:
+    def samples(metrics: ServeMetrics) -> list[dict[str, str]]:
+        metrics.requests.labels("/v1/completions", "200").inc()
+        metrics.step_ms.labels("network").observe(3.0)
+        page = metrics.render().decode()
+        return [s.labels for f in text_string_to_metric_families(page) for s in f.samples]
+
+    labelled = samples(ServeMetrics(worker=3))
+    assert labelled
+    assert all(labels.get("worker") == "3" for labels in labelled)
+    assert {"endpoint": "/v1/completions", "status": "200", "worker": "3"} in labelled
+    assert all("worker" not in labels for labels in samples(ServeMetrics()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +73,11 @@ def test_two_workers_share_a_port_answer_alike_and_are_restarted(stack: Stack, c
         with ThreadPoolExecutor(8) as pool:
             texts = list(pool.map(lambda p: complete(base, p), PROMPTS * 2))
         assert texts == [alone[p] for p in PROMPTS * 2]
+        labels = set()  # each scrape reaches one worker; its samples say which
+        for _ in range(40):
+            page = httpx.get(f"{base}/metrics", timeout=5).text
+            labels |= set(re.findall(r'^splitspec_serve_requests_total\{[^}]*worker="(\d+)"', page, re.MULTILINE))
+        assert labels == {"0", "1"}
         killed = min(pids)
         os.kill(killed, signal.SIGKILL)
         deadline = time.monotonic() + 180

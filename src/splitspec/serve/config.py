@@ -25,6 +25,7 @@ class ServeConfig:
     prefix_reuse: bool = True  # False: every request re-prefills its whole prompt (for comparison)
     chat_template: str | None = None  # Jinja chat template overriding the tokenizer's, if any
     tool_call_parser: str = "auto"  # --tool-call-parser: auto (from the template), hermes, llama3_json
+    worker: int | None = None  # this process's index under --workers N (its /metrics carry worker="i"); None: alone
 
     def __post_init__(self) -> None:
         if self.max_active < 1:

@@ -17,10 +17,15 @@ _S_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
 
 
 class ServeMetrics:
-    """What ``/metrics`` exposes; every name starts with ``splitspec_serve_``."""
+    """What ``/metrics`` exposes; every name starts with ``splitspec_serve_``. ``worker``: the process's
+    index under ``serve --workers N``, a ``worker`` label on every sample (None: a lone server, no label)."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: int | None = None) -> None:
         self.registry = CollectorRegistry()
+        self._exposed = self.registry
+        if worker is not None:
+            self._exposed = CollectorRegistry()
+            self._exposed.register(_Labelled(self.registry, {"worker": str(worker)}))
         r = self.registry
         p = "splitspec_serve_"
         self.requests = Counter(p + "requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
@@ -66,7 +71,20 @@ class ServeMetrics:
         self.registry.register(_EngineCollector(engine))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)
+
+
+class _Labelled(Collector):
+    """Every metric of ``inner`` with ``labels`` added to each sample."""
+
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.inner, self.labels = inner, labels
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.inner.collect():
+            out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            out.samples = [s._replace(labels={**self.labels, **s.labels}) for s in metric.samples]
+            yield out
 
 
 class _EngineCollector(Collector):

@@ -53,7 +53,7 @@ class ServeState:
         self.eos_token_ids = self.runtime.eos_token_ids
         # a chat reply also ends at the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)
         self.chat_stop_ids = self.eos_token_ids | (end_of_turn_ids(self.tokenizer) if self.templated else frozenset())
-        self.metrics = ServeMetrics()
+        self.metrics = ServeMetrics(worker=config.worker)
         self.metrics.watch_engine(self.engine)
         self.pool = SessionPool(
             self.new_client,

@@ -6,7 +6,10 @@ parent starts N worker processes (``spawn``: no forked torch threads), each with
 engine, session pool and trunk connections, each listening on the same port with
 ``SO_REUSEPORT``: the kernel spreads new connections over them (Linux only; elsewhere the option
 is refused). Requests batch within a worker, not across workers, and each worker's ``/metrics``,
-prefix cache and ``--max-active`` are its own (the limit is per worker).
+prefix cache and ``--max-active`` are its own (the limit is per worker). A scrape of ``/metrics``
+reaches one worker, whichever the kernel picks: every sample carries ``worker="i"`` (the worker's
+index, kept by a restarted worker), so the series of different workers never mix and a restart
+reads as the counter reset it is.
 
 The supervisor claims the port first (:func:`claim_port`): the workers' SO_REUSEPORT would let a
 second ``serve --workers`` on the same port join them silently, the kernel splitting connections
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import multiprocessing
@@ -145,7 +149,7 @@ class Supervisor:
         ready = self._context.Event()
         proc = self._context.Process(
             target=_worker_main,
-            args=(self.config, self.log_level, self.threads, ready),
+            args=(dataclasses.replace(self.config, worker=index), self.log_level, self.threads, ready),
             name=f"splitspec-serve-{index}",
             daemon=False,
         )
