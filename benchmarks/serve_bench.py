@@ -9,8 +9,10 @@ re-prefills every prompt. The driver is a plain HTTP client reading the SSE stre
    assistant's turns); per turn: time to first token (first content delta), total time, prompt
    tokens reused, bytes sent up the link (the server's ``/metrics``). Turns 2-5 are compared; both
    servers produce identical replies, which the script checks.
-2. **Concurrency.** N clients (1, 4, 8) each stream one completion of distinct prompts at once;
-   aggregate tok/s = all completion tokens / wall time of the batch. Each request's prompt starts
+2. **Concurrency.** N clients (1, 4, 8) share the same 8 distinct prompts (each client streams one
+   completion, then takes the next prompt left), so every level generates the same text and
+   ``speedup_vs_1`` compares like with like; aggregate tok/s = all completion tokens / wall time of
+   the batch. Each request's prompt starts
    with a number of its own, so the prefix-reuse server's cache never serves a prompt sent at an
    earlier level or repeat (every request pays its whole prefill).
 
@@ -116,13 +118,20 @@ async def conversation(http: httpx.AsyncClient, base: str, rep: int, max_tokens:
 
 
 async def concurrent_batch(http: httpx.AsyncClient, base: str, n: int, rep: int, max_tokens: int) -> dict[str, Any]:
+    """``n`` clients streaming the :data:`CONCURRENT_PROMPTS` between them, each taking the next one left."""
     bodies = [
-        {"model": "demo", "prompt": unique(CONCURRENT_PROMPTS[i % len(CONCURRENT_PROMPTS)]), "max_tokens": max_tokens,
-         "temperature": 0, "seed": rep}
-        for i in range(n)
-    ]  # fmt: skip
+        {"model": "demo", "prompt": unique(prompt), "max_tokens": max_tokens, "temperature": 0, "seed": rep}
+        for prompt in CONCURRENT_PROMPTS
+    ]
+    left = iter(bodies)
+    results: list[dict[str, Any]] = []
+
+    async def client() -> None:
+        for body in left:  # one shared iterator: each body is taken once, by whichever client is free
+            results.append(await stream_request(http, f"{base}/v1/completions", body))
+
     t0 = time.perf_counter()
-    results = await asyncio.gather(*(stream_request(http, f"{base}/v1/completions", b) for b in bodies))
+    await asyncio.gather(*(client() for _ in range(n)))
     wall = time.perf_counter() - t0
     tokens = sum(r["usage"]["completion_tokens"] for r in results)
     return {"clients": n, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,

@@ -4,7 +4,7 @@ draft_under_load: a level counts the tokens that arrived within its seconds, and
 the levels send; gateway_soak: a gateway that never recovers fails; trunk_load: nearest-rank quantiles, steps in
 flight when the prefill arrives count as during it, the wall time leaves the prefill process's exit out;
 eagle_matrix: each mode runs on a client of its own; gateway_report and serve_bench: ratios paired by repeat, and
-serve_bench's concurrent prompts are unique.
+serve_bench's concurrent prompts are unique, the same at every level.
 """
 
 from __future__ import annotations
@@ -333,21 +333,34 @@ def test_serve_bench_ratios_are_paired_by_repeat(serve: ModuleType) -> None:
     assert summary["concurrency"][1]["speedup_vs_1"] == pytest.approx(1.25)  # median(4, 1, 1.25); medians: 40 / 20
 
 
-def test_serve_bench_sends_every_concurrent_request_a_unique_prompt(serve: ModuleType) -> None:
-    prompts: list[str] = []
+def test_serve_bench_levels_share_the_prompts_and_send_each_request_a_unique_one(serve: ModuleType) -> None:
+    prompts: list[list[str]] = []
     chunk = {"choices": [{"text": "x"}], "usage": {"completion_tokens": 1}}
+    running, most = 0, 0
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        prompts.append(json.loads(request.content)["prompt"])
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal running, most
+        prompts[-1].append(json.loads(request.content)["prompt"])
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.01)
+        running -= 1
         return httpx.Response(200, text=f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n")
 
     async def go() -> None:
+        nonlocal most
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
             for rep in range(2):
                 for n in (1, 4):
-                    await serve.concurrent_batch(http, "http://test", n, rep, 4)
+                    prompts.append([])
+                    most = 0
+                    row = await serve.concurrent_batch(http, "http://test", n, rep, 4)
+                    assert most == n  # n clients at once, no more
+                    assert row["tokens"] == len(serve.CONCURRENT_PROMPTS)
 
     asyncio.run(go())
-    assert len(prompts) == 10
-    assert len(set(prompts)) == 10  # no prompt twice: none can hit the prefix-reuse server's cache
-    assert all(p.endswith(serve.CONCURRENT_PROMPTS[0]) for p in prompts[:2])  # the same text behind the number
+    every = [p for batch in prompts for p in batch]
+    assert len(every) == 4 * len(serve.CONCURRENT_PROMPTS)
+    assert len(set(every)) == len(every)  # no prompt twice: none can hit the prefix-reuse server's cache
+    for batch in prompts:  # one client or four: the same texts behind the numbers (speedup_vs_1 is like for like)
+        assert sorted(p.split(": ", 1)[1] for p in batch) == sorted(serve.CONCURRENT_PROMPTS)
