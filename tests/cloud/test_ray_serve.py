@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from splitspec.cloud.config import CloudConfig
-from splitspec.cloud.ray_serve import APP_NAME, REPLICA_HEADER, build_app, trunk_application
+from splitspec.cloud.ray_serve import APP_NAME, REPLICA_HEADER, build_app, refuse_running_serve, trunk_application
 from splitspec.demo import free_port
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
@@ -83,6 +83,12 @@ async def test_a_killed_replica_costs_a_replay_not_the_output(proxy: tuple[Path,
     assert replaced_by != killed
     if other != killed:  # the bystander's connection stayed on its replica the whole time
         assert bystander.recoveries == 0
+
+
+def test_a_cluster_whose_serve_runs_is_refused(proxy: tuple[Path, str]) -> None:
+    """Serve keeps the HTTP options it started with: serve_on_ray must not claim another port or TLS."""
+    with pytest.raises(ConfigError, match="already runs"):
+        refuse_running_serve(serve)
 
 
 def test_the_serve_config_file_builds_the_trunk_application(

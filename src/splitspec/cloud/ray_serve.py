@@ -256,6 +256,7 @@ def serve_on_ray(
 
     ray.init(address=address)
     try:
+        refuse_running_serve(serve)
         serve.start(http_options=_http_options(config))
         serve.run(application, name=APP_NAME, route_prefix="/")
         scheme = "ws" if config.tls_cert_file is None else "wss"
@@ -271,6 +272,19 @@ def serve_on_ray(
     finally:
         ray.shutdown()
     log.info("trunk server stopped")
+
+
+def refuse_running_serve(serve: Any) -> None:
+    """Refuse a cluster whose Ray Serve already runs: it keeps the HTTP options it started with (Ray only
+    warns), so ``--host``, ``--port`` and the TLS certificate would be ignored, a TLS trunk served in the
+    clear, and the URL logged would be wrong. ``serve`` is the ``ray.serve`` module."""
+    status = serve.status()
+    if status.proxies or status.applications:
+        raise ConfigError(
+            "Ray Serve already runs on this cluster and keeps its own HTTP options (host, port, TLS), which "
+            "--host, --port and --tls-cert cannot change: stop it (`serve shutdown`) or deploy into it with "
+            "`serve deploy deploy/ray-serve.yaml`"
+        )
 
 
 def _http_options(config: CloudConfig) -> dict[str, Any]:
