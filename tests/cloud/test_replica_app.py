@@ -65,6 +65,7 @@ async def test_a_generation_through_the_replica_app(replica_url: tuple[Path, str
     metrics = await asyncio.to_thread(urllib.request.urlopen, f"{http}/metrics")
     steps = [line for line in metrics.read().decode().splitlines() if line.startswith("splitspec_trunk_steps_total")]
     assert sum(float(line.split()[-1]) for line in steps) >= 2  # the prefill and the decode steps were counted
+    assert all(f'replica="{NAME}"' in line for line in steps)  # a scrape through the proxy says which replica
 
 
 async def test_the_plain_servers_connection_limits_hold(replica_url: tuple[Path, str]) -> None:

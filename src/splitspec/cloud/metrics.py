@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from splitspec.cloud.sessions import SessionStore
 from splitspec.models.masks import is_chain
+from splitspec.prometheus_labels import labelled
 
 _MS_BUCKETS = (0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560)
 _COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -56,6 +57,7 @@ class TrunkMetrics:
     def __init__(self, store: SessionStore, failure: Callable[[], str | None] = lambda: None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._exposed = r  # what /metrics renders: the registry, or it with labels (label_samples)
         self.store = store
         self.failure = failure
         r.register(_StoreCollector(store))
@@ -86,9 +88,13 @@ class TrunkMetrics:
         self.batch_tokens.observe(tokens)
         self.compute_ms.observe(compute_ms)
 
+    def label_samples(self, labels: dict[str, str]) -> None:
+        """Put ``labels`` on every sample ``/metrics`` shows (a Ray Serve replica: which one answered)."""
+        self._exposed = labelled(self.registry, labels)
+
     def render(self) -> tuple[int, str, str]:
         """The ``/metrics`` answer: (status, content type, body)."""
-        return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry).decode()
+        return 200, CONTENT_TYPE_LATEST, generate_latest(self._exposed).decode()
 
     def health(self) -> tuple[int, str, str]:
         """The ``/health`` answer: serving, with its load; 503 with the reason when steps cannot be served."""

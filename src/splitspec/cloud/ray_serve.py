@@ -94,6 +94,7 @@ class TrunkReplica:
     def __init__(self, config: CloudConfig, name: str | None = None) -> None:
         self.server = TrunkServer(config)  # loads the trunk layers, once per replica
         self.name = _replica_name() if name is None else name
+        self.server.metrics.label_samples({"replica": self.name})  # the proxy routes a scrape to any replica
         self._computing = False
         log.info("replica %s: trunk fingerprint %s", self.name, self.server.trunk_fingerprint)
 

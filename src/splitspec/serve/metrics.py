@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 from splitspec.edge.engine import EdgeEngine
 from splitspec.edge.sequence import StepStats
 from splitspec.models.batcher import BatchLog
+from splitspec.prometheus_labels import labelled
 
 _MS_BUCKETS = (0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320, 640, 1280, 2560)
 _S_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
@@ -22,10 +23,7 @@ class ServeMetrics:
 
     def __init__(self, worker: int | None = None) -> None:
         self.registry = CollectorRegistry()
-        self._exposed = self.registry
-        if worker is not None:
-            self._exposed = CollectorRegistry()
-            self._exposed.register(_Labelled(self.registry, {"worker": str(worker)}))
+        self._exposed = self.registry if worker is None else labelled(self.registry, {"worker": str(worker)})
         r = self.registry
         p = "splitspec_serve_"
         self.requests = Counter(p + "requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
@@ -72,19 +70,6 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self._exposed)
-
-
-class _Labelled(Collector):
-    """Every metric of ``inner`` with ``labels`` added to each sample."""
-
-    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
-        self.inner, self.labels = inner, labels
-
-    def collect(self) -> Iterator[Metric]:
-        for metric in self.inner.collect():
-            out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-            out.samples = [s._replace(labels={**self.labels, **s.labels}) for s in metric.samples]
-            yield out
 
 
 class _EngineCollector(Collector):
