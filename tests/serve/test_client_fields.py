@@ -183,3 +183,18 @@ def test_tokenizer_endpoints(stack: Stack) -> None:
     bad = httpx.post(f"{root(stack)}/detokenize", json={"tokens": [10**6]})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "tokens"
+
+
+def test_lm_evals_long_stop_lists_and_a_request_without_a_model(stack: Stack) -> None:
+    """lm-eval's local-completions sends a task's whole stop list (humaneval: 5 and the EOS string; OpenAI's limit
+    is 4), and vLLM serves a request that names no model."""
+    stops = ["\nclass", "\ndef", "\n#", "\nif", "\nprint", "</s>"]
+    body = {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": 5, "temperature": 0, "stop": stops}
+    reply = httpx.post(f"{stack.base_url}/completions", json=body, timeout=60)
+    assert reply.status_code == 200
+    assert not any(s in reply.json()["choices"][0]["text"] for s in stops)
+    unnamed = httpx.post(f"{stack.base_url}/completions", json={k: v for k, v in body.items() if k != "model"},
+                         timeout=60)  # fmt: skip
+    assert unnamed.status_code == 200
+    assert unnamed.json()["model"] == MODEL_NAME
+    assert unnamed.json()["choices"][0]["text"] == reply.json()["choices"][0]["text"]

@@ -55,7 +55,7 @@ def test_unknown_model(stack: Stack) -> None:
         ("/chat/completions", {"top_p": 0}, "top_p"),
         ("/chat/completions", {"messages": []}, "messages"),
         ("/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages"),
-        ("/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/chat/completions", {"stop": [chr(0x100 + i) for i in range(65)]}, "stop"),  # 64 at most
         ("/chat/completions", {"n": 0}, "n"),
         ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
@@ -154,7 +154,7 @@ def test_requests_are_counted_by_route_not_by_url(make_stack: Callable[..., Stac
     metrics = httpx.get(s.base_url.removesuffix("/v1") + "/metrics").text
     endpoints = {line.split('endpoint="')[1].split('"')[0] for line in metrics.splitlines()
                  if line.startswith("splitspec_serve_requests_total{")}  # fmt: skip
-    assert endpoints == {"unmatched", "/v1/models/{model_id}"}
+    assert endpoints == {"unmatched", "/v1/models/{model_id:path}"}
 
 
 def test_wrong_api_key(make_stack: Callable[..., Stack]) -> None:

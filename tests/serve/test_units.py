@@ -165,6 +165,19 @@ async def test_chat_needs_a_template(make_checkpoint: Callable[..., Path]) -> No
     assert templated.templated
 
 
+async def test_a_model_named_like_a_hub_id_is_found(make_checkpoint: Callable[..., Path]) -> None:
+    """The default served name of a hub snapshot is "org/name": /v1/models/org/name must answer (it was a 404)."""
+    edge = EdgeConfig(model_dir=make_checkpoint("llama"), cloud_url="ws://127.0.0.1:9", allow_stock_edge_weights=True)
+    app = create_app(ServeState(ServeConfig(edge=edge, served_model_name="org/tiny")))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+        found = await http.get("/v1/models/org/tiny")
+        missing = await http.get("/v1/models/org/other")
+    assert found.status_code == 200
+    assert found.json()["id"] == "org/tiny"
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+
+
 def _demo_tokenizer() -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(embedded_model("base"))
 

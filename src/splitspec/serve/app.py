@@ -141,7 +141,7 @@ def create_app(state: ServeState) -> FastAPI:
         count(request, 200)
         return {"object": "list", "data": [schemas.model_card(name, created)]}
 
-    @app.get("/v1/models/{model_id}", dependencies=[Depends(authorize)])
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])  # a hub id has a "/"
     async def model(request: Request, model_id: str) -> dict[str, Any]:
         check_model(model_id)
         count(request, 200)

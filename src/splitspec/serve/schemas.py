@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 log = logging.getLogger(__name__)
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_STRINGS = 64  # OpenAI allows 4, vLLM any number; lm-eval sends a task's whole list (humaneval: 6)
 MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: no vocabulary has 10^10 tokens
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat top_logprobs, completions logprobs)
 MAX_CHOICES = 128  # OpenAI's limit on n
@@ -135,7 +135,7 @@ class GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: str | None = None  # None: the served model (vLLM's rule; OpenAI requires it)
     temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling at T = 1
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; 0 or -1 keeps every token
