@@ -8,6 +8,7 @@ hold: only the part after their common prefix crosses the link (:func:`plan_turn
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,22 +29,37 @@ def render(
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template (with the assistant's cue).
 
     ``tools``: OpenAI tool definitions, for templates that describe them to the model.
+    ``continue_final_message``: the last message is left open (no end of turn), for the model to go on with.
+    ``template_kwargs``: more variables for the template (Qwen3's ``enable_thinking``); none of
+    :func:`reserved_template_kwargs`.
     """
     ids = tokenizer.apply_chat_template(
         [dict(m) for m in messages],
         tools=[dict(t) for t in tools] if tools else None,
         add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
         tokenize=True,
         return_dict=False,
+        **dict(template_kwargs or {}),
     )
     out = [t for t in ids if isinstance(t, int)] if isinstance(ids, list) else []
     if len(out) != len(ids):
         raise TypeError(f"{type(tokenizer).__name__}.apply_chat_template did not return token ids")
     return out
+
+
+def reserved_template_kwargs(tokenizer: PreTrainedTokenizerBase) -> frozenset[str]:
+    """Names a template variable of :func:`render` may not have: ``apply_chat_template``'s own parameters
+    (``tokenize``, ``add_generation_prompt``, ...) and the ``messages`` it sets."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    named = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return frozenset(named | {"messages"})
 
 
 def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -30,7 +30,7 @@ from splitspec.arguments import (
     positive_int,
     set_threads,
 )
-from splitspec.detokenize import IncrementalText
+from splitspec.detokenize import CONTEXT_TOKENS, IncrementalText, text_after
 from splitspec.device_choices import DEVICE_HELP
 from splitspec.edge_cli import edge_config, sampling_params
 from splitspec.exceptions import ConfigError, SplitspecError
@@ -71,7 +71,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         async with client:
             if args.json:
                 return await _generate_json(client, tokenizer, prompt_ids, args, params)
-            text = IncrementalText(lambda ids: str(tokenizer.decode(ids)))
+            text = IncrementalText(lambda ids: str(tokenizer.decode(ids)), prompt_ids[-CONTEXT_TOKENS:])
             try:
                 async for token in client.stream(prompt_ids, args.max_new_tokens, params, speculate=args.speculate):
                     sys.stdout.write(text.push(token))
@@ -94,12 +94,12 @@ async def _generate_json(
         )
     except SplitspecError as exc:
         out: dict[str, Any] = {"prompt_ids": prompt_ids, "token_ids": produced}
-        out["text"] = tokenizer.decode(produced)
+        out["text"] = text_after(tokenizer.decode, prompt_ids[-CONTEXT_TOKENS:], produced)
         out["error"] = f"{type(exc).__name__}: {exc}"
         print(json.dumps(out, indent=2))
         return 2
     out = result.to_json()
-    out["text"] = tokenizer.decode(result.token_ids)
+    out["text"] = text_after(tokenizer.decode, prompt_ids[-CONTEXT_TOKENS:], result.token_ids)  # the continuation
     print(json.dumps(out, indent=2))
     return 0
 

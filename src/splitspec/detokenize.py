@@ -5,13 +5,19 @@ does) costs a time that grows with the answer: 1.1 ms per token at 2,000 tokens 
 tokenizer, so a long answer's detokenization grows with its square, and in ``splitspec serve`` it
 runs on the event loop every stream shares. :class:`IncrementalText` decodes a short window of the
 last ids instead (the offsets vLLM's and TGI's detokenizers keep).
+
+A continuation is decoded after the last few ids of its prompt (``context``, as vLLM starts its
+offsets inside the prompt): a SentencePiece decoder drops the leading space of a string's first
+word, so "to be or" continued by "▁be" decodes to "be" alone but to " be" after the prompt, and an
+echoed prompt plus its completion must read as the whole decoding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
+CONTEXT_TOKENS = 5  # prompt ids a continuation is decoded after (vLLM's initial detokenization offset)
 
 
 class IncrementalText:
@@ -26,11 +32,14 @@ class IncrementalText:
     again: rare, and what every token cost before.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()) -> None:
+        """``context``: the ids before the ones pushed (a prompt's last :data:`CONTEXT_TOKENS`), decoded with
+        them and not part of ``text``."""
         self._decode = decode
-        self._tokens: list[int] = []
+        self._tokens: list[int] = list(context)
+        self._context = len(self._tokens)  # leading ids that are context, not text
         self._prefix = 0  # first id of the window
-        self._read = 0  # ids whose text is in ``text``
+        self._read = self._context  # ids whose text is in ``text`` (after the context)
         self.text = ""
 
     def push(self, token: int) -> str:
@@ -44,14 +53,24 @@ class IncrementalText:
         if window.startswith(run):
             self.text += window[len(run) :]
         else:
-            self.text = self._decode(self._tokens)
+            self.text = self._whole()
         self._prefix, self._read = self._read, len(self._tokens)
         return self.text[len(before) :]
+
+    def _whole(self) -> str:
+        """The text of every id pushed, decoded again in full after the context."""
+        return text_after(self._decode, self._tokens[: self._context], self._tokens[self._context :])
 
     def finish(self) -> str:
         """Generation ended: the window's unfinished tail joins ``text`` as it decodes -> the characters added."""
         before = self.text
         if self._read < len(self._tokens):
-            self.text = self._decode(self._tokens)
+            self.text = self._whole()
             self._prefix = self._read = len(self._tokens)
         return self.text[len(before) :]
+
+
+def text_after(decode: Callable[[list[int]], str], context: Sequence[int], ids: Sequence[int]) -> str:
+    """What ``ids`` add to the decoding of ``context`` (their own decoding where the two do not line up)."""
+    whole, before = decode([*context, *ids]), decode(list(context))
+    return whole[len(before) :] if whole.startswith(before) else decode(list(ids))

@@ -1,4 +1,5 @@
-"""logit_bias, min_tokens and OpenAI's penalties as logits processors, row by row of a draft chain."""
+"""logit_bias, allowed_token_ids, min_tokens and OpenAI's penalties as logits processors, row by row of a draft
+chain."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections import Counter
 
 import torch
 
-from splitspec.decoding.adjusters import LogitBias, MinTokens, Penalties
+from splitspec.decoding.adjusters import AllowedTokens, LogitBias, MinTokens, Penalties
 from splitspec.decoding.processors import ProcessorChain
 
 V = 8
@@ -18,6 +19,22 @@ def test_logit_bias_adds_to_every_row() -> None:
     expected = torch.zeros(2, V)
     expected[:, 1], expected[:, 3] = 5.0, -100.0
     assert torch.equal(out, expected)
+
+
+def test_allowed_tokens_ban_every_other_token_in_every_row() -> None:
+    p = AllowedTokens([2, 5], V)
+    logits = torch.arange(3 * V, dtype=torch.float32).reshape(3, V)
+    out = p.process(logits.clone(), [], [2, 5])
+    assert torch.equal(out[:, [2, 5]], logits[:, [2, 5]])  # untouched
+    assert torch.isinf(out[:, [0, 1, 3, 4, 6, 7]]).all()
+    assert p.validate_draft([5, 2, 5]) == 3
+    assert p.validate_draft([5, 7, 2]) == 1  # cut at the first token it bans
+    assert p.validate_draft([]) == 0
+    chain = ProcessorChain([AllowedTokens([1], V), LogitBias({1: 2.0, 3: 100.0}, V)])
+    out = chain.process(torch.zeros(1, V), [], [])
+    assert out[0, 1] == 2.0
+    assert torch.isinf(out[0, 3])  # a bias cannot bring a banned token back
+    assert not chain.finished
 
 
 def test_min_tokens_forbids_stops_until_reached() -> None:

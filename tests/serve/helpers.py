@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from splitspec.chat_template import end_of_turn_ids
 from splitspec.cli import main
+from splitspec.detokenize import CONTEXT_TOKENS, text_after
 
 
 def rendered(model: Path, messages: Sequence[Mapping[str, Any]]) -> str:
@@ -30,7 +31,8 @@ def generate_cli(
 ) -> dict[str, Any]:
     """``splitspec generate --json`` (greedy) on ``prompt``, plus what OpenAI would show of it.
 
-    ``end_of_turn``: a chat reply, which also ends at the template's end-of-turn token.
+    ``end_of_turn``: a chat reply, which also ends at the template's end-of-turn token, and whose text is
+    decoded alone (a completion's is decoded after the prompt's last ids, as it continues the prompt).
     """
     capsys.readouterr()
     code = main([
@@ -45,7 +47,12 @@ def generate_cli(
     cut = next((i + 1 for i, t in enumerate(ids) if t in stops), len(ids))
     out["reply_ids"] = ids[:cut]
     out["finish_reason"] = "stop" if cut < len(ids) or (ids and ids[-1] in stops) else "length"
-    out["visible_text"] = tokenizer.decode(ids[:cut], skip_special_tokens=True)
+
+    def decode(part: list[int]) -> str:
+        return str(tokenizer.decode(part, skip_special_tokens=True))
+
+    context = [] if end_of_turn else out["prompt_ids"][-CONTEXT_TOKENS:]
+    out["visible_text"] = text_after(decode, context, ids[:cut])
     return dict(out)
 
 

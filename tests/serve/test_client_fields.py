@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from splitspec.detokenize import CONTEXT_TOKENS, text_after
 from tests.conftest import local_model
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import chat, complete
@@ -135,7 +136,7 @@ def test_penalties_are_openais(client: openai.OpenAI, stack: Stack, chat_model: 
             out.append(int(logits.argmax()))
             if out[-1] in stack.state.eos_token_ids:
                 break
-    assert reply.choices[0].text == stack.state.decode(out)
+    assert reply.choices[0].text == text_after(stack.state.decode, prompt[-CONTEXT_TOKENS:], out)  # its continuation
     assert reply.choices[0].text != plain.choices[0].text
 
 

@@ -242,6 +242,38 @@ def test_incremental_text_with_a_first_token_rule_and_a_decoder_that_rewrites_th
     assert text.finish() == ""  # nothing was pending
 
 
+def test_a_continuation_is_decoded_after_its_prompt() -> None:
+    """A SentencePiece decoder drops a string's first space: the prompt's last ids keep the continuation's."""
+    words = {0: "▁to", 1: "▁be", 2: "▁or", 3: "n", 9: "▁not"}
+
+    def spm(part: list[int]) -> str:
+        return "".join(words[i] for i in part).replace("▁", " ").removeprefix(" ")
+
+    alone = IncrementalText(spm)
+    after = IncrementalText(spm, [0, 1])
+    for token in (2, 9):
+        alone.push(token)
+        after.push(token)
+    assert alone.text == "or not"
+    assert after.text == " or not"  # "to be" + text == the whole decoding
+    assert spm([0, 1]) + after.text == spm([0, 1, 2, 9])
+    pending = IncrementalText(spm, [0])
+    assert pending.finish() == ""  # nothing pushed: the context is not text
+    stream = StopTextStream(spm, [" not"], context=[0, 1])
+    assert [stream.push(2), stream.push(9)] == ["", " or"]  # the stop string's space came from the decoding
+
+    def shifty(part: list[int]) -> str:  # the next id rewrites the run: the whole text is decoded again
+        out = ""
+        for i in part:
+            out = out[:-1] + out[-1:].upper() if i == 9 else out + chr(ord("a") + i)
+        return out
+
+    rewritten = IncrementalText(shifty, [0, 1])
+    for token in (2, 9, 3):
+        rewritten.push(token)
+    assert rewritten.text == "Cd"  # after the context "ab": never the context's own letters
+
+
 def test_a_stop_stream_releases_held_utf8_at_the_end() -> None:
     stream = StopTextStream(decode_letters)
     assert stream.push(0) == "a"

@@ -1,9 +1,11 @@
-"""Logits processors for OpenAI's sampling fields: ``logit_bias``, ``min_tokens`` and the penalties.
+"""Logits processors for OpenAI's sampling fields: ``logit_bias``, ``allowed_token_ids``, ``min_tokens`` and the
+penalties.
 
 Each implements :class:`splitspec.decoding.processors.LogitsProcessor` over the tokens generated
 in this request (not the prompt), as OpenAI defines them:
 
 * ``logit_bias``: a constant added to a token's logit (-100 bans it, 100 all but forces it);
+* ``allowed_token_ids`` (vLLM's): every other token is banned, stop tokens included unless listed;
 * ``min_tokens``: the stop tokens are forbidden until that many tokens were generated;
 * penalties: ``logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``, ``c[j]``
   the count of token j generated so far.
@@ -33,6 +35,32 @@ class LogitBias:
 
     def validate_draft(self, draft: Sequence[int]) -> int:
         return len(draft)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        return None
+
+    def rollback(self, n: int) -> None:
+        return None
+
+    @property
+    def finished(self) -> bool:
+        return False
+
+
+class AllowedTokens:
+    """Bans every token but ``allowed`` at every position (their logits -inf); a draft stops at the first other."""
+
+    def __init__(self, allowed: Collection[int], vocab_size: int) -> None:
+        self._allowed = frozenset(allowed)
+        self._banned = torch.ones(vocab_size, dtype=torch.bool)  # (V,)
+        self._banned[torch.tensor(sorted(self._allowed), dtype=torch.long)] = False
+        self.vocab_size = vocab_size
+
+    def process(self, logits: torch.Tensor, tokens: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+        return logits.masked_fill_(self._banned.to(logits.device), -float("inf"))  # (q, V)
+
+    def validate_draft(self, draft: Sequence[int]) -> int:
+        return next((i for i, t in enumerate(draft) if t not in self._allowed), len(draft))
 
     def accept(self, tokens: Sequence[int]) -> None:
         return None

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 from splitspec.decoding.grammar import GrammarCompiler
 from splitspec.exceptions import ConfigError
 from splitspec.serve import schemas
-from splitspec.serve.chat_request import plan_chat, response_grammar, template_messages
+from splitspec.serve.chat_request import plan_chat, template_kwargs, template_messages
 from splitspec.serve.choices import Item, Job, Runner, processors, sampling, stop_ids
 from splitspec.serve.disconnect import DisconnectPoll
 from splitspec.serve.errors import ApiError, internal_error, invalid, unsupported
@@ -35,11 +35,10 @@ from splitspec.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    JsonObjectFormat,
-    JsonSchemaResponseFormat,
     TokenizeRequest,
 )
 from splitspec.serve.state import ServeState
+from splitspec.serve.structured import output_grammar
 from splitspec.serve.tokenization import detokenize, tokenize, tokenizer_info
 
 log = logging.getLogger(__name__)
@@ -152,8 +151,9 @@ def create_app(state: ServeState) -> FastAPI:
         check_model(body.model)
         messages = None if body.messages is None else template_messages(body.messages)
         tools = [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in body.tools or []]
+        kwargs = template_kwargs(state.tokenizer, body.chat_template_kwargs)
         count(request, 200)
-        return tokenize(state.tokenizer, state.max_positions, body, messages, tools)
+        return tokenize(state.tokenizer, state.max_positions, body, messages, tools, kwargs)
 
     @app.post("/detokenize", dependencies=[Depends(authorize)])
     async def detokenize_route(request: Request, body: DetokenizeRequest) -> dict[str, Any]:
@@ -201,10 +201,8 @@ def create_app(state: ServeState) -> FastAPI:
     async def completions(request: Request, body: CompletionRequest) -> Response:
         check_common(body)
         stops = stop_ids(body, state.eos_token_ids, state.vocab_size)
-        fmt = body.response_format
-        grammar = None
-        if isinstance(fmt, JsonObjectFormat | JsonSchemaResponseFormat):
-            grammar = response_grammar(fmt, compiler)
+        grammar = output_grammar(body, compiler)
+        if grammar is not None:
             await prepare_grammar(stops)
         make = processors(body, grammar, stops, state.vocab_size, compiler)
         jobs = []
@@ -221,7 +219,7 @@ def create_app(state: ServeState) -> FastAPI:
             budget = token_budget(len(prompt_ids), body.token_limit(), state.max_positions, "prompt")
             jobs.append(Job(prompt_ids, budget, sampling(body), body.stop_strings(), stops, make, echo=echo,
                             logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
-                            min_tokens=body.min_tokens))  # fmt: skip
+                            min_tokens=body.min_tokens, continues_prompt=True))  # fmt: skip
         return await respond(request, body, jobs, chat=False)
 
     async def respond(

@@ -4,8 +4,10 @@ Messages go to the tokenizer's chat template with OpenAI's ``tools``: ``develope
 ``system``, text parts are joined, an assistant's ``tool_calls`` carry their arguments as objects
 (templates like Qwen2.5's ``tojson`` them) and every ``tool`` message must answer a call made
 earlier. A template that renders the same prompt with and without the tools ignores them: 400.
-``tool_choice`` ``required`` or a named function, and ``response_format`` ``json_object`` /
-``json_schema``, become a grammar (:mod:`splitspec.decoding.grammar`) the reply must follow.
+``tool_choice`` ``required`` or a named function, and ``response_format`` / ``structured_outputs``
+(:mod:`splitspec.serve.structured`), become a grammar (:mod:`splitspec.decoding.grammar`) the reply must
+follow. vLLM's ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` go to
+the template as they are (a variable named like one of ``apply_chat_template``'s parameters: 400).
 """
 
 from __future__ import annotations
@@ -17,17 +19,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from splitspec.chat_template import render
+from splitspec.chat_template import render, reserved_template_kwargs
 from splitspec.decoding.grammar import GrammarCompiler
-from splitspec.exceptions import InvalidGrammar
 from splitspec.serve.errors import ApiError, invalid
-from splitspec.serve.schemas import (
-    ChatCompletionRequest,
-    ChatMessage,
-    JsonObjectFormat,
-    JsonSchemaResponseFormat,
-    NamedToolChoice,
-)
+from splitspec.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from splitspec.serve.structured import checked, output_grammar, output_param
 from splitspec.serve.tool_parsers import Format, detect_format, forcing_grammar
 
 
@@ -88,10 +84,12 @@ def plan_chat(
     by_name = {t["name"]: t for t in tools}
     if named is not None and named not in by_name:
         raise invalid(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
-    prompt_ids = _render(tokenizer, messages, [{"type": "function", "function": t} for t in tools])
+    options = RenderOptions(body.add_generation_prompt, body.continue_final_message,
+                            template_kwargs(tokenizer, body.chat_template_kwargs))  # fmt: skip
+    prompt_ids = _render(tokenizer, messages, [{"type": "function", "function": t} for t in tools], options)
     plan = ChatPlan(prompt_ids, parallel=body.parallel_tool_calls is not False)
     if tools:
-        if prompt_ids == _render(tokenizer, messages, []):
+        if prompt_ids == _render(tokenizer, messages, [], options):
             raise invalid(
                 "this model's chat template ignores tools: it cannot be told about functions (start the server "
                 "with --chat-template FILE holding a template that renders tools)",
@@ -110,42 +108,50 @@ def plan_chat(
         if choice == "required" or named is not None:
             forced = [by_name[named]] if named is not None else tools
             several = plan.parallel and named is None  # a named function: exactly one call, as vLLM
-            plan.grammar = _grammar(lambda: forcing_grammar(compiler(), fmt, forced, several), "tools")
-    fmt_param = body.response_format
-    if isinstance(fmt_param, JsonObjectFormat | JsonSchemaResponseFormat):
+            plan.grammar = checked(lambda: forcing_grammar(compiler(), fmt, forced, several), "tools")
+    fmt_param = output_param(body)
+    if fmt_param is not None:
         if plan.grammar is not None:
-            raise invalid("response_format cannot be combined with a forced tool call", "response_format")
-        plan.grammar = response_grammar(fmt_param, compiler)
+            raise invalid(f"{fmt_param} cannot be combined with a forced tool call", fmt_param)
+        plan.grammar = output_grammar(body, compiler)
     return plan
 
 
-def response_grammar(fmt: JsonObjectFormat | JsonSchemaResponseFormat, compiler: Callable[[], GrammarCompiler]) -> str:
-    """The grammar of a ``response_format``; 400 naming it for a schema llguidance refuses."""
-    if isinstance(fmt, JsonObjectFormat):
-        return _grammar(lambda: compiler().json_schema({"type": "object"}), "response_format")
-    schema = fmt.json_schema.schema_
-    if schema is None:
-        schema = {}
-    what = f"response_format.json_schema.schema ({fmt.json_schema.name})"
-    return _grammar(lambda: compiler().json_schema(schema, what), "response_format")
+@dataclass(frozen=True)
+class RenderOptions:
+    """How the template renders a conversation, beyond its messages and tools (vLLM's fields)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def template_kwargs(tokenizer: PreTrainedTokenizerBase, sent: dict[str, Any] | None) -> dict[str, Any]:
+    """``chat_template_kwargs`` as the template gets them; 400 for one named like a parameter of the rendering."""
+    kwargs = dict(sent or {})
+    clash = sorted(set(kwargs) & reserved_template_kwargs(tokenizer))
+    if clash:
+        raise invalid(
+            f"chat_template_kwargs may not set {', '.join(clash)}: the rendering's own parameters (send "
+            "add_generation_prompt and continue_final_message as fields of the request)",
+            "chat_template_kwargs",
+        )
+    return kwargs
 
 
 def _format(parser: str) -> Format | None:
     return "hermes" if parser == "hermes" else "llama3_json" if parser == "llama3_json" else None
 
 
-def _grammar(build: Callable[[], str], param: str) -> str:
-    try:
-        return build()
-    except InvalidGrammar as exc:
-        raise invalid(str(exc), param, code="invalid_schema") from None
-
-
 def _render(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    options: RenderOptions,
 ) -> list[int]:
     try:
-        return render(tokenizer, messages, tools=tools or None)
+        return render(tokenizer, messages, options.add_generation_prompt, tools or None,
+                      options.continue_final_message, options.template_kwargs)  # fmt: skip
     except ApiError:
         raise
     except Exception as exc:  # the template's own Jinja raise_exception (e.g. roles out of order)

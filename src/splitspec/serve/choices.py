@@ -3,7 +3,7 @@
 Choice i of a request with ``seed`` s samples with seed s + i, so choices differ from each other
 and a repeated request repeats them; a seeded sample decodes one token per round trip (speculation
 would make the random draws depend on what the link measured before). Logits processors (the
-grammar, ``logit_bias``, ``min_tokens``, penalties) are made afresh for every choice. Replies go
+grammar, ``logit_bias``, ``allowed_token_ids``, ``min_tokens``, penalties) are made afresh for every choice. Replies go
 through :class:`~splitspec.serve.tool_parsers.ToolCallStream` when the request has tools, so a
 streamed reply and a whole one carry the same calls and content. Each :class:`Item` carries the
 tokens behind its text (with their logprobs when asked): an echoed prompt its prompt tokens, a
@@ -19,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitspec.decoding.adjusters import LogitBias, MinTokens, Penalties
+from splitspec.decoding.adjusters import AllowedTokens, LogitBias, MinTokens, Penalties
 from splitspec.decoding.grammar import GrammarCompiler
 from splitspec.decoding.loop import Emitted
 from splitspec.decoding.processors import LogitsProcessor, ProcessorChain
@@ -49,6 +49,7 @@ class Job:
     logprobs: int | None = None  # alternatives per generated token; None: no logprobs
     prompt_logprobs: int | None = None  # echo with logprobs: the same for the prompt's tokens
     min_tokens: int = 0  # vLLM's: no stop token, and no stop string ending, in the first this many
+    continues_prompt: bool = False  # a completion: its text is decoded after the prompt's (a chat reply: alone)
 
 
 @dataclass
@@ -100,10 +101,15 @@ def processors(
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     if any(t >= vocab_size for t in bias):
         raise invalid(f"logit_bias keys must be token ids in 0..{vocab_size - 1}", "logit_bias")
+    allowed = body.allowed_token_ids
+    if allowed is not None and any(not 0 <= t < vocab_size for t in allowed):
+        raise invalid(f"allowed_token_ids must be token ids in 0..{vocab_size - 1}", "allowed_token_ids")
     presence, frequency = body.presence_penalty or 0.0, body.frequency_penalty or 0.0
 
     def make() -> LogitsProcessor | None:
         chain: list[LogitsProcessor] = []
+        if allowed is not None:
+            chain.append(AllowedTokens(allowed, vocab_size))
         if bias:
             chain.append(LogitBias(bias, vocab_size))
         if presence or frequency:
@@ -142,7 +148,7 @@ class Runner:
         speculate = "off" if seeded and not params.greedy else None
         return Generation(self.state, job.prompt_ids, job.max_tokens, params, job.stops, job.stop_ids,
                           self.disconnected, job.make_processor(), speculate, job.logprobs,
-                          job.prompt_logprobs, job.min_tokens)  # fmt: skip
+                          job.prompt_logprobs, job.min_tokens, job.continues_prompt)  # fmt: skip
 
     @staticmethod
     def runs(job: Job) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from splitspec.decoding.loop import Emitted, PromptLogprobs
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams
+from splitspec.detokenize import CONTEXT_TOKENS
 from splitspec.exceptions import SplitspecError
 from splitspec.serve.errors import ApiError, api_error_for
 from splitspec.serve.pool import Lease
@@ -66,17 +67,21 @@ class Generation:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         min_tokens: int = 0,
+        continues_prompt: bool = False,
     ) -> None:
         """``processor``: a grammar, logit_bias, penalties (drafts are cut where it forbids a token);
         ``speculate``: overrides the server's mode for this request (``off`` for a seeded sample);
         ``logprobs``: alternatives per generated token (None: no logprobs); ``prompt_logprobs``: the
         same for the prompt's tokens (echo), which then runs on a session with no reused prefix;
-        ``min_tokens``: a stop string ending in the first this many tokens does not stop the reply."""
+        ``min_tokens``: a stop string ending in the first this many tokens does not stop the reply;
+        ``continues_prompt``: the text is decoded after the prompt's last ids (a completion, whose text continues
+        the prompt's: a SentencePiece word keeps its space), not alone (a chat reply, a message of its own)."""
         self.state = state
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
         self.params = params
-        self.text = StopTextStream(state.decode, stops, min_tokens)
+        context = self.prompt_ids[-CONTEXT_TOKENS:] if continues_prompt else []
+        self.text = StopTextStream(state.decode, stops, min_tokens, context)
         self.stop_token_ids = stop_token_ids  # end the reply (finish_reason "stop"), not shown
         self.disconnected = disconnected  # polled between tokens: the HTTP client went away
         self.processor = processor

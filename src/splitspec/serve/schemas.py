@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,8 @@ MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: no vocabulary has 10^10 tokens
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat top_logprobs, completions logprobs)
 MAX_CHOICES = 128  # OpenAI's limit on n
 
-# fields clients send that we know but do not implement, with the value that changes nothing
+# fields clients send that we know but do not implement, with the value that changes nothing (a field one endpoint
+# declares is never refused there: ``echo`` is honoured by completions, refused on chat)
 REFUSED: dict[str, object] = {
     "functions": None,  # the legacy form of tools
     "function_call": None,
@@ -35,6 +36,12 @@ REFUSED: dict[str, object] = {
     "guided_regex": None,
     "guided_grammar": None,
     "guided_choice": None,
+    "include_stop_str_in_output": False,  # vLLM's extensions
+    "skip_special_tokens": True,
+    "bad_words": [],
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+    "echo": False,  # chat: vLLM prepends the last message's content
 }
 
 
@@ -130,6 +137,45 @@ class JsonSchemaResponseFormat(_Part):
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (its current name for guided decoding): exactly one constraint.
+
+    Compiled as vLLM's ``guidance`` backend compiles it (:mod:`splitspec.serve.structured`). Keys that are not
+    vLLM's are a 400, and so are the options that would change the output but are not honoured."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")  # a JSON schema, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None  # Lark or GBNF
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
+    disable_any_whitespace: bool = False  # JSON never has free whitespace here (laid out as json.dumps writes it)
+    disable_fallback: bool = False  # one backend, llguidance: nothing to fall back to
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        for key in ("structural_tag", "whitespace_pattern"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"unsupported: its {key} is not supported")
+        if self.disable_additional_properties:
+            raise ValueError("unsupported: its disable_additional_properties is not supported")
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            got = ", ".join(kinds) or "none"
+            raise ValueError(f"exactly one of json, regex, choice, grammar and json_object is needed, got {got}")
+        return self
+
+    def kinds(self) -> list[str]:
+        """The constraints sent."""
+        sent = {"json": self.json_ is not None, "regex": self.regex is not None, "choice": self.choice is not None,
+                "grammar": self.grammar is not None, "json_object": bool(self.json_object)}  # fmt: skip
+        return [k for k, on in sent.items() if on]
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by both completion endpoints."""
 
@@ -152,6 +198,8 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool = False  # vLLM's extension: go on past end-of-sequence tokens
     min_tokens: int = Field(default=0, ge=0)  # vLLM's extension: no stop token before this many
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: response_format's kin
+    allowed_token_ids: list[int] | None = None  # vLLM's extension: every other token is banned
 
     @field_validator("stop")
     @classmethod
@@ -172,6 +220,13 @@ class GenerationRequest(BaseModel):
                 raise ValueError(f"keys must be token ids, got {key[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not value:
+            raise ValueError("allowed_token_ids must not be empty")  # vLLM's rule
         return value
 
     def stop_strings(self) -> list[str]:
@@ -205,6 +260,14 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True  # vLLM's extensions, for the chat template
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (Qwen3's enable_thinking)
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, value: bool, info: ValidationInfo) -> bool:
+        return _continue_final(value, info)
 
     def logprob_alternatives(self) -> int | None:
         """Alternatives per generated token when logprobs are asked for, else None."""
@@ -265,14 +328,28 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
     tools: list[Tool] | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, value: bool, info: ValidationInfo) -> bool:
+        return _continue_final(value, info)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
         return self
+
+
+def _continue_final(value: bool, info: ValidationInfo) -> bool:
+    """vLLM's rule: a final message left open takes no assistant cue after it."""
+    if value and info.data.get("add_generation_prompt", True):
+        raise ValueError("continue_final_message needs add_generation_prompt: false")
+    return value
 
 
 class DetokenizeRequest(BaseModel):

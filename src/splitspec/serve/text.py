@@ -19,8 +19,15 @@ from splitspec.detokenize import REPLACEMENT, IncrementalText
 class StopTextStream:
     """Turns generated token ids into safe text deltas; ``stopped`` once a stop string appeared."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = (), min_tokens: int = 0) -> None:
-        self._decoded = IncrementalText(decode)
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        stops: Sequence[str] = (),
+        min_tokens: int = 0,
+        context: Sequence[int] = (),
+    ) -> None:
+        """``context``: the prompt's last ids, which the text is decoded after (see :mod:`splitspec.detokenize`)."""
+        self._decoded = IncrementalText(decode, context)
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._sent = 0  # characters of _text already released

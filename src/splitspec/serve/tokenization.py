@@ -22,10 +22,12 @@ def tokenize(
     body: TokenizeRequest,
     messages: list[dict[str, Any]] | None,
     tools: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     if messages is not None:
         try:
-            ids = render(tokenizer, messages, body.add_generation_prompt, tools=tools or None)
+            ids = render(tokenizer, messages, body.add_generation_prompt, tools or None, body.continue_final_message,
+                         template_kwargs)  # fmt: skip
         except Exception as exc:  # the template's own Jinja raise_exception
             raise invalid(f"the chat template refused these messages: {exc}", "messages") from None
     else:
