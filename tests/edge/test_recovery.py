@@ -18,6 +18,7 @@ import torch
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.edge import engine as engine_module
 from splitspec.exceptions import ConfigError, TransportError
 from splitspec.models.kv_cache import KVCache
 from splitspec.protocol.messages import Message, Step
@@ -302,3 +303,49 @@ async def test_a_prefill_failing_after_its_first_chunk_commits_none_of_it(make_c
             clean.reset()
             expected = await clean.forward(LONG_PROMPT, logits_from=len(LONG_PROMPT) - 1)
     torch.testing.assert_close(again[-1], expected[-1])
+
+
+async def _recover_at_the_session_limit(model: Path, server: TrunkServer) -> SplitClient:
+    """A sequence loses its session's sync with the trunk (its tail fails after the trunk ran the step) on a trunk
+    that holds one session, then steps again: the recovery gives the old session up and opens a new one."""
+    async with SplitClient(_edge(model, server)) as client:
+        client.reset()
+        await client.forward(PROMPT)
+        tail = client.engine._tail
+        run_rows = tail.run_rows
+        failures = [RuntimeError("injected tail failure")]
+
+        def failing(rows: list[Any]) -> list[torch.Tensor]:
+            if failures:
+                raise failures.pop()
+            return run_rows(rows)
+
+        tail.run_rows = failing  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="injected tail failure"):
+            await client.forward([23])
+        await client.forward([24])  # was: TooManySessions, the trunk's one session being the edge's old one
+        assert client.recoveries == 1
+        assert await _session_count(server, 1) == 1
+    return client
+
+
+async def test_a_recovery_at_the_trunks_session_limit_closes_the_old_session_first(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """The recovery used to close the session it gave up in the background and open the new one at once: the
+    open reached the trunk first and was refused (max_sessions), for the edge's own session."""
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, max_sessions=1)) as server:
+        await _recover_at_the_session_limit(model, server)
+
+
+async def test_a_recovery_refused_for_its_old_session_tries_again(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Should the trunk still count the session given up when the new one is opened (its close not waited for,
+    here), the refusal (too_many_sessions; here its per-address kind, session_quota) is retried within
+    reconnect_timeout_s."""
+    monkeypatch.setattr(engine_module, "ABANDON_WAIT_S", 0.0, raising=False)
+    model = make_checkpoint("llama")
+    async with TrunkServer(CloudConfig(model_dir=model, port=0, max_sessions_per_address=1)) as server:
+        await _recover_at_the_session_limit(model, server)

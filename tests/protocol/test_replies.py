@@ -8,13 +8,16 @@ import pytest
 
 from splitspec.exceptions import (
     AuthenticationFailed,
+    BadMagic,
     BadTensor,
     CapacityExceeded,
     HandshakeMismatch,
+    MessageTooLarge,
     ProtocolError,
     UnexpectedMessage,
     error_from_code,
 )
+from splitspec.protocol.frames import encode_frame
 from splitspec.protocol.messages import Error, decode_message, encode_message
 from splitspec.protocol.replies import internal_error, is_fatal, refusal
 
@@ -68,3 +71,24 @@ def test_a_capacity_refusal_carries_its_retry_hint_across_the_wire() -> None:
     assert isinstance(rebuilt, CapacityExceeded)
     assert rebuilt.retry_after_s == 0.25
     assert refusal(BadTensor("x"), None, ready=True).retry_after_s is None
+
+
+def _step_frame(session_id: object, seq: object) -> bytes:
+    return encode_frame({"type": "step", "session_id": session_id, "seq": seq})
+
+
+def test_a_refusal_of_an_undecodable_frame_echoes_the_ids_its_header_names() -> None:
+    """A step the server cannot decode (too large, a bad tensor) is refused naming its session and seq, read
+    from the header: a multiplexing edge matches the refusal to that step (it used to reach every open in
+    flight instead, and the step waited out its timeout)."""
+    error = refusal(MessageTooLarge("too big"), None, ready=True, frame=_step_frame("s1", 4))
+    assert (error.session_id, error.seq) == ("s1", 4)
+    crash = internal_error(ValueError("boom"), None, ready=True, frame=_step_frame("s2", 5))
+    assert (crash.session_id, crash.seq) == ("s2", 5)
+    odd = refusal(BadTensor("x"), None, ready=True, frame=_step_frame(["s"], "7"))
+    assert (odd.session_id, odd.seq) == (None, None)  # ill-typed ids are not echoed
+    unreadable = refusal(BadMagic("x"), None, ready=True, frame=b"JUNK" + bytes(12))
+    assert (unreadable.session_id, unreadable.seq) == (None, None)
+    # a decoded request's own ids win over its frame's
+    decoded = refusal(BadTensor("x"), _Request(seq=1, session_id="s"), ready=True, frame=_step_frame("t", 9))
+    assert (decoded.session_id, decoded.seq) == ("s", 1)

@@ -156,3 +156,36 @@ async def test_a_late_close_refusal_is_not_an_open_sessions_refusal(connect: Con
         await channel.request(CloseSession("s-a"), timeout_s=0.1)
     opened, _ = await channel.request(OpenSession(request_id=1), timeout_s=5.0)
     assert opened == SessionOpened(1, "fresh")
+
+
+async def test_a_late_close_answer_is_not_the_next_closes_answer(connect: Connect) -> None:
+    """A close that timed out is answered (SessionClosed naming its session) while the next close waits: that
+    answer is the first close's, late; the second close takes its own (here, a refusal naming its session)."""
+
+    async def script(ws: ServerConnection, message: Message) -> None:
+        if isinstance(message, CloseSession) and message.session_id == "a":
+            await _reply(ws, SessionClosed("a"), after_s=0.3)
+        elif isinstance(message, CloseSession):
+            await _reply(ws, Error(UnknownSession.code, "no such session", message.session_id), after_s=0.6)
+
+    _, channel = await connect(script)
+    with pytest.raises(TransportError, match="no reply within"):
+        await channel.request(CloseSession("a"), timeout_s=0.1)
+    with pytest.raises(UnknownSession, match="no such session"):  # was: SessionClosed("a") returned to this close
+        await channel.request(CloseSession("b"), timeout_s=3.0)
+
+
+async def test_a_late_close_refusal_is_not_the_next_closes_answer(connect: Connect) -> None:
+    """The same with the late answer a refusal naming the first close's session and no step (no seq)."""
+
+    async def script(ws: ServerConnection, message: Message) -> None:
+        if isinstance(message, CloseSession) and message.session_id == "a":
+            await _reply(ws, Error(UnknownSession.code, "gone", "a"), after_s=0.3)
+        elif isinstance(message, CloseSession):
+            await _reply(ws, SessionClosed(message.session_id), after_s=0.6)
+
+    _, channel = await connect(script)
+    with pytest.raises(TransportError, match="no reply within"):
+        await channel.request(CloseSession("a"), timeout_s=0.1)
+    closed, _ = await channel.request(CloseSession("b"), timeout_s=3.0)  # was: UnknownSession("gone") raised here
+    assert closed == SessionClosed("b")

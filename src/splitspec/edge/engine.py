@@ -41,6 +41,7 @@ from splitspec.exceptions import (
     BadTensor,
     CapacityExceeded,
     ServerError,
+    TooManySessions,
     TransportError,
     UnexpectedMessage,
     UnknownSession,
@@ -60,6 +61,7 @@ log = logging.getLogger(__name__)
 _HEADER_RESERVE = 2048  # bytes kept free in every step frame for the prefix and JSON header
 EDGE_BIG_STEPS = 8  # prefills whose chunks share one head (tail) forward: a burst of new requests is batched too
 MAX_CAPACITY_BACKOFF_S = 5.0  # longest wait between two tries of a step the trunk refused for capacity, seconds
+ABANDON_WAIT_S = 5.0  # how long a recovery waits for the trunk to close the session it gives up, seconds
 
 
 class _HeadBatcher(RowBatcher):
@@ -447,20 +449,27 @@ class EdgeEngine:
 
         The history is kept whole until the replay succeeds: a replay that fails leaves the
         sequence lost with its full history, so the next attempt replays all of it again.
+
+        The session given up is closed first (waiting up to :data:`ABANDON_WAIT_S` for the trunk's answer):
+        at the trunk's session limits, the new session's open would otherwise be refused for the old one, the
+        edge's own. Should the trunk still count it (the close unanswered, or the connection lost before the
+        trunk noticed), a ``too_many_sessions`` refusal is retried like a lost connection, for at most
+        ``reconnect_timeout_s``.
         """
         sequence.recoveries += 1
         conn, session_id = sequence.connection, sequence.session_id
         sequence.connection = sequence.session_id = None
+        abandoned = conn is not None and session_id is not None
         if conn is not None and session_id is not None:
-            await self.link.abandon(conn, session_id)
+            await self.link.abandon(conn, session_id, wait_s=min(ABANDON_WAIT_S, self.config.reconnect_timeout_s))
         deadline = time.monotonic() + self.config.reconnect_timeout_s
         delay = 0.05
         while True:
             try:
                 await self.open(sequence)
                 break
-            except TransportError:
-                if time.monotonic() > deadline:
+            except (TransportError, TooManySessions) as exc:
+                if time.monotonic() > deadline or (isinstance(exc, TooManySessions) and not abandoned):
                     raise
                 await asyncio.sleep(delay)
                 delay = min(1.0, delay * 2)

@@ -100,6 +100,7 @@ class TrunkLink:
         self._connecting: dict[asyncio.Task[TrunkConnection], int] = {}  # connections being opened -> sessions waiting
         self._ids = itertools.count()
         self._closing: set[asyncio.Task[None]] = set()  # idle connections and abandoned sessions being closed
+        self._dialing: set[asyncio.Task[TrunkConnection]] = set()  # every connect() running, waited for or not
 
     async def connect(self) -> TrunkConnection:
         """A new connection past its handshake (the trunk fingerprint checked)."""
@@ -157,8 +158,17 @@ class TrunkLink:
             else:
                 task = asyncio.get_running_loop().create_task(self.connect())
                 self._connecting[task] = 1
+                self._dialing.add(task)  # until it ends: close() must end it even once nobody waits for it
+                task.add_done_callback(self._dialing.discard)
             try:
                 conn = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                self._connecting.pop(task, None)
+                current = asyncio.current_task()
+                if task.cancelled() and (current is None or not current.cancelling()):
+                    # close() ended the connection being opened: this request failed, nobody cancelled it
+                    raise TransportError("the link to the trunk was closed") from None
+                raise
             except BaseException:
                 self._connecting.pop(task, None)
                 raise
@@ -217,10 +227,14 @@ class TrunkLink:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def abandon(self, conn: TrunkConnection, session_id: str) -> None:
+    async def abandon(self, conn: TrunkConnection, session_id: str, wait_s: float = 0.0) -> None:
         """A session the edge gives up (its cache no longer matches the edge's, or the trunk lost it): closed on
         the trunk in the background while the connection lives, so its KV memory is freed now rather than at its
-        time-to-live (a session the trunk lost answers the close with an error, logged); forgotten otherwise."""
+        time-to-live (a session the trunk lost answers the close with an error, logged); forgotten otherwise.
+
+        ``wait_s`` > 0: wait up to that long for the trunk's answer to the close (the close goes on in the
+        background past it). A recovery waits, so that the session it opens next is not refused by the trunk's
+        session limits while the trunk still counts the one given up."""
         if not conn.alive:
             conn.sessions.discard(session_id)
             if not conn.sessions:
@@ -229,6 +243,8 @@ class TrunkLink:
         task = asyncio.get_running_loop().create_task(self.close_session(conn, session_id))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+        if wait_s > 0:
+            await asyncio.wait({task}, timeout=wait_s)  # neither a timeout nor our cancellation cancels the close
 
     async def _drop(self, conn: TrunkConnection) -> None:
         if conn.idle_timer is not None:
@@ -239,6 +255,14 @@ class TrunkLink:
         await conn.close()
 
     async def close(self) -> None:
+        """Close every connection, those still being opened included (an open waiting for one fails with
+        :class:`~splitspec.exceptions.TransportError`): a connection finishing its handshake after this would
+        join a closed link, its socket and reader never closed. A later open connects afresh."""
+        while self._dialing:
+            dialing = list(self._dialing)
+            for task in dialing:
+                task.cancel()
+            await asyncio.gather(*dialing, return_exceptions=True)
         for conn in list(self.connections):
             await self._drop(conn)
         if self._closing:

@@ -3,13 +3,14 @@
 A :class:`Channel` starts request by request: each request waits for the next frame. After
 :meth:`Channel.multiplex` (the edge engine's trunk connections) many requests may be in flight at
 once: a reader task takes every reply off the socket and hands it to the request it answers. A
-step's reply names its session and sequence number; every other request (handshake, opening and
-closing sessions) goes one at a time and takes the reply that names no step in flight, since a
-refusal of it names nothing; OpenSession requests go together, answered by their request id (a
-refusal of one, which names nothing, goes to every open in flight). A reply that names a step or an open nobody
-waits for any more (it timed out or was cancelled) goes to no other request: a late step's reply is dropped, and
-a session opened too late is closed at once, so the trunk holds no session the edge does not know. A broken
-connection fails every request in flight.
+step's reply names its session and sequence number; every other request (handshake, closing
+sessions) goes one at a time and takes the reply that names no step, and names the request's
+session or none; OpenSession requests go together, answered by their request id (a refusal of one,
+which names nothing, goes to every open in flight). A reply that names a step, an open or a session
+nobody waits for any more (it timed out or was cancelled) goes to no other request: a late step's
+reply is dropped, as is a late answer to a close, and a session opened too late is closed at once,
+so the trunk holds no session the edge does not know. A broken connection fails every request in
+flight.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidURI
 from websockets.frames import CloseCode
 from websockets.protocol import State
+from websockets.uri import parse_uri
 
 from splitspec.exceptions import ConfigError, MessageTooLarge, ProtocolError, TransportError, error_from_code
 from splitspec.protocol.messages import (
@@ -91,6 +93,7 @@ class Channel:
         self._reader: asyncio.Task[None] | None = None  # see multiplex
         self._waiting: dict[tuple[str, int] | None, asyncio.Future[_Arrival]] = {}  # None: the control request
         self._control = asyncio.Lock()  # requests that are not steps go one at a time
+        self._control_session: str | None = None  # the session the control request in flight names, if any
         self._broken: TransportError | None = None  # why a multiplexed connection is gone, once it is
         self._orphan_closes: set[asyncio.Task[None]] = set()  # closing sessions opened for requests gone
 
@@ -110,8 +113,14 @@ class Channel:
         length (for a peer that speaks only when asked: nothing bigger is ever buffered); by
         default the protocol cap applies at all times.
         """
+        try:  # websockets' own parse: a scheme in any case, and a bad port or host raised as ours, not a ValueError
+            secure = parse_uri(url).secure
+        except InvalidURI as exc:
+            raise ConfigError(f"invalid server URL {url!r}: {exc.msg}") from None
+        except ValueError as exc:  # urllib's: a port out of range, an unclosed IPv6 bracket
+            raise ConfigError(f"invalid server URL {url!r}: {exc}") from None
         context: ssl.SSLContext | None = None
-        if url.startswith("wss://"):
+        if secure:
             try:
                 context = ssl.create_default_context(cafile=ca_file)
             except (OSError, ssl.SSLError) as exc:
@@ -164,7 +173,11 @@ class Channel:
         if isinstance(message, OpenSession):  # its answer names its request id (a refusal names nothing)
             return await self._multiplexed(message, (OPEN_KEY, message.request_id), timeout_s)
         async with self._control:
-            return await self._multiplexed(message, None, timeout_s)
+            self._control_session = _names(message)
+            try:
+                return await self._multiplexed(message, None, timeout_s)
+            finally:
+                self._control_session = None
 
     @property
     def alive(self) -> bool:
@@ -190,13 +203,14 @@ class Channel:
                 reply = decode_message(raw, max_bytes=cap)
                 arrival = _Arrival(reply, at, (time.perf_counter() - at) * 1e3, len(raw))
                 key = _answers(reply)
-                if key is not None and key not in self._waiting:  # its request timed out or was cancelled
+                if key is None:
+                    self._route_control(reply, arrival)
+                    continue
+                if key not in self._waiting:  # its request timed out or was cancelled
                     self._late(reply)
                     continue
-                if key is None and isinstance(reply, Error) and self._route_refusal(reply, arrival):
-                    continue
-                future = self._waiting.pop(key, None)
-                if future is not None and not future.done():
+                future = self._waiting.pop(key)
+                if not future.done():
                     future.set_result(arrival)
         except (TransportError, ProtocolError) as exc:  # the socket broke, or a frame we refuse
             self._fail(exc if isinstance(exc, TransportError) else TransportError(f"bad frame from the server: {exc}"))
@@ -204,25 +218,31 @@ class Channel:
             self._fail(TransportError("connection closed"))
             raise
 
-    def _route_refusal(self, error: Error, arrival: _Arrival) -> bool:
-        """Deliver a refusal that answers no step and no open by name; False: it is the control request's.
+    def _route_control(self, reply: Message, arrival: _Arrival) -> None:
+        """Deliver a reply that answers no step and no open by name: an open's refusal, or a control answer.
 
         An open's refusal names nothing (an OpenSession carries no session), while the one control request
-        multiplexed, CloseSession, is refused naming its session. So a refusal naming nothing goes to the opens in
-        flight, whichever control request waits (which open it refuses cannot be told: each gets it and may try
-        again), and one naming a session with no control request waiting is a late answer, nobody's.
+        multiplexed, CloseSession, is answered and refused naming its session. So a refusal naming nothing goes to
+        the opens in flight, whichever control request waits (which open it refuses cannot be told: each gets it and
+        may try again); any other reply goes to the control request in flight if it names that request's session
+        (or none), and is otherwise a late answer, nobody's: the answer to a close that timed out must not be taken
+        for the answer to the next close.
         """
+        named = _names(reply)
         opens = [k for k in self._waiting if k is not None and k[0] == OPEN_KEY]
-        if error.session_id is None and opens:
+        if isinstance(reply, Error) and named is None and opens:
             for open_key in opens:
                 waiting = self._waiting.pop(open_key)
                 if not waiting.done():
                     waiting.set_result(arrival)
-            return True
-        if None not in self._waiting:  # nobody waits for a control answer: late (its request timed out)
-            self._late(error)
-            return True
-        return False
+            return
+        future = self._waiting.get(None)
+        if future is None or (named is not None and named != self._control_session):
+            self._late(reply)  # nobody waits for it (its request timed out), or it answers another session
+            return
+        del self._waiting[None]
+        if not future.done():
+            future.set_result(arrival)
 
     def _late(self, reply: Message) -> None:
         """A reply to a step or an open that nobody waits for: dropped; a session it opened is closed."""
@@ -352,6 +372,12 @@ def _answers(reply: Message) -> tuple[str, int] | None:
     if isinstance(reply, Error) and reply.session_id is not None and reply.seq is not None:
         return (reply.session_id, reply.seq)
     return None
+
+
+def _names(message: Message) -> str | None:
+    """The session a control request or its reply names (a CloseSession, a SessionClosed, an Error), if any."""
+    session_id = getattr(message, "session_id", None)
+    return session_id if isinstance(session_id, str) else None
 
 
 def _closed_error(exc: ConnectionClosed) -> Exception:

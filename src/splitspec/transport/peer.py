@@ -75,7 +75,7 @@ class MessagePeer(ABC, Generic[M]):
             self.served(message, reply, len(data), len(encoded))
             return encoded, False
         except ProtocolError as exc:
-            error = refusal(exc, message, ready=self.gate.ready)
+            error = refusal(exc, message, ready=self.gate.ready, frame=data)
             if self.log_budget.take():
                 self._log.info(
                     "%s %d (%s): refused %s: %s (%d more refusals not logged)",
@@ -88,7 +88,7 @@ class MessagePeer(ABC, Generic[M]):
             if self.log_budget.take():
                 skipped = self.log_budget.skipped()
                 self._log.exception("%s %d: request failed (%d more not logged)", self.label, self.conn_id, skipped)
-            error = internal_error(exc, message, ready=self.gate.ready)
+            error = internal_error(exc, message, ready=self.gate.ready, frame=data)
             encoded = self.encode(error)
             self.served(message, error, len(data), len(encoded))
             return encoded, error.fatal

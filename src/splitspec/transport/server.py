@@ -5,7 +5,8 @@ splitspec server (:class:`ConnectionLimits`): until its peer reports the handsha
 WebSocket layer refuses any frame above a Hello's size (so nothing bigger is ever buffered), the
 connection must finish its handshake within a deadline, and only so many connections may be in
 their handshake at once and open from one address. After the handshake the frame cap is raised to
-the server's message cap, and a connection silent for longer than the idle timeout is closed.
+the server's message cap, and a connection silent for longer than the idle timeout is closed (one
+with a frame still being served is not idle, however long the frame takes).
 
 A server may also answer plain HTTP GETs on chosen paths of its own port (``http_routes``: the
 trunk's ``/metrics`` and ``/health``); every other request goes on to the WebSocket handshake.
@@ -89,7 +90,8 @@ class ConnectionLimits:
     handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
     max_unauthenticated: int = 64  # connections still in their handshake, all addresses together
     max_per_address: int = 32  # open connections from one IP address
-    idle_timeout_s: float | None = None  # close a connection past its handshake silent this long; None = never
+    # close a connection past its handshake silent this long (no frame received, none in flight); None = never
+    idle_timeout_s: float | None = None
     max_in_flight: int = 16  # frames of one (concurrent) connection handled at once; more wait unread
 
     def __post_init__(self) -> None:
@@ -248,29 +250,50 @@ class ConnectionGuard:
         deadline = loop.time() + limits.handshake_timeout_s
         in_flight: set[asyncio.Task[None]] = set()  # frames being handled concurrently
         slots = asyncio.Semaphore(limits.max_in_flight)  # a connection's frames in flight, at most
+        idle_s = limits.idle_timeout_s
+        active_at = loop.time()  # the connection's last frame received or reply sent
+        waiting: asyncio.Timeout | None = None  # the deadline of the frame being waited for, while one is
+
+        def finished(task: asyncio.Task[None]) -> None:
+            """A concurrent frame's reply went out: once none is in flight, the idle time counts from now."""
+            nonlocal active_at
+            in_flight.discard(task)
+            active_at = loop.time()
+            if not in_flight and idle_s is not None and waiting is not None and not waiting.expired():
+                waiting.reschedule(active_at + idle_s)
+
         try:
             while True:
                 if not authenticated and peer.ready:
                     authenticated = True
                     self.unauthenticated -= 1
                     socket.limit_frames(websocket_max_size(self._max))
-                timeout = limits.idle_timeout_s if authenticated else deadline - loop.time()
+                when: float | None = deadline
+                if authenticated:
+                    # a connection with a frame in flight (a step computing, or queued) is not idle, however long
+                    # the frame takes: its idle deadline is set when the last reply goes out (``finished``)
+                    when = None if idle_s is None or in_flight else active_at + idle_s
                 try:
-                    async with asyncio.timeout(timeout):  # no task per frame, unlike wait_for
+                    async with asyncio.timeout_at(when) as waiting:  # no task per frame, unlike wait_for
                         data = await socket.recv()
                 except TimeoutError:
                     why = "idle" if authenticated else "no handshake"
-                    log.info("closing connection %s: %s within %.1f s", remote, why, timeout or 0.0)
+                    limit = idle_s if authenticated else limits.handshake_timeout_s
+                    log.info("closing connection %s: %s within %.1f s", remote, why, limit or 0.0)
                     await socket.close(CloseCode.POLICY_VIOLATION, f"{why} within the deadline")
                     break
+                finally:
+                    waiting = None
+                active_at = loop.time()
                 if authenticated and peer.concurrent:
                     await slots.acquire()  # backpressure: the next frame stays unread while all slots are taken
                     task = loop.create_task(_handle_one(peer, socket, data, slots))
                     in_flight.add(task)
-                    task.add_done_callback(in_flight.discard)
+                    task.add_done_callback(finished)
                     continue
                 reply, close = await peer.handle(data)
                 await socket.send(reply)
+                active_at = loop.time()
                 if close:
                     await socket.close(CloseCode.POLICY_VIOLATION, "refused")
                     break
