@@ -108,6 +108,22 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
             str(tmp_path / "no.key"),
         ],
         "--session-ttl must be positive": ["cloud", "serve", "--model", str(model), "--session-ttl", "0"],
+        # serve read the tokenizer before the checkpoint was checked: a transformers traceback, exit 1
+        "no-tokenizer: cannot load the tokenizer": [
+            "serve",
+            "--model",
+            str(no_tokenizer),
+            "--cloud",
+            "ws://127.0.0.1:9",
+            "--allow-stock-edge-weights",
+        ],
+        "such/serve is not a checkpoint directory": [
+            "serve",
+            "--model",
+            str(tmp_path / "no" / "such" / "serve"),
+            "--cloud",
+            "ws://127.0.0.1:9",
+        ],
         "--ray-cpus-per-replica needs --ray-replicas": [
             "cloud",
             "serve",

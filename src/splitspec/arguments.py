@@ -107,8 +107,10 @@ DTYPE_HELP = (
 
 
 def add_dtype_arg(p: argparse.ArgumentParser, extra: str = "", default: str | None = AUTO) -> None:
-    """``--dtype {auto,float32,bfloat16,float16}`` (default auto, see :mod:`splitspec.models.precision`)."""
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=default, help=DTYPE_HELP + extra)
+    """``--dtype {auto,float32,bfloat16,float16}`` (default auto, see :mod:`splitspec.models.precision`); with
+    another ``default``, ``extra`` says what it is (and the help does not call auto the default)."""
+    text = DTYPE_HELP if default == AUTO else DTYPE_HELP.replace("auto (the default)", "auto")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=default, help=text + extra)
 
 
 MODEL_HELP = (
@@ -322,4 +324,9 @@ def add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
         type=int,
         help="sample from the k likeliest tokens, 0 = all (default: generation_config.json's, else 50)",
     )
-    p.add_argument("--seed", type=int, help="sampling seed (reproducible output)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        help="sampling seed: the same tokens again with --speculate off; under speculation the same distribution "
+        "(which tokens are drafted depends on the link's timing)",
+    )

@@ -58,8 +58,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     from splitspec.models.checkpoint import load_tokenizer
 
     config = edge_config(args)
+    tokenizer = load_tokenizer(args.model)  # the checkpoint checked before its generation_config is read (and logged)
     params = sampling_params(args)
-    tokenizer = load_tokenizer(args.model)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens")
@@ -191,9 +191,12 @@ def _register_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--model", type=model_dir, help=MODEL_HELP + ", to split (default: the embedded base model)")
     p.add_argument(
-        "--draft-model", type=model_dir, help="drafter, a directory or model id (default: the embedded draft model)"
+        "--draft-model",
+        type=model_dir,
+        help="drafter, a directory or model id (default: the embedded draft model, with the embedded base model "
+        "only; with --model, none)",
     )
-    add_draft_head_arg(p, " (default: the embedded base model's head)")
+    add_draft_head_arg(p, " (default: the embedded base model's head, with the embedded base model only)")
     add_edge_layers_arg(p)
     p.add_argument("--threads", type=positive_int, default=1, help="CPU threads for the edge (default 1: small models)")
     p.add_argument("--device", default="auto", help=DEVICE_HELP + "; the trunk server child uses it too")

@@ -13,7 +13,7 @@ from splitspec.decoding.speculative import make_drafters
 from splitspec.edge.client import SplitClient
 from splitspec.edge.engine import EdgeEngine
 from splitspec.edge.runtime import EdgeRuntime
-from splitspec.models.checkpoint import Checkpoint
+from splitspec.models.checkpoint import Checkpoint, load_tokenizer
 from splitspec.serve.config import ServeConfig
 from splitspec.serve.logprobs import TokenBytes
 from splitspec.serve.metrics import ServeMetrics
@@ -25,11 +25,10 @@ log = logging.getLogger(__name__)
 
 class ServeState:
     def __init__(self, config: ServeConfig) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
         edge = config.edge
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(edge.model_dir, local_files_only=True)
+        # a directory that is no checkpoint, or holds no tokenizer, is one CheckpointError line (a traceback before)
+        self.tokenizer: Any = load_tokenizer(edge.model_dir)
         if config.chat_template is not None:  # --chat-template: for a checkpoint that ships none
             self.tokenizer.chat_template = config.chat_template
         self.templated = has_chat_template(self.tokenizer)
