@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 
 from splitspec.cloud.config import CloudConfig
-from splitspec.cloud.ray_serve import APP_NAME, REPLICA_HEADER, build_app, refuse_running_serve, trunk_application
+from splitspec.cloud.ray_serve import (
+    APP_NAME,
+    REPLICA_HEADER,
+    build_app,
+    default_gpus_per_replica,
+    refuse_running_serve,
+    trunk_application,
+)
 from splitspec.demo import free_port
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.exceptions import ConfigError
@@ -108,6 +115,7 @@ def test_the_serve_config_file_builds_the_trunk_application(
     assert deployment.num_replicas == args["replicas"]
     assert deployment.ray_actor_options["num_cpus"] == args["cpus_per_replica"]
     (config,) = deployment.init_args
+    assert deployment.ray_actor_options["num_gpus"] == default_gpus_per_replica(config)  # commented out: the default
     assert (config.model_dir, config.edge_layers, config.auth_token) == (model, (2, 2), "s3cret")
     with pytest.raises(ConfigError, match="unknown trunk options"):
         build_app({**args, "prot": 1})

@@ -36,14 +36,17 @@ def available_memory_bytes(device: torch.device, meminfo: Path = Path("/proc/mem
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def default_budget_bytes(devices: Sequence[torch.device]) -> int:
-    """:data:`DEFAULT_BUDGET_FRACTION` of the memory available on the trunk's tightest device."""
+def default_budget_bytes(devices: Sequence[torch.device], share: float = 1.0) -> int:
+    """:data:`DEFAULT_BUDGET_FRACTION` of the memory available on the trunk's tightest device, times ``share``:
+    less than 1 for a Ray replica that may share that memory with other replicas (docs/ray-serve.md)."""
     available = min(available_memory_bytes(d) for d in devices)
-    budget = int(available * DEFAULT_BUDGET_FRACTION)
+    fraction = DEFAULT_BUDGET_FRACTION * share
+    budget = int(available * fraction)
     log.info(
-        "KV budget %.0f MiB (%.0f %% of %.0f MiB available; set --kv-budget-mb to choose)",
+        "KV budget %.0f MiB (%.3g %% of %.0f MiB available%s; set --kv-budget-mb to choose)",
         budget / 2**20,
-        DEFAULT_BUDGET_FRACTION * 100,
+        fraction * 100,
         available / 2**20,
+        "" if share == 1 else f", {DEFAULT_BUDGET_FRACTION:.0%} x this replica's share {share:.3g}",
     )
     return budget

@@ -15,6 +15,7 @@ from splitspec.arguments import (
     positive_int,
     read_token_file,
 )
+from splitspec.cloud.config import PREPACK_CHOICES
 from splitspec.exceptions import ConfigError
 
 
@@ -60,12 +61,20 @@ def _run_serve(args: argparse.Namespace) -> int:
             raise ConfigError(f"--ray-cpus-per-replica must be positive, got {args.ray_cpus_per_replica}")
         from splitspec.cloud.ray_serve import serve_on_ray
 
-        serve_on_ray(config, args.ray_replicas, address=args.ray_address, cpus_per_replica=args.ray_cpus_per_replica)
+        serve_on_ray(
+            config,
+            args.ray_replicas,
+            address=args.ray_address,
+            cpus_per_replica=args.ray_cpus_per_replica,
+            gpus_per_replica=args.ray_gpus_per_replica,
+        )
         return 0
     if args.ray_address is not None:
         raise ConfigError("--ray-address needs --ray-replicas")
     if args.ray_cpus_per_replica != 1.0:
         raise ConfigError("--ray-cpus-per-replica needs --ray-replicas")
+    if args.ray_gpus_per_replica is not None:
+        raise ConfigError("--ray-gpus-per-replica needs --ray-replicas")
     asyncio.run(serve_forever(config))
     return 0
 
@@ -129,7 +138,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--prepack",
-        choices=("auto", "on", "off"),
+        choices=PREPACK_CHOICES,
         default="auto",
         help="prepack the trunk's linear weights for oneDNN once at load: batched forwards on a CPU ran 1.3-1.5x "
         "faster than with PyTorch's default matmul (auto, the default: for a batching float32 trunk wholly on "
@@ -171,5 +180,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=float,
         default=1.0,
         help="with --ray-replicas: CPUs Ray reserves for each replica (default 1; fractions allowed)",
+    )
+    p.add_argument(
+        "--ray-gpus-per-replica",
+        type=float,
+        help="with --ray-replicas: GPUs Ray reserves for each replica, which it sees as cuda:0, ... (default: 1 with "
+        "--device cuda or cuda:N, or auto where this machine has a CUDA GPU; each CUDA device of --devices; 0 on "
+        "the CPU; fractions such as 0.5 put several replicas on one GPU, each with that share of the default KV "
+        "budget: docs/ray-serve.md)",
     )
     p.set_defaults(run=_run_serve)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitspec.device_choices import check_compute_on
 from splitspec.exceptions import CheckpointError, ConfigError
+from splitspec.models.compile_modes import COMPILE_MODES
+from splitspec.models.dtype_choices import DTYPE_CHOICES
+from splitspec.models.quantize_choices import QUANTIZE_CHOICES
 from splitspec.protocol.choices import WIRE_CODECS
+
+PREPACK_CHOICES = ("auto", "on", "off")  # --prepack (see CloudConfig.prepack)
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,9 @@ class CloudConfig:
     max_sessions_per_connection: int = 4  # sessions one connection may hold at once
     max_sessions_per_address: int = 32  # sessions all connections from one IP address may hold at once
     kv_budget_mb: float | None = None  # KV memory of all sessions, MiB; None = 40 % of what is available at start
+    # with kv_budget_mb None: the share of that default this server takes, 0 < share <= 1. A Ray replica that may
+    # share its device's memory with others takes less (set by ray_serve.trunk_application; see docs/ray-serve.md)
+    kv_budget_share: float = 1.0
     kv_block_tokens: int = 16  # a session's KV cache grows in blocks of this many entries (kv_cache.KV_BLOCK_TOKENS)
     evict_idle_s: float = 1.0  # a session idle this long may be evicted (LRU) when the KV budget is full
     handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
@@ -62,35 +72,68 @@ class CloudConfig:
 def check_config(config: CloudConfig) -> None:
     """The checks that need no model, each a :class:`ConfigError` of one line: made before a trunk loads (minutes,
     for a big one), by :class:`~splitspec.cloud.server.TrunkServer` and, before any replica starts, by the Ray
-    Serve application (:func:`~splitspec.cloud.ray_serve.trunk_application`)."""
+    Serve application (:func:`~splitspec.cloud.ray_serve.trunk_application`).
+
+    Every number is checked finite and in its range (an infinite session TTL went into every Welcome, which
+    edges refuse; a NaN one disabled the sweep), every choice against its allowed set."""
     if not (config.model_dir / "config.json").is_file():
         raise CheckpointError(f"{config.model_dir} is not a checkpoint directory: config.json is missing")
-    if config.kv_budget_mb is not None and config.kv_budget_mb <= 0:
-        raise ConfigError(f"the KV budget must be positive, got {config.kv_budget_mb} MiB")
+    _positive("the KV budget (--kv-budget-mb)", config.kv_budget_mb)
+    if not (math.isfinite(config.kv_budget_share) and 0 < config.kv_budget_share <= 1):
+        raise ConfigError(f"the default KV budget's share must be in (0, 1], got {config.kv_budget_share}")
     if min(config.max_sessions, config.max_sessions_per_connection, config.max_sessions_per_address) < 1:
         raise ConfigError("session limits must be at least 1")
     if config.kv_block_tokens < 1:
         raise ConfigError(f"--kv-block must be at least 1 entry, got {config.kv_block_tokens}")
     if config.max_batch_steps < 1 or config.prefill_chunk_tokens < 1:
         raise ConfigError("--max-batch-steps and --prefill-chunk must be at least 1")
-    if not 0 <= config.batch_gather <= 10:
+    if not 0 <= config.batch_gather <= 10:  # NaN fails this too
         raise ConfigError(f"--batch-gather must be between 0 and 10 (decode batches' time), got {config.batch_gather}")
     if not config.wire_codecs or any(c not in WIRE_CODECS for c in config.wire_codecs):
         raise ConfigError(f"--wire-codecs must name one or more of {', '.join(WIRE_CODECS)}, got {config.wire_codecs}")
-    if config.compile is not None and config.batching:
-        raise ConfigError(
-            "--compile runs each session's decode step alone over static KV buffers: add --no-batching "
-            "(batched steps use growable caches)"
-        )
-    if config.session_ttl_s <= 0:
-        raise ConfigError(f"--session-ttl must be positive, got {config.session_ttl_s} s")
-    if config.handshake_timeout_s <= 0:
-        raise ConfigError(f"--handshake-timeout must be positive, got {config.handshake_timeout_s} s")
+    _one_of("--prepack", config.prepack, PREPACK_CHOICES)
+    check_compute_on(config.compute_on)
+    _one_of("--dtype", config.dtype, DTYPE_CHOICES)
+    if config.quantize is not None:
+        _one_of("--quantize", config.quantize, QUANTIZE_CHOICES)
+    if config.compile is not None:
+        _one_of("--compile", config.compile, COMPILE_MODES)
+        if config.batching:
+            raise ConfigError(
+                "--compile runs each session's decode step alone over static KV buffers: add --no-batching "
+                "(batched steps use growable caches)"
+            )
+    _positive("--session-ttl", config.session_ttl_s)
+    _positive("--handshake-timeout", config.handshake_timeout_s)
+    _positive("the TTL sweep interval", config.sweep_interval_s)
+    if not (math.isfinite(config.evict_idle_s) and config.evict_idle_s >= 0):
+        raise ConfigError(f"--evict-idle must be a finite number of seconds >= 0, got {config.evict_idle_s}")
     if config.max_connections_per_address < 1:
         raise ConfigError("--max-connections-per-address must be at least 1")
+    if config.max_unauthenticated < 1:
+        raise ConfigError(f"max_unauthenticated must be at least 1, got {config.max_unauthenticated}")
     if config.max_message_bytes < 1:
         raise ConfigError("--max-message-mb must be at least 1")
+    if config.max_query_tokens < 1:
+        raise ConfigError(f"max_query_tokens must be at least 1, got {config.max_query_tokens}")
+    if config.compute_workers < 1:
+        raise ConfigError(f"compute_workers must be at least 1, got {config.compute_workers}")
+    if config.torch_threads is not None and config.torch_threads < 1:
+        raise ConfigError(f"--threads must be at least 1, got {config.torch_threads}")
     if config.max_cache_tokens is not None and config.max_cache_tokens < 1:
         raise ConfigError(f"--max-cache-tokens must be at least 1, got {config.max_cache_tokens}")
+    if not 0 <= config.port <= 65535:
+        raise ConfigError(f"--port must be between 0 and 65535, got {config.port}")
     if (config.tls_cert_file is None) != (config.tls_key_file is None):
         raise ConfigError("TLS needs both a certificate and a key file")
+
+
+def _positive(what: str, value: float | None) -> None:
+    """Refuse ``value`` unless it is None (unset) or a finite number above 0."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{what} must be positive and finite, got {value}")
+
+
+def _one_of(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")

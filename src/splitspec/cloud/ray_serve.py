@@ -22,19 +22,23 @@ functions that start it: importing this module needs only FastAPI.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import math
 import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import Response
-from starlette.websockets import WebSocketDisconnect
+from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from splitspec.arguments import read_token_file
+from splitspec.cloud.budget import DEFAULT_BUDGET_FRACTION
 from splitspec.cloud.config import CloudConfig, check_config
 from splitspec.cloud.server import TrunkServer
 from splitspec.exceptions import ConfigError
@@ -71,13 +75,22 @@ class _StarletteSocket:
         return data
 
     async def send(self, data: bytes) -> None:
+        # Starlette raises RuntimeError (WebSocketDisconnected since 0.47) on a send after the close: this
+        # connection's own, e.g. a concurrent step's reply after another frame's refusal closed it
+        if self._ws.application_state != WebSocketState.CONNECTED:
+            raise SocketClosed("the connection is closed")
         try:
             await self._ws.send_bytes(data)
         except WebSocketDisconnect as exc:
             raise SocketClosed("closed by the client") from exc
+        except RuntimeError as exc:  # Starlette's "Cannot call send once a close message has been sent"
+            raise SocketClosed(str(exc)) from exc
 
     async def close(self, code: int, reason: str) -> None:
-        await self._ws.close(code, reason)
+        if self._ws.application_state != WebSocketState.CONNECTED:
+            return  # closed already (a second close would raise RuntimeError)
+        with contextlib.suppress(WebSocketDisconnect):  # the client is gone: nothing to close
+            await self._ws.close(code, reason)
 
     def limit_frames(self, max_bytes: int) -> None:
         self._max_bytes = max_bytes
@@ -185,38 +198,111 @@ def _ray_serve() -> Any:
     return serve
 
 
-def trunk_application(config: CloudConfig, replicas: int, cpus_per_replica: float = 1.0) -> Any:
+def trunk_application(
+    config: CloudConfig, replicas: int, cpus_per_replica: float = 1.0, gpus_per_replica: float | None = None
+) -> Any:
     """The Serve application of ``replicas`` trunk replicas (a ``ray.serve.Application``, for ``serve.run``).
 
     The trunk's checks that need no model are made here, once, before Ray starts a replica: a bad
     value is one :class:`ConfigError`, not a failure in each replica (or Serve's own validation error).
+    Ray reserves ``cpus_per_replica`` CPUs and ``gpus_per_replica`` GPUs for each replica (None:
+    :func:`default_gpus_per_replica`); with the KV budget left to its default, each replica takes
+    :func:`replica_budget_share` of it.
     """
     check_config(config)
     if replicas < 1:
         raise ConfigError(f"--ray-replicas must be at least 1, got {replicas}")
-    if cpus_per_replica < 0:
-        raise ConfigError(f"--ray-cpus-per-replica must not be negative, got {cpus_per_replica}")
+    if not (math.isfinite(cpus_per_replica) and cpus_per_replica >= 0):
+        raise ConfigError(f"--ray-cpus-per-replica must be a finite number >= 0, got {cpus_per_replica}")
+    gpus = default_gpus_per_replica(config) if gpus_per_replica is None else gpus_per_replica
+    if not (math.isfinite(gpus) and gpus >= 0):
+        raise ConfigError(f"--ray-gpus-per-replica must be a finite number >= 0, got {gpus}")
+    _check_visible_gpus(config, gpus)
+    share = 1.0 if config.kv_budget_mb is not None else replica_budget_share(config, replicas, gpus)
+    if share < 1:
+        log.info(
+            "each replica's default KV budget: %.3g of %.0f %% of the memory available at its start "
+            "(--kv-budget-mb to choose; docs/ray-serve.md)",
+            share,
+            DEFAULT_BUDGET_FRACTION * 100,
+        )
     serve = _ray_serve()
     deployment = serve.deployment(
         name="trunk",
         num_replicas=replicas,
         # a WebSocket connection is one request for its whole life: admit as many as the sessions
         max_ongoing_requests=config.max_sessions + _MIN_ONGOING,
-        ray_actor_options={"num_cpus": cpus_per_replica},
+        # GPUs reserved: Ray sets each replica's CUDA_VISIBLE_DEVICES to its own (with none it leaves the
+        # variable alone, and every replica on a node would run on cuda:0)
+        ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus},
     )(serve.ingress(trunk_asgi_app)(TrunkReplica))
     # the replicas listen nowhere: host, port and TLS are the proxies' (see serve_on_ray), so a
     # replica reads no certificate and does not warn about a secret sent in the clear
-    return deployment.bind(dataclasses.replace(config, host="127.0.0.1", tls_cert_file=None, tls_key_file=None))
+    return deployment.bind(
+        dataclasses.replace(config, host="127.0.0.1", tls_cert_file=None, tls_key_file=None, kv_budget_share=share)
+    )
 
 
-# CloudConfig fields a Serve config file may not set: the proxies' http_options hold host, port and TLS
-_PROXY_FIELDS = frozenset({"host", "port", "tls_cert_file", "tls_key_file", "auth_token"})
+def _device_names(config: CloudConfig) -> list[str]:
+    return [name.strip().lower() for name in (config.devices or (config.device,))]
+
+
+def _trunk_on_cuda(config: CloudConfig) -> bool:
+    """Whether the trunk runs wholly on CUDA devices (``auto``: where this machine has one)."""
+    names = _device_names(config)
+    if names == ["auto"]:
+        return bool(torch.cuda.is_available())
+    return all(name == "cuda" or name.startswith("cuda:") for name in names)
+
+
+def default_gpus_per_replica(config: CloudConfig) -> float:
+    """``--ray-gpus-per-replica``'s default: the CUDA devices one replica's trunk names (``--device cuda`` or
+    ``cuda:N``: 1; ``--devices``: each CUDA one; ``auto``: 1 where the machine building the application has a
+    CUDA GPU), else 0 (a CPU trunk)."""
+    names = _device_names(config)
+    if names == ["auto"]:
+        return 1.0 if _trunk_on_cuda(config) else 0.0
+    return float(sum(name == "cuda" or name.startswith("cuda:") for name in names))
+
+
+def _check_visible_gpus(config: CloudConfig, gpus: float) -> None:
+    """Refuse a CUDA index a replica cannot see: Ray makes a replica's reserved GPUs its cuda:0, cuda:1, ..."""
+    if gpus <= 0:
+        return  # no GPU reserved: Ray leaves CUDA_VISIBLE_DEVICES alone, every GPU of the node is visible
+    visible = math.ceil(gpus)
+    for name in _device_names(config):
+        index = name.partition(":")[2]
+        if name.startswith("cuda:") and index.isdigit() and int(index) >= visible:
+            raise ConfigError(
+                f"device {name!r}: a Ray replica sees only the GPUs Ray reserves for it ({gpus:g}, "
+                f"--ray-gpus-per-replica), as cuda:0 to cuda:{visible - 1}"
+            )
+
+
+def replica_budget_share(config: CloudConfig, replicas: int, gpus_per_replica: float) -> float:
+    """The share of the default KV budget (40 % of the memory available at start) each replica takes.
+
+    A trunk on CUDA with ``gpus_per_replica`` >= 1 has its GPUs to itself: 1. With a fraction g of a GPU,
+    up to 1/g replicas share that GPU: g. Otherwise (a CPU trunk, or GPUs not reserved) Ray does not divide a
+    host's memory between the replicas it places there, and all of them may land on one: 1 / replicas.
+    """
+    if replicas == 1:
+        return 1.0
+    if gpus_per_replica > 0 and _trunk_on_cuda(config):
+        return min(1.0, gpus_per_replica)
+    return 1.0 / replicas
+
+
+# CloudConfig fields a Serve config file may not set: the proxies' http_options hold host, port and TLS (the
+# secret is token_file's); kv_budget_share is trunk_application's to set (replica_budget_share)
+_RESERVED_FIELDS = frozenset({"host", "port", "tls_cert_file", "tls_key_file", "auth_token", "kv_budget_share"})
 
 
 def build_app(args: dict[str, Any]) -> Any:
     """The application builder of a Serve config file (``import_path: splitspec.cloud.ray_serve:build_app``).
 
-    ``args``: ``replicas`` (default 1), ``cpus_per_replica`` (1.0), ``token_file`` (the shared
+    ``args``: ``replicas`` (default 1), ``cpus_per_replica`` (1.0), ``gpus_per_replica`` (default:
+    :func:`default_gpus_per_replica`), ``token_file`` (the shared
     secret's file, read where Serve builds the application) and any :class:`CloudConfig` field by
     name, ``model_dir`` required (``edge_layers``, ``devices`` and ``wire_codecs`` as lists). Where the proxies
     listen, and their TLS, is the file's ``http_options``. See deploy/ray-serve.yaml.
@@ -224,8 +310,10 @@ def build_app(args: dict[str, Any]) -> Any:
     options = dict(args)
     replicas = int(options.pop("replicas", 1))
     cpus_per_replica = float(options.pop("cpus_per_replica", 1.0))
+    gpus = options.pop("gpus_per_replica", None)
+    gpus_per_replica = None if gpus is None else float(gpus)
     token_file = options.pop("token_file", None)
-    fields = {field.name for field in dataclasses.fields(CloudConfig)} - _PROXY_FIELDS
+    fields = {field.name for field in dataclasses.fields(CloudConfig)} - _RESERVED_FIELDS
     unknown = sorted(set(options) - fields)
     if unknown:
         raise ConfigError(f"unknown trunk options {unknown} in the Serve config's args (known: {sorted(fields)})")
@@ -236,7 +324,7 @@ def build_app(args: dict[str, Any]) -> Any:
         if name in options:
             options[name] = tuple(options[name])
     config = CloudConfig(**options, auth_token=read_token_file(None if token_file is None else Path(token_file)))
-    return trunk_application(config, replicas, cpus_per_replica)
+    return trunk_application(config, replicas, cpus_per_replica, gpus_per_replica)
 
 
 def serve_on_ray(
@@ -245,13 +333,14 @@ def serve_on_ray(
     *,
     address: str | None = None,
     cpus_per_replica: float = 1.0,
+    gpus_per_replica: float | None = None,
 ) -> None:
     """Deploy the trunk on Ray (a local instance when ``address`` is None) and serve until SIGINT/SIGTERM.
 
     Ray's HTTP proxy listens on ``config.host:config.port`` (with TLS when the config has a
     certificate), on every node of the cluster.
     """
-    application = trunk_application(config, replicas, cpus_per_replica)
+    application = trunk_application(config, replicas, cpus_per_replica, gpus_per_replica)
     import ray
     from ray import serve
 

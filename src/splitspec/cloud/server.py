@@ -1,8 +1,11 @@
 """The trunk server: runs the middle decoder layers for many edge sessions.
 
 Each connection handshakes once (protocol version, model fingerprint, layer range, dtype, auth,
-the hidden states' wire codec), then opens sessions and sends steps. Model compute runs on a
-worker thread so the event loop keeps answering pings and other sessions while a step computes.
+the hidden states' wire codec), then opens sessions and sends steps. Where the model compute runs is
+``--compute-on``'s (:func:`~splitspec.devices.compute_on_threads`): on an accelerator a worker thread, so the
+event loop keeps answering pings and other sessions while a step computes; on a CPU (auto) the batched
+forwards run on the event loop itself (a thread would wait for the interpreter lock after every torch call).
+Without batching each step runs alone on a thread pool.
 Every refusal is a typed ``Error`` reply; only handshake failures close the connection.
 """
 
@@ -80,9 +83,9 @@ class TrunkServer:
 
     def __init__(self, config: CloudConfig) -> None:
         self.config = config
+        check_config(config)  # what needs no model is checked before the model loads (minutes, for a big one)
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
-        check_config(config)  # what needs no model is checked before the model loads (minutes, for a big one)
         tls = None
         if config.tls_cert_file is not None and config.tls_key_file is not None:
             tls = server_tls(config.tls_cert_file, config.tls_key_file)
@@ -119,7 +122,7 @@ class TrunkServer:
             seconds = warm_up_stack(self.trunk, self.dtype)
             log.info("trunk: warmed up at step widths %s in %.0f ms", WARM_UP_WIDTHS, seconds * 1e3)
         self.budget = KVBudget(
-            budget_bytes=default_budget_bytes(devices)
+            budget_bytes=default_budget_bytes(devices, config.kv_budget_share)
             if config.kv_budget_mb is None
             else int(config.kv_budget_mb * 2**20),
             bytes_per_token=kv_bytes_per_token(model_config, len(self.plan.trunk_layers), self.dtype),
@@ -150,7 +153,8 @@ class TrunkServer:
         )
         # a session runs one step at a time (run_step refuses a second while one is in flight);
         # different sessions compute in parallel (torch releases the GIL in its kernels)
-        self._executor = ThreadPoolExecutor(max_workers=config.compute_workers, thread_name_prefix="trunk")
+        self._executor = self._new_pool()  # stop_compute shuts it down; start_compute makes a new one
+        self._pool_open = True
         warn_if_unencrypted(config.host, tls is not None, config.auth_token)
         self.scheme = "ws" if tls is None else "wss"
         limits = ConnectionLimits(
@@ -202,7 +206,11 @@ class TrunkServer:
         await self.stop_compute()
 
     def start_compute(self) -> None:
-        """Start the TTL sweep and the batcher on the running loop (what serving needs besides a listener)."""
+        """Start the TTL sweep and the batcher on the running loop (what serving needs besides a listener); after
+        :meth:`stop_compute` too (a Ray replica stopped, then connected to again), with a new thread pool."""
+        if not self._pool_open:
+            self._executor = self._new_pool()
+            self._pool_open = True
         self._sweeper = asyncio.create_task(self._sweep_forever())
         if self.batcher is not None:
             self.batcher.start()
@@ -224,6 +232,11 @@ class TrunkServer:
         if self.batcher is not None:
             await self.batcher.stop()
         self._executor.shutdown(wait=True)
+        self._pool_open = False
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        """The pool of the per-session path (``batching=False``)."""
+        return ThreadPoolExecutor(max_workers=self.config.compute_workers, thread_name_prefix="trunk")
 
     async def __aenter__(self) -> TrunkServer:
         await self.start()
@@ -319,9 +332,7 @@ class TrunkServer:
 
     def _should_prepack(self, devices: tuple[torch.device, ...]) -> bool:
         """Whether to swap the trunk's linear layers for oneDNN-prepacked ones (``--prepack``)."""
-        config = self.config
-        if config.prepack not in ("auto", "on", "off"):
-            raise ConfigError(f"--prepack must be auto, on or off, got {config.prepack!r}")
+        config = self.config  # its prepack is one of PREPACK_CHOICES (check_config)
         if config.prepack == "off":
             return False
         on_cpu = all(device.type == "cpu" for device in devices)
