@@ -72,6 +72,14 @@ UNCHECKED: list[tuple[str, dict[str, object]]] = [
     ("default KV budget's share must be in", {"kv_budget_share": 0.0}),
     ("--threads must be at least 1", {"torch_threads": 0}),
     ("--port must be between 0 and 65535", {"port": 70000}),
+    # an option the chosen compute path never reads (it was accepted and ignored)
+    (
+        "--max-batch-steps, --batch-gather only applies with the batching path",
+        {"batching": False, "max_batch_steps": 8, "batch_gather": 1.0},
+    ),
+    ("--prefill-chunk only applies with the batching path", {"batching": False, "prefill_chunk_tokens": 64}),
+    ("--compute-on only applies with the batching path", {"batching": False, "compute_on": "threads"}),
+    ("compute_workers only applies with --no-batching", {"compute_workers": 2}),
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +127,23 @@ def check_config(config: CloudConfig) -> None:
         raise ConfigError(f"--port must be between 0 and 65535, got {config.port}")
     if (config.tls_cert_file is None) != (config.tls_key_file is None):
         raise ConfigError("TLS needs both a certificate and a key file")
+    _used_by_its_path(config)
+
+
+# options only one compute path reads: set away from their defaults on the other, they would be ignored
+_BATCHING_ONLY = {"max_batch_steps": "--max-batch-steps", "prefill_chunk_tokens": "--prefill-chunk",
+                  "batch_gather": "--batch-gather", "compute_on": "--compute-on"}  # fmt: skip
+_PER_SESSION_ONLY = {"compute_workers": "compute_workers"}
+
+
+def _used_by_its_path(config: CloudConfig) -> None:
+    """Refuse an option the chosen compute path ignores (``--no-batching`` with ``--max-batch-steps``, ...)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(CloudConfig)}
+    unused = _PER_SESSION_ONLY if config.batching else _BATCHING_ONLY
+    changed = [flag for name, flag in unused.items() if getattr(config, name) != defaults[name]]
+    if changed:
+        path = "the batching path (without --no-batching)" if not config.batching else "--no-batching"
+        raise ConfigError(f"{', '.join(changed)} only applies with {path}: drop it or change the path")
 
 
 def _positive(what: str, value: float | None) -> None:
