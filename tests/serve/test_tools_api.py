@@ -109,6 +109,19 @@ def test_a_named_function_is_forced_and_streams_as_openai_deltas(client: openai.
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_a_reply_cut_after_a_complete_call_finishes_for_length(client: openai.OpenAI, tool_stack: Stack) -> None:
+    """One call made, a second cut by max_tokens: "length" (vLLM's rule), not "tool_calls" (the reply did not end)."""
+    one = chat(client, model=MODEL_NAME, messages=ASK, tools=[ADD], tool_choice="required", max_tokens=60,
+               temperature=0, parallel_tool_calls=False)  # fmt: skip
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert one.usage is not None
+    ends = {str(t): -100 for t in tool_stack.state.chat_stop_ids}  # no end of turn: a second call must follow
+    cut = chat(client, model=MODEL_NAME, messages=ASK, tools=[ADD], tool_choice="required",
+               max_tokens=one.usage.completion_tokens + 4, temperature=0, logit_bias=ends)  # fmt: skip
+    assert [c.function.name for c in cut.choices[0].message.tool_calls or []] == ["add"]
+    assert cut.choices[0].finish_reason == "length"
+
+
 def test_response_format_json_schema_validates_when_sampled(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}
     reply = chat(client,

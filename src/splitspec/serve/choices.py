@@ -195,7 +195,9 @@ class Runner:
                 if i == 0:  # the prompt counts once, so do its reused tokens
                     self.tally.cached += out.cached_tokens
                 self.current = None  # counted: no longer running
-                finish: FinishReason = "tool_calls" if parser and parser.calls else out.finish_reason
+                # a reply cut by max_tokens says "length" even after complete calls (vLLM's rule): it did not end
+                called = parser is not None and bool(parser.calls) and out.finish_reason == "stop"
+                finish: FinishReason = "tool_calls" if called else out.finish_reason
                 yield Item(index, job, finish=finish, tokens=held)
                 if await self.disconnected():  # the generation stopped early: start no more choices
                     return
