@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -262,3 +262,85 @@ class Named:
 
     def propose(self, context: Sequence[int], budget: int) -> Draft:
         return Draft.empty()
+
+
+class SlowOracle(Oracle):
+    """:class:`Oracle` whose every proposal takes SLOW_S seconds: far longer than the link's round trip."""
+
+    SLOW_S = 1.0
+
+    def propose(self, context: Sequence[int], budget: int) -> Draft:
+        draft = super().propose(context, budget)
+        time.sleep(self.SLOW_S)
+        return draft
+
+
+def slow_aside(
+    directory: Path, prompt: list[int], n: int
+) -> tuple[SlowLink, SlowOracle, SpeculationController, dict[str, Drafter]]:
+    link = SlowLink(directory)
+    oracle = SlowOracle(prompt, local_greedy(directory, prompt, n), link)
+    controller = SpeculationController(["dear", "nothing"])
+    return link, oracle, controller, {"dear": oracle, "nothing": Nothing()}
+
+
+async def test_a_step_s_tokens_do_not_wait_for_an_aside_proposal_that_outlasts_its_round_trip(
+    make_checkpoint: Callable[..., Path],
+) -> None:
+    """The first decode step (one token: no step time is measured yet) judges the dear drafter aside, its proposal
+    taking far longer than the round trip: the step's token comes when the step is verified, and the proposal is
+    scored after it, before the next step."""
+    directory = make_checkpoint("llama")
+    link, oracle, controller, drafters = slow_aside(directory, PROMPT, 3)
+    executor = DraftExecutor()
+    arrivals: list[float] = []
+    try:
+        with executor.decoding():
+            out = decode(link, PROMPT, 3, SamplingParams(), torch.Generator(), drafters, controller,
+                         draft_executor=executor)  # fmt: skip
+            tokens = []
+            async for emitted in out:
+                arrivals.append(time.perf_counter())
+                tokens.append(emitted.token)
+    finally:
+        executor.shutdown()
+    assert tokens == local_greedy(directory, PROMPT, 3)
+    assert oracle.during_round_trip == [True]  # judged aside, during the first step's round trip
+    assert arrivals[1] - arrivals[0] < SlowOracle.SLOW_S / 2  # the step's token came without waiting for it
+    assert controller._stats["dear"].reached[0] > 0.0  # and it was scored
+
+
+@pytest.mark.parametrize("ends", ["a stop token", "the caller closes the stream"])
+async def test_an_answer_s_end_does_not_wait_for_its_last_step_s_aside_proposal(
+    make_checkpoint: Callable[..., Path], ends: str
+) -> None:
+    """The step that completes the answer judged the dear drafter aside: the stream ends without waiting for the
+    proposal, which is still scored once done (the controller outlives the answer)."""
+    directory = make_checkpoint("llama")
+    prompt = PROMPT[1:]
+    answer = local_greedy(directory, prompt, 2)
+    assert answer[0] != answer[1]  # the stop token is the second one
+    link, oracle, controller, drafters = slow_aside(directory, prompt, 2)
+    stops = (answer[1],) if ends == "a stop token" else ()
+    executor = DraftExecutor()
+    try:
+        with executor.decoding():
+            t0 = time.perf_counter()
+            out = decode(link, prompt, 20, SamplingParams(), torch.Generator(), drafters, controller, stops,
+                         draft_executor=executor)  # fmt: skip
+            tokens = [(await anext(out)).token, (await anext(out)).token]
+            if ends == "a stop token":
+                tokens += [emitted.token async for emitted in out]
+            else:
+                assert isinstance(out, AsyncGenerator)
+                await out.aclose()
+            elapsed = time.perf_counter() - t0
+        deadline = time.monotonic() + 10 * SlowOracle.SLOW_S
+        while not controller._stats["dear"].reached and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    finally:
+        executor.shutdown()
+    assert tokens == answer
+    assert oracle.during_round_trip == [True]
+    assert elapsed < SlowOracle.SLOW_S / 2
+    assert controller._stats["dear"].reached[0] > 0.0  # scored once done

@@ -151,6 +151,40 @@ def test_a_drafter_rejected_at_depth_one_is_not_expected_to_go_deep() -> None:
     assert ctl.ranked()[0].budget <= 2
 
 
+def test_no_acceptance_is_expected_past_the_depth_a_drafter_reaches() -> None:
+    """A draft head's trees are 6 levels deep at most. Its drafts accepted whole leave depth 7 unjudged, which
+    must not be expected to go as depth 6 (nor every depth past it): a 16-node tree was credited with 16 accepted
+    tokens, and 17-token steps were asked for 7 tokens at most. Past its reach nothing is accepted."""
+    ctl = SpeculationController(["eagle"], step_times=measured_step_times(0.03, 0.001), max_depths={"eagle": 6})
+    for _ in range(40):
+        ctl.observe_draft("eagle", 6, 6, 16, 0.0001)
+    assert ctl.reach("eagle") == 6
+    alphas = ctl.alphas("eagle", 16)
+    assert min(alphas[:6]) > 0.9
+    assert alphas[6:] == [0.0] * 10
+    assert ctl.expected_accepted("eagle", 16) == pytest.approx(ctl.expected_accepted("eagle", 6))
+    assert ctl.expected_accepted("eagle", 16) <= 6.0
+    best = ctl.ranked()[0]
+    assert (best.drafter, best.budget) == ("eagle", 6)  # the depth it reaches, not a wider step for nothing
+
+
+def test_a_reach_is_told_to_the_population_and_outgrown_by_deeper_drafts() -> None:
+    """A drafter with no limit (prompt lookup) keeps every budget's depths; a declared reach goes to the engine-wide
+    estimates too; a drafter seen drafting deeper than it declared is believed from its drafts."""
+    population = SpeculationController(["ngram", "prompt-lookup"])
+    ctl = SpeculationController(["ngram", "prompt-lookup"], step_times=population.step_times, population=population)
+    ctl.set_max_depths({"ngram": 3, "prompt-lookup": None, "not-mine": 2})
+    assert (ctl.reach("ngram"), population.reach("ngram"), ctl.reach("prompt-lookup")) == (3, 3, None)
+    assert min(ctl.alphas("prompt-lookup", 16)) > 0.0
+    ctl.observe_draft("ngram", 5, 5, 5, 0.0)
+    assert ctl.reach("ngram") == 5
+    alphas = ctl.alphas("ngram", 8)
+    assert alphas[4] > 0.0
+    assert alphas[5:] == [0.0] * 3
+    with pytest.raises(ValueError, match="depth of 1"):
+        ctl.set_max_depths({"ngram": 0})
+
+
 def test_a_fresh_controller_prefers_no_draft_when_drafting_costs_more_than_it_can_save() -> None:
     """Measured: 30 ms one-token steps, 4 ms more per extra token (a long context), and a drafter at
     20 ms a token: even at the optimistic prior acceptance, sequential steps are faster."""

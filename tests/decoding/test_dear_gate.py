@@ -85,6 +85,23 @@ def test_load_bands_are_measured_apart() -> None:
     assert gate.rate(16, True) == pytest.approx(100.0)
 
 
+def test_an_epoch_is_measured_in_the_band_its_arm_was_chosen_for() -> None:
+    """The load crosses a band's edge within every epoch (3 sequences as each starts, 4 a moment later): what an
+    epoch delivered is the band it started in's measurement of its arm, so the other arm is tried there too (recorded
+    under the band the load reached, the start band stayed untried and its first arm was kept for good)."""
+    gate = DearGate(epoch_s=1.0, decay=0.0)
+    arms = []
+    for k in range(40):
+        arms.append(gate.allows(3, 2.0 * k))  # the epoch starts (the last one ends) with 3 sequences decoding
+        gate.delivered(100 if arms[-1] else 300)  # without the dear drafters the engine delivers more
+        gate.allows(4, 2.0 * k + 1.0 - 1e-6)  # a 4th joins within the epoch
+    assert arms[:2] == [True, False]  # each arm tried in the band the epochs start in
+    assert gate.rate(3, True) == pytest.approx(50.0)  # 100 tokens over the 2 s each epoch ran
+    assert gate.rate(3, False) == pytest.approx(150.0)
+    assert gate.rate(4, True) is None  # no epoch started with 4: none chose an arm for that band
+    assert arms.count(False) > arms.count(True)  # the better arm kept, the other explored now and then
+
+
 def test_an_epoch_interrupted_by_a_lone_sequence_is_dropped() -> None:
     gate = DearGate(epoch_s=1.0)
     assert gate.allows(8, 0.0) is True

@@ -14,13 +14,16 @@ from scipy.stats import chisquare
 from splitspec.decoding.controller import FixedPolicy, SpeculationController, SpeculationPolicy
 from splitspec.decoding.drafters import (
     Draft,
+    Drafter,
     DraftModel,
     MixedDrafter,
     NgramPool,
     PromptLookup,
     build_tree,
     leaf_chains,
+    max_depth,
 )
+from splitspec.decoding.eagle import EagleDrafter
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
@@ -29,6 +32,7 @@ from splitspec.exceptions import ConfigError
 from splitspec.models import draft_forward
 from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.draft_forward import DraftForward
+from splitspec.models.draft_head import DraftHead, default_config
 from splitspec.models.loading import load_full
 from splitspec.models.masks import depths
 from splitspec.models.stack import FullModel
@@ -68,6 +72,33 @@ async def run(
         if len(tokens) == read:
             break
     return tokens
+
+
+def test_drafters_declare_the_depth_their_drafts_reach(make_checkpoint: Callable[..., Path]) -> None:
+    """What the controller credits no acceptance past: a tree's depth, an n-gram pool's span, a mix's deepest
+    source's; none for prompt lookup (as deep as the budget) or a draft model of unbounded depth."""
+    directory = make_checkpoint("llama", layers=4)
+    model = full(directory)
+    draft = DraftModel(model, SamplingParams(), depth=5)
+    head = DraftHead(default_config(Checkpoint(directory)), torch.device("cpu"), torch.float32).eval()
+    assert max_depth(EagleDrafter(head, lambda: model, None, SamplingParams())) == 6
+    assert max_depth(EagleDrafter(head, lambda: model, None, SamplingParams(), depth=3)) == 3
+    assert (max_depth(draft), max_depth(DraftModel(model, SamplingParams(), depth=None))) == (5, None)
+    assert (max_depth(NgramPool()), max_depth(NgramPool(span=3)), max_depth(PromptLookup())) == (8, 3, None)
+    assert max_depth(MixedDrafter([NgramPool(span=3), draft])) == 5
+    assert max_depth(MixedDrafter([NgramPool(), PromptLookup()])) is None
+
+
+async def test_decode_tells_the_controller_how_deep_each_drafter_reaches(make_checkpoint: Callable[..., Path]) -> None:
+    directory = make_checkpoint("llama")
+    drafters: dict[str, Drafter] = {"ngram": NgramPool(span=3), "prompt-lookup": PromptLookup()}
+    ctl = SpeculationController(list(drafters), budgets=(1, 2, 4, 8, 16))
+    generator = torch.Generator()
+    out = speculative_decode(LocalSequence(full(directory)), PROMPT, 12, SamplingParams(), generator, drafters, ctl)
+    assert [token async for token in out] == local_greedy(directory, PROMPT, 12)
+    assert (ctl.reach("ngram"), ctl.reach("prompt-lookup")) == (3, None)
+    assert ctl.alphas("ngram", 16)[3:] == [0.0] * 13
+    assert ctl.expected_accepted("ngram", 16) == pytest.approx(ctl.expected_accepted("ngram", 4))
 
 
 def test_build_tree_merges_shared_prefixes() -> None:

@@ -9,10 +9,11 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import torch
 
 from splitspec.decoding.aside import DraftExecutor
@@ -289,6 +290,56 @@ async def test_a_windowed_draft_model_prepares_only_the_window_its_first_proposa
     got = draft_model.propose(context, 6)
     want = DraftModel(model, SamplingParams()).propose(context[start:], 6)
     assert (got.tokens, got.parents) == (want.tokens, want.parents)
+
+
+class SlowPreparation(PromptLookup):
+    """A prompt lookup whose preparation takes PREPARE_S seconds, in PIECES pieces, noting the pieces it ran."""
+
+    PREPARE_S = 2.0
+    PIECES = 20
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ran = 0  # pieces of its preparation run
+
+    def prepare(self, context: Sequence[int]) -> None:
+        for _ in self.prepare_pieces(context, len(context)):
+            pass
+
+    def prepare_pieces(self, context: Sequence[int], tokens: int) -> Iterator[int]:
+        for piece in range(self.PIECES):
+            time.sleep(self.PREPARE_S / self.PIECES)  # a draft model's forward over a piece of a long prompt
+            self.ran += 1
+            yield piece
+
+
+@pytest.mark.parametrize("executor_kind", ["thread", "event loop"])
+@pytest.mark.parametrize("ends", ["one token asked for", "a stop token first"])
+async def test_an_answer_that_ends_at_its_first_token_does_not_wait_for_the_preparation(
+    make_checkpoint: Callable[..., Path], executor_kind: str, ends: str
+) -> None:
+    """No step drafts after the prefill's token: the stream ends without waiting for the drafters' preparation for
+    the prompt (it waited for a draft model's whole pass), and the preparation is abandoned, not run to its end."""
+    directory = make_checkpoint("llama")
+    first = local_greedy(directory, PROMPT, 1)
+    n, stops = (1, ()) if ends == "one token asked for" else (20, tuple(first))
+    drafter = SlowPreparation()
+    verifier = WaitingVerifier(full(directory))
+    executor = ThreadPoolExecutor(max_workers=1) if executor_kind == "thread" else DraftExecutor(threaded=False)
+    try:
+        t0 = time.perf_counter()
+        out = decode(
+            verifier, PROMPT, n, SamplingParams(), torch.Generator(), {"slow": drafter}, FixedPolicy("slow", 4), stops,
+            draft_executor=executor,
+        )  # fmt: skip
+        tokens = [emitted.token async for emitted in out]
+        elapsed = time.perf_counter() - t0
+        await asyncio.sleep(0.3)  # the loop runs on: a piece not started is not run
+    finally:
+        await asyncio.to_thread(executor.shutdown)  # the piece running on the thread ends, no later one starts
+    assert tokens == first
+    assert elapsed < SlowPreparation.PREPARE_S / 2
+    assert drafter.ran < SlowPreparation.PIECES  # abandoned: not run to its end
 
 
 def test_a_head_catches_up_while_the_next_step_is_in_flight(make_checkpoint: Callable[..., Path]) -> None:

@@ -25,6 +25,7 @@ processors only, as every shadow.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ParamSpec, TypeVar
 
 from splitspec.decoding.controller import PROBE_BUDGET, BlindPolicy, Choice, SpeculationPolicy
@@ -44,6 +46,8 @@ from splitspec.models.batcher import BatchLog
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def timed_propose(drafter: Drafter, context: Sequence[int], budget: int) -> tuple[Draft, float]:
@@ -274,7 +278,32 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 
 
 async def score_aside(started: Sequence[AsideProposal], controller: SpeculationPolicy, target: Sequence[int]) -> None:
-    """Wait for the aside proposals and score each against ``target``, the tokens the greedy step emitted."""
+    """Wait for the aside proposals and score each against ``target``, the tokens the greedy step emitted. The loop
+    awaits it once the step's tokens are out: a proposal that outlasts the round trip holds the next step back,
+    not the step's own tokens."""
     for proposal in started:
         draft, seconds = await proposal.future
         score_proposal(controller, proposal.drafter, draft, seconds, target)
+
+
+def score_aside_when_done(
+    started: Sequence[AsideProposal], controller: SpeculationPolicy, target: Sequence[int]
+) -> None:
+    """:func:`score_aside` without waiting: each proposal is scored on the event loop once done (the answer is
+    complete, and its end is not held for them; the controller outlives it). A failed one is logged, not raised."""
+    target = list(target)
+    for proposal in started:
+        proposal.future.add_done_callback(partial(_score_when_done, controller, proposal.drafter, target))
+
+
+def _score_when_done(
+    controller: SpeculationPolicy, drafter: str, target: list[int], future: asyncio.Future[tuple[Draft, float]]
+) -> None:
+    if future.cancelled():
+        return
+    error = future.exception()
+    if error is not None:
+        log.warning("drafter %r failed proposing aside after its answer was complete", drafter, exc_info=error)
+        return
+    draft, seconds = future.result()
+    score_proposal(controller, drafter, draft, seconds, target)

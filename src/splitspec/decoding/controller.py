@@ -11,8 +11,10 @@ break-even rises as RTT falls. Estimates decay exponentially so they follow the 
 A cold start must not lose to ``off`` either (a short answer cannot amortise exploring): the first
 step is sequential (it measures T(1)); a drafter not yet judged is probed with a short draft; a
 proposal that offers nothing costs its search plus a one-token step; a depth never judged is
-expected to go as the depth above it (not the optimistic prior); and what is known of drafters
-left unused ages, so one written off early is asked again. Step times are kept per context band.
+expected to go as the depth above it (not the optimistic prior), but a depth past the drafter's reach
+(the most levels its drafts have, whatever the budget: a draft head's six, an n-gram pool's span) is
+expected to accept nothing; and what is known of drafters left unused ages, so one written off early
+is asked again. Step times are kept per context band.
 A stall (a collection, a busy neighbour, a GPU's first kernels) must not write drafting off either:
 durations are estimated robustly (``estimates.Seconds``), and a drafter's cost or a step width
 measured once, without which drafting would pay, is measured again after CONFIRM_AFTER one-token steps.
@@ -104,6 +106,8 @@ class SpeculationPolicy(Protocol):
 
     def wants_shadow(self, drafter: str) -> bool: ...
 
+    def set_max_depths(self, depths: Mapping[str, int | None]) -> None: ...
+
 
 class BlindPolicy:
     """A policy that learns nothing: every observation is dropped (a base for fixed policies)."""
@@ -125,6 +129,9 @@ class BlindPolicy:
 
     def wants_shadow(self, drafter: str) -> bool:
         return False
+
+    def set_max_depths(self, depths: Mapping[str, int | None]) -> None:
+        return None
 
 
 class FixedPolicy(BlindPolicy):
@@ -152,6 +159,9 @@ class SpeculationController:
         # the engine-wide estimates: a new sequence starts from them (as a prior worth at most
         # POPULATION_WEIGHT observations, not the optimistic one) and every observation also goes to them
         population: SpeculationController | None = None,
+        # levels each drafter's drafts reach at most, whatever the budget (see set_max_depths); None or not
+        # named: as many as the budget's tokens
+        max_depths: Mapping[str, int | None] | None = None,
     ) -> None:
         self.drafters = list(drafters)
         self.budgets = sorted(set(budgets))
@@ -169,6 +179,32 @@ class SpeculationController:
         self._since_speculation = 0
         # (drafter, depth 1's prior) -> expected accepted tokens by budget, until the next draft is observed
         self._accepted_sums: dict[tuple[str, float | None], list[float]] = {}
+        self._max_depths: dict[str, int | None] = dict.fromkeys(self.drafters)  # as declared (set_max_depths)
+        if max_depths is not None:
+            self.set_max_depths(max_depths)
+
+    def set_max_depths(self, depths: Mapping[str, int | None]) -> None:
+        """The most levels each named drafter's drafts reach, whatever the budget (None: as many as the budget's
+        tokens): a draft head's or a draft model's tree depth, an n-gram pool's span
+        (:func:`~splitspec.decoding.drafters.max_depth`). No acceptance is expected past it (:meth:`alphas`): a
+        draft that was accepted whole leaves the depth below it unjudged, and that depth would otherwise be expected
+        to go as the deepest one judged, and every depth past it too (a head of depth 6 accepted whole 40 times was
+        asked for 16 tokens, 17-token steps for 7 tokens at most). The population is told too."""
+        for name, depth in depths.items():
+            if name not in self._max_depths:
+                continue  # not one of this controller's drafters
+            if depth is not None and depth < 1:
+                raise ValueError(f"drafter {name!r}'s drafts must reach a depth of 1 at least, got {depth}")
+            self._max_depths[name] = depth
+        self._accepted_sums.clear()
+        if self.population is not None:
+            self.population.set_max_depths(depths)
+
+    def reach(self, drafter: str) -> int | None:
+        """The most levels ``drafter``'s drafts reach (None: unbounded): as declared (:meth:`set_max_depths`), or
+        deeper where its drafts were seen deeper (a declaration that undersells it is not believed)."""
+        declared = self._max_depths.get(drafter)
+        return None if declared is None else max(declared, len(self._stats[drafter].reached))
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -190,11 +226,20 @@ class SpeculationController:
         :data:`PRIOR_FADE` judgements:
         the optimistic prior is there to get a drafter tried, not to outvote what its drafts showed (on
         long code, a draft model judged six times at 0.3 was still estimated at 0.4-0.5 and asked on
-        steps it lost). What is known ages, so a drafter left unused regains its prior and is tried again."""
+        steps it lost). What is known ages, so a drafter left unused regains its prior and is tried again.
+
+        Past the drafter's :meth:`reach` nothing is accepted: 0. A budget counts a tree's nodes, and the
+        expected acceptance sums these depth by depth, as along a chain: a budget is thereby credited with the
+        depths it can reach, min(budget, reach). Its width is not modelled (what a wider tree gains at each depth
+        is in the estimates only as far as the trees drafted so far had it)."""
         stats = self._stats[drafter]
         out = []
         prior = self.prior_alpha if prior_alpha is None else prior_alpha
+        reach = self.reach(drafter)
         for j in range(depth):
+            if reach is not None and j >= reach:
+                out.append(0.0)  # no draft of this drafter has a node this deep
+                continue
             reached = stats.reached[j] if j < len(stats.reached) else 0.0
             accepted = stats.accepted[j] if j < len(stats.accepted) else 0.0
             weight = self.prior_weight * min(1.0, max(0.0, (PRIOR_FADE - reached) / (PRIOR_FADE - SHADOW_UNTIL)))

@@ -12,10 +12,14 @@ the gateway delivered 1.14x the tokens at 16 streams with the draft model; on an
 So the engine measures it. While two or more sequences decode, :class:`DearGate` runs in epochs of
 ``epoch_s`` seconds, each with dear drafters allowed or not (an *arm*), and keeps, per load band (the
 number of sequences decoding, in powers of two), a decayed mean of the tokens the engine delivered per
-second under each arm. An epoch tries an arm not yet measured in its band first; after that it takes the
-better arm, except that every ``explore_every``-th epoch of a band takes the other one, so that a change
-of text or load can turn the choice back. A lone sequence is not gated: its controller's own estimates
-are right for it (and a dear drafter alone is judged aside, decoding/aside.py).
+second under each arm. An epoch's band is the one it starts in, which chooses its arm: it tries an arm
+not yet measured in that band first; after that it takes the better arm, except that every
+``explore_every``-th epoch of a band takes the other one, so that a change of text or load can turn the
+choice back. What the epoch delivered is that band's measurement of that arm, whatever the load does
+meanwhile (recorded under a band the load reached instead, a load that crossed a band's edge within each
+epoch left the band it started in unmeasured: its first arm was chosen again and again, the other never
+tried). A lone sequence is not gated: its controller's own estimates are right for it (and a dear drafter
+alone is judged aside, decoding/aside.py).
 
 Sans-I/O: the caller passes the clock's readings, so the tests drive it with literal times.
 """
@@ -56,7 +60,7 @@ class DearGate:
         self._running = False  # an epoch is in progress (False while fewer than two sequences decode)
         self._start = math.nan  # when it started, seconds
         self._tokens = 0  # tokens delivered in it
-        self._max_decoding = 0  # the most sequences decoding during it (its band at the end)
+        self._band = 0  # its load band (:func:`load_band`), the one it started in: its arm was chosen for it
 
     def allows(self, decoding: int, now: float) -> bool:
         """Whether a step starting at ``now`` seconds, with ``decoding`` sequences decoding, may ask a dear
@@ -69,7 +73,6 @@ class DearGate:
         elif now - self._start >= self.epoch_s:
             self._finish(now)
             self._begin(load_band(decoding), now)
-        self._max_decoding = max(self._max_decoding, decoding)
         return self._arm
 
     def delivered(self, tokens: int) -> None:
@@ -92,7 +95,7 @@ class DearGate:
         return None if band is None else band.rate.get(allowed)
 
     def _finish(self, now: float) -> None:
-        band = self._bands.setdefault(load_band(self._max_decoding), _Band())
+        band = self._bands.setdefault(self._band, _Band())  # the band its arm was chosen for
         rate = self._tokens / (now - self._start)
         before = band.rate.get(self._arm)
         band.rate[self._arm] = rate if before is None else self.decay * before + (1.0 - self.decay) * rate
@@ -114,4 +117,4 @@ class DearGate:
                     ", exploring" if explore else "",
                 )  # fmt: skip
             self._arm = arm
-        self._running, self._start, self._tokens, self._max_decoding = True, now, 0, 0
+        self._running, self._start, self._tokens, self._band = True, now, 0, band_index

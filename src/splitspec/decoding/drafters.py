@@ -71,6 +71,14 @@ def is_cheap(drafter: Drafter) -> bool:
     return bool(getattr(drafter, "shadow", False))
 
 
+def max_depth(drafter: Drafter) -> int | None:
+    """The most levels ``drafter``'s drafts reach whatever the budget, as it declares (``max_depth``: a draft model's
+    or a draft head's tree depth, an n-gram pool's span); None: as many as the budget's tokens. The speculation
+    controller expects nothing accepted past it (decoding/controller.py)."""
+    depth = getattr(drafter, "max_depth", None)
+    return depth if isinstance(depth, int) and depth >= 1 else None
+
+
 def is_dear(drafter: Drafter) -> bool:
     """Whether ``drafter`` declares itself dear to ask (``aside = True``: a draft model's forwards), to be judged
     during a lone greedy step's round trip first (decoding/aside.py)."""
@@ -172,6 +180,11 @@ class NgramPool:
             bucket.move_to_end(cont)
             while len(bucket) > self.per_key:
                 bucket.popitem(last=False)  # evict the oldest
+
+    @property
+    def max_depth(self) -> int:
+        """Levels of its drafts at most (:func:`max_depth`): a continuation is at most ``span`` tokens."""
+        return self.span
 
     def prepare(self, context: Sequence[int]) -> None:
         """Index ``context`` now (a long prompt's n-grams), so the first proposal indexes only what follows."""
@@ -281,6 +294,11 @@ class DraftModel:
         # and as a source of the mixed tree; both judged during the same round trip): at the same budget or a smaller
         # one the second gets this tree (pruned: trees.prune_greedy)
         self._greedy_memo: tuple[tuple[int, ...], int, Draft] | None = None
+
+    @property
+    def max_depth(self) -> int | None:
+        """Levels of its trees at most (:func:`max_depth`): ``depth`` (None: the budget's)."""
+        return self.depth
 
     def _windowed(self, context: Sequence[int], start: int) -> Sequence[int]:
         """The tokens of ``context`` from ``start`` on (:func:`~splitspec.prefix.window_start`), the cache emptied
@@ -425,6 +443,12 @@ class MixedDrafter:
         # a mix of lookups only is a lookup too: it proposes inline, not behind other sequences' drafts on the
         # drafting thread, and is scored against greedy steps it was not chosen for
         self.shadow = all(is_cheap(source) for source in self.sources)
+
+    @property
+    def max_depth(self) -> int | None:
+        """Levels of its tree at most (:func:`max_depth`): its deepest source's (None when a source has no limit)."""
+        depths = [max_depth(source) for source in self.sources]
+        return None if None in depths else max((d for d in depths if d is not None), default=None)
 
     def prepare(self, context: Sequence[int]) -> None:
         for source in self.sources:

@@ -113,6 +113,11 @@ class EagleDrafter:
         return self._ends()
 
     @property
+    def max_depth(self) -> int:
+        """Levels of its trees at most (:func:`~splitspec.decoding.drafters.max_depth`): ``depth``."""
+        return self.depth
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.head.config.feature_layers
 

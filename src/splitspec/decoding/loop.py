@@ -53,16 +53,17 @@ from splitspec.decoding.aside import (
     DraftExecutor,
     plan_aside,
     score_aside,
+    score_aside_when_done,
     start_aside,
     timed_propose,
 )
 from splitspec.decoding.controller import BlindPolicy, Choice, SpeculationPolicy
-from splitspec.decoding.drafters import Draft, Drafter, is_cheap, is_dear
+from splitspec.decoding.drafters import Draft, Drafter, is_cheap, is_dear, max_depth
 from splitspec.decoding.processors import LogitsProcessor
 from splitspec.decoding.sampling import SamplingParams, choose_token
 from splitspec.decoding.shadow import score_shadows
 from splitspec.decoding.trees import draft_depth
-from splitspec.decoding.warmup import catching_up, finish_prepare, start_catch_up, start_prepare
+from splitspec.decoding.warmup import abandon_prepare, catching_up, finish_prepare, start_catch_up, start_prepare
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
 PROMPT_ROWS_PER_CHUNK = 256  # prefill rows turned into logprobs at once: bounds the (rows, V) float32 copies
@@ -277,6 +278,8 @@ async def decode(
         raise ValueError(f"prompt logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {prompt_logprobs.top}")
     drafters = drafters or {}
     controller = controller if controller is not None and drafters else SequentialPolicy()
+    # no acceptance is expected past the depth a drafter's drafts reach, whatever the budget (decoding/controller.py)
+    controller.set_max_depths({name: max_depth(drafter) for name, drafter in drafters.items()})
     if history is None:
         verifier.reset()
     context = [*(history or ()), *prompt_ids]
@@ -291,135 +294,154 @@ async def decode(
         preparing.append(start_prepare(drafters, context, draft_executor))
 
     adaptive = not isinstance(controller, SequentialPolicy)
-    logits = await verifier.forward(prompt_ids, logits_from=logits_from, sent=prepare if adaptive else None)
-    prepared = preparing[0] if preparing else None
-    if prompt_logprobs is not None:  # on a worker thread: a long prompt's rows must not stall the event loop
-        prompt_logprobs.entries = await asyncio.to_thread(
-            prompt_token_logprobs, logits, prompt_ids, prompt_logprobs.top
-        )
-    last = logits[-1:]  # (1, V)
-    pending = choose_token(_process(last, processors, context, ())[0], params, generator)
-    (first,) = _emit(last, [0], [pending], logprobs)
-    for processor in processors:
-        processor.accept([pending])
-    context.append(pending)
-    produced = 1
-    # a drafter reading the verifier's features (an EAGLE head) catches up with the prompt's now, during the first
-    # decode steps' round trips; no drafter on the drafting thread is asked until it has (decoding/warmup.py)
-    catching = None if isinstance(controller, SequentialPolicy) else start_catch_up(drafters, context, draft_executor)
-    # the engine's gate on dear drafters under load (decoding/dear_gate.py) counts its output; it gates a choice
-    # that holds a dear drafter only (a mode of one drafter asks it, as its user chose)
-    gate = draft_executor.gate if isinstance(draft_executor, DraftExecutor) else None
-    gateable = gate is not None and len(drafters) > 1 and any(is_dear(d) for d in drafters.values())
-    if gate is not None:
-        gate.delivered(1)
-    yield first
-    await finish_prepare(prepared)
-    if pending in stop_token_ids:
-        return
-    while produced < max_new_tokens:
-        if any(p.finished for p in processors):
-            return
-        # choose and build the draft; a drafter with nothing to offer yields to the next option
-        draft, used, draft_s, used_s = Draft.empty(), None, 0.0, 0.0
-        # a long context makes wide steps dearer; a queue on the drafting thread makes its drafters dearer
-        choices = controller.ranked(len(context), _drafting_waits(drafters, draft_executor))
-        asked: set[str] = set()  # drafters asked this step (those that offered nothing were told so)
-        # drafted tokens at most, for the step and the proposals scored beside it: the answer's room, and what one
-        # step of the verifier carries (a tree larger than that cannot be sent)
-        budget_cap = draft_room(verifier, max_new_tokens - produced)
-        # what a lone greedy sequence proposes during this step's round trip instead (decoding/aside.py)
-        shadowing = params.greedy and not processors
-        aside = plan_aside(drafters, controller, draft_executor) if shadowing else AsidePlan()
-        # under load, dear drafters are asked only while the engine measures that they pay
-        gated = gateable and isinstance(draft_executor, DraftExecutor) and not draft_executor.allows_dear()
-        for choice in choices:
-            if choice.drafter is None:
-                break
-            if choice.drafter in aside.off_step:
-                continue  # not paid for on the critical path until judged aside often enough
-            if draft_executor is not None and not is_cheap(drafters[choice.drafter]) and catching_up(catching):
-                continue  # the drafting thread is catching a feature reader up with the prompt: it would wait
-            if gated and is_dear(drafters[choice.drafter]):
-                continue
-            budget = min(choice.budget, budget_cap)
-            if budget < 1:
-                break
-            drafter = drafters[choice.drafter]
-            asked.add(choice.drafter)
-            if draft_executor is None or is_cheap(drafter):  # a lookup: not worth a queue behind a draft model
-                draft, seconds = timed_propose(drafter, context, budget)
-            elif isinstance(draft_executor, DraftExecutor):  # the engine's: on a CPU, with other sequences' drafts
-                draft, seconds = await asyncio.wrap_future(draft_executor.propose(drafter, context, budget))
-            else:  # a draft model's forwards: off the event loop, which other sequences' I/O needs
-                loop = asyncio.get_running_loop()
-                draft, seconds = await loop.run_in_executor(draft_executor, timed_propose, drafter, context, budget)
-            # the drafter's own time, not the wait for the drafting thread: under load that wait belongs to
-            # the moment, and a sequence's estimates of its drafter's cost outlive it
-            draft_s += seconds
-            if processors and draft:
-                if draft.probs is not None and not params.greedy:
-                    raise ValueError(SAMPLED_DRAFT_UNDER_PROCESSORS.format(choice.drafter))
-                draft = cut_draft(draft, processors)
-            if draft:
-                used, used_s = choice.drafter, seconds
-                break
-            controller.observe_draft(choice.drafter, 0, 0, 0, seconds)  # asked, nothing to offer: a miss's cost
-        tokens = [pending, *draft.tokens]
-        parents = [-1, *[p + 1 for p in draft.parents]]  # draft roots hang off the pending token
-        started: list[AsideProposal] = []
-        # started once the step is on its way, so that drafting does not slow the edge's own part of it
-        propose_aside = partial(
-            start_aside,
-            drafters,
-            aside.shadows,
-            asked,
-            choices,
-            context,
-            budget_cap,
-            draft_executor,
-            timed_propose,
-            started,
-        )
-        t0 = time.perf_counter()
-        raw = await verifier.forward(tokens, parents, sent=propose_aside)  # (1 + n, V)
-        step_s = time.perf_counter() - t0
-        logits = _process(raw, processors, context, draft.tokens)  # a chain when processors are given
-        if params.greedy:
-            verdict = greedy_verify_tree(draft.tokens, draft.parents, logits)
-        else:
-            target = params.probabilities(logits)
-            verdict = sample_verify_tree(draft.tokens, draft.parents, draft.probs, target, generator)
-        new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
-        rows = [0, *[i + 1 for i in verdict.path]]  # row r scored new[r]: the pending token's, then each node's
-        new = new[: max_new_tokens - produced]
-        for i, token in enumerate(new):
-            if token in stop_token_ids:
-                new = new[: i + 1]
-                break
-        # the caches keep t and the path's tokens that are emitted, all but the last (which, as every step's last
-        # token, is not in them yet): a stop token or the length limit inside the path cuts them there too
-        kept = verdict.path[: len(new) - 1]
-        if len(kept) < len(draft):
-            verifier.keep([0, *[i + 1 for i in kept]])
-        controller.observe_step(len(tokens), step_s, len(context))
-        if used is not None:
-            controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), used_s)
-        if shadowing:  # the target's tokens do not depend on the draft: score the others
-            target_tokens = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
-            scored = asked.union(aside.shadows)  # those proposing aside are scored below
-            score_shadows(controller, drafters, choices, scored, context, target_tokens, budget_cap)
-            await score_aside(started, controller, target_tokens)
-        if trace is not None:
-            trace.append(SpecStep(used, len(draft), len(verdict.path), len(new), step_s, draft_s))
+    try:
+        logits = await verifier.forward(prompt_ids, logits_from=logits_from, sent=prepare if adaptive else None)
+        prepared = preparing[0] if preparing else None
+        if prompt_logprobs is not None:  # on a worker thread: a long prompt's rows must not stall the event loop
+            prompt_logprobs.entries = await asyncio.to_thread(
+                prompt_token_logprobs, logits, prompt_ids, prompt_logprobs.top
+            )
+        last = logits[-1:]  # (1, V)
+        pending = choose_token(_process(last, processors, context, ())[0], params, generator)
+        (first,) = _emit(last, [0], [pending], logprobs)
         for processor in processors:
-            processor.accept(new)
-        for emitted in _emit(raw, rows[: len(new)], new, logprobs):
-            yield emitted
-        produced += len(new)
+            processor.accept([pending])
+        context.append(pending)
+        produced = 1
+        # a drafter reading the verifier's features (an EAGLE head) catches up with the prompt's now, during the first
+        # decode steps' round trips; no drafter on the drafting thread is asked until it has (decoding/warmup.py)
+        catching = (
+            None if isinstance(controller, SequentialPolicy) else start_catch_up(drafters, context, draft_executor)
+        )
+        # the engine's gate on dear drafters under load (decoding/dear_gate.py) counts its output; it gates a choice
+        # that holds a dear drafter only (a mode of one drafter asks it, as its user chose)
+        gate = draft_executor.gate if isinstance(draft_executor, DraftExecutor) else None
+        gateable = gate is not None and len(drafters) > 1 and any(is_dear(d) for d in drafters.values())
         if gate is not None:
-            gate.delivered(len(new))
-        context += new
-        pending = verdict.next_token
-        if new[-1] in stop_token_ids:
+            gate.delivered(1)
+        yield first
+        if pending in stop_token_ids:
             return
+        while produced < max_new_tokens:
+            if any(p.finished for p in processors):
+                return
+            # a step follows: the drafters' preparation for the prompt is awaited before it drafts. An answer that
+            # ends at its first token does not wait for it (a draft model's pass over a long prompt): the finally
+            # abandons it
+            await finish_prepare(prepared)
+            prepared = None
+            # choose and build the draft; a drafter with nothing to offer yields to the next option
+            draft, used, draft_s, used_s = Draft.empty(), None, 0.0, 0.0
+            # a long context makes wide steps dearer; a queue on the drafting thread makes its drafters dearer
+            choices = controller.ranked(len(context), _drafting_waits(drafters, draft_executor))
+            asked: set[str] = set()  # drafters asked this step (those that offered nothing were told so)
+            # drafted tokens at most, for the step and the proposals scored beside it: the answer's room, and what one
+            # step of the verifier carries (a tree larger than that cannot be sent)
+            budget_cap = draft_room(verifier, max_new_tokens - produced)
+            # what a lone greedy sequence proposes during this step's round trip instead (decoding/aside.py)
+            shadowing = params.greedy and not processors
+            aside = plan_aside(drafters, controller, draft_executor) if shadowing else AsidePlan()
+            # under load, dear drafters are asked only while the engine measures that they pay
+            gated = gateable and isinstance(draft_executor, DraftExecutor) and not draft_executor.allows_dear()
+            for choice in choices:
+                if choice.drafter is None:
+                    break
+                if choice.drafter in aside.off_step:
+                    continue  # not paid for on the critical path until judged aside often enough
+                if draft_executor is not None and not is_cheap(drafters[choice.drafter]) and catching_up(catching):
+                    continue  # the drafting thread is catching a feature reader up with the prompt: it would wait
+                if gated and is_dear(drafters[choice.drafter]):
+                    continue
+                budget = min(choice.budget, budget_cap)
+                if budget < 1:
+                    break
+                drafter = drafters[choice.drafter]
+                asked.add(choice.drafter)
+                if draft_executor is None or is_cheap(drafter):  # a lookup: not worth a queue behind a draft model
+                    draft, seconds = timed_propose(drafter, context, budget)
+                elif isinstance(draft_executor, DraftExecutor):  # the engine's: on a CPU, with other sequences' drafts
+                    draft, seconds = await asyncio.wrap_future(draft_executor.propose(drafter, context, budget))
+                else:  # a draft model's forwards: off the event loop, which other sequences' I/O needs
+                    loop = asyncio.get_running_loop()
+                    draft, seconds = await loop.run_in_executor(draft_executor, timed_propose, drafter, context, budget)
+                # the drafter's own time, not the wait for the drafting thread: under load that wait belongs to
+                # the moment, and a sequence's estimates of its drafter's cost outlive it
+                draft_s += seconds
+                if processors and draft:
+                    if draft.probs is not None and not params.greedy:
+                        raise ValueError(SAMPLED_DRAFT_UNDER_PROCESSORS.format(choice.drafter))
+                    draft = cut_draft(draft, processors)
+                if draft:
+                    used, used_s = choice.drafter, seconds
+                    break
+                controller.observe_draft(choice.drafter, 0, 0, 0, seconds)  # asked, nothing to offer: a miss's cost
+            tokens = [pending, *draft.tokens]
+            parents = [-1, *[p + 1 for p in draft.parents]]  # draft roots hang off the pending token
+            started: list[AsideProposal] = []
+            # started once the step is on its way, so that drafting does not slow the edge's own part of it
+            propose_aside = partial(
+                start_aside,
+                drafters,
+                aside.shadows,
+                asked,
+                choices,
+                context,
+                budget_cap,
+                draft_executor,
+                timed_propose,
+                started,
+            )
+            t0 = time.perf_counter()
+            raw = await verifier.forward(tokens, parents, sent=propose_aside)  # (1 + n, V)
+            step_s = time.perf_counter() - t0
+            logits = _process(raw, processors, context, draft.tokens)  # a chain when processors are given
+            if params.greedy:
+                verdict = greedy_verify_tree(draft.tokens, draft.parents, logits)
+            else:
+                target = params.probabilities(logits)
+                verdict = sample_verify_tree(draft.tokens, draft.parents, draft.probs, target, generator)
+            new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
+            rows = [0, *[i + 1 for i in verdict.path]]  # row r scored new[r]: the pending token's, then each node's
+            new = new[: max_new_tokens - produced]
+            for i, token in enumerate(new):
+                if token in stop_token_ids:
+                    new = new[: i + 1]
+                    break
+            # the caches keep t and the path's tokens that are emitted, all but the last (which, as every step's last
+            # token, is not in them yet): a stop token or the length limit inside the path cuts them there too
+            kept = verdict.path[: len(new) - 1]
+            if len(kept) < len(draft):
+                verifier.keep([0, *[i + 1 for i in kept]])
+            controller.observe_step(len(tokens), step_s, len(context))
+            if used is not None:
+                controller.observe_draft(used, draft_depth(draft), len(verdict.path), len(draft), used_s)
+            # the target's tokens, which under greedy decoding do not depend on the draft: the others are scored on them
+            target_tokens = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
+            if shadowing:
+                scored = asked.union(aside.shadows)  # those proposing aside are scored once the tokens are out
+                score_shadows(controller, drafters, choices, scored, context, target_tokens, budget_cap)
+            if trace is not None:
+                trace.append(SpecStep(used, len(draft), len(verdict.path), len(new), step_s, draft_s))
+            for processor in processors:
+                processor.accept(new)
+            try:
+                for emitted in _emit(raw, rows[: len(new)], new, logprobs):
+                    yield emitted
+            except GeneratorExit:  # the caller went away: the aside proposals are still scored, once done
+                score_aside_when_done(started, controller, target_tokens)
+                raise
+            produced += len(new)
+            if gate is not None:
+                gate.delivered(len(new))
+            context += new
+            pending = verdict.next_token
+            if new[-1] in stop_token_ids or produced >= max_new_tokens:
+                # the answer is complete: its end is not held for the aside proposals, scored once done
+                score_aside_when_done(started, controller, target_tokens)
+                return
+            # scored after the step's tokens are out (an aside proposal may outlast the round trip), before the next
+            # step is chosen: the drafting thread would hold that step's proposals until it is done anyway
+            await score_aside(started, controller, target_tokens)
+    finally:
+        for preparation in preparing:  # not awaited: no step drafted (a no-op once awaited)
+            abandon_prepare(preparation)

@@ -6,11 +6,14 @@ n-gram pool must index it; done on the first decode step, that work (tens of mil
 idle, waiting for the trunk: :func:`start_prepare` starts every :class:`~splitspec.decoding.drafters.Preparable`
 drafter's ``prepare(context)`` on the draft executor as soon as the prefill is sent (the forward's
 ``sent``: after the edge's head forward over the prompt, which a preparation beside it slowed by
-about 10 % on an edge with one core), and the decode loop awaits it before its first draft. The
-executor runs one job at a time, so a later proposal never overlaps a preparation. An executor that runs its jobs
-on the event loop (a CPU engine's, :class:`~splitspec.decoding.aside.DraftExecutor` with ``threaded=False``) gets
-the prompt in pieces of :data:`PREPARE_PIECE_TOKENS`, the loop free between two: a 900-token prompt's preparation
-in one piece held every other sequence's steps for 20 ms or more.
+about 10 % on an edge with one core), and the decode loop awaits it before its first decode step. An
+answer that ends at its first token (a stop token, one token asked for) does not wait for it:
+:func:`abandon_prepare` cancels it, and it stops at its next piece (a piece running on the drafting
+thread ends first, on the drafter's own state). The executor runs one job at a time, so a later proposal
+never overlaps a preparation. An executor that runs its jobs on the event loop (a CPU engine's,
+:class:`~splitspec.decoding.aside.DraftExecutor` with ``threaded=False``) gets the prompt in pieces of
+:data:`PREPARE_PIECE_TOKENS`, the loop free between two: a 900-token prompt's preparation in one piece held
+every other sequence's steps for 20 ms or more.
 
 A drafter that reads the verifier's features (an EAGLE head: :class:`~splitspec.decoding.drafters.CatchesUp`)
 cannot start before the prefill's features are in, and feeding it a long prompt's pairs on the first
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 
@@ -39,9 +43,16 @@ CATCH_UP_MIN_TOKENS = 128  # contexts up to this long are caught up with by the 
 PREPARE_PIECE_TOKENS = 128  # prompt tokens one preparation job takes on an event-loop executor (demo draft: 3 ms)
 
 
-def prepare_all(drafters: Sequence[Preparable], context: tuple[int, ...]) -> None:
+def prepare_all(drafters: Sequence[Preparable], context: tuple[int, ...], stop: threading.Event | None = None) -> None:
+    """Prepare ``drafters`` for ``context`` one after the other, stopping between two pieces once ``stop`` is set
+    (a piece: the drafter's own, :func:`~splitspec.decoding.drafters.prepare_pieces`, a draft model's chunk)."""
     for drafter in drafters:
-        drafter.prepare(context)
+        if stop is None:
+            drafter.prepare(context)
+            continue
+        for _ in prepare_pieces(drafter, context, max(1, len(context))):  # as ``prepare`` cuts it
+            if stop.is_set():
+                return
 
 
 def start_prepare(
@@ -53,9 +64,15 @@ def start_prepare(
     if executor is None or not preparable:
         return None
     snapshot = tuple(context)  # the loop appends to its context while this runs
+    future: asyncio.Future[None]
     if isinstance(executor, DraftExecutor) and not executor.threaded:
-        return asyncio.ensure_future(_prepare_in_pieces(preparable, snapshot, executor))
-    return asyncio.get_running_loop().run_in_executor(executor, prepare_all, preparable, snapshot)
+        future = asyncio.ensure_future(_prepare_in_pieces(preparable, snapshot, executor))  # cancelled between pieces
+    else:
+        stop = threading.Event()  # a job running on the thread stops at its next piece once the future is cancelled
+        future = asyncio.get_running_loop().run_in_executor(executor, prepare_all, preparable, snapshot, stop)
+        future.add_done_callback(lambda done: stop.set() if done.cancelled() else None)
+    future.add_done_callback(_retrieve)  # abandoned (abandon_prepare), it leaves no unretrieved failure behind
+    return future
 
 
 async def _prepare_in_pieces(drafters: Sequence[Preparable], context: tuple[int, ...], executor: Executor) -> None:
@@ -79,6 +96,14 @@ async def finish_prepare(prepared: asyncio.Future[None] | None) -> None:
     """Wait for :func:`start_prepare`'s work (a no-op for None); its failure is raised here."""
     if prepared is not None:
         await prepared
+
+
+def abandon_prepare(prepared: asyncio.Future[None] | None) -> None:
+    """Give up :func:`start_prepare`'s work, which no draft will use (a no-op for None or once it is done): a piece
+    not started is not run; a piece running on the drafting thread ends there first (a forward cannot be
+    interrupted), on the drafter's own state, before any later job of that one-at-a-time executor starts."""
+    if prepared is not None:
+        prepared.cancel()
 
 
 def catch_up_all(drafters: Sequence[CatchesUp], context: tuple[int, ...]) -> None:
