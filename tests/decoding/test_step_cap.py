@@ -30,6 +30,9 @@ async def test_drafts_fit_a_trunks_step_limit(make_checkpoint: Callable[..., Pat
         async with SplitClient(config, controller=SpeculationController([mode], budgets=(16,))) as client:
             assert client.max_step_tokens() == CAP
             result = await client.generate(PROMPT, 24, speculate=mode)
+            held, client.sequence.connection = client.sequence.connection, None  # as a failed recovery leaves it
+            assert client.max_step_tokens() == CAP  # the last session's limit, not None (unbounded trees)
+            client.sequence.connection = held
     assert result.token_ids == local_greedy(model, PROMPT, 24)
     assert any(step.draft_tokens for step in result.spec_steps), "nothing was drafted"
     assert all(1 + step.draft_tokens <= CAP for step in result.spec_steps)

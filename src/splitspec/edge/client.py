@@ -126,6 +126,7 @@ class SplitClient:
         self._owns_engine = engine is None
         self.engine = engine if engine is not None else EdgeEngine(self.runtime)
         self.sequence = self.engine.new_sequence()
+        self._step_limit: int | None = None  # the last session's step limit, kept while a recovery is pending
         self.sequence.controller = controller
 
     # -- what the runtime holds ------------------------------------------------------------------
@@ -241,9 +242,12 @@ class SplitClient:
         return self.engine.chunk_tokens(self.sequence)
 
     def max_step_tokens(self) -> int | None:
-        """:attr:`chunk_tokens` while a session is open, else None: what ``decode`` keeps a draft tree within
-        (a tree, unlike a chain, cannot be split across steps)."""
-        return None if self.sequence.connection is None else self.engine.chunk_tokens(self.sequence)
+        """:attr:`chunk_tokens` while a session is open, else the last session's (its recovery is pending: the
+        next step opens a session on the same trunk), None before any: what ``decode`` keeps a draft tree
+        within (a tree, unlike a chain, cannot be split across steps)."""
+        if self.sequence.connection is not None:
+            self._step_limit = self.engine.chunk_tokens(self.sequence)
+        return self._step_limit
 
     # -- the verifier interface ------------------------------------------------------------------
 
