@@ -31,6 +31,7 @@ __all__ = [
     "add_split_args",
     "add_tls_ca",
     "add_token_file",
+    "add_trunk_fingerprint_arg",
     "add_wire_codec",
     "add_wire_codecs",
     "edge_layers",
@@ -298,14 +299,19 @@ def add_edge_link_args(p: argparse.ArgumentParser) -> None:
         type=model_dir,
         help="published checkpoint to compare the edge weights with (a directory or a cached org/name[@revision])",
     )
+    add_trunk_fingerprint_arg(p)
+    add_speculation_args(p)
+    add_compile_args(p, "the edge's (head and tail layers)")
+
+
+def add_trunk_fingerprint_arg(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """``--trunk-fingerprint``: the trunk an edge expects the cloud to serve (EdgeConfig.trunk_fingerprint)."""
     p.add_argument(
         "--trunk-fingerprint",
         metavar="START-END:DTYPE:DIGEST",
-        help="the trunk the cloud must serve, as its server logs it at start (default: hash the trunk layers of "
-        "--model; needed when that copy lacks them)",
+        help=prefix + "the trunk the cloud must serve, as its server logs it at start (default: hash the trunk "
+        "layers of --model; needed when that copy lacks them)",
     )
-    add_speculation_args(p)
-    add_compile_args(p, "the edge's (head and tail layers)")
 
 
 def add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:

@@ -4,7 +4,8 @@
 
 Features come from the whole model on this machine (:class:`~splitspec.models.train_draft_head.LocalFeatures`),
 or, with ``--cloud URL``, through a trunk server for an edge that holds only its own layers
-(:class:`~splitspec.edge.split_features.SplitFeatures`).
+(:class:`~splitspec.edge.split_features.SplitFeatures`), computed in the edge's ``--dtype`` (auto: the trunk's)
+and converted to float32, in which the head trains either way.
 ``--eval-corpus`` measures the head afterwards: greedy chains against the local model on held-out
 text, the mean accepted length written to the out directory's ``trainer_state.json``.
 """
@@ -20,8 +21,11 @@ from typing import TYPE_CHECKING
 
 from splitspec.arguments import (
     MODEL_HELP,
+    add_dtype_arg,
     add_tls_ca,
     add_token_file,
+    add_trunk_fingerprint_arg,
+    add_wire_codec,
     edge_layers,
     model_dir,
     positive_int,
@@ -30,6 +34,7 @@ from splitspec.arguments import (
 )
 from splitspec.device_choices import DEVICE_HELP
 from splitspec.exceptions import ConfigError
+from splitspec.models.dtype_choices import AUTO
 
 if TYPE_CHECKING:
     from splitspec.models.train_draft_head import TrainConfig
@@ -57,7 +62,10 @@ async def _train_through_the_split(config: TrainConfig, args: argparse.Namespace
         model_dir=args.model,
         cloud_url=args.cloud,
         edge_layers=args.edge_layers or (2, 2),
-        dtype="float32",  # training reads float32 features, as from the whole model
+        # the edge computes the features in its dtype (auto: the trunk's); the head trains in float32 either way,
+        # on the features converted to it
+        dtype=args.dtype or AUTO,
+        wire_codec=args.wire_codec or "raw",
         device=args.device,
         auth_token=read_token_file(args.token_file),
         tls_ca_file=args.tls_ca,
@@ -69,13 +77,22 @@ async def _train_through_the_split(config: TrainConfig, args: argparse.Namespace
         await train(config, SplitFeatures(client, layers))
 
 
-# flags that only mean something with --cloud -> their argparse destinations
+# flags that only mean something with --cloud -> their argparse destinations (each defaults to None or False)
 _CLOUD_ONLY = {
     "--edge-layers": "edge_layers",
+    "--dtype": "dtype",
+    "--wire-codec": "wire_codec",
     "--allow-stock-edge-weights": "allow_stock_edge_weights",
     "--trunk-fingerprint": "trunk_fingerprint",
     "--token-file": "token_file",
     "--tls-ca": "tls_ca",
+}
+# flags that only mean something with --eval-corpus -> (argparse destination, default)
+_EVAL_ONLY = {
+    "--eval-prompts": ("eval_prompts", 16),
+    "--eval-prompt-tokens": ("eval_prompt_tokens", 64),
+    "--eval-new-tokens": ("eval_new_tokens", 48),
+    "--eval-depth": ("eval_depth", 4),
 }
 
 
@@ -109,6 +126,11 @@ def _run(args: argparse.Namespace) -> int:
         if given:
             verb = "applies" if len(given) == 1 else "apply"
             raise ConfigError(f"{', '.join(given)} {verb} only with --cloud (features read through a trunk server)")
+    if not args.eval_corpus:  # nothing to measure: the measurement's settings are refused, never silently ignored
+        given = [flag for flag, (value, default) in _EVAL_ONLY.items() if getattr(args, value) != default]
+        if given:
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ConfigError(f"{', '.join(given)} {verb} only with --eval-corpus (the held-out measurement)")
     if args.cloud is not None:
         if args.eval_corpus:
             raise ConfigError("--eval-corpus needs the whole model on this machine, not --cloud")
@@ -235,11 +257,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="with --cloud: run the published edge weights anyway (the trunk sees the corpus's hidden states)",
     )
-    p.add_argument(
-        "--trunk-fingerprint",
-        help="with --cloud: the trunk content fingerprint to expect (the trunk server logs it at start); needed when "
-        "--model holds only the edge's layers",
+    add_dtype_arg(
+        p,
+        ". With --cloud only: the edge's compute dtype, in which the features are computed (default auto: the "
+        "trunk's with the raw wire codec); the head trains in float32 whatever it is",
+        default=None,
     )
+    add_wire_codec(p)
+    p.set_defaults(wire_codec=None)  # raw when --cloud is given; None tells a --wire-codec given without it
+    add_trunk_fingerprint_arg(p, "with --cloud: ")
     add_token_file(p)
     add_tls_ca(p)
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's choice)")
@@ -251,8 +277,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="FILE",
         help="held-out files: after training, measure greedy chains against the model on them",
     )
-    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts to measure (default 16)")
-    p.add_argument("--eval-prompt-tokens", type=int, default=64, help="tokens per held-out prompt (default 64)")
-    p.add_argument("--eval-new-tokens", type=int, default=48, help="tokens generated after each (default 48)")
-    p.add_argument("--eval-depth", type=int, default=4, help="drafted chain length (default 4)")
+    defaults = {dest: default for dest, default in _EVAL_ONLY.values()}
+    p.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=defaults["eval_prompts"],
+        help="with --eval-corpus: held-out prompts to measure (default 16)",
+    )
+    p.add_argument(
+        "--eval-prompt-tokens",
+        type=int,
+        default=defaults["eval_prompt_tokens"],
+        help="with --eval-corpus: tokens per held-out prompt (default 64)",
+    )
+    p.add_argument(
+        "--eval-new-tokens",
+        type=int,
+        default=defaults["eval_new_tokens"],
+        help="with --eval-corpus: tokens generated after each (default 48)",
+    )
+    p.add_argument(
+        "--eval-depth",
+        type=int,
+        default=defaults["eval_depth"],
+        help="with --eval-corpus: drafted chain length (default 4)",
+    )
     p.set_defaults(run=_run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import Callable
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from splitspec.bench import probe as probe_module
 from splitspec.bench.probe import ProbeConfig, ProbeReport, build_report, format_report, probe
+from splitspec.cli import build_parser
 from splitspec.cli import main as bench_main
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
@@ -17,6 +20,7 @@ from splitspec.edge.client import StepStats
 from splitspec.exceptions import ConfigError
 from splitspec.netem.emulator import WanEmulator
 from splitspec.netem.schedule import NetemConfig
+from tests.e2e.test_trunk_fingerprint import edge_only_copy
 
 KS = (1, 2, 4, 8, 16)
 
@@ -120,3 +124,37 @@ def test_probe_cli_unreachable_server_is_a_clean_error(make_checkpoint: Callable
     model = make_checkpoint("llama")
     status = bench_main(["probe", "--cloud", "ws://127.0.0.1:9", "--model", str(model), "--repeats", "1"])
     assert status == 2
+
+
+def test_probe_cli_takes_a_trunk_fingerprint() -> None:
+    args = build_parser().parse_args(
+        ["probe", "--cloud", "ws://x", "--model", ".", "--trunk-fingerprint", "2-4:float32:abc"]
+    )
+    assert args.trunk_fingerprint == "2-4:float32:abc"
+    seen: dict[str, ProbeConfig] = {}
+
+    async def fake_probe(config: ProbeConfig) -> ProbeReport:
+        seen["config"] = config
+        raise ConfigError("stop here")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(probe_module, "probe", fake_probe)
+        assert bench_main(["probe", "--cloud", "ws://x", "--model", ".", "--trunk-fingerprint", "2-4:float32:abc"]) == 2
+    assert seen["config"].trunk_fingerprint == "2-4:float32:abc"
+
+
+async def test_probe_runs_on_an_edge_only_checkpoint(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An edge that holds only its own layers cannot hash the trunk: it names it, as generate does."""
+    model = make_checkpoint("llama")
+    edge = edge_only_copy(model, tmp_path)
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        base = ["probe", "--cloud", server.url, "--model", str(edge), "--repeats", "1", "--warmup", "0",
+                "--pings", "1", "--query-tokens", "1,2", "--json"]  # fmt: skip
+        assert await asyncio.to_thread(bench_main, base) == 2  # nothing to check the trunk against
+        capsys.readouterr()
+        pinned = [*base, "--trunk-fingerprint", str(server.trunk_fingerprint)]
+        assert await asyncio.to_thread(bench_main, pinned) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [s["query_tokens"] for s in report["steps"]] == [1, 2]

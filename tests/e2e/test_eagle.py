@@ -9,6 +9,7 @@ head's trees (several roots, drawn without replacement) keep the model's law (ch
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -159,6 +160,33 @@ async def test_a_stripped_edge_trains_a_head_through_the_split(
     untrained = DraftHead(default_config(Checkpoint(target)), torch.device("cpu"), torch.float32).eval()
     bad = greedy_chains(untrained, source, prompts, 24, 4)
     assert split.mean_accepted_length > bad.mean_accepted_length + 0.25, (split, bad)
+
+
+async def test_a_head_trains_through_a_bfloat16_trunk(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """``train-drafter --cloud --dtype bfloat16`` against the usual GPU trunk (``cloud serve --dtype bfloat16``):
+    it was pinned to float32 with the raw codec, and the handshake refused it. The head trains in float32 on the
+    features converted; a float32 edge crosses with --wire-codec bf16, and a pinned float32 one with raw is refused."""
+    target = make_checkpoint("llama", layers=LAYERS, logit_scale=4.0)
+    corpus = _corpus(tmp_path)
+    async with TrunkServer(CloudConfig(model_dir=target, port=0, dtype="bfloat16")) as server:
+
+        def run(out: str, *extra: str) -> int:
+            return cli_main(
+                ["-q", "train-drafter", "--model", str(target), "--corpus", str(corpus), "--out", str(tmp_path / out),
+                 "--steps", "1", "--seq-len", "16", "--batch", "2", "--no-progress", "--device", "cpu",
+                 "--cloud", server.url, "--allow-stock-edge-weights", *extra]
+            )  # fmt: skip
+
+        assert await asyncio.to_thread(run, "bf16", "--dtype", "bfloat16") == 0
+        assert await asyncio.to_thread(run, "codec", "--dtype", "float32", "--wire-codec", "bf16") == 0
+        assert await asyncio.to_thread(run, "refused", "--dtype", "float32") == 2
+    for out in ("bf16", "codec"):
+        assert json.loads((tmp_path / out / "trainer_state.json").read_text())["step"] == 1
+        weights = load_file(str(tmp_path / out / "model.safetensors"))
+        assert all(w.dtype == torch.float32 and bool(w.isfinite().all()) for w in weights.values()), out
+        moments = load_file(str(tmp_path / out / "optimizer.safetensors"))
+        assert {m.dtype for k, m in moments.items() if not k.endswith("/step")} == {torch.float32}
+        load_draft_head(tmp_path / out, Checkpoint(target))
 
 
 class Recording:

@@ -179,3 +179,39 @@ def test_train_drafter_saves_a_reduced_head_and_resumes_on_the_full_one(target: 
     for name in whole:
         assert torch.equal(done[name], whole[name]), name
     assert main(args(tmp_path / "none", 2, "--draft-vocab", "0")) == 2
+
+
+def test_train_drafter_resumed_at_its_last_step_only_reduces_the_vocabulary(target: Path, tmp_path: Path) -> None:
+    """--resume with the saved --steps and --draft-vocab: the finished head saved again over 12 tokens, untrained
+    further (it was refused as a run already at its last step); without --draft-vocab that stays refused."""
+    corpus = tmp_path / "text.txt"
+    corpus.write_text((TOKENIZER_TEXT + "\n") * 20)
+
+    def args(out: Path, steps: int, *extra: str) -> list[str]:
+        return [
+            "-q", "train-drafter", "--model", str(target), "--corpus", str(corpus), "--out", str(out),
+            "--steps", str(steps), "--seq-len", "16", "--batch", "2", "--warmup", "10", "--save-every", "2",
+            "--no-progress", "--threads", "1", "--device", "cpu", *extra,
+        ]  # fmt: skip
+
+    out, reduced = tmp_path / "head", tmp_path / "reduced"
+    assert main(args(out, 2)) == 0
+    full = load_file(str(out / "model.safetensors"))
+    assert main([*args(out, 2), "--resume"]) == 2  # nothing to do
+    assert main([*args(out, 2, "--draft-vocab", "12"), "--resume"]) == 0
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == 2
+    head = load_draft_head(out, Checkpoint(target))
+    assert head.config.draft_vocab == 12
+    assert head.lm_head is not None
+    assert head.lm_head.weight.shape[0] == 12
+    now = load_file(str(out / "model.safetensors"))
+    for name in full:  # the layer and its projection as trained: no step was taken
+        if name in now:
+            assert torch.equal(now[name], full[name]), name
+    # the same head as one trained with --draft-vocab from the start
+    assert main(args(reduced, 2, "--draft-vocab", "12")) == 0
+    want = load_file(str(reduced / "model.safetensors"))
+    assert set(now) == set(want)
+    for name in want:
+        assert torch.equal(now[name], want[name]), name
+    assert main([*args(out, 1, "--draft-vocab", "12"), "--resume"]) == 2  # past the saved step: refused

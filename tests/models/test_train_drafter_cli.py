@@ -135,3 +135,55 @@ def test_bad_uses_fail_in_one_line(
     caplog.clear()
     assert main(_args(model, corpus, tmp_path / "z", 2, "--trunk-fingerprint", "ab", "--edge-layers", "1,1")) == 2
     assert "--edge-layers, --trunk-fingerprint apply only with --cloud" in caplog.text
+
+
+def test_resume_compares_the_corpus_by_resolved_path_and_content(
+    setup: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same file named relative on resume is the same corpus; an edited file under the same name is not."""
+    model, _ = setup
+    corpus = tmp_path / "text.txt"
+    corpus.write_text((TOKENIZER_TEXT + "\n") * 20)
+    out = tmp_path / "head"
+    assert main(_args(model, corpus, out, 2)) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main([*_args(model, Path("text.txt"), out, 4), "--resume"]) == 0  # refused as another corpus before
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["step"] == 4
+    assert [f["path"] for f in state["corpus_files"]] == [str(corpus.resolve())]
+    assert state["corpus_files"][0]["bytes"] == corpus.stat().st_size
+    corpus.write_text((TOKENIZER_TEXT + "\n") * 19 + "other text of the same kind\n")  # edited in place
+    caplog.clear()
+    assert main([*_args(model, corpus, out, 6), "--resume"]) == 2  # accepted before: it named the same path
+    assert "changed since the run being resumed" in caplog.text
+    other = tmp_path / "other.txt"
+    other.write_text(corpus.read_text())
+    assert main([*_args(model, other, out, 6), "--resume"]) == 2  # another file
+    # a save from before the fingerprints: its paths, resolved, are compared (relative to the current directory)
+    state = json.loads((out / "trainer_state.json").read_text())
+    del state["corpus_files"]
+    state["args"]["corpus"] = ["text.txt"]
+    (out / "trainer_state.json").write_text(json.dumps(state))
+    assert main([*_args(model, other, out, 6), "--resume"]) == 2
+    assert main([*_args(model, corpus, out, 6), "--resume"]) == 0
+    assert json.loads((out / "trainer_state.json").read_text())["corpus_files"][0]["path"] == str(corpus.resolve())
+
+
+def test_evaluation_settings_without_an_evaluation_corpus_are_refused(
+    setup: tuple[Path, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """--eval-prompts and the like were accepted and ignored without --eval-corpus."""
+    model, corpus = setup
+    caplog.clear()
+    assert main(_args(model, corpus, tmp_path / "a", 1, "--eval-prompts", "2")) == 2
+    assert "--eval-prompts applies only with --eval-corpus" in caplog.text
+    caplog.clear()
+    assert main(_args(model, corpus, tmp_path / "b", 1, "--eval-depth", "2", "--eval-new-tokens", "6")) == 2
+    assert "--eval-new-tokens, --eval-depth apply only with --eval-corpus" in caplog.text
+    assert not (tmp_path / "a").exists()  # refused before training
+    assert not (tmp_path / "b").exists()
+    assert main(_args(model, corpus, tmp_path / "c", 1, "--eval-prompts", "16")) == 0  # the default is no setting
+    # and the split's compute dtype and wire codec mean nothing without --cloud
+    caplog.clear()
+    assert main(_args(model, corpus, tmp_path / "d", 1, "--dtype", "bfloat16", "--wire-codec", "bf16")) == 2
+    assert "--dtype, --wire-codec apply only with --cloud" in caplog.text

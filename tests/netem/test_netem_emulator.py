@@ -74,7 +74,7 @@ async def test_byte_order_preserved_under_heavy_jitter(echo_port: int, distribut
             sent += chunk
             w.write(chunk)
             await w.drain()
-            await asyncio.sleep(0.001)  # separate reads on the proxy, each with its own jitter
+            await asyncio.sleep(0.002)  # separate bursts on the proxy, each with its own jitter
         w.write_eof()
         received = await asyncio.wait_for(r.read(), 10.0)  # until the echoed EOF comes back
         await _close(w)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import statistics
 
 import pytest
 
@@ -42,7 +43,7 @@ def test_unlimited_bandwidth_costs_nothing() -> None:
 @pytest.mark.parametrize("distribution", ["uniform", "normal"])
 def test_jitter_never_reorders_and_varies(distribution: JitterDistribution) -> None:
     link = LinkSchedule(delay_s=0.005, jitter_s=0.020, distribution=distribution, rng=random.Random(1))
-    reads = [i * 0.001 for i in range(2000)]
+    reads = [i * 0.002 for i in range(2000)]  # 2 ms apart: each read its own burst, its own draw
     releases = [link.release_time(t, 100) for t in reads]
     assert all(b >= a for a, b in itertools.pairwise(releases))
     assert all(rel >= t for t, rel in zip(reads, releases, strict=True))  # delay clipped at 0
@@ -59,6 +60,46 @@ def test_jitter_is_seeded() -> None:
 
     assert run(3) == run(3)
     assert run(3) != run(4)
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "normal"])
+def test_a_many_chunk_message_gets_one_zero_mean_jitter(distribution: JitterDistribution) -> None:
+    """A message read in 16 back-to-back chunks lands ``delay`` late on average, as a one-chunk one does.
+
+    With a draw per chunk (and releases kept in order) it landed at the latest of 16 draws: with uniform
+    jitter J, ``delay + 0.88 J`` on average (+9.6 ms for 256 KB at J = 10 ms, +3.0 ms for 100 B)."""
+
+    def lateness(seed: int, chunks: int) -> list[float]:
+        link = LinkSchedule(delay_s=0.040, jitter_s=0.010, distribution=distribution, rng=random.Random(seed))
+        out = []
+        for message in range(2000):
+            read_at = message * 1.0  # messages a second apart; the chunks of one 50 us apart
+            releases = [link.release_time(read_at + i * 50e-6, 64 * 1024) for i in range(chunks)]
+            assert all(b >= a for a, b in itertools.pairwise(releases))
+            out.append(releases[-1] - read_at)
+        return out
+
+    for chunks in (1, 16):
+        late = lateness(7, chunks)
+        spread = statistics.pstdev(late)
+        assert spread > 0.004  # jitter is applied
+        # the standard error of the mean over 2000 messages is about 0.13 ms
+        assert statistics.fmean(late) == pytest.approx(0.040 + (chunks - 1) * 50e-6, abs=0.0006), chunks
+    assert lateness(7, 16) == lateness(7, 16)  # seeded: the same run again
+    assert lateness(7, 16) != lateness(8, 16)
+
+
+def test_a_pause_starts_a_new_burst_and_a_rate_limited_backlog_does_not() -> None:
+    link = LinkSchedule(delay_s=0.010, jitter_s=0.005, rng=random.Random(2), burst_gap_s=0.001)
+    first = [link.release_time(0.0, 10) - 0.0 for _ in range(3)]
+    assert first[0] == first[1] == first[2]  # one draw for the burst
+    added = [link.release_time(t, 10) - t for t in (0.5, 1.0, 1.5, 2.0)]  # each after a pause: a draw each
+    assert len(set(added)) == 4
+    # behind a 1 Mbit/s transmitter the chunks wait for the link: they stay one burst however long it takes
+    slow = LinkSchedule(delay_s=0.010, jitter_s=0.005, rng=random.Random(2), bandwidth_bps=1e6)
+    releases = [slow.release_time(i * 0.002, 1250) for i in range(10)]  # 10 ms of transmission each
+    steps = [b - a for a, b in itertools.pairwise(releases)]
+    assert steps == pytest.approx([0.010] * 9)  # the same jitter throughout: spaced by the rate alone
 
 
 @pytest.mark.parametrize(

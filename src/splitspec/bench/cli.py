@@ -4,7 +4,7 @@ Probe a running trunk server (directly or through ``splitspec netem``) for its R
 overhead, with break-even acceptance, projected tok/s and cost per million tokens::
 
     splitspec probe --cloud ws://127.0.0.1:9000 [--model DIR] [--edge-layers 2,2] \\
-        [--dollars-per-hour 1.35] [--repeats 10] [--json]
+        [--trunk-fingerprint FP] [--dollars-per-hour 1.35] [--repeats 10] [--json]
 
 Run a benchmark scenario (in-process server, emulated links, local baselines) and write its
 report (JSON, markdown, PNG plots)::
@@ -30,6 +30,7 @@ from splitspec.arguments import (
     add_dtype_arg,
     add_tls_ca,
     add_token_file,
+    add_trunk_fingerprint_arg,
     add_wire_codec,
     edge_layers,
     model_dir,
@@ -93,6 +94,7 @@ def run_probe(args: argparse.Namespace) -> int:
         projection_rtt_ms=args.project_rtt,
         dollars_per_hour=args.dollars_per_hour,
         tls_ca_file=args.tls_ca,
+        trunk_fingerprint=args.trunk_fingerprint,
     )
     set_threads(args.threads)
     report = asyncio.run(probe(config))
@@ -124,6 +126,7 @@ def _add_probe(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_wire_codec(p)
     add_token_file(p)
     add_tls_ca(p)
+    add_trunk_fingerprint_arg(p)
     p.add_argument("--dollars-per-hour", type=float, help="cloud rental price, USD/hour (adds $/M tokens)")
     p.add_argument("--repeats", type=positive_int, default=10, help="timed steps per k (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per k first (default 2)")

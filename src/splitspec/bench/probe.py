@@ -78,6 +78,8 @@ class ProbeConfig:
     device: str = "auto"  # the edge's compute device: auto, cpu, cuda, cuda:N or mps
     auth_token: str | None = None  # shared secret, if the server requires one
     tls_ca_file: Path | None = None  # PEM CA bundle to verify a wss:// server; None = system store
+    # the trunk the server must hold (as it logs it); None = hash model_dir's trunk layers (an edge-only copy needs it)
+    trunk_fingerprint: str | None = None
     query_tokens: tuple[int, ...] = DEFAULT_QUERY_TOKENS  # step sizes k to time, tokens
     repeats: int = 10  # timed steps per k, count
     warmup: int = 2  # untimed steps per k before timing, count
@@ -323,6 +325,7 @@ async def probe(config: ProbeConfig, *, client: SplitClient | None = None) -> Pr
             auth_token=config.auth_token,
             tls_ca_file=config.tls_ca_file,
             request_timeout_s=config.request_timeout_s,
+            trunk_fingerprint=config.trunk_fingerprint,
         )
         async with SplitClient(edge) as own:
             return await probe(config, client=own)

@@ -16,12 +16,16 @@ The out directory holds the head (splitspec's layout, :mod:`splitspec.models.dra
 ``trainer_state.json`` (the step, the arguments) and ``optimizer.safetensors`` (AdamW's moments):
 ``resume`` continues from them. With ``draft_vocab`` N the head trains against the target's whole LM
 head, and is saved drafting over the N target tokens most frequent in the corpus
-(:mod:`~splitspec.models.draft_vocab`); ``resume`` drops that vocabulary again before training on.
+(:mod:`~splitspec.models.draft_vocab`); ``resume`` drops that vocabulary again before training on, and a
+run resumed at its last step with ``draft_vocab`` only saves the head again with that vocabulary.
+The training state records each corpus file's resolved path, size and SHA-256: ``resume`` refuses
+other files, or the same files since edited.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -138,6 +142,22 @@ class TrainConfig:
             raise ConfigError("--draft-vocab must be at least 1")
 
 
+def corpus_files(files: Sequence[Path]) -> list[dict[str, object]]:
+    """Each corpus file's resolved path, size (bytes) and SHA-256: what a resumed run must train on again."""
+    out: list[dict[str, object]] = []
+    for path in files:
+        digest, size = hashlib.sha256(), 0
+        try:
+            with Path(path).open("rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+                    size += len(block)
+        except OSError as exc:
+            raise ConfigError(f"corpus file {path}: {exc}") from None
+        out.append({"path": str(Path(path).resolve()), "bytes": size, "sha256": digest.hexdigest()})
+    return out
+
+
 def read_corpus(files: Sequence[Path], tokenizer_dir: Path, min_tokens: int) -> list[torch.Tensor]:
     """Each file's token ids (T_f,) long, as the target's tokenizer encodes it; files shorter than
     ``min_tokens`` are skipped."""
@@ -210,9 +230,10 @@ def _save(
     wall_s: float,
     notes: dict[str, object],
     shipped: DraftHead | None = None,
+    corpus: list[dict[str, object]] | None = None,
 ) -> None:
     """Write the head (``shipped``: what is saved as the head, the trained head with a reduced vocabulary) and
-    the training state.
+    the training state (``corpus``: the corpus files' :func:`corpus_files`, recorded for a resumed run to check).
 
     Every file is written in full to a staging folder first, then moved into place, the training state last.
     A process killed while writing leaves the previous save whole; one killed between the moves leaves files
@@ -235,18 +256,24 @@ def _save(
     save_file(moments, str(staging / OPTIMIZER_FILE), metadata={"step": str(step)})
     args = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
     args["corpus"] = [str(p) for p in config.corpus]
-    state_doc = {"step": step, "train_wall_s": wall_s, "args": args}
+    state_doc: dict[str, object] = {"step": step, "train_wall_s": wall_s, "args": args}
+    if corpus is not None:
+        state_doc["corpus_files"] = corpus
     (staging / STATE_FILE).write_text(json.dumps(state_doc, indent=2) + "\n")
     for path in sorted(staging.iterdir(), key=lambda f: f.name == STATE_FILE):  # the state, naming the step, last
         os.replace(path, config.out / path.name)
     staging.rmdir()
 
 
-def _restore(head: DraftHead, opt: torch.optim.AdamW, config: TrainConfig) -> tuple[int, float]:
+def _restore(
+    head: DraftHead, opt: torch.optim.AdamW, config: TrainConfig, corpus: list[dict[str, object]]
+) -> tuple[int, float]:
     """Load the optimizer's moments saved beside the head; (step, wall seconds so far).
 
-    Refuses files of different steps (a save cut short between its moves), a run already at ``config.steps``,
-    and settings that change what the steps ahead draw or compute: a resumed run is the run that never stopped.
+    Refuses files of different steps (a save cut short between its moves), a run already at ``config.steps``
+    (unless ``config.draft_vocab`` asks only to reduce the finished head's vocabulary), and settings that change
+    what the steps ahead draw or compute: a resumed run is the run that never stopped. The corpus is compared by
+    its files' resolved paths and, where the save recorded them, their sizes and SHA-256 (``corpus``, now's).
     """
     out = config.out
     try:
@@ -264,12 +291,16 @@ def _restore(head: DraftHead, opt: torch.optim.AdamW, config: TrainConfig) -> tu
             f"--resume: {out} holds a save cut short (the head is at step {head_step}, the optimizer at "
             f"{moments_step}, the training state at {step}); train again without --resume"
         )
-    if step >= config.steps:
-        raise ConfigError(f"--resume: {out} is already at step {step}; give --steps above it to train on")
-    now = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()} | {
-        "corpus": [str(p) for p in config.corpus]
-    }
-    changed = [k for k in RESUME_FIXED if k in saved_args and _jsonish(saved_args[k]) != _jsonish(now[k])]
+    if step > config.steps or (step == config.steps and config.draft_vocab is None):
+        raise ConfigError(
+            f"--resume: {out} is already at step {step}; give --steps above it to train on (or --steps {step} "
+            "with --draft-vocab N to reduce its vocabulary without training)"
+        )
+    now = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
+    changed = [
+        k for k in RESUME_FIXED if k != "corpus" and k in saved_args and _jsonish(saved_args[k]) != _jsonish(now[k])
+    ]
+    _check_corpus(state_doc, saved_args, corpus)
     if changed:
         raise ConfigError(
             f"--resume: {', '.join('--' + k.replace('_', '-') for k in changed)} differ from the run being resumed "
@@ -280,6 +311,38 @@ def _restore(head: DraftHead, opt: torch.optim.AdamW, config: TrainConfig) -> tu
         if keys:
             opt.state[param] = {k: (v.to(param.device) if k != "step" else v.float()) for k, v in keys.items()}
     return step, wall_s
+
+
+def _check_corpus(state_doc: dict[str, object], saved_args: dict[str, object], corpus: list[dict[str, object]]) -> None:
+    """Refuse a resumed run's corpus unless it is the saved run's: the same files (resolved paths, in order) and,
+    where the save recorded them (``corpus_files``), the same contents. An older save names its files as given,
+    resolved here from the current directory."""
+    saved_files = state_doc.get("corpus_files")
+    if isinstance(saved_files, list):
+        saved_paths = [str(f.get("path")) if isinstance(f, dict) else None for f in saved_files]
+    else:
+        saved_paths = [str(Path(str(p)).resolve()) for p in _as_list(saved_args.get("corpus"))]
+    now_paths = [str(f["path"]) for f in corpus]
+    if saved_paths != now_paths:
+        raise ConfigError(
+            f"--resume: --corpus differs from the run being resumed (it trained on "
+            f"{', '.join(map(str, saved_paths))}); resume with the same files"
+        )
+    if isinstance(saved_files, list):
+        edited = [
+            now["path"]
+            for saved, now in zip(saved_files, corpus, strict=True)
+            if not isinstance(saved, dict) or (saved.get("bytes"), saved.get("sha256")) != (now["bytes"], now["sha256"])
+        ]
+        if edited:
+            raise ConfigError(
+                f"--resume: corpus file {', '.join(map(str, edited))} changed since the run being resumed saved "
+                "(its size or SHA-256 differ); resume with the text it trained on, or train again without --resume"
+            )
+
+
+def _as_list(value: object) -> list[object]:
+    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _jsonish(value: object) -> object:
@@ -316,7 +379,8 @@ async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
         j = source.feature_layers.index(num_layers)
         reg_slice = slice(j * head.config.hidden_size, (j + 1) * head.config.hidden_size)
     opt = torch.optim.AdamW(head.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    start, wall_before = _restore(head, opt, config) if config.resume else (0, 0.0)
+    corpus = corpus_files(config.corpus)
+    start, wall_before = _restore(head, opt, config, corpus) if config.resume else (0, 0.0)
     streams = read_corpus(config.corpus, config.model, config.seq_len)
     notes: dict[str, object] = {
         "corpus": [Path(p).name for p in config.corpus],
@@ -360,13 +424,18 @@ async def train(config: TrainConfig, source: FeatureSource) -> DraftHead:
         bar.update(1)
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", top1=f"{parts['top1']:.2f}")
         if (step + 1) % config.save_every == 0 and step + 1 < config.steps:
-            _save(head, opt, step + 1, config, wall_before + time.perf_counter() - began, notes, shipped())
+            _save(head, opt, step + 1, config, wall_before + time.perf_counter() - began, notes, shipped(), corpus)
         if step % 50 == 0:
             log.debug("step %d: loss %.4f, reg %.4f, cls %.4f, top1 %.3f", step, float(loss.detach()), *parts.values())
     bar.close()
     wall = wall_before + time.perf_counter() - began
-    _save(head, opt, config.steps, config, wall, notes, shipped())
-    log.info("draft head saved to %s after %d steps (%.1f s of training)", config.out, config.steps, wall)
+    _save(head, opt, config.steps, config, wall, notes, shipped(), corpus)
+    if start == config.steps:
+        log.info(
+            "draft head at step %d saved to %s with a %d-token draft vocabulary", start, config.out, config.draft_vocab
+        )
+    else:
+        log.info("draft head saved to %s after %d steps (%.1f s of training)", config.out, config.steps, wall)
     head.eval().requires_grad_(False)
     reduced = shipped()
     return head if reduced is None else reduced

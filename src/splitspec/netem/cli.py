@@ -71,7 +71,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         help="server to forward to, e.g. 127.0.0.1:8765",
     )
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="added round-trip time, ms (default 0)")
-    parser.add_argument("--jitter-ms", type=float, default=0.0, help="jitter per chunk and direction, ms (default 0)")
+    parser.add_argument(
+        "--jitter-ms", type=float, default=0.0, help="jitter per message (burst) and direction, ms (default 0)"
+    )
     parser.add_argument(
         "--jitter-distribution",
         choices=("uniform", "normal"),

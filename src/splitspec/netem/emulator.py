@@ -14,10 +14,16 @@ lives in :class:`~splitspec.netem.schedule.LinkSchedule` (no I/O, testable with 
   later (store-and-forward serialisation).
 * **Delay.** After transmission the chunk propagates for ``rtt/2 + jitter`` seconds (clipped at
   zero), so with no rate limit a chunk read at time ``t`` is written at ``t + rtt/2 + jitter``.
+* **Jitter per burst.** One jitter draw covers a burst: the chunks read back to back (each less
+  than 1 ms after the previous one finished transmitting), as the 64 KiB reads of one message
+  are. A message of any size is thus delayed by ``rtt/2`` plus one zero-mean draw; a draw per
+  chunk would, with the ordering rule below, delay a many-chunk message by the largest of its
+  chunks' draws.
 * **No reordering.** Release times are forced to be non-decreasing (``max`` with the previous
   release), so jitter never reorders bytes: TCP is a byte stream and a real path that reorders
-  segments still delivers them in order to the application. A consequence is that negative
-  jitter is partly masked and mean added latency slightly exceeds ``rtt/2`` under heavy jitter.
+  segments still delivers them in order to the application. A consequence is that the negative
+  jitter of a burst that closely follows another is partly masked, and mean added latency
+  slightly exceeds ``rtt/2`` when messages follow each other within about twice the jitter.
 * **Never early, slightly late.** A chunk is never written before its release time. asyncio on
   Linux sleeps with millisecond-granular epoll timeouts, so each direction wakes up to ~1 ms
   late: the measured added RTT exceeds the setting by about 0.5-1.5 ms on an idle machine

@@ -14,9 +14,13 @@ from typing import Literal
 
 from splitspec.exceptions import ConfigError
 
-__all__ = ["JitterDistribution", "LinkSchedule", "NetemConfig"]
+__all__ = ["BURST_GAP_S", "JitterDistribution", "LinkSchedule", "NetemConfig"]
 
 JitterDistribution = Literal["uniform", "normal"]
+
+# a chunk read less than this after the previous chunk finished transmitting continues its burst (the rest of
+# one message, or a message sent back to back with it) and shares its jitter draw, seconds
+BURST_GAP_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,7 @@ class NetemConfig:
     listen_host: str = "127.0.0.1"  # address the proxy listens on
     listen_port: int = 0  # TCP port the proxy listens on; 0 = let the OS pick a free port
     rtt_ms: float = 0.0  # added round-trip time, milliseconds; each direction adds rtt_ms / 2
-    jitter_ms: float = 0.0  # jitter scale per chunk and direction, milliseconds (0 = none)
+    jitter_ms: float = 0.0  # jitter scale per burst (message) and direction, milliseconds (0 = none)
     # "uniform": one-way jitter ~ U(-jitter_ms, +jitter_ms);
     # "normal": ~ N(0, jitter_ms²) clipped to ±3·jitter_ms. One-way delay is clipped at 0.
     jitter_distribution: JitterDistribution = "uniform"
@@ -69,6 +73,12 @@ class LinkSchedule:
 
     Feed it the time a chunk was read and its size; it returns the time the chunk must be
     written on the other side. Times are in seconds on any monotonic clock.
+
+    Jitter is drawn once per burst, not per chunk: a chunk read less than ``burst_gap_s`` after the
+    previous one finished transmitting (the next 64 KiB of one message, or a message sent back to
+    back) keeps the burst's draw. A message read in many chunks then lands ``delay + one draw`` late,
+    zero-mean jitter whatever its size; a draw per chunk, with releases kept in order, would land it
+    at the latest of its chunks' draws (with 16 chunks, ``delay + 0.88 * jitter`` on average).
     """
 
     def __init__(
@@ -79,9 +89,10 @@ class LinkSchedule:
         distribution: JitterDistribution = "uniform",
         bandwidth_bps: float | None = None,
         rng: random.Random | None = None,
+        burst_gap_s: float = BURST_GAP_S,
     ) -> None:
-        if delay_s < 0 or jitter_s < 0:
-            raise ConfigError("delay_s and jitter_s must be >= 0")
+        if delay_s < 0 or jitter_s < 0 or burst_gap_s < 0:
+            raise ConfigError("delay_s, jitter_s and burst_gap_s must be >= 0")
         if bandwidth_bps is not None and bandwidth_bps <= 0:
             raise ConfigError("bandwidth_bps must be > 0 or None")
         self.delay_s = delay_s  # mean one-way propagation delay, seconds
@@ -89,8 +100,10 @@ class LinkSchedule:
         self.distribution: JitterDistribution = distribution
         self.bandwidth_bps = bandwidth_bps  # bits per second, None = unlimited
         self._rng = rng if rng is not None else random.Random(0)
+        self.burst_gap_s = burst_gap_s  # a longer pause between chunks starts a new burst (a new draw), seconds
         self._link_free_at = -math.inf  # when the transmitter finishes its current chunk, s
         self._last_release = -math.inf  # release time of the previous chunk, s
+        self._burst_jitter = 0.0  # the current burst's jitter draw, s
 
     @classmethod
     def from_config(cls, config: NetemConfig, rng: random.Random) -> LinkSchedule:
@@ -121,14 +134,18 @@ class LinkSchedule:
     def release_time(self, read_at: float, nbytes: int) -> float:
         """When a chunk of ``nbytes`` read at ``read_at`` is to be written out.
 
-        Never earlier than the previous chunk's release time, so bytes are never reordered.
+        Never earlier than the previous chunk's release time, so bytes are never reordered. A chunk
+        read within ``burst_gap_s`` of the previous one's end of transmission (or while the link still
+        sends it) shares that chunk's jitter; any other draws anew.
         """
         if nbytes < 0:
             raise ValueError("nbytes must be >= 0")
+        if not read_at - self._link_free_at < self.burst_gap_s:  # a new burst (the first chunk: -inf before it)
+            self._burst_jitter = self.sample_jitter()
         start = max(read_at, self._link_free_at)
         sent_at = start + self.transmission_time(nbytes)
         self._link_free_at = sent_at
-        arrival = sent_at + max(0.0, self.delay_s + self.sample_jitter())
+        arrival = sent_at + max(0.0, self.delay_s + self._burst_jitter)
         release = max(arrival, self._last_release)
         self._last_release = release
         return release
