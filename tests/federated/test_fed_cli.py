@@ -89,3 +89,39 @@ def test_epsilon_scope_needs_a_target(make_checkpoint: Callable[..., Path], capl
     assert "--target-epsilon" in caplog.text
     assert main([*args[:-2], "--quant-budget", "0.9"]) == 2
     assert "--quant-budget" in caplog.text
+
+
+def test_options_a_fixed_k_or_a_float_codec_ignores_are_refused(
+    make_checkpoint: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """--max-k caps adaptive K only, --quant-budget is the quantized codec's: both were accepted and ignored."""
+    draft = make_checkpoint("llama", layers=1)
+    args = ["fed", "generate", "--draft", str(draft), "--worker", "ws://127.0.0.1:9"]
+    for extra in (["--max-k", "100"], ["--max-k", "100", "--top-k", "8"]):
+        caplog.clear()
+        assert main([*args, *extra]) == 2
+        assert "--max-k caps adaptive K" in caplog.text
+    caplog.clear()
+    assert main([*args, "--prob-codec", "float16", "--quant-budget", "0.2"]) == 2
+    assert "--quant-budget applies to the quantized codec" in caplog.text
+    # allowed: the cap with adaptive K, the default cap given explicitly, a budget for the quantized codec (the
+    # run then fails for want of a worker at port 9)
+    for extra in (
+        ["--max-k", "100", "--target-epsilon", "0.1"],
+        ["--max-k", "4096", "--top-k", "8"],
+        ["--quant-budget", "0.2"],
+    ):
+        caplog.clear()
+        assert main([*args, *extra]) == 2
+        assert "TransportError" in caplog.text
+        assert "ConfigError" not in caplog.text
+
+
+def test_a_temperature_the_workers_refuse_is_refused_at_once(
+    make_checkpoint: Callable[..., Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """--temperature 150 ended in "every worker failed this round": the workers refuse T > 100."""
+    draft = make_checkpoint("llama", layers=1)
+    args = ["fed", "generate", "--draft", str(draft), "--worker", "ws://127.0.0.1:9", "--temperature", "150"]
+    assert main(args) == 2
+    assert "ConfigError: --temperature must be at most 100" in caplog.text

@@ -286,7 +286,8 @@ async def test_in_audit_mode_a_worker_without_its_full_laws_is_dropped_not_the_g
 async def test_when_only_workers_of_weight_zero_answer_the_round_fails_in_words(
     models: dict[str, LoadedModel], fakes: FakeWorkers
 ) -> None:
-    """Weights (1, 0) and the weighted worker down: a ConfigError about weights used to surface mid-generation."""
+    """Weights (1, 0) and the weighted worker down: a ConfigError about weights used to surface mid-generation.
+    The round waits for the weighted worker to rejoin (it does, and fails again) up to rejoin_wait_s(), 1 s here."""
 
     def never(request: FedScore, vocab: int) -> bytes:
         raise ConnectionClosed(None, None)
@@ -299,9 +300,11 @@ async def test_when_only_workers_of_weight_zero_answer_the_round_fails_in_words(
             top_k=K,
             gamma=3,
             round_timeout_s=10.0,
+            connect_timeout_s=1.0,
+            rejoin_interval_s=0.0,
         )
         async with Coordinator(cfg, models["draft"]) as coord:
-            with pytest.raises(TransportError, match="positive weight"):
+            with pytest.raises(TransportError, match="positive weight failed this round and none rejoined within 1 s"):
                 await coord.generate(PROMPT, 4, SamplingParams(temperature=0.0))
 
 

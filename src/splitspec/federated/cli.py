@@ -71,13 +71,19 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _run_generate(args: argparse.Namespace) -> int:
     from splitspec.decoding.sampling import SamplingParams
     from splitspec.devices import resolve_device
-    from splitspec.federated.config import CoordinatorConfig
+    from splitspec.federated.config import CoordinatorConfig, check_temperature
     from splitspec.federated.coordinator import Coordinator
     from splitspec.federated.lm import load_model
+    from splitspec.protocol.fed import DEFAULT_MAX_K
 
     if args.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens must be at least 1")
+    check_temperature(args.temperature)
     top_k = None if args.target_epsilon is not None else (args.top_k if args.top_k is not None else 320)
+    # the config takes a cap with a fixed K (benchmarks set it to |V| for every mode); on the command line
+    # it would be ignored
+    if top_k is not None and args.max_k is not None and args.max_k != DEFAULT_MAX_K:
+        raise ConfigError("--max-k caps adaptive K: give --target-epsilon (a fixed K is sent as it is)")
     config = CoordinatorConfig(
         draft_dir=args.draft,
         worker_urls=tuple(args.worker),
@@ -85,7 +91,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_k=top_k,
         target_epsilon=args.target_epsilon,
         epsilon_scope=args.epsilon_scope,
-        max_k=args.max_k,
+        max_k=DEFAULT_MAX_K if args.max_k is None else args.max_k,
         reconstruct=args.reconstruct,
         gamma=args.gamma,
         prob_codec=args.prob_codec,
@@ -171,7 +177,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="position",
         help="adaptive K: the target holds at every position (default), or on each round's mean (fewest tokens)",
     )
-    g.add_argument("--max-k", type=positive_int, default=4096, help="cap on adaptive K (default 4096)")
+    g.add_argument("--max-k", type=positive_int, help="cap on adaptive K, with --target-epsilon (default 4096)")
     g.add_argument("--reconstruct", choices=["renorm", "residual"], default="renorm", help="reconstruction")
     g.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,8 +10,11 @@ from splitspec.exceptions import ConfigError
 from splitspec.federated.topk import RECONSTRUCTIONS, Reconstruction, normalize_weights
 from splitspec.protocol.choices import DEFAULT_QUANT_BUDGET
 from splitspec.protocol.fed import (
+    DEFAULT_MAX_K,
     EPSILON_SCOPES,
     MAX_QUANT_BUDGET,
+    MAX_SCORED_POSITIONS,
+    MAX_TEMPERATURE,
     VALUE_CODECS,
     EpsilonScope,
     ValueCodec,
@@ -27,9 +31,9 @@ class CoordinatorConfig:
     top_k: int | None = 320  # fixed K per position, tokens; None = adaptive (target_epsilon)
     target_epsilon: float | None = None  # adaptive K: largest residual mass 1 − Σ top-K, probability
     epsilon_scope: EpsilonScope = "position"  # adaptive K: target on every position, or on each round's mean
-    max_k: int = 4096  # cap on adaptive K, tokens
+    max_k: int = DEFAULT_MAX_K  # cap on adaptive K, tokens
     reconstruct: Reconstruction = "renorm"  # top-K only, or top-K plus the residual spread uniformly
-    gamma: int = 4  # draft tokens per round
+    gamma: int = 4  # draft tokens per round (at most MAX_SCORED_POSITIONS - 1: workers score γ + 1 positions)
     prob_codec: ValueCodec = "quantized"  # how top-K probabilities travel
     quant_budget: float = DEFAULT_QUANT_BUDGET  # ρ: quantization error allowed per position, fraction of its tail mass
     audit: bool = False  # workers also send full laws; rounds record Δ, drift and bound checks
@@ -67,10 +71,24 @@ class CoordinatorConfig:
             raise ConfigError("--epsilon-scope applies to adaptive K: give --target-epsilon")
         if not 0 < self.quant_budget <= MAX_QUANT_BUDGET:
             raise ConfigError(f"--quant-budget must be in (0, {MAX_QUANT_BUDGET}]")
-        if self.gamma < 0:
-            raise ConfigError("--gamma must be >= 0")
-        if self.round_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ConfigError("timeouts must be positive")
+        if self.prob_codec != "quantized" and self.quant_budget != DEFAULT_QUANT_BUDGET:
+            raise ConfigError(f"--quant-budget applies to the quantized codec, not --prob-codec {self.prob_codec}")
+        if not 0 <= self.gamma < MAX_SCORED_POSITIONS:
+            # a round scores γ + 1 positions, and a worker scores at most MAX_SCORED_POSITIONS a request
+            raise ConfigError(
+                f"--gamma must be in [0, {MAX_SCORED_POSITIONS - 1}]: workers score at most {MAX_SCORED_POSITIONS}"
+                " positions a round (γ + 1)"
+            )
+        # every comparison with NaN is false: `<= 0` let it through, and asyncio.timeout(nan) never fires
+        if not all(math.isfinite(t) and t > 0 for t in (self.round_timeout_s, self.connect_timeout_s)):
+            raise ConfigError("timeouts must be finite and positive")
+        if not (math.isfinite(self.rejoin_interval_s) and self.rejoin_interval_s >= 0):
+            raise ConfigError(f"the rejoin interval must be a finite number >= 0, got {self.rejoin_interval_s}")
+
+    def rejoin_wait_s(self) -> float:
+        """How long a round whose every worker failed waits for one to rejoin, seconds: the first reconnection's
+        backoff (rejoin_interval_s) plus one whole connection attempt (connect_timeout_s)."""
+        return self.rejoin_interval_s + self.connect_timeout_s
 
     def k_cap(self, vocab_size: int) -> int:
         """The most tokens a worker may send per scored position: K, or the adaptive cap, at most the vocabulary."""
@@ -78,3 +96,9 @@ class CoordinatorConfig:
 
     def weight_list(self) -> list[float]:
         return list(self.weights) if self.weights is not None else [1.0] * len(self.worker_urls)
+
+
+def check_temperature(temperature: float) -> None:
+    """Refuse a sampling temperature the workers refuse (FedScore carries at most MAX_TEMPERATURE)."""
+    if not temperature <= MAX_TEMPERATURE:
+        raise ConfigError(f"--temperature must be at most {MAX_TEMPERATURE:g} (the workers' limit), got {temperature}")

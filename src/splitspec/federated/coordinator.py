@@ -19,8 +19,12 @@ bad reply is dropped for the round (logged) and the others' weights are renormal
 reconnects it in the background (a worker slow to accept costs no round) and, once connected, it joins
 at the next round boundary with its cache re-prefilled from scratch. A connection the worker closed
 between rounds (its idle timeout) is reconnected the same way, and when no worker is left connected
-the round waits for those reconnections. Handshake refusals (vocabulary or tokenizer mismatch, auth)
-at start are fatal: they mean a misconfiguration, not a fault.
+the round waits for those reconnections. A round in which every worker failed (or every one with a
+positive weight) waits for one to rejoin, up to ``CoordinatorConfig.rejoin_wait_s()`` (the first
+reconnection's backoff plus one connection attempt), and is scored again with the same draft; only
+then does the generation fail. Handshake refusals (vocabulary or tokenizer mismatch, auth) at start
+are fatal: they mean a misconfiguration, not a fault; a worker that comes back with another model
+than the one it first served is refused (logged as an error) and stays dropped.
 
 Every round records K sent, ε per worker and position, bytes each way per worker, accepted
 tokens; in audit mode the workers also return their full laws and the round records the true
@@ -42,9 +46,16 @@ from splitspec.decoding.acceptance import Verdict, greedy_verify, speculative_ve
 from splitspec.decoding.local import LocalSequence
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.devices import HostStaging, resolve_device
-from splitspec.exceptions import BadTensor, ConfigError, ProtocolError, SplitspecError, TransportError
+from splitspec.exceptions import (
+    BadTensor,
+    ConfigError,
+    HandshakeMismatch,
+    ProtocolError,
+    SplitspecError,
+    TransportError,
+)
 from splitspec.federated.codec import decode_topk
-from splitspec.federated.config import CoordinatorConfig
+from splitspec.federated.config import CoordinatorConfig, check_temperature
 from splitspec.federated.link import WorkerLink, close_quietly
 from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.records import AuditRound, FedResult, RoundStats, WorkerRound
@@ -77,8 +88,8 @@ class _Answer(NamedTuple):
     bytes_down: int  # reply frame(s), bytes
     roundtrip_ms: float  # request sent to reply decoded, milliseconds
 
-    def record(self, weight: float, epsilon: torch.Tensor, *, rejoined: bool) -> WorkerRound:
-        """This answer as the worker's part of the round's figures."""
+    def record(self, weight: float, epsilon: torch.Tensor, *, rejoined: bool, error: str | None) -> WorkerRound:
+        """This answer as the worker's part of the round's figures (``error``: why it was dropped this round)."""
         return WorkerRound(
             url=self.link.url,
             status="rejoined" if rejoined else "ok",
@@ -91,6 +102,7 @@ class _Answer(NamedTuple):
             payload_bytes=len(self.reply.stream),
             worker_ms=self.reply.worker_ms,
             roundtrip_ms=self.roundtrip_ms,
+            error=error,
         )
 
 
@@ -206,6 +218,9 @@ class Coordinator:
                 continue
             del self._reconnecting[link]
             exc = task.exception()  # never cancelled here: only close() cancels, after clearing the dict
+            if isinstance(exc, HandshakeMismatch):  # another model or tokenizer now: a misconfiguration
+                log.error("worker %s refused: %s", link.url, exc)
+                continue
             if exc is not None:
                 log.info("worker %s still unavailable: %s", link.url, exc)
                 continue
@@ -213,6 +228,28 @@ class Coordinator:
             log.warning("worker %s rejoined; its cache will be re-prefilled", link.url)
             back.add(link.url)
         return back
+
+    async def _await_rejoin(self, deadline: float) -> set[str]:
+        """Wait until a dropped worker is connected again; the URLs that came back (none: ``deadline`` passed).
+
+        Reconnections follow each worker's retry schedule; one still in flight at the deadline goes on in the
+        background (a later round adopts it).
+        """
+        while True:
+            back = self._adopt_reconnected()
+            if back:
+                return back
+            self._start_reconnects()
+            now = time.monotonic()
+            if now >= deadline:
+                return back
+            due = [link.next_retry for link in self.links if not link.alive and link not in self._reconnecting]
+            wait_s = min([deadline, *due]) - now  # <= 0 for one that fell due meanwhile: started next turn
+            pending = list(self._reconnecting.values())
+            if pending:
+                await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(wait_s)
 
     def _start_reconnects(self) -> None:
         """Start a background reconnection of every dropped worker whose retry time has come."""
@@ -276,7 +313,7 @@ class Coordinator:
     async def _score_all(
         self, context: list[int], num_scored: int, temperature: float
     ) -> tuple[list[_Answer], dict[str, WorkerRound]]:
-        """Every live worker scores ``context`` concurrently; the answers, and records of the dropped ones."""
+        """Every live worker scores ``context`` concurrently; the answers (maybe none), records of the dropped ones."""
         live = [link for link in self.links if link.alive]
         results = await asyncio.gather(
             *(self._score_one(link, context, num_scored, temperature) for link in live), return_exceptions=True
@@ -293,11 +330,31 @@ class Coordinator:
                 dropped[link.url] = WorkerRound(url=link.url, status="dropped", weight=0.0, error=reason)
             else:
                 answered.append(r)
-        if not answered:
-            raise TransportError("every worker failed this round; cannot continue")
-        if sum(a.link.weight for a in answered) <= 0:
-            raise TransportError("every worker with a positive weight failed this round; cannot continue")
         return answered, dropped
+
+    async def _score_until_answered(
+        self, context: list[int], num_scored: int, temperature: float, rejoined: set[str]
+    ) -> tuple[list[_Answer], dict[str, WorkerRound]]:
+        """:meth:`_score_all`, again after a rejoin while no worker with a positive weight answered.
+
+        Up to ``rejoin_wait_s()`` from the first such try; ``rejoined`` gains the URLs that came back.
+        """
+        answered, dropped = await self._score_all(context, num_scored, temperature)
+        records = dict(dropped)
+        deadline: float | None = None
+        while sum(a.link.weight for a in answered) <= 0:
+            wait_s = self.config.rejoin_wait_s()
+            if deadline is None:
+                deadline = time.monotonic() + wait_s
+                log.warning("no worker with a positive weight answered; waiting up to %.1f s for a rejoin", wait_s)
+            back = await self._await_rejoin(deadline)
+            if not back:
+                who = "every worker with a positive weight" if answered else "every worker"
+                raise TransportError(f"{who} failed this round and none rejoined within {wait_s:g} s; cannot continue")
+            rejoined.update(back)
+            answered, dropped = await self._score_all(context, num_scored, temperature)
+            records.update(dropped)
+        return answered, records
 
     async def stream(
         self, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams, generator: torch.Generator
@@ -307,6 +364,7 @@ class Coordinator:
             raise ConfigError("the prompt must hold at least one token")
         if max_new_tokens < 1:
             raise ConfigError("max_new_tokens must be at least 1")
+        check_temperature(params.temperature)
         sequence = list(prompt_ids)
         produced = 0
         eos = self.draft.eos_token_id
@@ -338,7 +396,8 @@ class Coordinator:
         # greedy (T below GREEDY_BELOW, not only 0) verifies on the argmax of the T = 1 aggregate: a tiny T
         # would make every worker's law one-hot and the aggregate a vote
         worker_temperature = scoring_temperature(params.temperature)
-        answered, dropped = await self._score_all(sequence + draft, gamma + 1, worker_temperature)
+        # a round no worker answered waits for a rejoin and is scored again, with the same draft
+        answered, dropped = await self._score_until_answered(sequence + draft, gamma + 1, worker_temperature, rejoined)
         records.update(dropped)
         weights = normalize_weights([a.link.weight for a in answered]).tolist()
         topks = [a.topk for a in answered]
@@ -347,7 +406,10 @@ class Coordinator:
         emitted = verdict.tokens(draft)
         eps_by_worker = [t.transmitted_epsilon() for t in topks]
         for a, w, eps in zip(answered, weights, eps_by_worker, strict=True):
-            records[a.link.url] = a.record(w, eps, rejoined=a.link.url in rejoined)
+            earlier = records.get(a.link.url)  # dropped earlier this round, then rejoined
+            records[a.link.url] = a.record(
+                w, eps, rejoined=a.link.url in rejoined, error=None if earlier is None else earlier.error
+            )
         weighted_eps = sum(w * e for w, e in zip(weights, eps_by_worker, strict=True))
         audit = self._audit(answered, weights, q_audit) if cfg.audit else None
         eos = self.draft.eos_token_id

@@ -34,6 +34,7 @@ class WorkerLink:
         self.config = config
         self.channel: Channel | None = None
         self.welcome: FedWelcome | None = None
+        self.model_fingerprint: str | None = None  # the worker's model at its first connection: a rejoin must match
         self.tokens: list[int] = []  # tokens the worker's cache holds, as far as we know
         self.seq = 0
         self.next_retry = 0.0  # monotonic time of the next reconnect attempt
@@ -73,6 +74,11 @@ class WorkerLink:
                 raise UnexpectedMessage(f"expected fed_welcome, got {reply.TYPE!r}")
             if reply.vocab_size != hello.vocab_size or reply.tokenizer_fingerprint != hello.tokenizer_fingerprint:
                 raise HandshakeMismatch(f"worker {self.url} answered with another vocabulary or tokenizer")
+            first = self.model_fingerprint
+            if first is not None and reply.model_fingerprint != first:  # its weight was set for the first model
+                raise HandshakeMismatch(
+                    f"worker {self.url} came back with another model ({reply.model_fingerprint}, first {first})"
+                )
         except BaseException:
             await close_quietly(channel)
             raise
@@ -81,6 +87,8 @@ class WorkerLink:
     def adopt(self, channel: Channel, welcome: FedWelcome) -> None:
         """Use a connection :meth:`open` made: the worker's cache starts empty (the next round re-prefills it)."""
         self.channel, self.welcome, self.tokens, self.seq = channel, welcome, [], 0
+        if self.model_fingerprint is None:
+            self.model_fingerprint = welcome.model_fingerprint
         self.backoff_s = self.config.rejoin_interval_s
 
     def defer_retry(self) -> None:

@@ -26,7 +26,7 @@ class WorkerRound:
     payload_bytes: int = 0  # top-K bit stream in the reply, bytes
     worker_ms: float = 0.0  # model compute on the worker, milliseconds
     roundtrip_ms: float = 0.0  # request sent to reply parsed, milliseconds
-    error: str | None = None  # why the worker was dropped
+    error: str | None = None  # why the worker was dropped (status "rejoined": dropped earlier this round, back since)
 
 
 @dataclass(frozen=True)

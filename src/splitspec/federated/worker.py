@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from splitspec.federated.codec import encode_topk, max_reply_bytes
 from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.topk import TopKPolicy, scoring_temperature, select_topk
 from splitspec.protocol.fed import (
+    MAX_SCORED_POSITIONS,
     FedHello,
     FedMessage,
     FedScore,
@@ -66,7 +68,7 @@ class WorkerConfig:
     max_query_tokens: int = 4096  # most tokens one FedScore may append, tokens
     # most positions one FedScore may ask scores for (a round's gamma + 1): bounds the (positions, V) float32
     # probabilities and the adaptive K's sort a reply builds
-    max_scored_positions: int = 64
+    max_scored_positions: int = MAX_SCORED_POSITIONS
     max_sessions: int = 16  # concurrent connections (each holds a KV cache)
     max_sessions_per_address: int = 4  # sessions one IP address may hold at once
     handshake_timeout_s: float = 10.0  # seconds a new connection has to complete its handshake
@@ -84,6 +86,13 @@ class WorkerConfig:
             raise ConfigError("--max-message-mb must be at least 1")
         if self.max_scored_positions < 1:
             raise ConfigError("the scored positions a request may ask for must be at least 1")
+        # a `<= 0` check lets NaN through (every comparison with it is false), and a NaN timeout never fires
+        if not (math.isfinite(self.handshake_timeout_s) and self.handshake_timeout_s > 0):
+            raise ConfigError(f"--handshake-timeout must be a finite number > 0, got {self.handshake_timeout_s}")
+        if not (math.isfinite(self.idle_timeout_s) and self.idle_timeout_s > 0):
+            raise ConfigError(f"the idle timeout must be a finite number > 0, got {self.idle_timeout_s}")
+        if not (math.isfinite(self.delay_s) and self.delay_s >= 0):
+            raise ConfigError(f"the artificial delay must be a finite number >= 0, got {self.delay_s}")
 
 
 class FedWorker:

@@ -67,6 +67,10 @@ EpsilonScope = Literal["position", "round"]  # where an adaptive-K target applie
 VALUE_CODECS: tuple[ValueCodec, ...] = get_args(ValueCodec)
 EPSILON_SCOPES: tuple[EpsilonScope, ...] = get_args(EpsilonScope)
 MAX_QUANT_BUDGET = 0.5  # largest quantization budget ρ a coordinator may ask for
+MAX_TEMPERATURE = 100.0  # highest softmax temperature a worker applies (a FedScore asking for more is refused)
+# most positions a worker scores for one FedScore by default (a round's γ + 1): coordinators keep γ below it
+MAX_SCORED_POSITIONS = 64
+DEFAULT_MAX_K = 4096  # cap on adaptive K when a coordinator sets none, tokens
 SCORES_MAGIC = b"SPFS"
 MAX_SEQ = 0xFFFFFFFF  # a round counter travels as uint32 in FedScores
 _SCORES_HEAD = struct.Struct(">4sHIHIIBI")  # magic, version, seq, positions, vocab, worker µs, flags, S
@@ -160,7 +164,7 @@ class FedScore:
     temperature: float  # softmax temperature the worker applies; 0 means 1 (greedy uses argmax)
     k: int | None = None  # fixed K per position, tokens
     target_epsilon: float | None = None  # adaptive K: largest residual mass allowed, probability
-    max_k: int = 4096  # cap on adaptive K, tokens
+    max_k: int = DEFAULT_MAX_K  # cap on adaptive K, tokens
     epsilon_scope: EpsilonScope = "position"  # adaptive K: target per position, or on a round's mean
     prob_codec: ValueCodec = "quantized"  # how top-K probabilities travel
     quant_budget: float = DEFAULT_QUANT_BUDGET  # ρ: quantization error allowed, fraction of the tail mass
@@ -206,7 +210,7 @@ class FedScore:
             keep=int_field(h, "keep"),
             tokens=tokens,
             num_scored=num_scored,
-            temperature=number_field(h, "temperature", upper=100.0),
+            temperature=number_field(h, "temperature", upper=MAX_TEMPERATURE),
             k=k,
             target_epsilon=target_epsilon,
             max_k=int_field(h, "max_k", minimum=1),
