@@ -8,11 +8,12 @@ import json
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
@@ -21,7 +22,8 @@ from splitspec.chat_template import end_of_turn_ids, plan_turn, render
 from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.decoding.sampling import SamplingParams
-from splitspec.edge import EdgeConfig
+from splitspec.edge import EdgeConfig, SplitClient
+from splitspec.edge.runtime import EdgeRuntime
 from splitspec.exceptions import ConfigError
 from tests.conftest import local_greedy
 
@@ -209,3 +211,69 @@ async def test_an_error_reading_a_line_reaches_the_chat(make_checkpoint: Callabl
         config = ChatConfig(edge=edge, max_new_tokens=3, params=SamplingParams(), speculate="off", json_lines=True)
         with pytest.raises(UnicodeDecodeError):
             await chat(config, broken(), io.StringIO())
+
+
+async def test_chat_samples_with_the_generator_made_where_the_edges_logits_live(
+    make_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA edge's logits are sampled with a CUDA generator: chat takes it from the runtime, as generate does
+    (a CPU generator failed at the first torch.multinomial of ``chat --device cuda --temperature 0.7``)."""
+    model = make_checkpoint("llama")
+    made: list[tuple[torch.device, torch.Generator]] = []
+    passed: list[torch.Generator | None] = []
+    runtime_generator = EdgeRuntime.generator
+    stream = SplitClient.stream
+
+    def spy_generator(self: EdgeRuntime, params: SamplingParams) -> tuple[torch.Generator, int]:
+        generator, seed = runtime_generator(self, params)
+        made.append((self.device, generator))
+        return generator, seed
+
+    def spy_stream(self: SplitClient, *args: Any, **kwargs: Any) -> AsyncIterator[int]:
+        passed.append(kwargs.get("generator"))
+        return stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(EdgeRuntime, "generator", spy_generator)
+    monkeypatch.setattr(SplitClient, "stream", spy_stream)
+    async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
+        edge = EdgeConfig(model_dir=model, cloud_url=server.url, allow_stock_edge_weights=True)
+        params = SamplingParams(temperature=0.7, seed=3)
+        config = ChatConfig(edge=edge, max_new_tokens=3, params=params, speculate="off", json_lines=True)
+        assert await chat(config, ["to be\n", "or not\n"], io.StringIO()) == 2
+    assert len(made) == 1  # one generator for the whole conversation, made for the edge's device
+    device, generator = made[0]
+    assert passed == [generator, generator]
+    assert generator.device == device
+
+
+# Gemma's way: a template that refuses a system role (and, here, a user line saying "boom")
+REFUSING_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no booms') }}{% endif %}{% endfor %}"
+    + TEMPLATE
+)
+
+
+@pytest.fixture(scope="module")
+def refusing_model(make_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("refusing")
+    shutil.copytree(make_checkpoint("llama", logit_scale=4.0), directory, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = REFUSING_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+async def test_a_template_refusing_the_system_prompt_is_a_config_error_before_connecting(refusing_model: Path) -> None:
+    edge = EdgeConfig(model_dir=refusing_model, cloud_url="ws://127.0.0.1:1", allow_stock_edge_weights=True)
+    config = ChatConfig(edge=edge, max_new_tokens=3, params=SamplingParams(), speculate="off", system_prompt="hi")
+    with pytest.raises(ConfigError, match=r"refused the conversation \(--system\): System role not supported"):
+        await chat(config, ["to be\n"], io.StringIO())  # no trunk at that address: refused before connecting
+
+
+async def test_a_turn_the_template_refuses_is_reported_and_the_chat_goes_on(refusing_model: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(refusing_model)
+    refused, turn = await run_chat(refusing_model, ["boom\n", "to be\n"])
+    assert "no booms" in refused["error"]
+    assert turn["turn"] == 1
+    assert turn["input_ids"] == render(tokenizer, [{"role": "user", "content": "to be"}])  # boom never entered it

@@ -33,6 +33,12 @@ from splitspec.exceptions import ConfigError
 from splitspec.models.checkpoint import load_tokenizer
 
 
+def _template_error(exc: Exception) -> bool:
+    """A Jinja error: the chat template's own ``raise_exception``, or a template that does not parse (jinja2 is
+    transformers' dependency, not ours: told by its module)."""
+    return type(exc).__module__.split(".")[0] == "jinja2"
+
+
 @dataclass(frozen=True)
 class ChatConfig:
     edge: EdgeConfig  # how to reach the trunk and which model to run
@@ -54,8 +60,26 @@ class Conversation:
             raise ConfigError("--system needs a tokenizer with a chat template (this one has none, or --plain)")
         self.system = config.system_prompt
         self.messages: list[Message] = []
-        self.stop_ids = end_of_turn_ids(tokenizer) if self.templated else frozenset()
+        self.stop_ids = frozenset[int]()
+        if self.templated:
+            try:
+                self.stop_ids = end_of_turn_ids(tokenizer)
+            except Exception as exc:
+                if not _template_error(exc):
+                    raise
+                raise ConfigError(f"the chat template refused a one-exchange conversation: {exc}") from None
+            if self.system is not None:  # a template that refuses a system role says so now, before connecting
+                self._render([{"role": "system", "content": self.system}, {"role": "user", "content": "hi"}])
         self.reset()
+
+    def _render(self, messages: list[Message]) -> list[int]:
+        try:
+            return render(self.tokenizer, messages)
+        except Exception as exc:  # the template's own raise_exception (e.g. Gemma's: no system role)
+            if not _template_error(exc):
+                raise
+            system = " (--system)" if any(m["role"] == "system" for m in messages) else ""
+            raise ConfigError(f"the chat template refused the conversation{system}: {exc}") from None
 
     def reset(self) -> None:
         self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
@@ -64,7 +88,11 @@ class Conversation:
         """The whole context this turn's generation continues from."""
         if self.templated:
             self.messages.append({"role": "user", "content": line})
-            return render(self.tokenizer, self.messages)
+            try:
+                return self._render(self.messages)
+            except ConfigError:
+                self.retract()
+                raise
         return [*cached, *self.tokenizer.encode(line + "\n", add_special_tokens=not cached)]
 
     def retract(self) -> None:
@@ -115,10 +143,10 @@ async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdou
     turns answered."""
     tokenizer = load_tokenizer(config.edge.model_dir)
     conversation = Conversation(tokenizer, config)
-    generator, _ = config.params.generator()
     turns = 0
     carry: list[int] = []  # the last generated token: not in the caches yet
     async with SplitClient(config.edge) as client:
+        generator, _ = client.runtime.generator(config.params)  # where the edge's logits live (CUDA: on CUDA)
         stops = client.eos_token_ids | conversation.stop_ids
         if not config.json_lines:
             out.write("splitspec chat: type a line and press enter; /reset starts over, /quit leaves.\n> ")
@@ -134,12 +162,15 @@ async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdou
                 conversation.reset()
                 out.write("(history cleared)\n> " if not config.json_lines else "")
                 continue
-            context = conversation.rendered(line, (*client.history, *carry))
-            plan = plan_turn(client.history, context)
-            try:
-                client.check_length(len(plan.send), config.max_new_tokens, plan.keep)
-            except ConfigError as exc:  # this turn cannot fit: say so and keep the conversation as it was
-                conversation.retract()
+            try:  # a turn the template refuses, or that cannot fit: say so and keep the conversation as it was
+                context = conversation.rendered(line, (*client.history, *carry))
+                plan = plan_turn(client.history, context)
+                try:
+                    client.check_length(len(plan.send), config.max_new_tokens, plan.keep)
+                except ConfigError:
+                    conversation.retract()
+                    raise
+            except ConfigError as exc:
                 out.write(
                     json.dumps({"error": str(exc)}) + "\n" if config.json_lines else f"({exc}; /reset starts over)\n> "
                 )

@@ -72,3 +72,48 @@ def test_the_cli_resolves_like_the_python_api(tmp_path: Path) -> None:
     args = build_parser().parse_args([*base, "--top-k", "3", "--top-p", "0.5", "--seed", "9"])
     assert sampling_params(args) == sampling_settings(published_sampling(model), None, 0.5, 3, 9)
     assert sampling_params(build_parser().parse_args([*base, "--temperature", "0"])).greedy
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_published_settings_that_are_not_applied_are_named_in_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Qwen2.5-Instruct's generation_config.json: repetition_penalty 1.05, which splitspec does not apply."""
+    model = checkpoint_with(
+        tmp_path, do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, min_p=0.05,
+        no_repeat_ngram_size=3, typical_p=0.9,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="splitspec.decoding.published"):
+        params = sampling_settings(published_sampling(model))
+        sampling_settings(published_sampling(model))  # the CLI and the runtime both read it: warned once
+    assert params == SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
+    (warning,) = _warnings(caplog)
+    for setting in ("repetition_penalty=1.05", "min_p=0.05", "no_repeat_ngram_size=3", "typical_p=0.9"):
+        assert setting in warning
+    assert "does not apply" in warning
+    assert str(model / "generation_config.json") in warning
+
+
+def test_greedy_decoding_names_only_what_generate_applies_without_sampling(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = checkpoint_with(tmp_path, do_sample=False, repetition_penalty=1.1, min_p=0.05)
+    with caplog.at_level(logging.WARNING, logger="splitspec.decoding.published"):
+        assert sampling_settings(published_sampling(model)).greedy
+    (warning,) = _warnings(caplog)
+    assert "repetition_penalty=1.1" in warning
+    assert "min_p" not in warning  # generate applies min_p only when sampling
+
+
+def test_settings_left_off_are_not_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    hf = GenerationConfig._get_default_generation_params()
+    for key, off in {**pub.UNAPPLIED, **pub.UNAPPLIED_WHEN_SAMPLING}.items():
+        assert hf.get(key, off) in (off, None), key  # the values that leave a setting off are transformers' defaults
+    neutral = {key: off for key, off in {**pub.UNAPPLIED, **pub.UNAPPLIED_WHEN_SAMPLING}.items() if off is not None}
+    model = checkpoint_with(tmp_path, do_sample=True, suppress_tokens=[], **neutral)
+    with caplog.at_level(logging.WARNING, logger="splitspec.decoding.published"):
+        sampling_settings(published_sampling(model))
+    assert _warnings(caplog) == []

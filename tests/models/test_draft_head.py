@@ -141,6 +141,17 @@ def test_a_head_for_another_model_is_refused_in_one_line(
     load_draft_head(tmp_path / "h", Checkpoint(other), target_check=False)  # an explicit override still loads
 
 
+def test_a_head_whose_shapes_do_not_fit_is_refused_with_the_target_check_off(
+    target: Path, make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    """--draft-head-target-check off loads a head for another model "when its shapes fit": a head for hidden 64
+    over a hidden-32 target is refused at load, not at its first draft."""
+    narrow = make_checkpoint("llama", layers=LAYERS, hidden=32)
+    save_draft_head(_new_head(target), tmp_path / "h")
+    with pytest.raises(ConfigError, match=r"is for hidden size 64, but .*'s is 32: it cannot draft for this target"):
+        load_draft_head(tmp_path / "h", Checkpoint(narrow), target_check=False)
+
+
 def test_the_fingerprint_is_the_same_from_a_stripped_edge_checkpoint(target: Path, tmp_path: Path) -> None:
     whole = Checkpoint(target)
     keep = [n for n in whole.tensor_names if not n.startswith(("model.layers.1.", "model.layers.2."))]

@@ -2,17 +2,24 @@
 
 transformers' ``generate`` samples only when ``do_sample`` is set; it then takes temperature,
 top-k and top-p from generation_config.json, and its own defaults (1.0, 50, 1.0) for what the file
-leaves unset. :func:`sampling_settings` does the same, so the CLI and ``SplitClient`` decode a
-checkpoint the way its publisher's own ``generate`` call would, and it logs what it chose: a
+leaves unset. :func:`sampling_settings` does the same for those three, and it logs what it chose: a
 checkpoint that publishes ``do_sample: false`` is decoded greedily *and says so* (with how to
 sample instead), never silently. Any value the user gives wins; ``temperature=0`` is greedy.
+
+Only those settings are taken from the file. Others that change the publisher's own ``generate``
+output (``repetition_penalty``, which Qwen2.5-Instruct sets to 1.05, ``no_repeat_ngram_size``,
+``min_p``, ``typical_p``, ...: :data:`UNAPPLIED`, :data:`UNAPPLIED_WHEN_SAMPLING`) are not applied:
+where the file sets one, a WARNING names it, so output that differs from that call is never a
+surprise.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import CheckpointError
@@ -26,6 +33,35 @@ HF_DEFAULT_TEMPERATURE = 1.0
 HF_DEFAULT_TOP_K = 50
 HF_DEFAULT_TOP_P = 1.0
 
+# generation_config.json settings that change what the publisher's generate picks and that splitspec does not
+# apply, each with the value that leaves it off (transformers' default; None or an empty list is off too):
+# these act whether generate samples or not ...
+UNAPPLIED: Mapping[str, object] = {
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_length": 0,
+    "min_new_tokens": 0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "exponential_decay_length_penalty": None,
+    "num_beams": 1,
+    "penalty_alpha": 0.0,
+    "dola_layers": None,
+    "guidance_scale": 1.0,
+}
+# ... and these only when it samples (do_sample)
+UNAPPLIED_WHEN_SAMPLING: Mapping[str, object] = {
+    "min_p": 0.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+}
+
+_warned: set[tuple[str, str]] = set()  # (source, setting) already warned about: once per process
+
 
 @dataclass(frozen=True)
 class PublishedSampling:
@@ -36,6 +72,18 @@ class PublishedSampling:
     top_p: float | None
     top_k: int | None
     source: str  # the file they come from, for messages
+    # settings of UNAPPLIED / UNAPPLIED_WHEN_SAMPLING the file turns on, with their values
+    unapplied: Mapping[str, Any] = field(default_factory=dict)
+    unapplied_when_sampling: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _turned_on(raw: Mapping[str, Any], neutral: Mapping[str, object]) -> dict[str, Any]:
+    """The settings of ``neutral`` that ``raw`` sets to a value that is not off."""
+    return {
+        key: raw[key]
+        for key in neutral
+        if raw.get(key) is not None and raw[key] != neutral[key] and raw[key] not in ([], {})
+    }
 
 
 def published_sampling(directory: str | Path) -> PublishedSampling:
@@ -58,6 +106,23 @@ def published_sampling(directory: str | Path) -> PublishedSampling:
         top_p=number("top_p"),
         top_k=top_k,
         source=source,
+        unapplied=_turned_on(raw, UNAPPLIED),
+        unapplied_when_sampling=_turned_on(raw, UNAPPLIED_WHEN_SAMPLING),
+    )
+
+
+def _warn_unapplied(published: PublishedSampling, sampling: bool) -> None:
+    """One WARNING naming each setting of the file that changes its publisher's output and is not applied here."""
+    settings = {**published.unapplied, **(published.unapplied_when_sampling if sampling else {})}
+    new = {key: value for key, value in settings.items() if (published.source, key) not in _warned}
+    if not new:
+        return
+    _warned.update((published.source, key) for key in new)
+    log.warning(
+        "%s sets %s, which splitspec does not apply (only temperature, top_p and top_k are taken from it): "
+        "output differs from the publisher's own generate call",
+        published.source,
+        ", ".join(f"{key}={value!r:.40}" for key, value in new.items()),
     )
 
 
@@ -90,6 +155,7 @@ def sampling_settings(
         top_k=top_k if top_k is not None else published.top_k if published.top_k is not None else HF_DEFAULT_TOP_K,
         seed=seed,
     )
+    _warn_unapplied(published, sampling=not params.greedy)
     if params.greedy:
         if top_p is not None or top_k is not None:
             log.warning("--top-p/--top-k have no effect when decoding greedily: pass --temperature above 0")

@@ -30,7 +30,7 @@ from splitspec.devices import HostStaging, resolve_device
 from splitspec.edge.config import EdgeConfig
 from splitspec.edge.provenance import check_edge_weights, send_noise
 from splitspec.exceptions import CheckpointError, ConfigError, HandshakeMismatch
-from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop_ids
+from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop_ids, load_tokenizer
 from splitspec.models.features import edge_feature_sources
 from splitspec.models.kv_cache import KVCache
 from splitspec.models.loading import load_edge, load_full, resolve_dtype
@@ -131,14 +131,11 @@ class EdgeRuntime:
         self.draft_model: FullModel | None = draft_model
         if draft_model is None and config.draft_model_dir is not None:
             draft_ckpt = Checkpoint(config.draft_model_dir)
-            if draft_ckpt.config.vocab_size != ckpt.config.vocab_size:
-                raise ConfigError(
-                    f"draft model vocabulary ({draft_ckpt.config.vocab_size}) differs from the model's "
-                    f"({ckpt.config.vocab_size}): they must share one tokenizer"
-                )
+            check_draft_tokenizer(ckpt, draft_ckpt)
             draft_dtype, _ = resolve_dtype(draft_ckpt, config.dtype, self.device, "draft")  # auto: its own, fitted
             self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation, self.device)
             self._prepack_draft_model(self.draft_model, draft_ckpt)
+            self.draft_model = on_target_vocabulary(self.draft_model, self.vocab_size)
         # an EAGLE head drafts from this model's features: it computes in the edge's dtype, on its device
         self.draft_head: DraftHead | None = None
         if config.draft_head_dir is not None:
@@ -293,6 +290,69 @@ class EdgeRuntime:
     def generator(self, params: SamplingParams) -> tuple[torch.Generator, int]:
         """A seeded generator where this edge's logits live (a CUDA edge samples on CUDA), and its seed."""
         return params.generator(self.device)
+
+
+def check_draft_tokenizer(ckpt: Checkpoint, draft: Checkpoint) -> None:
+    """Refuse a draft model whose tokenizer is not the model's: its token ids would stand for other text.
+
+    The two tokenizers' vocabularies (token -> id, added tokens included) must be equal; the checkpoints'
+    ``vocab_size`` may differ, an embedding padded past the tokenizer's ids (Qwen2.5-0.5B's 151936 rows drafting
+    for Qwen2.5-7B's 152064: :func:`on_target_vocabulary`). Where either has no tokenizer to compare, equal
+    ``vocab_size`` is all there is to go by."""
+    vocab, draft_vocab = int(ckpt.config.vocab_size), int(draft.config.vocab_size)
+    try:
+        ours, theirs = load_tokenizer(ckpt.directory).get_vocab(), load_tokenizer(draft.directory).get_vocab()
+    except CheckpointError as exc:
+        if draft_vocab != vocab:
+            raise ConfigError(
+                f"draft model vocabulary ({draft_vocab}) differs from the model's ({vocab}), and their tokenizers "
+                f"cannot be compared ({exc}): they must share one tokenizer"
+            ) from None
+        log.warning(
+            "cannot compare the draft model's tokenizer with the model's (%s): trusting their equal vocab_size", exc
+        )
+        return
+    if ours == theirs:
+        return
+    by_id, draft_by_id = {i: t for t, i in ours.items()}, {i: t for t, i in theirs.items()}
+    first = min(i for i in by_id.keys() | draft_by_id.keys() if by_id.get(i) != draft_by_id.get(i))
+    raise ConfigError(
+        f"the draft model {draft.directory} has another tokenizer than the model's ({len(theirs)} tokens against "
+        f"{len(ours)}; id {first} is {draft_by_id.get(first)!r:.40} there, {by_id.get(first)!r:.40} here): a draft "
+        "model must share the model's tokenizer"
+    )
+
+
+class _OnTargetVocabulary(FullModel):
+    """A draft model padded otherwise than the model it drafts for (one tokenizer, see :func:`on_target_vocabulary`)."""
+
+    target_vocab: int  # the model's logits columns
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # an id past its own rows (a padding id the model sampled) reads its last row: its guesses after it are
+        # worse, never wrong (the model verifies them)
+        return super().embed(token_ids.clamp(max=self.vocab_size - 1))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        own = super().logits(hidden)  # (B, q, V_draft)
+        width = own.shape[-1]
+        if width >= self.target_vocab:  # ids the model has no row for are never drafted
+            return own[..., : self.target_vocab].contiguous()
+        masked = own.new_full((*own.shape[:-1], self.target_vocab - width), -float("inf"))  # never drafted
+        return torch.cat([own, masked], dim=-1)  # (B, q, V_target)
+
+
+def on_target_vocabulary(draft: FullModel, vocab_size: int) -> FullModel:
+    """``draft`` computing logits of the model's width ``vocab_size`` (as the verifier compares its law with the
+    model's, column for column): its columns past the model's cut, the model's past its own -inf (a padded
+    embedding's rows: no token of the shared tokenizer). ``draft`` itself when the widths match."""
+    if draft.vocab_size == vocab_size:
+        return draft
+    log.info("draft model: %d logits columns, the model's %d (one tokenizer): aligned", draft.vocab_size, vocab_size)
+    draft.__class__ = _OnTargetVocabulary  # the same modules, weights and caches: only its two ends change
+    assert isinstance(draft, _OnTargetVocabulary)
+    draft.target_vocab = vocab_size
+    return draft
 
 
 def expected_trunk(config: EdgeConfig, ckpt: Checkpoint, plan: SplitPlan) -> tuple[TrunkFingerprint, str]:

@@ -232,6 +232,16 @@ def _check_d2t(d2t: torch.Tensor, draft_vocab: int | None, vocab: int, where: Pa
         )
 
 
+def _check_hidden_size(config: DraftHeadConfig, hidden: int, target_name: str, where: Path) -> None:
+    """A splitspec head reads and predicts the target's hidden states: its width must be the target's."""
+    for width in (config.hidden_size, config.layer_config.get("hidden_size", config.hidden_size)):
+        if width != hidden:
+            raise ConfigError(
+                f"draft head {where} is for hidden size {width!r:.20}, but {target_name}'s is {hidden}: "
+                "it cannot draft for this target"
+            )
+
+
 def load_draft_head(
     directory: str | Path,
     target: Checkpoint | Path | str,
@@ -258,8 +268,9 @@ def load_draft_head(
             if target_check:
                 raise ConfigError(message)
             log.warning("%s: loaded anyway (target check off)", message)
-        if ckpt is not None:
+        if ckpt is not None:  # its shapes must fit whatever the fingerprint check said (off: it may be any head)
             check_feature_layers(config.feature_layers, int(ckpt.config.num_hidden_layers))
+            _check_hidden_size(config, int(ckpt.config.hidden_size), want_name, where)
         if config.draft_vocab is not None:  # a reduced vocabulary (splitspec.models.draft_vocab)
             vocab = int(config.layer_config.get("vocab_size", 0)) if ckpt is None else int(ckpt.config.vocab_size)
             _check_d2t(state.get("d2t", torch.zeros(0)), config.draft_vocab, vocab, where)
