@@ -64,7 +64,7 @@ def test_prepack_on_refuses_what_it_cannot_pack(make_checkpoint: Callable[..., P
     )
     with pytest.raises(ConfigError, match=r"float32 weights, the edge computes in torch\.bfloat16"):
         EdgeRuntime(config)
-    with pytest.raises(ConfigError, match="prepack must be auto, on or off"):
+    with pytest.raises(ConfigError, match="prepack must be one of auto, on, off"):
         EdgeConfig(model_dir=model, cloud_url="ws://unused", prepack="always")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +115,35 @@ def test_truncated_safetensors_is_a_checkpoint_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="safetensors"):
         load_trunk(Checkpoint(broken), SplitPlan(LAYERS, 1, 1))
     assert json.loads((broken / "config.json").read_text())["model_type"] == "llama"
+
+
+HYBRID_OR_SPARSE = [
+    t
+    for t in (
+        "qwen3_5_text",
+        "qwen3_5_moe_text",
+        "bailing_hybrid",
+        "deepseek_v32",
+        "glm_moe_dsa",
+        "axk2",
+        "dots3_note_text",
+    )
+    if t in transformers.CONFIG_MAPPING
+]
+
+
+@pytest.mark.parametrize("model_type", HYBRID_OR_SPARSE)
+def test_layers_other_than_attention_over_a_kv_cache_are_refused_naming_their_type(model_type: str) -> None:
+    """Linear-attention hybrids and indexer (sparse) attention passed skeleton() and crashed at the first step (a
+    raw RuntimeError, or 'KVCache' has no attribute 'update_indexer'): layer_window ran them as full attention."""
+    with pytest.raises(CheckpointError, match=f"'{model_type}' cannot be split: its layer type.* '(linear|indexed)_"):
+        skeleton(transformers.CONFIG_MAPPING[model_type](), torch.bfloat16)
+
+
+@pytest.mark.skipif("deepseek_v32" not in transformers.CONFIG_MAPPING, reason="no DeepSeek-V3.2 in this transformers")
+def test_layers_using_cache_methods_the_kv_cache_lacks_are_refused() -> None:
+    """Layer types that say full attention do not hide an indexer that keeps its own keys in the cache."""
+    make: Any = transformers.CONFIG_MAPPING["deepseek_v32"]
+    config = make(num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    with pytest.raises(CheckpointError, match="its layers call update_indexer on their cache"):
+        skeleton(config, torch.float32)

@@ -91,7 +91,7 @@ def test_the_server_prepacks_where_it_is_asked_or_helps(
     [
         ({"prepack": "on", "dtype": "bfloat16"}, "--prepack on: it applies to float32 weights"),
         ({"prepack": "on", "compile": "default", "batching": False}, "--prepack on: --compile builds its own"),
-        ({"prepack": "sometimes"}, "--prepack must be auto, on or off"),
+        ({"prepack": "sometimes"}, "--prepack must be one of auto, on, off"),
     ],
 )
 def test_a_prepack_that_cannot_apply_is_refused(

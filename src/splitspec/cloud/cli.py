@@ -15,8 +15,8 @@ from splitspec.arguments import (
     positive_int,
     read_token_file,
 )
-from splitspec.cloud.config import PREPACK_CHOICES
 from splitspec.exceptions import ConfigError
+from splitspec.models.prepack_choices import PREPACK_CHOICES
 
 
 def _run_serve(args: argparse.Namespace) -> int:

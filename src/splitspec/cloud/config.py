@@ -11,10 +11,9 @@ from splitspec.device_choices import check_compute_on
 from splitspec.exceptions import CheckpointError, ConfigError
 from splitspec.models.compile_modes import COMPILE_MODES
 from splitspec.models.dtype_choices import DTYPE_CHOICES
+from splitspec.models.prepack_choices import PREPACK_CHOICES
 from splitspec.models.quantize_choices import QUANTIZE_CHOICES
 from splitspec.protocol.choices import WIRE_CODECS
-
-PREPACK_CHOICES = ("auto", "on", "off")  # --prepack (see CloudConfig.prepack)
 
 
 @dataclass(frozen=True)

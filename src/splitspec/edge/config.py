@@ -7,6 +7,7 @@ from pathlib import Path
 
 from splitspec.device_choices import check_compute_on
 from splitspec.exceptions import ConfigError
+from splitspec.models.prepack_choices import PREPACK_CHOICES
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ class EdgeConfig:
             raise ConfigError(f"sessions per trunk connection must be at least 1, got {self.sessions_per_connection}")
         if not self.idle_connection_s >= 0:
             raise ConfigError(f"the idle connection time must be >= 0 seconds, got {self.idle_connection_s}")
-        if self.prepack not in ("auto", "on", "off"):
-            raise ConfigError(f"prepack must be auto, on or off, got {self.prepack!r}")
+        if self.prepack not in PREPACK_CHOICES:
+            raise ConfigError(f"--prepack must be one of {', '.join(PREPACK_CHOICES)}, got {self.prepack!r}")
         if not self.batch_gather >= 0:
             raise ConfigError(f"the batch gathering window must be >= 0, got {self.batch_gather}")
         check_compute_on(self.compute_on)

@@ -32,6 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.quantizers.base import HfQuantizer
 
 from splitspec.exceptions import CheckpointError
+from splitspec.models.kv_cache import KVCache
 
 # Attributes a Model/ForCausalLM forward may read that our pieces reproduce (or that do not
 # change the computation: losses, router statistics, gradient checkpointing, the layer count).
@@ -74,6 +75,11 @@ _KNOWN_CONFIG = frozenset(
 M = TypeVar("M", bound=nn.Module)
 _SELF_ATTR = re.compile(r"\bself\.(\w+)")
 _CONFIG_ATTR = re.compile(r"\bself\.config\.(\w+)")
+# the layer types splitspec's masks and KV cache run (layer_window): any other (linear attention, sparse attention
+# with an indexer, chunked attention, mamba or conv blocks) would run as full attention, or crash at its first step
+SPLITTABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+# what a decoder layer's modules read of the cache transformers hands them, under the names its modules give it
+_CACHE_USE = re.compile(r"\b(?:past_key_values?|cache_params|layer_past)\.(\w+)")
 
 
 _LATENT = "its multi-head latent attention caches compressed latents that the layer expands after the cache"
@@ -127,6 +133,57 @@ def forward_quirks(lm: PreTrainedModel) -> None:
         )
 
 
+def check_layer_types(config: PretrainedConfig) -> None:
+    """Refuse a config whose ``layer_types`` name a layer other than full or sliding-window attention."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return
+    other = sorted({str(t) for t in types} - SPLITTABLE_LAYER_TYPES)
+    if other:
+        raise CheckpointError(
+            f"model type {config.model_type!r} cannot be split: its layer type(s) {', '.join(map(repr, other))} "
+            f"are not full or sliding-window attention over a KV cache ({', '.join(sorted(SPLITTABLE_LAYER_TYPES))})"
+        )
+
+
+def check_cache_use(lm: PreTrainedModel, layers: nn.ModuleList) -> None:
+    """Refuse a family whose decoder layers use a cache method :class:`KVCache` does not have (a sparse attention's
+    ``update_indexer``, a recurrent layer's ``update_conv_state``): read from their modules' source, as
+    :func:`forward_quirks` reads the forwards."""
+    used: set[str] = set()
+    for cls in {type(m) for layer in layers for m in layer.modules()}:
+        used |= _cache_attributes(cls)
+    missing = sorted(a for a in used if not hasattr(KVCache, a))
+    if missing:
+        raise CheckpointError(
+            f"{type(lm).__name__} cannot be split: its layers call {', '.join(missing)} on their cache, "
+            "which splitspec's KV cache (keys and values per layer) does not have"
+        )
+
+
+_CACHE_ATTRIBUTES: dict[type[nn.Module], frozenset[str]] = {}  # per module class, read once per process
+
+
+def _cache_attributes(cls: type[nn.Module]) -> frozenset[str]:
+    """The cache attributes the methods of a transformers module class (and its transformers bases) use."""
+    known = _CACHE_ATTRIBUTES.get(cls)
+    if known is not None:
+        return known
+    used: set[str] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers."):
+            continue
+        for member in vars(klass).values():
+            if not inspect.isfunction(member):
+                continue
+            try:
+                used |= set(_CACHE_USE.findall(inspect.getsource(member)))
+            except (OSError, TypeError):  # no source (a compiled or generated function)
+                continue
+    _CACHE_ATTRIBUTES[cls] = frozenset(used)
+    return _CACHE_ATTRIBUTES[cls]
+
+
 def _module(owner: nn.Module, name: str, kind: type[M], lm: PreTrainedModel) -> M:
     child = getattr(owner, name, None)
     if not isinstance(child, kind):
@@ -164,7 +221,8 @@ class Skeleton:
         return str(types[layer_idx]) if types is not None else "full_attention"
 
     def layer_window(self, layer_idx: int) -> int | None:
-        """Sliding-window size of a layer, or None for full attention (as the family's forward decides)."""
+        """Sliding-window size of a layer, or None for full attention (as the family's forward decides; any other
+        layer type was refused by :func:`check_layer_types`)."""
         window = getattr(self.config, "sliding_window", None)
         if getattr(self.config, "layer_types", None) is not None:
             return window if self.layer_type(layer_idx) == "sliding_attention" else None
@@ -195,6 +253,7 @@ def skeleton(
     does, before any weight is read (its ``preprocess_model``, still on ``meta``).
     """
     cls = causal_lm_class(config)
+    check_layer_types(config)
     config = config.__class__.from_dict(config.to_dict())  # never mutate the checkpoint's config
     kwargs: dict[str, Any] = {"dtype": dtype}
     if attn_implementation is not None:
@@ -207,6 +266,7 @@ def skeleton(
     base = lm.base_model
     layers = _module(base, "layers", nn.ModuleList, lm)
     forward_quirks(lm)
+    check_cache_use(lm, layers)
     multiplier = getattr(base, "embedding_multiplier", None)
     return Skeleton(
         lm=lm,

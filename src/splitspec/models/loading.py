@@ -27,7 +27,7 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.dtype_choices import AUTO
 from splitspec.models.family import Skeleton, published_dtype, skeleton
 from splitspec.models.precision import dtype_name, resolve_compute_dtype
-from splitspec.models.quantization import plan_quantization, published_method
+from splitspec.models.quantization import dequantized_at_load, plan_quantization, published_method, unused_tensors
 from splitspec.models.split import SplitPlan
 from splitspec.models.stack import EdgeModel, FullModel, LayerStack
 
@@ -45,8 +45,12 @@ def resolve_dtype(
     (``quantize``, or a checkpoint published quantized) computes under ``auto`` in the published dtype
     whatever the device: its quantized layers are built for it and its unquantized parts load in it, as
     transformers loads them (a half-precision upcast to float32 on a CPU without native half matrix
-    instructions applies to plain weights only; both ends resolve alike, so their wire dtypes agree)."""
-    if name == AUTO and (quantize is not None or published_method(ckpt.config) is not None):
+    instructions applies to plain weights only; both ends resolve alike, so their wire dtypes agree). An FP8
+    checkpoint dequantized at load on ``device`` (:func:`~splitspec.models.quantization.dequantized_at_load`)
+    has plain weights after its load, and follows the plain rule."""
+    published = published_method(ckpt.config)
+    keeps_quantized = published is not None and not dequantized_at_load(published, (device,))
+    if name == AUTO and (quantize is not None or keeps_quantized):
         dtype = published_dtype(ckpt.config)
         log.info("%s: quantized, computes in the checkpoint's own %s", what, dtype_name(dtype))
     else:
@@ -95,6 +99,7 @@ def _load_modules(
     prefixes = _module_prefixes(skel, modules)
     lm = skel.lm
     quantizer = skel.quantizer
+    planned = _planned_dtypes(modules)
     conversions: list[Any] = get_model_conversion_mapping(lm, None, quantizer)  # renames, fusions, dequantizers
     load_config = LoadStateDictConfig(
         dtype=dtype,
@@ -108,8 +113,9 @@ def _load_modules(
     on_host = quantizer is not None and device.type == "cpu"
     groups = [(p,) for p in prefixes] if on_host else [prefixes]
     problems: list[str] = []
+    unused = unused_tensors(quantizer, ckpt.tensor_names)
     for group in groups:
-        names = [n for n in ckpt.tensor_names if n.startswith(group)]
+        names = [n for n in ckpt.tensor_names if n.startswith(group) and n not in unused]
         with ckpt.open_slices(names, device, pread=on_host) as state:
             info, _ = convert_and_load_state_dict_in_model(lm, state, load_config)
         # what transformers' own load forgives: the family's ignore patterns, and old checkpoints' per-layer
@@ -127,11 +133,39 @@ def _load_modules(
         problems += [f"{prefix}{n} is missing" for n, p in module.named_parameters() if p.is_meta]
     if problems:
         raise CheckpointError(f"{ckpt.directory} does not match its config: {'; '.join(problems[:5])}")
+    _cast_to_planned(planned)
     for module in modules:
         module.requires_grad_(False)
     _materialize_buffers(skel, modules, device)
     for module in modules:
         module.to(device)  # a no-op when the converters kept the tensors where they were read
+
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)  # the compute dtypes (float8 weights stay as loaded)
+
+
+def _planned_dtypes(modules: Sequence[nn.Module]) -> dict[tuple[nn.Module, str], torch.dtype]:
+    """Each floating parameter's dtype in the skeleton (the compute dtype, or float32 where the family keeps one)."""
+    return {
+        (owner, name): param.dtype
+        for root in modules
+        for owner in root.modules()
+        for name, param in owner.named_parameters(recurse=False)
+        if param.dtype in _FLOATS
+    }
+
+
+def _cast_to_planned(planned: dict[tuple[nn.Module, str], torch.dtype]) -> None:
+    """Give every loaded floating parameter its skeleton's dtype back.
+
+    transformers' dequantizing fp8 load leaves the tensors its weight converter passes through (norms,
+    embedding, LM head) in the checkpoint's dtype: a bfloat16 checkpoint loaded in float32 had float32
+    projections beside bfloat16 norms, and its first forward failed on the dtype mismatch (``from_pretrained``
+    itself fails the same way)."""
+    for (owner, name), dtype in planned.items():
+        param = owner._parameters.get(name)
+        if type(param) is nn.Parameter and param.dtype in _FLOATS and param.dtype != dtype:
+            owner._parameters[name] = nn.Parameter(param.data.to(dtype), requires_grad=param.requires_grad)
 
 
 def _quantized_skeleton(

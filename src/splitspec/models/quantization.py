@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,27 @@ def _has_fp8_matmul(devices: Sequence[torch.device]) -> bool:
     return all(d.type == "cuda" and torch.cuda.get_device_capability(d) >= (8, 9) for d in devices)
 
 
+def unused_tensors(quantizer: HfQuantizer | None, names: Collection[str]) -> set[str]:
+    """The checkpoint tensors among ``names`` that a load through ``quantizer`` leaves unread: a dequantized fp8
+    checkpoint's static activation scales (``<linear>.input_scale``, one per FP8 linear: its dequantized
+    projections compute in the compute dtype, activations unquantized), as transformers' dequantizing load
+    leaves them unused (its own ``activation_scale`` name is dropped by its weight converter already)."""
+    config = getattr(quantizer, "quantization_config", None)
+    if getattr(config, "quant_method", None) != "fp8" or not getattr(config, "dequantize", False):
+        return set()
+    present = set(names)
+    return {n for n in present if n.endswith(".input_scale") and f"{n.removesuffix('input_scale')}weight" in present}
+
+
+def dequantized_at_load(method: str, devices: Sequence[torch.device]) -> bool:
+    """Whether a checkpoint published quantized with ``method`` loads dequantized on ``devices`` (plain float
+    weights, computing as an unquantized checkpoint does): transformers' ``fp8`` always, compressed-tensors FP8
+    where torch's FP8 ``scaled_mm`` does not serve every device."""
+    if method == "fp8":
+        return True
+    return method == "ct_fp8" and not _has_fp8_matmul(devices)
+
+
 def plan_quantization(
     config: PretrainedConfig, quantize: str | None, dtype: torch.dtype, devices: Sequence[torch.device]
 ) -> tuple[Quantization | None, PretrainedConfig]:
@@ -114,7 +135,7 @@ def plan_quantization(
     elif quantize is not None:
         raise ConfigError(f"--quantize {quantize!r} is not one of {', '.join(QUANTIZE_CHOICES)}")
     elif published == "ct_fp8":
-        keep = _has_fp8_matmul(devices)
+        keep = not dequantized_at_load(published, devices)
         args = CompressedTensorsConfig(dequantize=not keep, use_optimized_inference=keep)
         log.info("compressed-tensors FP8 checkpoint: %s", "kept in FP8 (scaled_mm)" if keep else "dequantized at load")
     elif published == "fp8":
@@ -123,6 +144,8 @@ def plan_quantization(
         skip = (_published_config(config) or {}).get("modules_to_not_convert")
         args = FineGrainedFP8Config(dequantize=True, modules_to_not_convert=skip)
         log.info("fp8 checkpoint: dequantized at load (its matmul kernel would need a download)")
+        if str((_published_config(config) or {}).get("activation_scheme", "")).lower() == "static":
+            log.info("fp8 checkpoint: its static activation scales are not applied (activations stay in %s)", dtype)
     else:
         args = None  # bitsandbytes as published: the checkpoint's own config says it all
     config = copy.deepcopy(config)

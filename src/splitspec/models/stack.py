@@ -60,6 +60,34 @@ def rope_reads_positions(rotary: nn.Module) -> bool:
     return any(isinstance(t, str) and ("dynamic" in t or t == "longrope") for t in types)
 
 
+def _dynamic_prefixes(rotary: nn.Module) -> tuple[str, ...]:
+    """The attribute prefixes of ``rotary``'s dynamic-NTK tables ("" for a rotary of one type, "<layer type>_" per
+    layer type that has one): empty when it has none."""
+    rope_type = getattr(rotary, "rope_type", "default")
+    if isinstance(rope_type, dict):
+        return tuple(f"{t}_" for t, r in rope_type.items() if isinstance(r, str) and "dynamic" in r)
+    return ("",) if isinstance(rope_type, str) and "dynamic" in rope_type else ()
+
+
+def _reset_dynamic_rope(rotary: nn.Module, prefixes: Sequence[str]) -> None:
+    """Put ``rotary``'s dynamic-NTK tables back to their state at load (the original frequencies, the original
+    length cached), so that its next call computes what it computes for the call's positions alone.
+
+    transformers' dynamic update is stateful: it grows its frequencies whenever a call's largest position passes
+    the largest one seen so far and keeps them until a call falls back under the original length, so one
+    session's long prompt changed every later session's tables (a 40-token sequence after a 60-token one, with
+    an original length of 32, was off by 2.0 in its logits). From this state, its update recomputes the
+    frequencies from the call's own largest position P (``seq_len`` P + 1) when that passes the original length
+    and keeps the original ones otherwise: what a sequence alone gets at each of its steps."""
+    original_len = getattr(rotary, "original_max_seq_len", None)
+    for prefix in prefixes:
+        original = getattr(rotary, f"{prefix}original_inv_freq", None)
+        if original is None or original_len is None:
+            continue
+        rotary.register_buffer(f"{prefix}inv_freq", original, persistent=False)  # replaced, never written, by a growth
+        setattr(rotary, f"{prefix}max_seq_len_cached", original_len)
+
+
 def _rotary_lock(needed: bool) -> AbstractContextManager[object]:
     """The lock around a data-dependent rotary call (none when not ``needed``, or under torch.compile's tracing)."""
     if not needed or torch.compiler.is_compiling():
@@ -93,6 +121,7 @@ class LayerStack(nn.Module):
         }
         self.rotary_per_layer_type = skel.rotary_per_layer_type
         self.rope_reads_positions = rope_reads_positions(skel.rotary)
+        self._dynamic_rope = _dynamic_prefixes(skel.rotary)  # reset before each call: see _reset_dynamic_rope
         self.layer_types = [skel.layer_type(i) for i in layer_indices]
         self.windows = [skel.layer_window(i) for i in layer_indices]
         self._skeleton = skel
@@ -127,9 +156,12 @@ class LayerStack(nn.Module):
 
         A rotary whose tables follow the positions it is given (longrope, dynamic NTK: transformers updates its
         frequencies in place from the call's largest position) is called under a lock: stacks sharing it (the
-        edge's head and tail) may call it from two threads at once."""
+        edge's head and tail) may call it from two threads at once. A dynamic-NTK one is reset first, so its
+        tables depend on ``pos`` alone, never on an earlier call's (another session's) positions."""
         rotary = self._rotary_on[hidden.device]
         with _rotary_lock(self.rope_reads_positions):
+            if self._dynamic_rope:
+                _reset_dynamic_rope(rotary, self._dynamic_rope)
             if self.rotary_per_layer_type:
                 return {t: rotary(hidden, pos, t) for t in set(self.layer_types)}
             shared = rotary(hidden, pos)

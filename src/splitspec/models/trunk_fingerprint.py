@@ -14,7 +14,8 @@ hashed from the tensors it quantizes and names its method the same way: ``nf4(bf
 Hashing reads every trunk byte once, so the result is cached in ``CACHE_FILE`` in the checkpoint
 directory (for a snapshot of the Hugging Face cache, a symlink farm shared by revisions, beside its
 ``snapshots/`` folder instead: :func:`splitspec.models.hub.side_file`), keyed by the layer range and
-the size and modification time of every tensor file (a restart does not rehash). A directory we
+the size and modification time of the tensor files holding trunk tensors (a restart does not rehash;
+a sharded checkpoint's other shards need not be there). A directory we
 cannot write to only costs the rehash at the next start; within one process the result is also
 kept in memory.
 """
@@ -59,8 +60,8 @@ def trunk_fingerprint(ckpt: Checkpoint, plan: SplitPlan, quantize: str | None = 
 
 
 def _stored_fingerprint(ckpt: Checkpoint, plan: SplitPlan) -> TrunkFingerprint:
-    """The fingerprint of the trunk tensors as stored: from the cache when the files are unchanged."""
-    stats = _file_stats(ckpt)
+    """The fingerprint of the trunk tensors as stored: from the cache when their files are unchanged."""
+    stats = _file_stats(ckpt, plan)
     key = f"{plan.trunk_layers.start}-{plan.trunk_layers.stop}"
     cache = _read_cache(ckpt.directory)
     entry = cache.get(key)
@@ -73,14 +74,19 @@ def _stored_fingerprint(ckpt: Checkpoint, plan: SplitPlan) -> TrunkFingerprint:
     return fingerprint
 
 
-def _file_stats(ckpt: Checkpoint) -> FileStats:
-    files = list(ckpt.tensor_files)
+def _file_stats(ckpt: Checkpoint, plan: SplitPlan) -> FileStats:
+    """Size and mtime of the files holding ``plan``'s trunk tensors (and of the index naming them): a sharded
+    checkpoint's other shards (the embedding's, the edge layers') may be absent or change without touching it."""
+    files = sorted({ckpt.file_of(name) for name in trunk_tensor_names(ckpt, plan)})
     index = ckpt.directory / INDEX_FILE
     if index.is_file():
         files.append(index)
     stats = []
     for path in files:
-        st = path.stat()
+        try:
+            st = path.stat()
+        except OSError as exc:
+            raise CheckpointError(f"{path}, which holds trunk tensors, cannot be read ({exc.strerror})") from None
         stats.append((path.name, st.st_size, st.st_mtime_ns))
     return tuple(stats)
 
