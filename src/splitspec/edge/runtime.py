@@ -135,7 +135,7 @@ class EdgeRuntime:
             draft_dtype, _ = resolve_dtype(draft_ckpt, config.dtype, self.device, "draft")  # auto: its own, fitted
             self.draft_model = load_full(draft_ckpt, draft_dtype, config.attn_implementation, self.device)
             self._prepack_draft_model(self.draft_model, draft_ckpt)
-            self.draft_model = on_target_vocabulary(self.draft_model, self.vocab_size)
+            self.draft_model.align_vocabulary(self.vocab_size)  # a padded embedding: logits of the model's width
         # an EAGLE head drafts from this model's features: it computes in the edge's dtype, on its device
         self.draft_head: DraftHead | None = None
         if config.draft_head_dir is not None:
@@ -297,8 +297,8 @@ def check_draft_tokenizer(ckpt: Checkpoint, draft: Checkpoint) -> None:
 
     The two tokenizers' vocabularies (token -> id, added tokens included) must be equal; the checkpoints'
     ``vocab_size`` may differ, an embedding padded past the tokenizer's ids (Qwen2.5-0.5B's 151936 rows drafting
-    for Qwen2.5-7B's 152064: :func:`on_target_vocabulary`). Where either has no tokenizer to compare, equal
-    ``vocab_size`` is all there is to go by."""
+    for Qwen2.5-7B's 152064: :meth:`~splitspec.models.stack.ModelEnds.align_vocabulary`). Where either has no
+    tokenizer to compare, equal ``vocab_size`` is all there is to go by."""
     vocab, draft_vocab = int(ckpt.config.vocab_size), int(draft.config.vocab_size)
     try:
         ours, theirs = load_tokenizer(ckpt.directory).get_vocab(), load_tokenizer(draft.directory).get_vocab()
@@ -321,38 +321,6 @@ def check_draft_tokenizer(ckpt: Checkpoint, draft: Checkpoint) -> None:
         f"{len(ours)}; id {first} is {draft_by_id.get(first)!r:.40} there, {by_id.get(first)!r:.40} here): a draft "
         "model must share the model's tokenizer"
     )
-
-
-class _OnTargetVocabulary(FullModel):
-    """A draft model padded otherwise than the model it drafts for (one tokenizer, see :func:`on_target_vocabulary`)."""
-
-    target_vocab: int  # the model's logits columns
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        # an id past its own rows (a padding id the model sampled) reads its last row: its guesses after it are
-        # worse, never wrong (the model verifies them)
-        return super().embed(token_ids.clamp(max=self.vocab_size - 1))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        own = super().logits(hidden)  # (B, q, V_draft)
-        width = own.shape[-1]
-        if width >= self.target_vocab:  # ids the model has no row for are never drafted
-            return own[..., : self.target_vocab].contiguous()
-        masked = own.new_full((*own.shape[:-1], self.target_vocab - width), -float("inf"))  # never drafted
-        return torch.cat([own, masked], dim=-1)  # (B, q, V_target)
-
-
-def on_target_vocabulary(draft: FullModel, vocab_size: int) -> FullModel:
-    """``draft`` computing logits of the model's width ``vocab_size`` (as the verifier compares its law with the
-    model's, column for column): its columns past the model's cut, the model's past its own -inf (a padded
-    embedding's rows: no token of the shared tokenizer). ``draft`` itself when the widths match."""
-    if draft.vocab_size == vocab_size:
-        return draft
-    log.info("draft model: %d logits columns, the model's %d (one tokenizer): aligned", draft.vocab_size, vocab_size)
-    draft.__class__ = _OnTargetVocabulary  # the same modules, weights and caches: only its two ends change
-    assert isinstance(draft, _OnTargetVocabulary)
-    draft.target_vocab = vocab_size
-    return draft
 
 
 def expected_trunk(config: EdgeConfig, ckpt: Checkpoint, plan: SplitPlan) -> tuple[TrunkFingerprint, str]:

@@ -331,6 +331,7 @@ class ModelEnds(nn.Module):
         self.norm = skel.norm
         self.lm_head: nn.Module = skel.lm_head  # an nn.Linear, or its prepacked form (models/prepack.py)
         self._skeleton = skel
+        self.logits_width: int | None = None  # another model's vocabulary width its logits take (align_vocabulary)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -349,8 +350,17 @@ class ModelEnds(nn.Module):
     def vocab_size(self) -> int:
         return int(self.config.vocab_size)
 
+    def align_vocabulary(self, width: int) -> None:
+        """Compute logits ``width`` wide, another model's (one tokenizer, embeddings padded otherwise: a draft model
+        for its target): columns past ``width`` are cut (ids the other has no row for), columns past this model's
+        own are -inf (padding rows: no token), and an id past this model's rows (a padding id the other sampled)
+        reads its last row."""
+        self.logits_width = None if width == self.vocab_size else width
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token ids (B, q) -> the stream before layer 0 (B, q, H)."""
+        if self.logits_width is not None:
+            token_ids = token_ids.clamp(max=self.vocab_size - 1)
         hidden: torch.Tensor = self.embed_tokens(token_ids.to(self.device, torch.long, non_blocking=True))
         if self._skeleton.embedding_multiplier is not None:
             hidden = hidden * self._skeleton.embedding_multiplier
@@ -358,8 +368,14 @@ class ModelEnds(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The stream after the last layer (B, q, H) -> logits (B, q, V) in float32."""
-        logits: torch.Tensor = self.lm_head(self.norm(hidden))
-        return self.finish_logits(logits).float()
+        logits: torch.Tensor = self.finish_logits(self.lm_head(self.norm(hidden))).float()  # (B, q, V)
+        width = self.logits_width
+        if width is None:
+            return logits
+        if logits.shape[-1] >= width:
+            return logits[..., :width].contiguous()
+        masked = logits.new_full((*logits.shape[:-1], width - logits.shape[-1]), -float("inf"))
+        return torch.cat([logits, masked], dim=-1)  # (B, q, width)
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """An LM head's raw output (..., V) -> the family's logits (soft-capping, Granite's scaling), in its dtype:
