@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,8 +23,10 @@ from splitspec.privacy import cli
 from splitspec.privacy.activations import collect_layers, stock_tail_top5
 from splitspec.privacy.attackers import TrainConfig, whitebox_search_top5
 from splitspec.privacy.audit import AuditConfig, run_audit
-from splitspec.privacy.diverge import write_checkpoint
+from splitspec.privacy.defence_config import DefenceConfig
+from splitspec.privacy.diverge import DivergeConfig, diverge, write_checkpoint
 from splitspec.privacy.outcomes import SeriesKey, load_outcomes
+from splitspec.privacy.record import DivergenceRecord
 from splitspec.privacy.weights import edge_fingerprint, edge_weight_report
 
 torch.set_num_threads(1)
@@ -217,3 +221,87 @@ def test_cli_rejects_bad_input(make_checkpoint: Callable[..., Path], tmp_path: P
         assert splitspec_main(args) == 2  # a one-line error, before any training
     with pytest.raises(ConfigError, match="unknown attackers"):
         AuditConfig(model_dir=directory, out_dir=tmp_path, depths=(1,), attackers=("oracle",))
+
+
+def test_audit_refuses_negative_diverge_steps(
+    make_checkpoint: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = make_checkpoint("llama", layers=6)
+    with pytest.raises(ConfigError, match="diverge-steps"):
+        AuditConfig(model_dir=directory, out_dir=tmp_path, depths=(1,), diverge_steps=-5)
+    args = ["audit", "--model", str(directory), "--depths", "1", "--out", str(tmp_path / "a")]
+    # (a corpus that does not exist: were -5 accepted, the run would stop there, on another error)
+    args += ["--diverge-steps", "-5", "--corpus", str(tmp_path / "no-corpus")]
+    with caplog.at_level(logging.ERROR):
+        assert splitspec_main(args) == 2
+    assert "--diverge-steps" in caplog.text
+
+
+def test_unseen_attacker_text_keeps_the_edges_off_the_attackers_documents(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    directory = make_checkpoint("llama", layers=4)
+    corpus = write_corpus(tmp_path / "corpus")
+    out = tmp_path / "audit"
+    config = AuditConfig(
+        model_dir=directory,
+        out_dir=out,
+        depths=(1,),
+        corpus_dir=corpus,
+        window=32,
+        max_train_tokens=640,
+        max_test_tokens=192,
+        test_fraction=0.25,
+        attackers=("freq", "mlp"),
+        train=TrainConfig(epochs=1),
+        diverge_steps=2,
+        bootstrap=50,
+        unseen_attacker_text=True,
+    )
+    results = run_audit(config)
+    attacker_docs = set(results["split"]["train_documents"])
+    record = DivergenceRecord.read(out / "edges" / "d1" / "checkpoint")
+    assert record is not None
+    assert attacker_docs
+    assert record.train_documents
+    assert not attacker_docs & set(record.train_documents)
+    assert not set(results["split"]["test_documents"]) & set(record.train_documents)
+    overlap = results["edges"]["1"]["attacker_train_overlap"]
+    assert overlap["windows"] == overlap["documents"] == 0
+    assert overlap["of_windows"] > 0
+    assert "0 of" in (out / "report.md").read_text()
+
+
+def test_audit_refuses_an_edge_diverged_for_another_depth(make_checkpoint: Callable[..., Path], tmp_path: Path) -> None:
+    """`--edge 1=DIR` with DIR diverged (and noised) at 2,2: the audit would attack h_1 with noise meant for h_2."""
+    directory = make_checkpoint("llama", layers=6)
+    corpus = write_corpus(tmp_path / "corpus")
+    common: dict[str, Any] = dict(window=32, corpus_dir=corpus, test_fraction=0.25)
+    edge = diverge(
+        DivergeConfig(
+            model_dir=directory,
+            out_dir=tmp_path / "edge",
+            head=2,
+            tail=2,
+            steps=1,
+            max_train_tokens=320,
+            max_eval_tokens=64,
+            defence=DefenceConfig(noise_scale=0.5),
+            **common,
+        )
+    )
+    config = AuditConfig(
+        model_dir=directory,
+        out_dir=tmp_path / "audit",
+        depths=(1,),
+        max_train_tokens=320,
+        max_test_tokens=96,
+        attackers=("freq", "mlp"),
+        train=TrainConfig(epochs=1),
+        diverge_steps=0,
+        edges=((1, edge.checkpoint_dir),),
+        bootstrap=50,
+        **common,
+    )
+    with pytest.raises(ConfigError, match="edge layers 2,2, not 1,1"):
+        run_audit(config)

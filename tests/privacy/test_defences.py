@@ -285,3 +285,37 @@ def test_audit_sees_the_edge_as_the_cloud_does(edges: dict[str, object], tmp_pat
         AuditConfig(model_dir=model, out_dir=tmp_path, depths=(1,), edges=((2, model),))
     with pytest.raises(ConfigError, match="more than once"):
         AuditConfig(model_dir=model, out_dir=tmp_path, depths=(1,), edges=((1, model), (1, model)))
+
+
+def tiny_audit(model: Path, corpus: Path, out: Path, depth: int, **kw: Any) -> AuditConfig:
+    """A cheap audit at one depth (frequency prior and MLP), 16-token windows."""
+    fields: dict[str, Any] = dict(window=16, max_train_tokens=320, max_test_tokens=96, attackers=("freq", "mlp"))
+    fields |= dict(train=TrainConfig(epochs=1), diverge_steps=0, bootstrap=50) | kw
+    return AuditConfig(model_dir=model, out_dir=out, depths=(depth,), corpus_dir=corpus, **fields)
+
+
+def test_audit_reports_the_attacker_text_the_edge_was_fitted_on(edges: dict[str, object], tmp_path: Path) -> None:
+    """The edge trained on the attacker-train documents (same split and windowing): the report says how much."""
+    plain, model, corpus = edges["none"], edges["model"], edges["corpus"]
+    assert isinstance(plain, DivergeResult)
+    assert isinstance(model, Path)
+    assert isinstance(corpus, Path)
+    out = tmp_path / "audit"
+    results = run_audit(tiny_audit(model, corpus, out, 1, edges=((1, plain.checkpoint_dir),)))
+    overlap = results["edges"]["1"]["attacker_train_overlap"]
+    record = DivergenceRecord.read(plain.checkpoint_dir)
+    assert record is not None
+    attacker_docs = set(results["split"]["train_documents"])
+    assert overlap["documents"] == len(attacker_docs & set(record.train_documents)) > 0
+    assert 0 < overlap["windows"] <= overlap["of_windows"]
+    assert json.loads((out / "report.json").read_text())["edges"]["1"]["attacker_train_overlap"] == overlap
+    md = (out / "report.md").read_text()
+    assert f"{overlap['windows']} of {overlap['of_windows']} windows" in md
+    assert "the adaptive attacker learned from the edge's states on the edge's own training text" in md
+    # Keeping the attackers off the edge's documents needs documents it never saw: here it saw them all.
+    with pytest.raises(ConfigError, match="too few"):
+        run_audit(
+            tiny_audit(
+                model, corpus, tmp_path / "unseen", 1, edges=((1, plain.checkpoint_dir),), unseen_attacker_text=True
+            )
+        )

@@ -224,3 +224,13 @@ def test_audit_significance_rests_on_documents(tmp_path: Path) -> None:
     one = analyse(synthetic_audit([30]), config)["tests"][0]
     assert one["p_exact_mcnemar"] < 1e-8
     assert (one["bootstrap95"], one["p_documents"], one["significant"]) == (None, 1.0, False)
+
+
+def test_sign_flip_is_exact_up_to_sixteen_documents() -> None:
+    """16 documents: all 2^16 flips are counted (the docs say so), so p equals the exact permutation p."""
+    diffs = [*DOC_DIFFS, 5, -3, 9]
+    assert len(diffs) == 16
+    a, b, clusters = doc_outcomes(diffs)
+    exact = scipy_sign_flip_p(np.array(diffs, dtype=float))  # scipy enumerates: 2^16 <= its 100000 resamples
+    assert cluster_sign_flip_p(a, b, clusters) == pytest.approx(exact, rel=1e-12)
+    assert cluster_sign_flip_p(a, b, clusters, seed=7) == cluster_sign_flip_p(a, b, clusters, seed=0)  # no draws

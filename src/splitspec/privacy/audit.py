@@ -13,7 +13,10 @@ Conditions:
 * ``diverged/non-adaptive`` - the edge runs privately fine-tuned layers
   (:mod:`splitspec.privacy.diverge`); the attackers are the stock-trained ones.
 * ``diverged/adaptive`` - the attacker is a client of the diverged deployment (chosen plaintext):
-  it sends the attacker-train documents through it and trains on what the cloud saw.
+  it sends the attacker-train documents through it and trains on what the cloud saw. An edge built
+  here is fitted on the same attacker-train documents (same split and windowing) unless
+  ``unseen_attacker_text`` halves them between the attackers and the edges; the report states, per
+  edge, how many attacker-train windows come from documents the edge was fitted on.
 
 Outputs (under ``out_dir``): ``report.json``, ``report.md``, ``recovery_vs_depth.png`` and
 ``outcomes.csv.gz`` (per test token, per measured series: rank of the true token in the top-5
@@ -22,6 +25,7 @@ guesses, 0 = not in the top-5), so anyone can re-run the tests.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -41,7 +45,14 @@ from splitspec.models.stack import FullModel
 from splitspec.paths import display_path
 from splitspec.privacy import attackers as atk
 from splitspec.privacy.activations import cloud_view, collect_layers, stock_tail_top5
-from splitspec.privacy.corpus import DEFAULT_CORPUS, CorpusWindows, corpus_windows
+from splitspec.privacy.corpus import (
+    DEFAULT_CORPUS,
+    CorpusWindows,
+    Document,
+    corpus_windows,
+    load_documents,
+    split_documents,
+)
 from splitspec.privacy.diverge import DivergeConfig, diverge
 from splitspec.privacy.outcomes import AuditData, SeriesKey, ranks_of, read_audit_data
 from splitspec.privacy.record import DivergenceRecord
@@ -76,11 +87,17 @@ class AuditConfig:
     edges: tuple[tuple[int, Path], ...] = ()  # pre-built diverged checkpoints, (depth, dir)
     bootstrap: int = 2000  # document-clustered bootstrap resamples
     search_candidates: int = 16  # top-K tokens (of the GRU, else the MLP) the white-box search tries per position
+    # attackers train only on documents no diverged edge was fitted on: the attacker-train documents are halved
+    # by document, one half for the attackers and the rest for the edges built here (a given --edge must record
+    # its training documents; the attackers then avoid them). Off: edges built here train on the attacker's text.
+    unseen_attacker_text: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.attackers) - set(ALL_ATTACKERS)
         if unknown:
             raise ConfigError(f"unknown attackers {sorted(unknown)}; choose from {', '.join(ALL_ATTACKERS)}")
+        if self.diverge_steps < 0:
+            raise ConfigError(f"--diverge-steps must be 0 (no diverged edges built) or more, got {self.diverge_steps}")
         if not self.depths or any(d < 1 for d in self.depths):
             raise ConfigError(f"depths must be positive integers, got {self.depths}")
         if self.max_train_tokens < self.window or self.max_test_tokens < self.window:
@@ -123,6 +140,8 @@ class _AuditRun:
     # depth -> a given --edge's weight comparison, made by check_given_edge and used again by attack_diverged
     # (it reads every edge tensor of both checkpoints: once is enough)
     weight_reports: dict[int, WeightReport] = field(default_factory=dict)
+    # documents the edges built here must not be fitted on (the attackers' own, with --unseen-attacker-text)
+    edge_excludes: tuple[str, ...] = ()
 
     @property
     def train_targets(self) -> np.ndarray:
@@ -194,9 +213,26 @@ class _AuditRun:
                 test_fraction=config.test_fraction,
                 seed=config.seed,
                 window=config.window,
+                exclude_documents=self.edge_excludes,
             )
         )
         return res.checkpoint_dir, {"checkpoint": str(res.checkpoint_dir), "built_here": True, **res.summary}
+
+    def attacker_text_overlap(self, record: DivergenceRecord | None) -> dict[str, int] | None:
+        """How much attacker-train text the edge was fitted on: windows (and documents) of the attacker-train
+        side whose document is among the record's training documents; None when the record names none."""
+        if record is None or not record.train_documents:
+            return None
+        fitted = set(record.train_documents)
+        train = self.corpus.train
+        docs = [train.doc_ids[i] for i in train.doc_index]
+        used = set(docs)
+        return {
+            "windows": sum(d in fitted for d in docs),
+            "of_windows": len(docs),
+            "documents": len(used & fitted),
+            "of_documents": len(used),
+        }
 
     def attack_diverged(self, d: int, edge_dir: Path, info: dict[str, object]) -> None:
         """Both diverged conditions at depth d: stock-trained attackers, then attackers retrained on it."""
@@ -212,6 +248,9 @@ class _AuditRun:
         info["train_documents_checked"] = bool(record is not None and record.train_documents) or bool(
             info.get("built_here")
         )
+        # the adaptive attacker trains on the diverged edge's states of the attacker-train text: say how much of
+        # that text the edge was itself fitted on
+        info["attacker_train_overlap"] = self.attacker_text_overlap(record)
         self.edges[d] = info
         edge_model = load_full(Checkpoint(edge_dir), torch.float32)
         # What the cloud sees from this deployment: with the edge's send noise, as the serving edge adds it.
@@ -246,6 +285,12 @@ class _AuditRun:
         """Refuse a ``--edge`` that is the published model, or one fitted on this audit's test documents."""
         where = f"--edge {d}={display_path(edge_dir)}"
         record = DivergenceRecord.read(edge_dir)
+        if record is not None and (record.head, record.tail) != (d, d):
+            raise ConfigError(
+                f"{where}: its divergence record is for edge layers {record.head},{record.tail}, not {d},{d}: "
+                f"at depth {d} the audit would attack states the edge was not diverged (nor noised) for; give "
+                f"an edge diverged with --edge-layers {d},{d}"
+            )
         report = edge_weight_report(edge_dir, self.config.model_dir, SplitPlan(self.n_layers, d, d))
         self.weight_reports[d] = report
         if report.is_stock:
@@ -309,6 +354,10 @@ def _start(config: AuditConfig) -> _AuditRun:
     n_layers = int(ckpt.config.num_hidden_layers)
     depths = tuple(sorted(set(config.depths)))
     _depth_plans(n_layers, depths)
+    attacker_excludes: tuple[str, ...] = ()
+    edge_excludes: tuple[str, ...] = ()
+    if config.unseen_attacker_text:
+        attacker_excludes, edge_excludes = _unseen_attacker_text(config, n_layers, depths)
     corpus = corpus_windows(
         config.model_dir,
         config.corpus_dir,
@@ -317,6 +366,7 @@ def _start(config: AuditConfig) -> _AuditRun:
         window=config.window,
         max_train_tokens=config.max_train_tokens,
         max_test_tokens=config.max_test_tokens,
+        exclude_train=attacker_excludes,
     )
     train, test = corpus.train, corpus.test
     data = AuditData(test, test.tokens[:, 1:], int(ckpt.config.vocab_size))
@@ -333,7 +383,50 @@ def _start(config: AuditConfig) -> _AuditRun:
     stock = load_full(Checkpoint(config.model_dir), torch.float32)
     stock_train = collect_layers(stock, train.tokens, ks)
     stock_test = collect_layers(stock, test.tokens, ks)
-    return _AuditRun(config, n_layers, depths, corpus, data, stock, sides, stock_train, stock_test)
+    run = _AuditRun(config, n_layers, depths, corpus, data, stock, sides, stock_train, stock_test)
+    run.edge_excludes = edge_excludes
+    return run
+
+
+def _unseen_attacker_text(
+    config: AuditConfig, n_layers: int, depths: tuple[int, ...]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(documents the attackers must not train on, documents the edges built here must not train on).
+
+    The attackers avoid every training document of a given ``--edge`` (its record must name them). When edges
+    are built here too, the remaining attacker-train documents are halved by document (per domain, in a seeded
+    hash order): the attackers get one half, the edges are kept off it.
+    """
+    split = split_documents(load_documents(config.corpus_dir), config.test_fraction, config.seed)
+    seen: set[str] = set()
+    for d, edge_dir in config.edges:
+        record = DivergenceRecord.read(edge_dir)
+        if record is None or not record.train_documents:
+            raise ConfigError(
+                f"--unseen-attacker-text: --edge {d}={display_path(edge_dir)} records no training documents, so the "
+                "attackers' text cannot be kept apart from the edge's"
+            )
+        seen |= set(record.train_documents)
+    unseen = [doc for doc in split.train if doc.doc_id not in seen]
+    given = {d for d, _ in config.edges}
+    builds = config.diverge_steps > 0 and any(d not in given and 2 * d <= n_layers - 1 for d in depths)
+    attackers = unseen
+    if builds:
+        by_domain: dict[str, list[Document]] = {}
+        for doc in unseen:
+            by_domain.setdefault(doc.domain, []).append(doc)
+        attackers = []
+        for group in by_domain.values():
+            group.sort(key=lambda doc: hashlib.sha256(f"{config.seed}:attacker:{doc.doc_id}".encode()).hexdigest())
+            attackers += group[::2]
+    if not attackers or (builds and len(attackers) == len(unseen)):
+        raise ConfigError(
+            f"--unseen-attacker-text: {len(unseen)} attacker-train document(s) no given edge was fitted on; too few to "
+            + ("share between the attackers and the edges built here" if builds else "train the attackers on")
+        )
+    keep = {doc.doc_id for doc in attackers}
+    attacker_excludes = tuple(sorted(doc.doc_id for doc in split.train if doc.doc_id not in keep))
+    return attacker_excludes, tuple(sorted(keep))
 
 
 def run_audit(config: AuditConfig) -> dict[str, Any]:

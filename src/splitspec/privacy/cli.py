@@ -2,7 +2,7 @@
 
     splitspec audit --model DIR --depths 1,2,3,4 --out DIR [--corpus DIR] [--max-tokens N]
         [--max-test-tokens N] [--seed S] [--attackers freq,mlp,...] [--epochs E] [--seq-epochs E]
-        [--diverge-steps N] [--edge D=DIR ...]
+        [--diverge-steps N] [--edge D=DIR ...] [--unseen-attacker-text]
     splitspec audit-retest --out DIR
     splitspec diverge --model DIR --out DIR --edge-layers 2,2 [--rank R] [--steps N] [--seed S]
         [--noise-scale S] [--adversary-weight W] [--max-scale C]
@@ -69,8 +69,9 @@ def _run_audit(args: argparse.Namespace) -> int:
             seq_epochs=_positive("--seq-epochs", args.seq_epochs),
             seed=args.seed,
         ),
-        diverge_steps=max(0, args.diverge_steps),
+        diverge_steps=args.diverge_steps,  # AuditConfig refuses a negative count
         edges=tuple(parse_edge(e) for e in args.edge or []),
+        unseen_attacker_text=args.unseen_attacker_text,
     )
     results = run_audit(config)
     summary = {
@@ -161,6 +162,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     audit.add_argument(
         "--edge", action="append", metavar="D=DIR", help="use a pre-built diverged checkpoint for depth D"
+    )
+    audit.add_argument(
+        "--unseen-attacker-text",
+        action="store_true",
+        help="train the attackers only on documents no diverged edge was fitted on (the edges built here get the "
+        "other half of the attacker-train documents; a given --edge must record its own). Default: edges built "
+        "here train on the attacker-train text too, and the report says how much of it they saw",
     )
     audit.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     audit.set_defaults(run=_run_audit)

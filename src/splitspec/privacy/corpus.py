@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,8 +156,13 @@ def corpus_windows(
     window: int,
     max_train_tokens: int,
     max_test_tokens: int,
+    exclude_train: Collection[str] = (),
 ) -> CorpusWindows:
-    """Split ``corpus_dir`` by document, tokenise with ``model_dir``'s tokenizer, cut both sides into windows."""
+    """Split ``corpus_dir`` by document, tokenise with ``model_dir``'s tokenizer, cut both sides into windows.
+
+    ``exclude_train`` names documents (ids) dropped from the train side before it is cut (the test side stays
+    as the split makes it); the returned split's train side lists only the documents kept.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
@@ -165,6 +171,12 @@ def corpus_windows(
     if bos is None:
         raise ConfigError(f"{model_dir} defines no BOS token")
     split = split_documents(load_documents(corpus_dir), test_fraction, seed)
+    if exclude_train:
+        dropped = set(exclude_train)
+        kept = tuple(d for d in split.train if d.doc_id not in dropped)
+        if not kept:
+            raise ConfigError(f"no train-side document of {corpus_dir} is left once {len(dropped)} are excluded")
+        split = DocSplit(kept, split.test)
 
     def windows(docs: tuple[Document, ...], max_tokens: int) -> Windows:
         return make_windows(tokenize_documents(tokenizer, docs), [d.doc_id for d in docs], window, max_tokens, int(bos))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from splitspec.privacy.outcomes import AuditData, write_outcomes
+from splitspec.privacy.stats import EXACT_SIGN_FLIP_DOCUMENTS
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,19 @@ def _interval(bounds: list[float] | None) -> str:
 def _p(value: float | None) -> str:
     """A p-value, or n/a for a report written before the document-level test."""
     return "n/a" if value is None else f"{value:.2g}"
+
+
+def _overlap(edge: dict[str, Any]) -> str:
+    """Attacker-train windows (documents) whose document the edge was fitted on, or why that is not known."""
+    if "attacker_train_overlap" not in edge:
+        return "not recorded"
+    overlap = edge["attacker_train_overlap"]
+    if overlap is None:
+        return "unknown: no training documents recorded"
+    return (
+        f"{overlap['windows']} of {overlap['of_windows']} windows "
+        f"({overlap['documents']} of {overlap['of_documents']} documents)"
+    )
 
 
 FEW_DOCUMENTS = 10  # below this many test documents, percentile intervals under-cover
@@ -181,7 +195,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         "guesses token j: what the edge is about to emit). Conditions: `stock` edge = published weights; "
         "`diverged/non-adaptive` edge privately fine-tuned, attacker trained on stock activations; "
         "`diverged/adaptive` attacker retrained on activations of the diverged deployment for chosen "
-        "text (the attacker-train documents).",
+        "text (the attacker-train documents; how much of that text each edge was itself fitted on is in the "
+        "diverged-edge table).",
         "",
     ]
     edges = results.get("edges") or {}
@@ -190,14 +205,24 @@ def render_markdown(results: dict[str, Any]) -> str:
             "## Diverged edges",
             "",
             "| depth | held-out ppl stock -> diverged | max rel. weight diff "
-            "| activation rel. distance (in / out) | send noise | fingerprint |",
-            "|---|---|---|---|---|---|",
+            "| activation rel. distance (in / out) | send noise | attacker-train text the edge was fitted on "
+            "| fingerprint |",
+            "|---|---|---|---|---|---|---|",
         ]
         notes: list[str] = []
         for d, e in sorted(edges.items(), key=lambda kv: int(kv[0])):
             if "skipped" in e:
-                lines.append(f"| {d} | n/a: {e['skipped']} | | | | |")
+                lines.append(f"| {d} | n/a: {e['skipped']} | | | | | |")
                 continue
+            overlap = e.get("attacker_train_overlap")
+            if overlap and overlap["windows"]:
+                notes.append(
+                    f"Depth {d}: {overlap['windows']} of the {overlap['of_windows']} attacker-train windows "
+                    f"({overlap['documents']} of {overlap['of_documents']} documents) come from documents this edge "
+                    "was fitted on: the adaptive attacker learned from the edge's states on the edge's own training "
+                    "text, not on text the edge never saw (the test documents are apart from both). "
+                    "`--unseen-attacker-text` keeps the two apart."
+                )
             if e.get("head_is_stock"):
                 notes.append(
                     f"Depth {d}: the edge's head layers are the published ones, so the input side is what anyone "
@@ -214,7 +239,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {d} | {ppl} | {e['max_relative_weight_difference']:.3f} | "
                 f"{ad.get('input', float('nan')):.3f} / {ad.get('output', float('nan')):.3f} | "
-                f"{e.get('send_noise_scale', 0.0):g} | `{str(e['fingerprint_sha256'])[:16]}` |"
+                f"{e.get('send_noise_scale', 0.0):g} | {_overlap(e)} | `{str(e['fingerprint_sha256'])[:16]}` |"
             )
         lines += ["", *notes, ""] if notes else [""]
     tests = results["tests"]
@@ -222,8 +247,9 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## Paired tests",
         "",
         "Each test's p-value (`document p`) treats the test *document* as the unit: each document's "
-        "difference in hits keeps or flips its sign under the null (exact over every flip up to 16 "
-        f"documents). Holm-adjusted within each question below (family and metric; alpha {results['alpha']}). "
+        "difference in hits keeps or flips its sign under the null (exact over every flip up to "
+        f"{EXACT_SIGN_FLIP_DOCUMENTS} documents, else 20000 random flips). Holm-adjusted within each question "
+        f"below (family and metric; alpha {results['alpha']}). "
         "Differences carry a 95% percentile bootstrap that resamples whole test documents. Exact McNemar on "
         "the per-token outcomes is shown for reference only: it counts the tokens of one document as "
         "independent, which they are not, so it overstates the evidence." + _few_documents(tests),

@@ -22,6 +22,7 @@ import numpy as np
 from scipy import stats as sps
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
+EXACT_SIGN_FLIP_DOCUMENTS = 16  # up to this many documents the sign-flip p counts every flip (2^16 = 65536)
 
 
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -123,15 +124,15 @@ def cluster_sign_flip_p(
     Under the null, swapping the labels A and B within a document changes nothing, so each
     document's difference d_c = hits_a - hits_b is as likely as -d_c. The statistic is the total
     |sum_c d_c|; p is the share of sign flips whose total is at least as large. Every one of the
-    2^k flips is counted when 2^k <= ``resamples``, else ``resamples`` random flips ((hits + 1) /
-    (resamples + 1), never 0). One document gives p = 1.
+    2^k flips is counted for up to ``EXACT_SIGN_FLIP_DOCUMENTS`` documents (or when 2^k <= ``resamples``),
+    else ``resamples`` random flips ((hits + 1) / (resamples + 1), never 0). One document gives p = 1.
     """
     sum_a, sum_b, _ = _cluster_sums(a, b, clusters)
     d = sum_a - sum_b  # (k,) per-document difference in hits
     k = d.size
     observed = abs(float(d.sum()))
     tolerance = 1e-9 * max(1.0, observed)  # sums of integers in float64: exact, but be safe
-    if 2**k <= resamples:
+    if k <= EXACT_SIGN_FLIP_DOCUMENTS or 2**k <= resamples:
         signs = 1.0 - 2.0 * ((np.arange(2**k)[:, None] >> np.arange(k)) & 1)  # (2^k, k) every flip
         totals = np.abs(signs @ d)
         return float(np.mean(totals >= observed - tolerance))
