@@ -21,7 +21,21 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 
 
-class LogitBias:
+class _Stateless:
+    """A processor that keeps no state between positions: nothing to accept, roll back or finish."""
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        return None
+
+    def rollback(self, n: int) -> None:
+        return None
+
+    @property
+    def finished(self) -> bool:
+        return False
+
+
+class LogitBias(_Stateless):
     """Adds ``bias[token]`` to that token's logit at every position."""
 
     def __init__(self, bias: Mapping[int, float], vocab_size: int) -> None:
@@ -36,18 +50,8 @@ class LogitBias:
     def validate_draft(self, draft: Sequence[int]) -> int:
         return len(draft)
 
-    def accept(self, tokens: Sequence[int]) -> None:
-        return None
 
-    def rollback(self, n: int) -> None:
-        return None
-
-    @property
-    def finished(self) -> bool:
-        return False
-
-
-class AllowedTokens:
+class AllowedTokens(_Stateless):
     """Bans every token but ``allowed`` at every position (their logits -inf); a draft stops at the first other."""
 
     def __init__(self, allowed: Collection[int], vocab_size: int) -> None:
@@ -61,16 +65,6 @@ class AllowedTokens:
 
     def validate_draft(self, draft: Sequence[int]) -> int:
         return next((i for i, t in enumerate(draft) if t not in self._allowed), len(draft))
-
-    def accept(self, tokens: Sequence[int]) -> None:
-        return None
-
-    def rollback(self, n: int) -> None:
-        return None
-
-    @property
-    def finished(self) -> bool:
-        return False
 
 
 class MinTokens:
