@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from splitspec.privacy.audit import AuditConfig, analyse, holm
+from splitspec.privacy.audit import AuditConfig
+from splitspec.privacy.audit_stats import analyse, holm
 from splitspec.privacy.corpus import Windows
 from splitspec.privacy.outcomes import AuditData, SeriesKey, pack_hits, unpack_hits
 from splitspec.privacy.stats import (

@@ -91,7 +91,7 @@ def read_audit_data(
 
     The paired tests need only the per-token ranks, their documents and the window layout, all of which
     the file holds. Given the audit's test documents (``doc_ids``, in its order: the bootstrap's cluster
-    numbering) and its ``series`` order, :func:`splitspec.privacy.audit.analyse` re-runs them exactly.
+    numbering) and its ``series`` order, :func:`splitspec.privacy.audit_stats.analyse` re-runs them exactly.
     """
     columns, docs, rows = _read_outcomes(path)  # one pass over the file
     if not rows:
