@@ -141,7 +141,11 @@ async def concurrent_batch(http: httpx.AsyncClient, base: str, n: int, rep: int,
 def start_stack(rtt_ms: float, bandwidth_mbit: float | None, template: Path) -> tuple[list[Any], dict[str, str]]:
     base, draft = embedded_model("base"), embedded_model("draft")
     trunk_port, link_port = free_port(), free_port()
-    procs = [_spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--threads", "1"])]
+    # float32 (the gateway benchmark's too): a CPU with AVX512-FP16 computes the float16 demo in float16 under auto,
+    # where verification widths that follow the link's timing flip greedy near-ties, and the replies of the two
+    # servers (and of one server twice) differ without anything being wrong
+    procs = [_spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--threads", "1",
+                     "--dtype", "float32"])]  # fmt: skip
     _wait_for_port(trunk_port, procs[0], 120)
     netem = ["netem", "--listen", f"127.0.0.1:{link_port}", "--upstream", f"127.0.0.1:{trunk_port}",
              "--rtt-ms", str(rtt_ms)]  # fmt: skip
@@ -155,6 +159,7 @@ def start_stack(rtt_ms: float, bandwidth_mbit: float | None, template: Path) -> 
         procs.append(_spawn([
             "serve", "--model", str(base), "--draft-model", str(draft), "--cloud", f"ws://127.0.0.1:{link_port}",
             "--served-model-name", "demo", "--port", str(port), "--chat-template", str(template), "--threads", "1",
+            "--dtype", "float32",
             "--allow-stock-edge-weights", *extra,
         ]))  # fmt: skip
         _wait_for_port(port, procs[-1], 120)
@@ -214,11 +219,12 @@ def markdown(results: dict[str, Any]) -> str:
         "# splitspec serve: prefix reuse and concurrency through the WAN emulator",
         "",
         f"Commit `{results['commit'][:12]}`, {results['repeats']} interleaved repeats, medians; demo models "
-        f"(base split 2+4+2, draft model drafting, `--speculate auto`), greedy, "
+        f"(base split 2+4+2, draft model drafting, `--speculate auto`, float32), greedy, "
         f"{results['max_tokens']} tokens per turn.",
         "Reproduce: `python benchmarks/serve_bench.py`.",
         "Ratios (TTFT, total, vs 1 client) are medians of the ratios paired by repeat, not ratios of the medians; "
-        "each concurrent request's prompt is unique (a number of its own in front), so none hits the prefix cache.",
+        "each concurrent request's prompt is unique (a number of its own in front), so none hits the prefix cache; "
+        "every level serves the same 8 prompts (n clients take the next one left).",
     ]
     for link in results["links"]:
         lines += ["", f"## Link: {link['name']}", "", "### Turns 2-5 of a five-turn chat", "",
