@@ -5,8 +5,12 @@ when none comes back in time), a generation after a cancelled one, and a worker 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
+import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,7 @@ from splitspec.exceptions import TransportError
 from splitspec.federated.config import CoordinatorConfig
 from splitspec.federated.coordinator import Coordinator
 from splitspec.federated.link import WorkerLink
-from splitspec.federated.lm import LoadedModel
+from splitspec.federated.lm import LoadedModel, load_model
 from splitspec.federated.worker import FedWorker, WorkerConfig
 from splitspec.protocol.fed import FedScores
 
@@ -150,3 +154,28 @@ async def test_a_worker_that_comes_back_with_another_model_is_refused(
     refusals = [r for r in caplog.records if "came back with another model" in r.getMessage()]
     assert refusals
     assert all(r.levelno == logging.ERROR for r in refusals)
+
+
+async def test_an_end_of_turn_id_from_the_generation_config_ends_the_answer(models: dict[str, LoadedModel]) -> None:
+    """An instruct model's end of turn (<|eot_id|>, <|im_end|>) is in generation_config.json's eos_token_id, not the
+    tokenizer's eos: the coordinator ran on past it to the length limit."""
+    async with worker(models["a"]) as w:
+        async with Coordinator(config(w.url), models["draft"]) as coord:
+            plain = (await coord.generate(PROMPT, 20, GREEDY)).token_ids
+        end = plain[5]  # treated as an end of turn below
+        assert end not in plain[:5]
+        instruct = dataclasses.replace(models["draft"], generation_stops=frozenset({end}))
+        assert end in instruct.stop_ids
+        async with Coordinator(config(w.url), instruct) as coord:
+            stopped = (await coord.generate(PROMPT, 20, GREEDY)).token_ids
+    assert stopped == plain[:6]  # the first end-of-turn token ends it, included as an eos is
+
+
+def test_a_drafters_stop_ids_include_its_generation_config(
+    make_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    model = tmp_path / "instruct"
+    shutil.copytree(make_checkpoint("llama", layers=1, logit_scale=6.0), model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    loaded = load_model(model)
+    assert loaded.stop_ids == {1, 7}

@@ -367,7 +367,7 @@ class Coordinator:
         check_temperature(params.temperature)
         sequence = list(prompt_ids)
         produced = 0
-        eos = self.draft.eos_token_id
+        stops = self.draft.stop_ids
         self.rounds = []
         self._draft_lm.reset()
         while produced < max_new_tokens:
@@ -376,7 +376,7 @@ class Coordinator:
                 yield token
             produced += len(emitted)
             sequence.extend(emitted)
-            if eos is not None and eos in emitted:
+            if stops.intersection(emitted):
                 return
 
     async def _round(
@@ -412,9 +412,9 @@ class Coordinator:
             )
         weighted_eps = sum(w * e for w, e in zip(weights, eps_by_worker, strict=True))
         audit = self._audit(answered, weights, q_audit) if cfg.audit else None
-        eos = self.draft.eos_token_id
-        if eos is not None and eos in emitted:
-            emitted = emitted[: emitted.index(eos) + 1]
+        stop = next((i for i, t in enumerate(emitted) if t in self.draft.stop_ids), None)
+        if stop is not None:  # the first end-of-sequence token ends the answer (an instruct model's end of turn too)
+            emitted = emitted[: stop + 1]
         emitted = emitted[:budget]
         # a worker that neither answered nor was dropped this round was already down
         workers = [records.get(link.url, WorkerRound(url=link.url, status="down", weight=0.0)) for link in self.links]

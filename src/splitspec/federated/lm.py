@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from splitspec.models.checkpoint import Checkpoint, fingerprint, load_tokenizer
+from splitspec.models.checkpoint import Checkpoint, fingerprint, generation_stop_ids, load_tokenizer
 from splitspec.models.dtype_choices import AUTO
 from splitspec.models.loading import load_full, resolve_dtype
 from splitspec.models.stack import FullModel
@@ -38,11 +38,19 @@ class LoadedModel:
     tokenizer_fingerprint: str
     model_fingerprint: str
     max_positions: int  # tokens
+    # config.json's and generation_config.json's end-of-sequence ids (an instruct model's end of turn is there)
+    generation_stops: frozenset[int] = frozenset()
 
     @property
     def eos_token_id(self) -> int | None:
         eos = self.tokenizer.eos_token_id
         return eos if isinstance(eos, int) else None
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Every id that ends a generation: the tokenizer's end-of-sequence token and the checkpoint's."""
+        eos = self.eos_token_id
+        return self.generation_stops | ({eos} if eos is not None else set())
 
 
 def load_model(directory: str | Path, dtype: str = AUTO, device: torch.device | None = None) -> LoadedModel:
@@ -61,4 +69,5 @@ def load_model(directory: str | Path, dtype: str = AUTO, device: torch.device | 
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
         model_fingerprint=fingerprint(config),
         max_positions=int(getattr(config, "max_position_embeddings", 1 << 20)),
+        generation_stops=generation_stop_ids(path, config),
     )
