@@ -1,6 +1,6 @@
 # Entry points (see README): `make demo` and `make test`. Both create .venv if missing.
-# `make test` = lint + types + the whole test suite (fast and slow lanes) under branch coverage,
-# with coverage floors. `make test-fast` skips the slow lane (subprocess CLI and demo runs).
+# `make test` = lint + types + the whole test suite (fast and slow lanes), the core's tests under branch
+# coverage with floors. `make test-fast` skips the slow lane (subprocess CLI and demo runs).
 # TORCH picks the PyTorch build. torch==2.13.0 resolves to the CPU wheel on the project's
 # build machines; on a GPU box pass e.g. TORCH="torch==2.13.0 --index-url <your CUDA index>".
 PYTHON ?= python3
@@ -48,22 +48,35 @@ types: install
 	$(BIN)/mypy benchmarks
 	$(BIN)/mypy scripts
 
-# The whole suite (both lanes) with branch coverage, then the floors. Tests run on TEST_WORKERS
-# pytest-xdist workers, a test file per worker at a time (module fixtures stay shared), in the
-# order tests/conftest.py sets (the files that run the command in subprocesses first); tests pin
-# torch to one thread each, so two workers use a 2-core machine fully.
+# The whole suite (both lanes) on TEST_WORKERS pytest-xdist workers, a test file per worker at a time (module
+# fixtures stay shared), in the order tests/conftest.py sets (the files that run the command in subprocesses first);
+# tests pin torch to one thread each, so two workers use a 2-core machine fully. Two runs: every test but the
+# core's own without coverage (branch tracing slowed the whole suite by a third, and CI took 16 minutes), then
+# the core's tests (tests/protocol, tests/federated) under branch coverage of the core, and its floors.
+# `make coverage-all` runs the whole suite under coverage instead, for the report of every module.
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+CORE_TESTS := tests/protocol tests/federated
+CORE_COVERAGE := --cov=splitspec.protocol --cov=splitspec.federated.codec --cov-report=term
 coverage: install
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 --cov --cov-report=term
+	$(PYTEST) --durations=20 $(addprefix --ignore=,$(CORE_TESTS))
+	$(PYTEST) $(CORE_COVERAGE) $(CORE_TESTS)
+	$(MAKE) --no-print-directory floors
+
+coverage-all: install
+	$(PYTEST) --durations=20 --cov --cov-report=term
+	$(MAKE) --no-print-directory floors
+
+floors:
 	$(BIN)/coverage report --include='src/splitspec/protocol/*' --fail-under=$(PROTOCOL_FLOOR)
 	$(BIN)/coverage report --include='src/splitspec/federated/codec.py' --fail-under=$(CODEC_FLOOR)
 
 # The fast lane only: everything not marked slow.
 test-fast: install
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m 'not slow'
+	$(PYTEST) -m 'not slow'
 
 clean:
 	rm -rf .coverage .coverage.* htmlcov .mypy_cache .ruff_cache .pytest_cache build dist src/*.egg-info
 	find src tests benchmarks -name __pycache__ -type d -prune -exec rm -rf {} +
 
-.PHONY: install cluster demo test lint format types coverage test-fast clean
+.PHONY: install cluster demo test lint format types coverage coverage-all floors test-fast clean

@@ -22,6 +22,11 @@ from tests.commands import run_commands
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # subprocesses of the real command
 
 
+# `serve` binds its HTTP port before it loads the edge: the commands run at once, so each takes a free port
+# (on the default 8000 one was refused because another still held it)
+_ANY_PORT = ("--port", "0")
+
+
 def generate(model: Path, *extra: str) -> list[str]:
     return [
         "generate", "--model", str(model), "--cloud", "ws://127.0.0.1:9", "--prompt", "to be",
@@ -77,6 +82,7 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
             "--allow-stock-edge-weights",
             "--trunk-sessions-per-connection",
             "0",
+            *_ANY_PORT,
         ],
         "checkpoints quantized with gptq are not supported": ["cloud", "serve", "--model", str(gptq), "--port", "0"],
         # the HTTP server binds its port before the edge loads (uvicorn's own lines and exit 3 came after it)
@@ -116,6 +122,7 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
             "--cloud",
             "ws://127.0.0.1:9",
             "--allow-stock-edge-weights",
+            *_ANY_PORT,
         ],
         "such/serve is not a checkpoint directory": [
             "serve",
@@ -123,6 +130,7 @@ def test_errors_are_one_line_exit_2_without_network(make_checkpoint: Callable[..
             str(tmp_path / "no" / "such" / "serve"),
             "--cloud",
             "ws://127.0.0.1:9",
+            *_ANY_PORT,
         ],
         "--ray-cpus-per-replica needs --ray-replicas": [
             "cloud",
