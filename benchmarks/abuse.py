@@ -274,7 +274,7 @@ async def run_scenario(
 ) -> Run:
     """One scenario against the running server at ``url`` (process ``pid``)."""
     run = Run(scenario=name, repeat=repeat, hostile=n if name != "baseline" else 0)
-    await asyncio.sleep(1.0)  # the previous scenario's connections are gone
+    await asyncio.sleep(args.settle_s)  # the previous scenario's connections are gone
     run.rss_before_mb = rss_mb(pid)
     with RssPeak(pid) as peak:
         finish = await SCENARIOS[name](url, n, run, args) if name != "baseline" else None
@@ -465,8 +465,16 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16, help="tokens the legitimate client generates")
     parser.add_argument("--handshake-timeout", type=float, default=10.0, help="the server's handshake deadline, s")
     parser.add_argument("--max-message-mb", type=int, default=16, help="the server's message cap, MiB")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=1.0,
+        help="pause before each scenario, s, for the last one's connections to go (default 1)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/abuse"))
     args = parser.parse_args()
+    if args.settle_s < 0:
+        parser.error(f"--settle-s must not be negative, got {args.settle_s}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     logging.getLogger("splitspec").setLevel(logging.ERROR)  # the edge warns about stock demo weights
     env = run_environment()

@@ -8,6 +8,7 @@ worktree of it, same venv) in a child process beside this checkout's, repeats in
 the order alternated; the report gives medians over repeats and the ratio baseline / this.
 
     python benchmarks/draft_cost.py [--repeats 3] [--baseline REF] [--out benchmarks/results/draft_cost]
+        [--calls 15] [--contexts 96 1000]
 
 Writes ``draft_cost.json``, ``draft_cost.md`` and ``draft_cost.png``.
 """
@@ -29,8 +30,9 @@ TEMPERATURES = (0.0, 0.8)
 CALLS = 15
 
 
-def measure() -> dict[str, float]:
-    """``drafter|temperature|context|budget`` -> median ms per proposal, with the code on ``sys.path``."""
+def measure(calls: int = CALLS, contexts: tuple[int, ...] = CONTEXTS) -> dict[str, float]:
+    """``drafter|temperature|context|budget`` -> median ms per proposal (of ``calls``), after each of ``contexts``
+    tokens, with the code on ``sys.path``."""
     import time
 
     import torch
@@ -53,7 +55,7 @@ def measure() -> dict[str, float]:
     text = (ASSETS / "corpus" / "heldout" / "code" / "pdb.txt").read_text()
     ids = AutoTokenizer.from_pretrained(base, local_files_only=True)(text, add_special_tokens=False).input_ids
     out: dict[str, float] = {}
-    for n in CONTEXTS:
+    for n in contexts:
         context = list(ids[:n])
         verifier = LocalSequence(model)  # the head reads the base model's features of the committed tokens
         verifier.keep_features(head.config.feature_layers)
@@ -70,7 +72,7 @@ def measure() -> dict[str, float]:
                     )
                     drafter.propose(context, budget)  # warm: the draft model's cache holds the context after it
                     times = []
-                    for _ in range(CALLS):
+                    for _ in range(calls):
                         t0 = time.perf_counter()
                         drafter.propose(context, budget)
                         times.append(time.perf_counter() - t0)
@@ -125,17 +127,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--baseline", help="a git commit to measure beside this checkout")
+    parser.add_argument("--calls", type=int, default=CALLS, help=f"timed proposals per figure (default {CALLS})")
+    parser.add_argument(
+        "--contexts",
+        type=int,
+        nargs="+",
+        default=list(CONTEXTS),
+        help="context tokens before the proposals (default " + " ".join(map(str, CONTEXTS)) + ")",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/draft_cost"))
     parser.add_argument("--measure", metavar="JSON", help=argparse.SUPPRESS)  # the child's job
     args = parser.parse_args()
+    if args.calls < 1 or min(args.contexts) < 2:
+        parser.error("--calls must be at least 1 and every --contexts at least 2 tokens")
     if args.measure:
-        Path(args.measure).write_text(json.dumps(measure()))
+        Path(args.measure).write_text(json.dumps(measure(args.calls, tuple(args.contexts))))
         return 0
     from splitspec.bench.beside import measure_beside
     from splitspec.run_info import run_environment
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # progress of the repeats
-    runs = measure_beside(Path(__file__).resolve(), ROOT, args.repeats, args.baseline)
+    child_args = ["--calls", str(args.calls), "--contexts", *map(str, args.contexts)]
+    runs = measure_beside(Path(__file__).resolve(), ROOT, args.repeats, args.baseline, child_args)
     env = run_environment()
     medians = {label: {k: statistics.median(r[k] for r in got) for k in got[0]} for label, got in runs.items() if got}
     results: dict[str, Any] = {

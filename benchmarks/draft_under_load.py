@@ -19,6 +19,7 @@ edge server) kept busy over the level; medians over repeats and the median of th
 no-draft. Writes ``draft_under_load.json``, ``.md`` and ``.png``.
 
     python benchmarks/draft_under_load.py [--repeats 3] [--streams 1 16] [--seconds 25] [--baseline REF]
+        [--max-tokens 64]
 
 ``--baseline REF``: a third arm, commit REF's code with the draft model (a git worktree, same venv), to
 compare a change of the drafting's policy with what it replaces. ``--workers N``: another arm, the draft
@@ -60,6 +61,7 @@ ARMS = ("draft", "no-draft", "head")  # head: the shipped EAGLE head, no draft m
 
 
 PROMPT_POOL = 16  # distinct prompts every level draws from (--pool); the lone stream runs each once
+MAX_TOKENS = 64  # tokens out per request (--max-tokens)
 
 
 def prompt_pool(texts: list[str], size: int) -> list[str]:
@@ -68,7 +70,9 @@ def prompt_pool(texts: list[str], size: int) -> list[str]:
     return [texts[(i * 97) % len(texts)] for i in range(size)]
 
 
-async def closed_loop(url: str, pool: list[str], streams: int, until: float) -> list[dict[str, Any]]:
+async def closed_loop(
+    url: str, pool: list[str], streams: int, until: float, max_tokens: int = MAX_TOKENS
+) -> list[dict[str, Any]]:
     """``streams`` streams taking requests from one queue until ``until`` (``time.perf_counter``) -> every request's
     result (``stream_one``'s: start, chunks' arrival times, tokens, end), with its prompt (``prompt``).
 
@@ -81,17 +85,17 @@ async def closed_loop(url: str, pool: list[str], streams: int, until: float) -> 
     async def stream() -> None:
         while time.perf_counter() < until:
             prompt = next(queued) % len(pool)
-            out.append({**await stream_one(client, pool[prompt], 64), "prompt": prompt})
+            out.append({**await stream_one(client, pool[prompt], max_tokens), "prompt": prompt})
 
     await asyncio.gather(*(stream() for _ in range(streams)))
     await client.close()
     return out
 
 
-async def lone_pass(url: str, pool: list[str]) -> list[dict[str, Any]]:
+async def lone_pass(url: str, pool: list[str], max_tokens: int = MAX_TOKENS) -> list[dict[str, Any]]:
     """The lone stream: every prompt of the pool once, one after another -> each request's result with its prompt."""
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    out = [{**await stream_one(client, text, 64), "prompt": prompt} for prompt, text in enumerate(pool)]
+    out = [{**await stream_one(client, text, max_tokens), "prompt": prompt} for prompt, text in enumerate(pool)]
     await client.close()
     return out
 
@@ -132,18 +136,20 @@ def lone_rate_on(lone: list[dict[str, Any]], weights: list[list[float]]) -> floa
     return sum(w * r["tokens"] for w, r in mine) / seconds if seconds > 0 else float("nan")
 
 
-def measure_level(url: str, pool: list[str], streams: int, seconds: float, serve: int) -> dict[str, Any]:
+def measure_level(
+    url: str, pool: list[str], streams: int, seconds: float, serve: int, max_tokens: int = MAX_TOKENS
+) -> dict[str, Any]:
     """One level: ``streams`` streams for ``seconds`` (one stream: the pool once), its rate, and the CPU that the
     edge server ``serve`` and this script's whole process tree (the stack and the load generator) used over the
     level, ramp-down included, per token the level produced."""
     cpu0, stack0 = tree_cpu_seconds(serve), tree_cpu_seconds(os.getpid())
     t0 = time.perf_counter()
     if streams == 1:
-        requests = asyncio.run(lone_pass(url, pool))
+        requests = asyncio.run(lone_pass(url, pool, max_tokens))
         until = time.perf_counter()
     else:
         until = t0 + seconds
-        requests = asyncio.run(closed_loop(url, pool, streams, until))
+        requests = asyncio.run(closed_loop(url, pool, streams, until, max_tokens))
     wall = time.perf_counter() - t0
     cpu1, stack1 = tree_cpu_seconds(serve), tree_cpu_seconds(os.getpid())
     tokens = int(sum(r["tokens"] for r in requests))
@@ -171,10 +177,10 @@ def measure_arm(arm: str, args: argparse.Namespace, pool: list[str], baseline: P
     )
     try:
         url, serve = urls["engine"], pids["engine"]["serve"]
-        asyncio.run(closed_loop(url, pool, 8, time.perf_counter() + args.warm_s))
+        asyncio.run(closed_loop(url, pool, 8, time.perf_counter() + args.warm_s, args.max_tokens))
         out = []
         for streams in args.streams:
-            row = {"arm": arm, **measure_level(url, pool, streams, args.seconds, serve)}
+            row = {"arm": arm, **measure_level(url, pool, streams, args.seconds, serve, args.max_tokens)}
             print(f"{arm:9s} {streams:3d} streams: {row['tok_s']:6.1f} tok/s, serve {row['serve_cpu_ms_per_token']:.2f}"
                   f" CPU ms/token, stack {row['stack_busy_cores']:.2f} cores busy", flush=True)  # fmt: skip
             out.append(row)
@@ -244,9 +250,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"Commit `{env['commit']}`; {results['repeats']} repeats (arms alternate order), {results['seconds']:g} s of "
         f"closed-loop load per level after an {results['warm_s']:g} s warm-up, {results['rtt_ms']:g} ms RTT; "
         f"128-token prompts (a pool of {results.get('pool', PROMPT_POOL)}, request j on prompt j mod the pool, each "
-        "unique: no prefix-cache hits), 64 tokens out, greedy. tok/s counts the tokens that arrived within the "
-        "level's seconds, over them (the requests in flight at the end finish with fewer streams running: not "
-        "counted); the lone stream runs the pool once. Medians; the ratio is the median of paired per-repeat ratios.",
+        f"unique: no prefix-cache hits), {results.get('max_tokens', MAX_TOKENS)} tokens out, greedy. tok/s counts the "
+        "tokens that arrived within the level's seconds, over them (the requests in flight at the end finish with "
+        "fewer streams running: not counted); the lone stream runs the pool once. Medians; the ratio is the median of "
+        "paired per-repeat ratios.",
         f"Reproduce: `{results['command']}`.",
     ]
     if "draft" in results["arms"] and "no-draft" in results["arms"]:
@@ -323,6 +330,9 @@ def main() -> None:
     parser.add_argument("--warm-s", type=float, default=8.0, help="warm-up load (8 streams) per server, seconds")
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--pool", type=int, default=PROMPT_POOL, help="distinct prompts (lone stream: each once)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=MAX_TOKENS, help=f"tokens out per request (default {MAX_TOKENS})"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_under_load")
     parser.add_argument("--baseline", help="a commit whose code runs a third arm (with the draft model), in turn")
     parser.add_argument("--workers", type=int, help="N >= 2: an arm with the draft model and `serve --workers N`")
@@ -336,6 +346,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1 or args.seconds <= 0 or args.pool < 1 or not args.streams or min(args.streams) < 1:
         parser.error("--repeats, --seconds, --pool and every --streams level must be positive")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.workers is not None and args.workers < 2:
         parser.error("--workers adds an arm of N >= 2 serve processes")
     pool = prompt_pool(prompts(200, 128), args.pool)
@@ -360,6 +372,7 @@ def main() -> None:
         "warm_s": args.warm_s,
         "rtt_ms": args.rtt_ms,
         "pool": args.pool,
+        "max_tokens": args.max_tokens,
         "rows": rows,
         "summary": summarise(rows, args.streams, args.repeats, arms, beside),
     }

@@ -20,7 +20,7 @@ the state another mode left:
   a tree, for the trees-against-chain ratio;
 * prompts neither the model nor the shipped head saw in training: held-out documents the head's
   model card lists as kept out (``assets/corpus/heldout``: two code, one prose), cut to 96 tokens
-  from a third of the way in, 64 tokens out;
+  from a third of the way in, 64 tokens out (``--answer-tokens``);
 * ``--long``: 2,000-token prompts (``--long-tokens``) of kept-out code and prose with 32- and 96-token answers;
   ``draft-whole`` (with ``--modes``) is ``draft`` with the draft model's config extended to 4,096 positions, so that
   it reads the whole context (as before stop 50) where the shipped one reads a window of its latest tokens past its
@@ -66,11 +66,14 @@ CHAIN_MODES = ("draft-chain", "eagle-chain")  # the drafter with --draft-tree-wi
 PAIRS = (("eagle", "draft"), ("eagle", "eagle-chain"), ("draft", "draft-chain"), ("draft", "draft-whole"))
 HELDOUT = ASSETS / "corpus" / "heldout"
 SHORT_PROMPT_TOKENS = 96
+SHORT_ANSWER_TOKENS = 64  # tokens out per short prompt (--answer-tokens)
 LONG_PROMPT_TOKENS = 2000  # --long's prompts, tokens (--long-tokens)
 
 
-def prompts(tokenizer: Any, long: bool, long_tokens: int = LONG_PROMPT_TOKENS) -> list[tuple[str, list[int], int]]:
-    """(label, prompt ids, answer tokens): held-out code and prose, or long code prompts."""
+def prompts(
+    tokenizer: Any, long: bool, long_tokens: int = LONG_PROMPT_TOKENS, answer_tokens: int = SHORT_ANSWER_TOKENS
+) -> list[tuple[str, list[int], int]]:
+    """(label, prompt ids, answer tokens): held-out code and prose (``answer_tokens`` out), or long code prompts."""
     out: list[tuple[str, list[int], int]] = []
     if long:
         ids = tokenizer(
@@ -88,7 +91,9 @@ def prompts(tokenizer: Any, long: bool, long_tokens: int = LONG_PROMPT_TOKENS) -
             text = (HELDOUT / domain / name).read_text()
             ids = tokenizer(text, add_special_tokens=False).input_ids
             start = len(ids) // 3  # mid-document: past the licence header
-            out.append((f"{domain}:{name.removesuffix('.txt')}", ids[start : start + SHORT_PROMPT_TOKENS], 64))
+            out.append(
+                (f"{domain}:{name.removesuffix('.txt')}", ids[start : start + SHORT_PROMPT_TOKENS], answer_tokens)
+            )
     return out
 
 
@@ -130,7 +135,7 @@ def geomean(values: list[float]) -> float:
 
 
 async def run_matrix(
-    args: argparse.Namespace, target: Path, links: dict[int, int]
+    args: argparse.Namespace, target: Path, links: dict[int, int], answer_tokens: int = SHORT_ANSWER_TOKENS
 ) -> tuple[list[dict[str, Any]], EdgeRuntime]:
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     base = EdgeConfig(
@@ -142,7 +147,7 @@ async def run_matrix(
     if "draft-whole" in args.modes:
         whole = EdgeRuntime(dataclasses.replace(base, draft_model_dir=args.whole_draft_model), loaded.model)
     rows: list[dict[str, Any]] = []
-    cases = prompts(tokenizer, args.long, args.long_tokens)
+    cases = prompts(tokenizer, args.long, args.long_tokens, answer_tokens)
     modes = [m for m in MODES if m in args.modes]
     for rtt, port in links.items():
         config = dataclasses.replace(base, cloud_url=f"ws://127.0.0.1:{port}")
@@ -303,6 +308,12 @@ def main() -> int:
     )
     parser.add_argument("--long", action="store_true", help="2,000-token prompts, 32- and 96-token answers")
     parser.add_argument("--long-tokens", type=int, default=LONG_PROMPT_TOKENS, help="--long's prompt tokens")
+    parser.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=SHORT_ANSWER_TOKENS,
+        help=f"tokens out per held-out prompt (default {SHORT_ANSWER_TOKENS}; --long's answers are 32 and 96)",
+    )
     parser.add_argument("--model", default="base", help="embedded model name or a directory (default base)")
     parser.add_argument("--draft-model", type=Path, default=None, help="default: the embedded draft model")
     parser.add_argument("--draft-head", type=Path, default=None, help="default: the embedded base model's head")
@@ -314,6 +325,8 @@ def main() -> int:
     unknown = sorted(set(args.modes) - set(MODES))
     if unknown:
         parser.error(f"--modes: unknown {', '.join(unknown)} (choose from {', '.join(MODES)})")
+    if args.answer_tokens < 2:
+        parser.error(f"--answer-tokens must be at least 2 (a decode rate needs two), got {args.answer_tokens}")
     if "off" not in args.modes:
         args.modes.append("off")  # every ratio in the report is against off
     edge_layers_text = args.edge_layers
@@ -338,7 +351,7 @@ def main() -> int:
                                      f"127.0.0.1:{trunk_port}", "--rtt-ms", str(rtt)]))  # fmt: skip
                 _wait_for_port(links[rtt], procs[-1], 60)
             torch.set_num_threads(1)
-            rows, probe = asyncio.run(run_matrix(args, target, links))
+            rows, probe = asyncio.run(run_matrix(args, target, links, args.answer_tokens))
         finally:
             _stop(procs)
     env = run_environment()

@@ -11,29 +11,34 @@ from pathlib import Path
 from tests.bench.scripts import run_script
 
 # script -> its toy-size arguments (each writes <name>.json and <name>.md under --out, or REPORTS[name]'s)
+# fmt: off
 SCRIPTS: dict[str, list[str]] = {
-    "abuse": ["--hostile", "2", "--hog", "2", "--repeats", "1", "--tokens", "4", "--handshake-timeout", "1"],
-    "auto_floor": ["--quick", "--answers", "8", "--long-tokens", "300"],
+    "abuse": ["--hostile", "2", "--hog", "2", "--repeats", "1", "--tokens", "4", "--handshake-timeout", "1",
+              "--settle-s", "0.25"],
+    "auto_floor": ["--repeats", "1", "--rtt-ms", "20", "--answers", "16", "--long-tokens", "300"],
     "batched_attention": ["--baseline", "HEAD", "--repeats", "1", "--calls", "2", "--contexts", "16"],
     "controller_cost": ["--repeats", "1", "--calls", "20"],
     "cpu_dtype": ["--rounds", "1", "--repeats", "1"],
-    "draft_cost": ["--repeats", "1"],
+    "draft_cost": ["--repeats", "1", "--calls", "2", "--contexts", "96", "300"],
     "draft_lockstep": ["--repeats", "1", "--steps", "3"],
-    "draft_under_load": ["--repeats", "1", "--streams", "2", "--seconds", "2", "--warm-s", "1", "--rtt-ms", "5"],
+    "draft_under_load": ["--repeats", "1", "--streams", "2", "--seconds", "2", "--warm-s", "1", "--rtt-ms", "5",
+                         "--max-tokens", "16"],
     "draft_window": ["--tokens", "1100", "--docs", "1", "--repeats", "1", "--steps", "3"],
-    "eagle_matrix": ["--repeats", "1", "--rtts", "5", "--temperatures", "0", "--modes", "off,ngram"],
+    "eagle_matrix": ["--repeats", "1", "--rtts", "5", "--temperatures", "0", "--modes", "off,ngram",
+                     "--answer-tokens", "16"],
     "echo_logprobs_bench": ["--repeats", "1", "--tokens", "100", "--rtt-ms", "5"],
     "head_window": ["--windows", "16", "--answer", "8"],
     "privacy_transforms": ["--windows", "4"],
     "quant_load": ["--repeats", "1", "--layers", "5", "--hidden", "256"],
     "serve_bench": ["--repeats", "1", "--max-tokens", "4", "--rtt-ms", "5", "--bandwidth-mbit", "0"],
     "sibling_proposals": ["--tokens", "20", "--draws", "1"],
-    "specfed_eval": ["--docs", "1", "--windows", "1", "--length", "32", "--domains", "prose"],
+    "specfed_eval": ["--docs", "1", "--windows", "1", "--length", "8", "--domains", "prose"],
     "specfed_wan": ["--prompts", "1", "--new-tokens", "4", "--rtt-ms", "5"],
     "split_overhead": ["--repeats", "1", "--new-tokens", "4", "--trips", "5"],
     "structured_bench": ["--repeats", "1", "--max-tokens", "8", "--rtt-ms", "5"],
     "tail_logits": ["--repeats", "1", "--calls", "2"],
 }
+# fmt: on
 REPORTS = {"privacy_transforms": "transforms"}
 # exit 1 says a target gate failed: quant_load's weight-memory gates hold for its 16-layer default, not for a
 # 1-layer trunk whose fixed costs dominate
