@@ -393,10 +393,11 @@ def trunk_vs_transformers(
     repeats: int,
     cache_tokens: int,
     compile_mode: str,
+    compile_backend: str = "inductor",
 ) -> dict[str, Any]:
     """One decode step of the trunk's layers, transformers' model of those layers against ours in
     three variants, interleaved: growable KVCache (eager), static KV buffers through the fixed-shape
-    step (eager), and that step compiled (``compile_mode``)."""
+    step (eager), and that step compiled (``compile_mode``, by ``compile_backend``)."""
     trunk, hf, hf_config, prefix, token = trunk_and_transformers(directory, dtype, device, context)
     n_layers = len(trunk.layers)
     fns: dict[str, Callable[[], Any]] = {"growable": trunk_step(trunk, KVCache(), prefix, token)}
@@ -404,7 +405,7 @@ def trunk_vs_transformers(
     static.enable_fixed_decode()
     fns["static"] = trunk_step(static, StaticKVCache(cache_tokens), prefix, token)
     compiled = LayerStack(trunk._skeleton, trunk.layer_indices).eval()
-    compile_s = compiled.enable_fixed_decode(compile_mode).warm_up(cache_tokens)
+    compile_s = compiled.enable_fixed_decode(compile_mode, compile_backend).warm_up(cache_tokens)
     fns["compiled"] = trunk_step(compiled, StaticKVCache(cache_tokens), prefix, token)
     outs = {name: fn() for name, fn in fns.items()}
     max_diff = {name: float((out.float() - outs["growable"].float()).abs().max()) for name, out in outs.items()}
@@ -425,6 +426,7 @@ def trunk_vs_transformers(
         "context_tokens": context,
         "static_cache_tokens": cache_tokens,
         "compile_mode": compiled.fixed_decode.mode if compiled.fixed_decode else None,
+        "compile_backend": compile_backend,
         "compile_s": compile_s,
         "max_abs_diff_vs_growable": max_diff,
         "step_ms": step_ms,
@@ -494,7 +496,8 @@ def write_report(results: dict[str, Any], out: Path) -> None:
             f" | <= 1.2 |"
             for v in VARIANTS
         ],
-        f"| compile time (mode {tr['compile_mode']}), static KV of {tr['static_cache_tokens']} entries"
+        f"| compile time (mode {tr['compile_mode']}, backend {tr['compile_backend']}), static KV of"
+        f" {tr['static_cache_tokens']} entries"
         f" | {tr['compile_s']:.1f} s | |",
         "",
         f"Reproduce: `python benchmarks/device_targets.py {results['argv']}`",
@@ -544,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
         "--compile", default="auto", choices=COMPILE_MODES, help="torch.compile mode of the compiled trunk step"
     )
     parser.add_argument(
+        "--trunk-compile-backend",
+        default="inductor",
+        help="torch.compile backend of the compiled trunk step (default inductor; eager: capture only, for tests)",
+    )
+    parser.add_argument(
         "--split-compile",
         choices=COMPILE_MODES,
         help="also time the split with the trunk's and the edge's decode steps compiled in this mode (default: not)",
@@ -583,7 +591,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         overhead = asyncio.run(framework_overhead(args.width, dtype, device, args.trips))
         trunk = trunk_vs_transformers(
-            directory, dtype, device, args.context, args.steps, args.repeats, args.cache_tokens, args.compile
+            directory,
+            dtype,
+            device,
+            args.context,
+            args.steps,
+            args.repeats,
+            args.cache_tokens,
+            args.compile,
+            args.trunk_compile_backend,
         )
     results = {
         **run_environment(),

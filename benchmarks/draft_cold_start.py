@@ -265,6 +265,7 @@ def main() -> None:
         default=0.0,
         help="hold each engine's first proposal this long (a stall: a collection, a busy neighbour; default 0)",
     )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--baseline", help="a git commit whose code runs beside this checkout's (--repeats each)")
     parser.add_argument("--repeats", type=int, default=3, help="with --baseline: interleaved repeats (default 3)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "draft_cold_start")
@@ -278,7 +279,8 @@ def main() -> None:
 
         child = ["--device", args.device, "--rtt-ms", str(args.rtt_ms), "--clients", str(args.clients),
                  "--answers", str(args.answers), "--stall-first-proposal-ms", str(args.stall_first_proposal_ms),
-                 *(["--cudnn-sdpa"] if args.cudnn_sdpa else [])]  # fmt: skip
+                 *(["--cudnn-sdpa"] if args.cudnn_sdpa else []),
+                 *(["--threads", str(args.threads)] if args.threads else [])]  # fmt: skip
         runs = measure_beside(Path(__file__).resolve(), Path(__file__).resolve().parents[1], args.repeats,
                               args.baseline, child)  # fmt: skip
         results = {"commit": env.get("commit", ""), "environment": env, "baseline": args.baseline,
@@ -290,6 +292,8 @@ def main() -> None:
         beside_plot(results, args.out / "draft_cold_start_beside.png")
         log.info("\n%s", report)
         return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = asyncio.run(
         run(args.device, args.rtt_ms, args.clients, args.answers, args.cudnn_sdpa, args.stall_first_proposal_ms)
     )

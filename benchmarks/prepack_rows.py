@@ -4,7 +4,7 @@
 kernels for every row count it sees. This measures, on one CPU thread, the demo base model's
 linear layers (one decoder layer's seven, and the LM head):
 
-* **time**: ms per call at row counts from 1 to 300, padded (as shipped) and exact (the oneDNN
+* **time**: ms per call at row counts from 1 to 300 (or ``--rows``), padded (as shipped) and exact (the oneDNN
   operator called on the rows as they are), each the median of 20 calls after a warm-up, the two
   interleaved and the order alternated over ``--repeats``;
 * **memory**: resident memory a fresh process gains by calling the linears once at every row
@@ -93,6 +93,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-rows", type=int, default=600)
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=list(ROWS), help="row counts timed (default: 18 counts from 1 to 300)"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "prepack_rows")
     parser.add_argument("--child", choices=("padded", "exact"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -110,9 +113,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     packed = linears()
-    times: dict[str, dict[int, list[float]]] = {"padded": {r: [] for r in ROWS}, "exact": {r: [] for r in ROWS}}
+    timed = args.rows
+    times: dict[str, dict[int, list[float]]] = {"padded": {r: [] for r in timed}, "exact": {r: [] for r in timed}}
     for repeat in range(args.repeats):
-        for rows in ROWS:
+        for rows in timed:
             for kind in ("padded", "exact") if repeat % 2 == 0 else ("exact", "padded"):
                 times[kind][rows].append(time_once(packed, rows, kind == "exact"))
     memory: dict[str, list[dict[str, float]]] = {"padded": [], "exact": []}
@@ -126,7 +130,7 @@ def main() -> None:
         {"rows": r, "padded_to": row_bucket(r), "padded_ms": statistics.median(times["padded"][r]),
          "exact_ms": statistics.median(times["exact"][r]),
          "ratio": statistics.median(p / e for p, e in zip(times["padded"][r], times["exact"][r], strict=True))}
-        for r in ROWS
+        for r in timed
     ]  # fmt: skip
     growth = {k: statistics.median(m["after_mb"] - m["before_mb"] for m in v) for k, v in memory.items()}
     results = {
@@ -158,7 +162,7 @@ def main() -> None:
     (args.out / "prepack_rows.md").write_text("\n".join(lines))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for kind in ("exact", "padded"):
-        ax.plot(ROWS, [t[f"{kind}_ms"] for t in table], marker="o", label=kind)
+        ax.plot(timed, [t[f"{kind}_ms"] for t in table], marker="o", label=kind)
     ax.set_xlabel("rows per call")
     ax.set_ylabel("ms (8 linears, median)")
     rows = args.memory_rows

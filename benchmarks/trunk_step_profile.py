@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed blocks per side (default 3)")
     parser.add_argument("--with-stack", action="store_true", help="also write {side}_stacks.txt (Python frames)")
     parser.add_argument("--trace", action="store_true", help="also write {side}_trace.json (Chrome trace)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/trunk_step_profile"), help="folder")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -351,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--steps must be at least 1")
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = dtype_from_name(args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -378,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "repeats": args.repeats,
         "warm_up": WARM_UP,
+        "torch_threads": torch.get_num_threads(),
         "run_s": time.perf_counter() - started,
         "sides": sides,
     }

@@ -31,12 +31,13 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+NODES = {name: list(ast.walk(ast.parse(path.read_text()))) for name, path in MODULES.items()}  # each parsed once
 
 
-def _imports(path: Path) -> set[str]:
-    """The splitspec modules ``path`` imports (``from pkg import module`` counts as the module)."""
+def _imports(name: str) -> set[str]:
+    """The splitspec modules module ``name`` imports (``from pkg import module`` counts as the module)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in NODES[name]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "splitspec"}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "splitspec":
@@ -46,7 +47,7 @@ def _imports(path: Path) -> set[str]:
     return found
 
 
-GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+GRAPH = {name: _imports(name) for name in MODULES}
 
 
 def _package(module: str) -> str:
@@ -166,10 +167,10 @@ def test_only_the_transport_imports_websockets() -> None:
     """DESIGN: ``transport/`` is the only place that imports websockets (the protocol core stays sans-I/O, and a
     connection's state is read through ``Channel``)."""
     outside = []
-    for name, path in MODULES.items():
+    for name in MODULES:
         if name == "splitspec.transport" or name.startswith("splitspec.transport."):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in NODES[name]:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]

@@ -13,8 +13,11 @@ def test_a_short_run_drafts_in_every_answer_and_writes_its_report(tmp_path: Path
     # 150 ms, not the script's 40: on a busy machine (CI runs two test workers) one stalled step once took 190 ms,
     # and at 40 ms the controller then priced a 3-token step at 3.3x a one-token one and stopped drafting for the
     # rest of the answer, as a GPU's cold start made it do; a longer round trip keeps drafting worth it past a stall
-    # (since b71e135 the controller also measures such a step again after 4 one-token steps: the margin stays)
-    args = ["--device", "cpu", "--clients", "1", "--answers", "2", "--rtt-ms", "150", "--out", str(tmp_path)]
+    # (since b71e135 the controller also measures such a step again after 4 one-token steps: the margin stays).
+    # One torch thread: with the CPU's two, beside another busy worker, proposals stalled for up to 4 s and answers
+    # took 4-20 s; on one they take 6-25 ms and an answer about 1.8 s
+    args = ["--device", "cpu", "--clients", "1", "--answers", "2", "--rtt-ms", "150", "--threads", "1"]
+    args += ["--out", str(tmp_path)]
     run_script("draft_cold_start.py", args, timeout=240)
     rows = json.loads((tmp_path / "draft_cold_start.json").read_text())["rows"]
     assert [(r["client"], r["answer"], r["tokens"]) for r in rows] == [(0, 0, 16), (0, 1, 16)]

@@ -24,11 +24,15 @@ def test_the_exact_variant_is_the_operator_on_the_rows_as_they_are() -> None:
 
 
 def test_a_tiny_run_writes_its_report(tmp_path: Path) -> None:
-    args = ["--repeats", "1", "--memory-rows", "24", "--out", str(tmp_path)]
+    # timed at six row counts, two of them padded: the default's 18 (up to 300 rows) took 7 s to time, these 0.7 s;
+    # the memory children (fresh processes) still call every count 1..24
+    args = ["--repeats", "1", "--memory-rows", "24", "--rows", "1", "4", "8", "16", "17", "33", "--out", str(tmp_path)]
     run_script("prepack_rows.py", args)
     results = json.loads((tmp_path / "prepack_rows.json").read_text())
     assert results["shapes"] == {"padded": 16 + 4, "exact": 24}  # 17..24 pad to 18, 20, 22, 24
-    assert [t["rows"] for t in results["times"]][:4] == [1, 4, 8, 16]
+    timed = [(t["rows"], t["padded_to"]) for t in results["times"]]
+    assert timed == [(1, 1), (4, 4), (8, 8), (16, 16), (17, 18), (33, 36)]
+    assert all(len(results["memory"][kind]) == 1 for kind in ("padded", "exact"))  # a child each
     assert all(t["padded_ms"] > 0 and t["exact_ms"] > 0 for t in results["times"])
     assert (tmp_path / "prepack_rows.md").read_text().startswith("# Prepacked linears")
     assert (tmp_path / "prepack_rows.png").stat().st_size > 0

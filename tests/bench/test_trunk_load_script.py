@@ -5,20 +5,40 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import multiprocessing
 from collections.abc import Iterator
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
 from tests.bench.scripts import BENCHMARKS
 
+# What trunk_load imports (a forkserver child imports the script itself: the forkserver does not get sys.path)
+PRELOAD = [
+    "torch",
+    "transformers.models.llama.modeling_llama",
+    "splitspec.cloud.server",
+    "splitspec.models.family",
+    "splitspec.models.prepack",
+    "splitspec.run_info",
+    "splitspec.transport.client",
+]
+
 
 @pytest.fixture(scope="module")
 def trunk_load() -> Iterator[ModuleType]:
-    # imported under its own name from a path the spawned server process also gets (spawn passes sys.path on)
+    # imported under its own name from a path the server processes also get (the pickled process carries sys.path)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(BENCHMARKS))
-        yield importlib.import_module("trunk_load")
+        module = importlib.import_module("trunk_load")
+        # The script spawns its trunk server and the mix's prefilling edge, each a fresh interpreter importing
+        # torch, transformers and splitspec (5-10 s on a busy 2-core machine; four per run of this file): here
+        # they fork from a forkserver that imported those once. Still processes of their own, started by the
+        # script's spawn_with_pipe with its pipes, from the same pickled target and arguments as under spawn.
+        forkserver = multiprocessing.get_context("forkserver")
+        forkserver.set_forkserver_preload(PRELOAD)
+        patch.setattr(module, "multiprocessing", SimpleNamespace(get_context=lambda method: forkserver))
+        yield module
 
 
 @pytest.mark.parametrize("batching", [True, False])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,49 @@ def full(directory: Path) -> FullModel:
     return load_full(Checkpoint(directory), torch.float32)
 
 
+class PromptOnceSequence(LocalSequence):
+    """A :class:`LocalSequence` for many decodes of one prompt (the sampled-law tests' thousand runs), whose prompt is
+    run once. :meth:`reset` rolls the cache back to the prompt's entries, and the prefill the decode loop then asks
+    for (the prompt, its last row) returns that step's logits again. A fresh sequence would compute the same entries
+    and the same row: every run draws exactly what it draws on a fresh ``LocalSequence(model)``, with one forward
+    fewer. Any other first step after a reset runs on an emptied cache, as a fresh sequence's would."""
+
+    def __init__(self, model: FullModel, prompt: Sequence[int], feature_layers: Sequence[int] | None = None) -> None:
+        super().__init__(model)
+        if feature_layers is not None:
+            self.keep_features(feature_layers)
+        self.prompt = list(prompt)
+        self.prefill = self.run(self.prompt, logits_from=len(self.prompt) - 1)  # (1, V), as the loop asks for it
+        self.rolled_back = False  # reset since the last step: the cache holds the prompt alone
+
+    def reset(self) -> None:
+        self.truncate(len(self.prompt))
+        self.rolled_back = True
+
+    async def forward(
+        self,
+        tokens: Sequence[int],
+        parents: Sequence[int] | None = None,
+        logits_from: int = 0,
+        *,
+        sent: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        first, self.rolled_back = self.rolled_back, False
+        if first and list(tokens) == self.prompt and parents is None and logits_from == len(self.prompt) - 1:
+            if sent is not None:
+                sent()
+            return self.prefill.clone()
+        if first:
+            super().reset()
+        return await super().forward(tokens, parents, logits_from, sent=sent)
+
+
+@cache
+def reference(directory: Path, prompt: tuple[int, ...], n: int) -> list[int]:
+    """transformers' greedy output (:func:`local_greedy`), computed once per checkpoint, prompt and length."""
+    return local_greedy(directory, list(prompt), n)
+
+
 async def run(
     model: FullModel,
     mode: str,
@@ -57,15 +101,18 @@ async def run(
     trace: list[SpecStep] | None = None,
     budget: int = 4,
     read: int | None = None,
+    verifier: LocalSequence | None = None,
 ) -> list[int]:
     """``auto`` runs the adaptive controller; a single drafter always drafts ``budget`` tokens.
 
-    ``read``: stop after that many tokens (no step runs for the ones after them).
+    ``read``: stop after that many tokens (no step runs for the ones after them). ``verifier``: the
+    sequence to decode on (default: a fresh ``LocalSequence(model)``).
     """
     generator = torch.Generator().manual_seed(seed)
     drafters = make_drafters(mode, params, draft, generator)
     policy: SpeculationPolicy = SpeculationController(list(drafters)) if mode == "auto" else FixedPolicy(mode, budget)
-    out = speculative_decode(LocalSequence(model), prompt, n, params, generator, drafters, policy, trace=trace)
+    verifier = LocalSequence(model) if verifier is None else verifier
+    out = speculative_decode(verifier, prompt, n, params, generator, drafters, policy, trace=trace)
     tokens = []
     async for token in out:
         tokens.append(token)
@@ -95,7 +142,7 @@ async def test_decode_tells_the_controller_how_deep_each_drafter_reaches(make_ch
     ctl = SpeculationController(list(drafters), budgets=(1, 2, 4, 8, 16))
     generator = torch.Generator()
     out = speculative_decode(LocalSequence(full(directory)), PROMPT, 12, SamplingParams(), generator, drafters, ctl)
-    assert [token async for token in out] == local_greedy(directory, PROMPT, 12)
+    assert [token async for token in out] == reference(directory, tuple(PROMPT), 12)
     assert (ctl.reach("ngram"), ctl.reach("prompt-lookup")) == (3, None)
     assert ctl.alphas("ngram", 16)[3:] == [0.0] * 13
     assert ctl.expected_accepted("ngram", 16) == pytest.approx(ctl.expected_accepted("ngram", 4))
@@ -132,7 +179,7 @@ async def test_greedy_speculation_is_token_identical(
     draft = full(make_checkpoint(family, layers=2, seed=99))
     trace: list[SpecStep] = []
     out = await run(full(directory), mode, PROMPT, 40, SamplingParams(), draft=draft, trace=trace)
-    assert out == local_greedy(directory, PROMPT, 40)
+    assert out == reference(directory, tuple(PROMPT), 40)
     assert any(s.draft_tokens > 0 for s in trace), "the drafter never drafted"
     if mode in ("ngram", "prompt-lookup", "mix"):
         assert sum(s.accepted for s in trace) > 0  # repetitive random-model output is easy to draft
@@ -148,7 +195,7 @@ async def test_tree_shapes_are_token_identical(make_checkpoint: Callable[..., Pa
     gen = speculative_decode(
         LocalSequence(model), PROMPT, 40, SamplingParams(), torch.Generator(), drafters, controller, trace=trace
     )
-    assert [t async for t in gen] == local_greedy(directory, PROMPT, 40)
+    assert [t async for t in gen] == reference(directory, tuple(PROMPT), 40)
     assert max(s.draft_tokens for s in trace) >= 8
 
 
@@ -181,10 +228,13 @@ async def test_speculative_sampling_keeps_the_model_law(make_checkpoint: Callabl
     n = 1000
     counts: Counter[tuple[int, int]] = Counter()
     drafted = 0
+    verifier = PromptOnceSequence(model, prompt)  # each run draws what it would on a fresh LocalSequence(model)
     for seed in range(n):
         trace: list[SpecStep] = []
         # 3 tokens leave room for a draft of 1 after the first; the law of the first two needs no step after theirs
-        out = await run(model, mode, prompt, 3, params, seed=seed, draft=draft, trace=trace, budget=2, read=2)
+        out = await run(
+            model, mode, prompt, 3, params, seed=seed, draft=draft, trace=trace, budget=2, read=2, verifier=verifier
+        )
         counts[(out[0], out[1])] += 1
         drafted += trace[0].draft_tokens > 0
     assert drafted > n // 2, "the second token must mostly come from a verified draft"

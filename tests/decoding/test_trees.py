@@ -29,6 +29,7 @@ from splitspec.models.checkpoint import Checkpoint
 from splitspec.models.loading import load_full
 from splitspec.models.stack import FullModel
 from tests.conftest import joint_law_pvalue, law_fit_pvalue, local_greedy
+from tests.decoding.test_speculative import PromptOnceSequence
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9]
 
@@ -352,14 +353,13 @@ async def test_sampled_draft_model_trees_keep_the_model_law(
     n = 1000
     counts: Counter[tuple[int, int]] = Counter()
     branched = 0
+    verifier = PromptOnceSequence(model, prompt)  # each run draws what it would on a fresh LocalSequence(model)
     for seed in range(n):
         generator = torch.Generator().manual_seed(seed)
         drafter = Recording(
             DraftModel(draft, draft_params, torch.Generator().manual_seed(10_000 + seed), top_k=3, depth=3)
         )
-        out = speculative_decode(
-            LocalSequence(model), prompt, 6, params, generator, {"draft": drafter}, FixedPolicy("draft", 4)
-        )
+        out = speculative_decode(verifier, prompt, 6, params, generator, {"draft": drafter}, FixedPolicy("draft", 4))
         tokens = []
         async for token in out:  # 6 tokens leave room for a tree of 4 after the first; read two, no step after
             tokens.append(token)

@@ -39,6 +39,7 @@ from splitspec.models.draft_vocab import with_draft_vocab
 from splitspec.models.loading import load_full
 from splitspec.models.train_draft_head import LocalFeatures, TrainConfig, local_source, train
 from tests.conftest import TOKENIZER_TEXT, joint_law_pvalue, local_greedy
+from tests.decoding.test_speculative import PromptOnceSequence
 from tests.e2e.test_trunk_fingerprint import edge_only_copy
 
 LAYERS = 6
@@ -230,9 +231,9 @@ async def test_the_heads_sampled_trees_keep_the_model_law(
     n = 1000
     counts: Counter[tuple[int, int]] = Counter()
     branched = 0
+    # each run draws what it would on a fresh LocalSequence(model) keeping the head's features
+    verifier = PromptOnceSequence(model, prompt, head.config.feature_layers)
     for seed in range(n):
-        verifier = LocalSequence(model)
-        verifier.keep_features(head.config.feature_layers)
         inner = EagleDrafter(head, lambda: model, verifier, params, torch.Generator().manual_seed(10_000 + seed), 3, 3)
         drafter = Recording(inner)
         trace: list[SpecStep] = []

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 from collections import Counter
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,12 @@ from tests.conftest import law_fit_pvalue, local_greedy, local_model
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 61, 30, 12, 7]
 
 
+@cache
+def reference(model: Path, n: int) -> list[int]:
+    """transformers' greedy output of ``n`` tokens after PROMPT (:func:`local_greedy`), once per checkpoint."""
+    return local_greedy(model, PROMPT, n)
+
+
 def cloud_config(model: Path, **kw: object) -> CloudConfig:
     return CloudConfig(model_dir=model, port=0, **kw)  # type: ignore[arg-type]
 
@@ -31,7 +38,7 @@ async def test_greedy_split_equals_local_generate(
     make_checkpoint: Callable[..., Path], family: str, split: tuple[int, int]
 ) -> None:
     model = make_checkpoint(family, sharded=(family == "llama"))
-    expected = local_greedy(model, PROMPT, 24)
+    expected = reference(model, 24)
     async with TrunkServer(cloud_config(model, edge_layers=split)) as server:
         async with SplitClient(
             EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, edge_layers=split)

@@ -86,9 +86,10 @@ def test_int8_wire_keeps_the_shipped_models_output(name: str) -> None:
 
 
 def test_bf16_wire_is_closer_than_int8() -> None:
+    """Over 4 held-out windows (1,024 tokens): the 99th percentiles come out as over 16 (bf16 ~5e-6, int8 ~3e-5)."""
     model, windows, _ = shipped("base")
-    bf16 = teacher_forced(model, windows[:16], CUTS["base"], codec_wire("bf16"))
-    int8 = teacher_forced(model, windows[:16], CUTS["base"], codec_wire("int8"))
+    bf16 = teacher_forced(model, windows[:4], CUTS["base"], codec_wire("bf16"))
+    int8 = teacher_forced(model, windows[:4], CUTS["base"], codec_wire("int8"))
     assert bf16.kl_p99 < int8.kl_p99 <= 1e-4
 
 
@@ -123,32 +124,32 @@ def edge_config(url: str, **kw: object) -> EdgeConfig:
     return EdgeConfig(model_dir=BASE, cloud_url=url, allow_stock_edge_weights=True, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("codec", ["int8", "bf16"])
-async def test_split_generation_over_the_codec_is_the_in_process_codec_run(codec: str) -> None:
-    """Over a real trunk server the edge's greedy output through ``codec`` is exactly the in-process
+async def test_split_generation_over_the_codec_is_the_in_process_codec_run() -> None:
+    """Over a real trunk server the edge's greedy output through each codec is exactly the in-process
     run with the same encode and decode at the split points, and the steps are the codec's size."""
     model, _, prompts = shipped("base")
     prompt = prompts[3]
-    cache_ = KVCache()
-    expected = [int(split_logits(model, prompt, CUTS["base"], codec_wire(codec), cache_)[-1].argmax())]
-    while len(expected) < 16:
-        expected.append(int(split_logits(model, expected[-1:], CUTS["base"], codec_wire(codec), cache_)[-1].argmax()))
     async with TrunkServer(CloudConfig(model_dir=BASE, port=0, dtype="float32", batching=False)) as server:
-        async with SplitClient(edge_config(server.url, wire_codec=codec)) as client:
-            result = await client.generate(prompt, 16, speculate="off", stop_token_ids=())
         async with SplitClient(edge_config(server.url)) as raw_client:
             raw = await raw_client.generate(prompt, 16, speculate="off", stop_token_ids=())
-    assert result.token_ids == expected
-    per_token = wire_bytes_per_token(codec, 256, torch.float32) + 8  # + int32 position and parent
-    assert per_token == {"int8": 256 + 32 + 32 + 8, "bf16": 512 + 8}[codec]
-    raw_per_token = 1024 + 8
-    header_slack = 400  # the JSON header: int8 describes three more tensors
-    for ours, theirs in ((result.steps[0], raw.steps[0]), (result.steps[-1], raw.steps[-1])):
-        q = ours.query_tokens
-        assert abs((ours.bytes_up - q * per_token) - (theirs.bytes_up - q * raw_per_token)) < header_slack
-        assert (
-            abs((ours.bytes_down - q * (per_token - 8)) - (theirs.bytes_down - q * (raw_per_token - 8))) < header_slack
-        )
+        for codec in ("int8", "bf16"):
+            cache_ = KVCache()
+            expected = [int(split_logits(model, prompt, CUTS["base"], codec_wire(codec), cache_)[-1].argmax())]
+            while len(expected) < 16:
+                step = split_logits(model, expected[-1:], CUTS["base"], codec_wire(codec), cache_)
+                expected.append(int(step[-1].argmax()))
+            async with SplitClient(edge_config(server.url, wire_codec=codec)) as client:
+                result = await client.generate(prompt, 16, speculate="off", stop_token_ids=())
+            assert result.token_ids == expected, codec
+            per_token = wire_bytes_per_token(codec, 256, torch.float32) + 8  # + int32 position and parent
+            assert per_token == {"int8": 256 + 32 + 32 + 8, "bf16": 512 + 8}[codec]
+            raw_per_token = 1024 + 8
+            header_slack = 400  # the JSON header: int8 describes three more tensors
+            for ours, theirs in ((result.steps[0], raw.steps[0]), (result.steps[-1], raw.steps[-1])):
+                q = ours.query_tokens
+                assert abs((ours.bytes_up - q * per_token) - (theirs.bytes_up - q * raw_per_token)) < header_slack
+                down, raw_down = ours.bytes_down - q * (per_token - 8), theirs.bytes_down - q * (raw_per_token - 8)
+                assert abs(down - raw_down) < header_slack
 
 
 async def test_a_float32_edge_and_a_bfloat16_trunk_meet_over_bf16() -> None:

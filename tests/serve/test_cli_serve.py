@@ -41,15 +41,17 @@ def readme_blocks() -> tuple[str, str]:
 
 
 @pytest.mark.slow
-def test_serve_process_answers_the_readme_examples(
-    stack: Stack, chat_model: Path, capsys: pytest.CaptureFixture[str]
+def test_serve_process_answers_the_readme_examples_and_forces_tool_calls(
+    tool_stack: Stack, tool_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """One process, the tool-calling checkpoint served with ``--tool-call-parser hermes``: the README's curl and
+    openai examples, a forced tool call and a JSON-schema answer; SIGINT stops it with status 130."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(chat_model),
-         "--cloud", f"ws://127.0.0.1:{stack.trunk_port}", "--served-model-name", "splitspec",
-         "--port", str(port), "--allow-stock-edge-weights", "--threads", "1"],
+        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(tool_model),
+         "--cloud", f"ws://127.0.0.1:{tool_stack.trunk_port}", "--served-model-name", "splitspec",
+         "--port", str(port), "--allow-stock-edge-weights", "--threads", "1", "--tool-call-parser", "hermes"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -75,47 +77,21 @@ def test_serve_process_answers_the_readme_examples(
         exec(compile(example.replace(README_URL, base), "README", "exec"), {})
         printed = capsys.readouterr().out
         assert printed.strip(), "the README example printed no reply"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(30)
-    assert code == 130  # uvicorn shut down cleanly, then main's KeyboardInterrupt exit status
 
-
-@pytest.mark.slow
-def test_serve_process_forces_tool_calls_and_schemas(tool_stack: Stack, tool_model: Path) -> None:
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(tool_model),
-         "--cloud", f"ws://127.0.0.1:{tool_stack.trunk_port}", "--served-model-name", "tools",
-         "--port", str(port), "--allow-stock-edge-weights", "--threads", "1", "--tool-call-parser", "hermes"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "splitspec serve did not come up"
-            time.sleep(0.2)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         ask: list[Any] = [{"role": "user", "content": "to be"}]
-        reply = client.chat.completions.create(model="tools", messages=ask, tools=[WEATHER], tool_choice="required",
-                                               max_tokens=60, temperature=0)  # fmt: skip
+        reply = client.chat.completions.create(model="splitspec", messages=ask, tools=[WEATHER],
+                                               tool_choice="required", max_tokens=60, temperature=0)  # fmt: skip
         calls = reply.choices[0].message.tool_calls or []
         assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
         jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])  # type: ignore[union-attr]
         fmt: Any = {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}
-        answer = client.chat.completions.create(model="tools", messages=ask, response_format=fmt, max_tokens=60)
+        answer = client.chat.completions.create(model="splitspec", messages=ask, response_format=fmt, max_tokens=60)
         jsonschema.validate(json.loads(answer.choices[0].message.content or ""), SCHEMA)
     finally:
         proc.send_signal(signal.SIGINT)
         code = proc.wait(30)
-    assert code == 130
+    assert code == 130  # uvicorn shut down cleanly, then main's KeyboardInterrupt exit status
 
 
 def test_serve_cli_refuses_bad_options(tmp_path: Path, chat_model: Path) -> None:

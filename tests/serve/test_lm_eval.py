@@ -1,25 +1,22 @@
-"""lm-evaluation-harness (``lm-eval run --model local-completions``) scores a multiple-choice task
-against a ``splitspec serve`` process: its per-item loglikelihoods and its accuracy equal what
-transformers computes on the whole model here. The task and its data are written by the test (no
-download); lm-eval finds the server's tokenizer through /tokenizer_info and /tokenize."""
+"""lm-evaluation-harness (``lm-eval run --model local-completions``, as a process) scores a multiple-choice
+task against ``splitspec serve`` (the shared stack's server, over loopback HTTP; tests/serve/test_cli_serve.py
+runs the command itself): its per-item loglikelihoods and its accuracy equal what transformers computes on the
+whole model here. The task and its data are written by the test (no download); lm-eval finds the server's
+tokenizer through /tokenizer_info and /tokenize."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from splitspec.demo import free_port
 from tests.conftest import local_model
 from tests.serve.conftest import MODEL_NAME, Stack
 
@@ -46,6 +43,16 @@ metric_list:
   - metric: acc
 """
 
+# ``lm-eval run`` (its own CLI, in a process of its own), less one thing: every TaskManager first indexes lm-eval's
+# ~14,000 built-in task YAMLs, most of the command's time; the task here is ours, from --include_path
+LM_EVAL_RUN = (
+    "import lm_eval.tasks\n"
+    "from lm_eval.__main__ import cli_evaluate\n"
+    "init = lm_eval.tasks.TaskManager.__init__\n"
+    "lm_eval.tasks.TaskManager.__init__ = lambda self, *a, **kw: init(self, *a, **{'include_defaults': False, **kw})\n"
+    "cli_evaluate()\n"
+)
+
 
 def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-eval's split of a request into context and continuation tokens (trailing spaces move right)."""
@@ -57,25 +64,6 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
     return ctx, whole[len(ctx) :]
 
 
-def serve(model: Path, trunk_port: int, port: int) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(model),
-         "--cloud", f"ws://127.0.0.1:{trunk_port}", "--served-model-name", MODEL_NAME,
-         "--port", str(port), "--allow-stock-edge-weights", "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "splitspec serve did not come up"
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_lm_eval_multiple_choice_matches_the_local_model(stack: Stack, chat_model: Path, tmp_path: Path) -> None:
     data = tmp_path / "docs.jsonl"
@@ -83,23 +71,17 @@ def test_lm_eval_multiple_choice_matches_the_local_model(stack: Stack, chat_mode
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / f"{TASK}.yaml").write_text(TASK_YAML.format(data=data))
-    port = free_port()
-    proc = serve(chat_model, stack.trunk_port, port)
-    try:
-        env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        out = tmp_path / "out"
-        run = subprocess.run(
-            [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
-             f"model={MODEL_NAME},base_url=http://127.0.0.1:{port}/v1/completions,num_concurrent=1,max_retries=1",
-             "--tasks", TASK, "--include_path", str(tasks), "--batch_size", "3", "--log_samples",
-             "--output_path", str(out)],
-            capture_output=True, text=True, timeout=600, env=env,
-        )  # fmt: skip
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        assert "remote tokenizer" in run.stdout + run.stderr  # lm-eval used the server's own tokenizer
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-c", LM_EVAL_RUN, "run", "--model", "local-completions", "--model_args",
+         f"model={MODEL_NAME},base_url={stack.base_url}/completions,num_concurrent=1,max_retries=1",
+         "--tasks", TASK, "--include_path", str(tasks), "--batch_size", "3", "--log_samples",
+         "--output_path", str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "remote tokenizer" in run.stdout + run.stderr  # lm-eval used the server's own tokenizer
     (samples_file,) = out.rglob(f"samples_{TASK}_*.jsonl")
     (results_file,) = out.rglob("results_*.json")
     samples = [json.loads(line) for line in samples_file.read_text().splitlines()]

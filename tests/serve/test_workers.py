@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from splitspec.cli import main
 from splitspec.demo import free_port
 from splitspec.exceptions import ConfigError
 from splitspec.serve.config import ServeConfig
@@ -99,18 +101,17 @@ def test_two_workers_share_a_port_answer_alike_and_are_restarted(stack: Stack, c
 
 
 @pytest.mark.slow
-def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path) -> None:
+def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """No model in the directory: the first worker fails while loading, and the supervisor exits 1
-    instead of restarting it for ever."""
+    instead of restarting it for ever. The command runs here (its supervisor in this process, spawning
+    the two worker processes); the test above runs it as a process of its own."""
     port = free_port()
-    out = subprocess.run(
-        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(tmp_path),
-         "--cloud", "ws://127.0.0.1:9", "--port", str(port), "--allow-stock-edge-weights", "--workers", "2"],
-        capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert out.returncode == 1, out.stderr
-    assert "while starting" in out.stderr
-    assert "restarting" not in out.stderr
+    with caplog.at_level(logging.INFO, logger="splitspec.serve.workers"):
+        code = main(["--log-level", "WARNING", "serve", "--model", str(tmp_path), "--cloud", "ws://127.0.0.1:9",
+                     "--port", str(port), "--allow-stock-edge-weights", "--workers", "2"])  # fmt: skip
+    assert code == 1, caplog.text
+    assert "while starting" in caplog.text
+    assert "restarting" not in caplog.text
 
 
 def test_workers_share_one_port_and_refuse_one_taken_without_reuse() -> None:
