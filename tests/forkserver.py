@@ -45,6 +45,8 @@ PRELOAD = (
     "matplotlib",
     "numpy",
 )
+# Variables that differ from test to test but that no library reads at import: not a reason for another server
+_PER_TEST = frozenset({"PYTEST_CURRENT_TEST"})
 KEPT_SERVERS = 2  # servers kept per test process (environments differ: each test's HF cache is its own)
 
 # The server: argv[1] is the JSON list of modules to preload, argv[2] and argv[3] the files that get what the
@@ -206,7 +208,7 @@ def run_forked(
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run ``runs`` at once, each a process of its own, in ``env`` (default: this process's environment)."""
     environment = dict(os.environ if env is None else env)
-    key = tuple(sorted(environment.items()))
+    key = tuple(sorted((k, v) for k, v in environment.items() if k not in _PER_TEST))
     with _lock:
         server = _servers.pop(key, None)
         if server is None or server.process.poll() is not None:
