@@ -9,13 +9,12 @@ another one was imported first fails here.
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import splitspec
+from tests.forkserver import Run, run_forked
 
 SRC = Path(splitspec.__file__).parent
 
@@ -143,8 +142,10 @@ def test_nothing_imports_the_command() -> None:
 
 
 @pytest.mark.slow  # one interpreter importing every module afresh: seconds on a quiet machine, minutes on a busy one
-def test_every_module_imports_on_its_own() -> None:
-    """Each module imported first, in a fresh set of splitspec modules (one interpreter for speed)."""
+def test_every_module_imports_on_its_own(tmp_path: Path) -> None:
+    """Each module imported first, in a fresh set of splitspec modules (one process for speed, forked from the test
+    worker's fork server, tests/forkserver.py: torch, transformers and matplotlib are imported already, as they are
+    for every module but the first in one interpreter)."""
     code = "\n".join(
         [
             "import importlib, sys",
@@ -159,7 +160,10 @@ def test_every_module_imports_on_its_own() -> None:
             "print('\\n'.join(failed))",
         ]
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=True)
+    script = tmp_path / "import_each.py"
+    script.write_text(code + "\n")
+    (out,) = run_forked([Run([], script=script)], timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == ""
 
 

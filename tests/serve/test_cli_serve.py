@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 
 from splitspec.cli import main
 from splitspec.demo import free_port
+from tests.commands import run_commands
 from tests.serve.conftest import Stack
 from tests.serve.test_tools_api import SCHEMA, WEATHER
 
@@ -48,49 +50,59 @@ def test_serve_process_answers_the_readme_examples_and_forces_tool_calls(
     openai examples, a forced tool call and a JSON-schema answer; SIGINT stops it with status 130."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(tool_model),
-         "--cloud", f"ws://127.0.0.1:{tool_stack.trunk_port}", "--served-model-name", "splitspec",
-         "--port", str(port), "--allow-stock-edge-weights", "--threads", "1", "--tool-call-parser", "hermes"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "splitspec serve did not come up"
-            time.sleep(0.2)
-        curl, example = readme_blocks()
-        if shutil.which("curl"):
-            command = shlex.split(curl.replace(README_URL, base))
-            out = subprocess.run(command, capture_output=True, text=True, timeout=60)
-            reply = json.loads(out.stdout)
-            assert reply["object"] == "chat.completion"
-            assert reply["model"] == "splitspec"
-            assert reply["usage"]["completion_tokens"] <= 32
-        capsys.readouterr()
-        exec(compile(example.replace(README_URL, base), "README", "exec"), {})
-        printed = capsys.readouterr().out
-        assert printed.strip(), "the README example printed no reply"
+    args = ["--log-level", "WARNING", "serve", "--model", str(tool_model),
+            "--cloud", f"ws://127.0.0.1:{tool_stack.trunk_port}", "--served-model-name", "splitspec",
+            "--port", str(port), "--allow-stock-edge-weights", "--threads", "1",
+            "--tool-call-parser", "hermes"]  # fmt: skip
+    pid = None
+    with ThreadPoolExecutor(1) as runner:
+        # a process of its own, forked from this test worker's fork server (tests/forkserver.py: the command's imports
+        # are paid once per test worker); it is killed past the timeout
+        run = runner.submit(lambda: run_commands([args], timeout=290)[0])  # pytest-timeout: 300 s
+        try:
+            deadline = time.monotonic() + 120
+            with httpx.Client() as http:  # one client: httpx.get builds a TLS context a call, ~80 ms of CPU each
+                while True:
+                    if run.done():
+                        out = run.result()
+                        raise AssertionError(f"splitspec serve ended ({out.returncode}): {out.stderr[-3000:]}")
+                    try:
+                        health = http.get(f"{base}/health", timeout=1)
+                        if health.status_code == 200:
+                            pid = int(health.json()["pid"])
+                            break
+                    except httpx.TransportError:
+                        pass
+                    assert time.monotonic() < deadline, "splitspec serve did not come up"
+                    time.sleep(0.2)
+            assert pid != os.getpid()
+            curl, example = readme_blocks()
+            if shutil.which("curl"):
+                command = shlex.split(curl.replace(README_URL, base))
+                out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+                reply = json.loads(out.stdout)
+                assert reply["object"] == "chat.completion"
+                assert reply["model"] == "splitspec"
+                assert reply["usage"]["completion_tokens"] <= 32
+            capsys.readouterr()
+            exec(compile(example.replace(README_URL, base), "README", "exec"), {})
+            printed = capsys.readouterr().out
+            assert printed.strip(), "the README example printed no reply"
 
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        ask: list[Any] = [{"role": "user", "content": "to be"}]
-        reply = client.chat.completions.create(model="splitspec", messages=ask, tools=[WEATHER],
-                                               tool_choice="required", max_tokens=60, temperature=0)  # fmt: skip
-        calls = reply.choices[0].message.tool_calls or []
-        assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
-        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])  # type: ignore[union-attr]
-        fmt: Any = {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}
-        answer = client.chat.completions.create(model="splitspec", messages=ask, response_format=fmt, max_tokens=60)
-        jsonschema.validate(json.loads(answer.choices[0].message.content or ""), SCHEMA)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(30)
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+            ask: list[Any] = [{"role": "user", "content": "to be"}]
+            reply = client.chat.completions.create(model="splitspec", messages=ask, tools=[WEATHER],
+                                                   tool_choice="required", max_tokens=60, temperature=0)  # fmt: skip
+            calls = reply.choices[0].message.tool_calls or []
+            assert [c.function.name for c in calls] == ["get_weather"]  # type: ignore[union-attr]
+            jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])  # type: ignore[union-attr]
+            fmt: Any = {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}
+            answer = client.chat.completions.create(model="splitspec", messages=ask, response_format=fmt, max_tokens=60)
+            jsonschema.validate(json.loads(answer.choices[0].message.content or ""), SCHEMA)
+        finally:
+            if pid is not None:  # else the run ends at its timeout
+                os.kill(pid, signal.SIGINT)
+        code = run.result().returncode
     assert code == 130  # uvicorn shut down cleanly, then main's KeyboardInterrupt exit status
 
 

@@ -2,44 +2,74 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
-from splitspec.cli import main
 from splitspec.demo import free_port
 from splitspec.exceptions import ConfigError
 from splitspec.serve.config import ServeConfig
 from splitspec.serve.workers import Supervisor, claim_port, resolve_port, reuse_port_socket, watch_parent
+from tests.commands import run_commands
 from tests.serve.conftest import MODEL_NAME, Stack
 
 PROMPTS = ["to be or not", "the quick brown", "once upon a time", "all the world"]
 
 
-def worker_pids(base: str, tries: int = 40) -> set[int]:
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    """One client for the requests here, each on a connection of its own (none is kept alive, so the kernel spreads
+    them over the workers). ``httpx.get`` builds a client per request, and its TLS context from the CA bundle: ~80 ms
+    of CPU a request, 17 s in all beside the workers starting."""
+    with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        yield client
+
+
+def worker_pids(http: httpx.Client, base: str, tries: int = 40) -> set[int]:
     """The pids that answer /health over ``tries`` fresh connections (the kernel spreads them)."""
     pids = set()
     for _ in range(tries):
-        pids.add(int(httpx.get(f"{base}/health", timeout=5).json()["pid"]))
+        pids.add(int(http.get(f"{base}/health", timeout=5).json()["pid"]))
     return pids
 
 
-def wait_for_workers(base: str, proc: subprocess.Popen[str], count: int, timeout_s: float = 180) -> set[int]:
+def command(runner: ThreadPoolExecutor, args: list[str], timeout: float) -> Future[subprocess.CompletedProcess[str]]:
+    """``splitspec *args`` as a process of its own, forked from this test worker's fork server (tests/forkserver.py:
+    the command's imports are paid once per test worker); the future holds its exit status and output once it ends
+    (it is killed past ``timeout`` seconds)."""
+    return runner.submit(lambda: run_commands([args], timeout=timeout)[0])
+
+
+def still_running(run: Future[subprocess.CompletedProcess[str]]) -> bool:
+    if run.done():
+        out = run.result()
+        raise AssertionError(f"the command ended ({out.returncode}): {(out.stdout + out.stderr)[-3000:]}")
+    return True
+
+
+def parent_of(pid: int) -> int:
+    """The parent process of ``pid`` (Linux's /proc, as the workers' SO_REUSEPORT)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (comm) state": the parent's pid
+
+
+def wait_for_workers(
+    http: httpx.Client, base: str, run: Future[subprocess.CompletedProcess[str]], count: int, timeout_s: float = 180
+) -> set[int]:
     deadline = time.monotonic() + timeout_s
     while True:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        assert still_running(run)
         try:
-            pids = worker_pids(base, 20)
+            pids = worker_pids(http, base, 20)
             if len(pids) >= count:
                 return pids
         except httpx.TransportError:
@@ -48,70 +78,76 @@ def wait_for_workers(base: str, proc: subprocess.Popen[str], count: int, timeout
         time.sleep(0.3)
 
 
-def complete(base: str, prompt: str) -> str:
+def complete(http: httpx.Client, base: str, prompt: str) -> str:
     body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0}
-    reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)  # a fresh connection each
+    reply = http.post(f"{base}/v1/completions", json=body, timeout=60)  # a fresh connection each
     reply.raise_for_status()
     return str(reply.json()["choices"][0]["text"])
 
 
 @pytest.mark.slow
-def test_two_workers_share_a_port_answer_alike_and_are_restarted(stack: Stack, chat_model: Path) -> None:
+def test_two_workers_share_a_port_answer_alike_and_are_restarted(
+    stack: Stack, chat_model: Path, http: httpx.Client
+) -> None:
     """Both workers answer (two pids behind one port); greedy completions through them equal the
     in-process server's; a worker SIGKILLed is replaced; SIGINT stops the lot with status 130."""
-    alone = {p: complete(stack.base_url.removesuffix("/v1"), p) for p in PROMPTS}
+    alone = {p: complete(http, stack.base_url.removesuffix("/v1"), p) for p in PROMPTS}
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "splitspec.cli", "--log-level", "WARNING", "serve", "--model", str(chat_model),
-         "--cloud", f"ws://127.0.0.1:{stack.trunk_port}", "--served-model-name", MODEL_NAME,
-         "--port", str(port), "--allow-stock-edge-weights", "--threads", "1", "--workers", "2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        pids = wait_for_workers(base, proc, 2)
-        assert len(pids) == 2
-        assert proc.pid not in pids  # the supervisor serves nothing itself
-        with ThreadPoolExecutor(8) as pool:
-            texts = list(pool.map(lambda p: complete(base, p), PROMPTS * 2))
-        assert texts == [alone[p] for p in PROMPTS * 2]
-        labels = set()  # each scrape reaches one worker; its samples say which
-        for _ in range(40):
-            page = httpx.get(f"{base}/metrics", timeout=5).text
-            labels |= set(re.findall(r'^splitspec_serve_requests_total\{[^}]*worker="(\d+)"', page, re.MULTILINE))
-        assert labels == {"0", "1"}
-        killed = min(pids)
-        os.kill(killed, signal.SIGKILL)
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                now = worker_pids(base, 20)
-            except httpx.TransportError:  # a connection the kernel had queued on the killed worker is reset
-                now = set()
-            if len(now) == 2 and killed not in now:
-                break
-            assert proc.poll() is None
-            assert time.monotonic() < deadline, "the killed worker was not replaced"
-            time.sleep(0.5)
-        assert complete(base, PROMPTS[0]) == alone[PROMPTS[0]]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(60)
-    assert code == 130
+    args = ["--log-level", "WARNING", "serve", "--model", str(chat_model),
+            "--cloud", f"ws://127.0.0.1:{stack.trunk_port}", "--served-model-name", MODEL_NAME,
+            "--port", str(port), "--allow-stock-edge-weights", "--threads", "1", "--workers", "2"]  # fmt: skip
+    supervisor = None
+    with ThreadPoolExecutor(1) as runner:
+        run = command(runner, args, timeout=290)  # pytest-timeout stops the test at 300 s
+        try:
+            pids = wait_for_workers(http, base, run, 2)
+            assert len(pids) == 2
+            supervisor = parent_of(min(pids))
+            assert parent_of(max(pids)) == supervisor != os.getpid()  # the command's process started both
+            assert supervisor not in pids  # the supervisor serves nothing itself
+            with ThreadPoolExecutor(8) as pool:
+                texts = list(pool.map(lambda p: complete(http, base, p), PROMPTS * 2))
+            assert texts == [alone[p] for p in PROMPTS * 2]
+            labels = set()  # each scrape reaches one worker; its samples say which
+            for _ in range(40):
+                page = http.get(f"{base}/metrics", timeout=5).text
+                labels |= set(re.findall(r'^splitspec_serve_requests_total\{[^}]*worker="(\d+)"', page, re.MULTILINE))
+            assert labels == {"0", "1"}
+            killed = min(pids)
+            os.kill(killed, signal.SIGKILL)
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    now = worker_pids(http, base, 20)
+                except httpx.TransportError:  # a connection the kernel had queued on the killed worker is reset
+                    now = set()
+                if len(now) == 2 and killed not in now:
+                    break
+                assert still_running(run)
+                assert time.monotonic() < deadline, "the killed worker was not replaced"
+                time.sleep(0.5)
+            assert complete(http, base, PROMPTS[0]) == alone[PROMPTS[0]]
+        finally:
+            if supervisor is not None:  # else the run ends at its timeout
+                os.kill(supervisor, signal.SIGINT)
+        out = run.result()
+    assert out.returncode == 130, out.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path: Path) -> None:
     """No model in the directory: the first worker fails while loading, and the supervisor exits 1
-    instead of restarting it for ever. The command runs here (its supervisor in this process, spawning
-    the two worker processes); the test above runs it as a process of its own."""
+    instead of restarting it for ever."""
     port = free_port()
-    with caplog.at_level(logging.INFO, logger="splitspec.serve.workers"):
-        code = main(["--log-level", "WARNING", "serve", "--model", str(tmp_path), "--cloud", "ws://127.0.0.1:9",
-                     "--port", str(port), "--allow-stock-edge-weights", "--workers", "2"])  # fmt: skip
-    assert code == 1, caplog.text
-    assert "while starting" in caplog.text
-    assert "restarting" not in caplog.text
+    (out,) = run_commands(
+        [["--log-level", "WARNING", "serve", "--model", str(tmp_path), "--cloud", "ws://127.0.0.1:9",
+          "--port", str(port), "--allow-stock-edge-weights", "--workers", "2"]],
+        timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "while starting" in out.stderr
+    assert "restarting" not in out.stderr
 
 
 def test_workers_share_one_port_and_refuse_one_taken_without_reuse() -> None:
