@@ -19,8 +19,9 @@ warm-up's. Server RSS is sampled from /proc every 20 ms: growth = peak during th
 the RSS just before it, reported in MB per hostile connection. For hostile connections the server
 closes, the time from the connection's last byte sent to its close is recorded against the
 handshake deadline; in ``unauth_max_frame`` and ``idle_flood`` every hostile connection must be
-refused at connect or closed by the server within the deadline (a connection still open when the
-watch ends, ``handshake_timeout + 20`` s, fails the run: it has no close time to check).
+refused at connect or closed by the server within the deadline, plus ``--close-slack-s`` (1 s) for this
+process to notice the close (a connection still open when the watch ends, ``handshake_timeout + 20`` s,
+fails the run: it has no close time to check).
 Scenarios are interleaved over ``--repeats`` rounds; medians are reported.
 A scenario's RSS growth is measured on a server that ran the previous ones (memory they freed may
 be reused, so growth is a lower bound there; RSS never shrank between scenarios in our runs).
@@ -371,7 +372,8 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> list[dict[str, Any]]
                 "close_median_s": statistics.median(latencies) if latencies else None,
                 "close_max_s": max(latencies) if latencies else None,
                 "never_closed": never_closed,  # summed over the repeats
-                "within_deadline": never_closed == 0 and all(x <= args.handshake_timeout + 1.0 for x in latencies),
+                "within_deadline": never_closed == 0
+                and all(x <= args.handshake_timeout + args.close_slack_s for x in latencies),
                 "close_codes": sorted({c for r in group for c in r.close_codes}),
                 "sessions_held": statistics.median(r.sessions_held for r in group),
             }
@@ -411,7 +413,8 @@ def write_report(runs: list[Run], rows: list[dict[str, Any]], args: argparse.Nam
         f"handshake deadline {args.handshake_timeout:g} s, {args.max_message_mb} MiB message cap) per repeat, "
         "scenarios in a rotated order; "
         f"a legitimate greedy generation of {args.tokens} tokens from 127.0.0.1 (speculation off) while N hostile "
-        f"clients connect from 127.0.0.2; {args.repeats} interleaved repeats, medians.",
+        f'clients connect from 127.0.0.2; {args.repeats} interleaved repeats, medians. "Within deadline": every '
+        f"hostile connection refused, or its close seen here at most {args.close_slack_s:g} s past the deadline.",
         "",
         "| scenario | N | legit output identical | legit time vs baseline | server RSS growth, MB | "
         "MB per hostile connection | refused at connect | closed by server | close time median / max, s | "
@@ -465,6 +468,13 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16, help="tokens the legitimate client generates")
     parser.add_argument("--handshake-timeout", type=float, default=10.0, help="the server's handshake deadline, s")
     parser.add_argument("--max-message-mb", type=int, default=16, help="the server's message cap, MiB")
+    parser.add_argument(
+        "--close-slack-s",
+        type=float,
+        default=1.0,
+        help="seconds past the handshake deadline a close may be seen and count as within it (default 1: this "
+        "process notices a close when its event loop, shared with the legitimate client, gets to it)",
+    )
     parser.add_argument(
         "--settle-s",
         type=float,

@@ -14,7 +14,7 @@ from tests.bench.scripts import run_script
 # fmt: off
 SCRIPTS: dict[str, list[str]] = {
     "abuse": ["--hostile", "2", "--hog", "2", "--repeats", "1", "--tokens", "4", "--handshake-timeout", "1",
-              "--settle-s", "0.25"],
+              "--settle-s", "0.25", "--close-slack-s", "5"],
     "auto_floor": ["--repeats", "1", "--rtt-ms", "20", "--answers", "16", "--long-tokens", "300"],
     "batched_attention": ["--baseline", "HEAD", "--repeats", "1", "--calls", "2", "--contexts", "16"],
     "controller_cost": ["--repeats", "1", "--calls", "20"],
