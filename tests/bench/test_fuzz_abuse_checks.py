@@ -231,7 +231,7 @@ def test_a_handler_past_its_deadline_is_a_hang(fuzz: ModuleType, peer: RaisingPe
 # -- abuse: every hostile connection closed ------------------------------------------------------------------------
 
 
-def abuse_rows(abuse: ModuleType, slack_s: float = 1.0, **hostile_run: Any) -> list[dict[str, Any]]:
+def abuse_rows(abuse: ModuleType, *, slack_s: float = 1.0, **hostile_run: Any) -> list[dict[str, Any]]:
     baseline = abuse.Run("baseline", 0, 0, legit_wall_s=1.0, identical=True)
     hostile = abuse.Run(repeat=0, legit_wall_s=1.0, identical=True, **hostile_run)
     args = argparse.Namespace(handshake_timeout=1.0, close_slack_s=slack_s)
@@ -250,10 +250,11 @@ def test_a_connection_the_server_never_closes_fails_the_run(abuse: ModuleType, s
 
 
 def test_closed_or_refused_connections_within_the_deadline_pass(abuse: ModuleType) -> None:
-    run = {"scenario": "idle_flood", "hostile": 3, "closed_by_server": 2, "refused_at_connect": 1}
+    run: dict[str, Any] = {"scenario": "idle_flood", "hostile": 3, "closed_by_server": 2, "refused_at_connect": 1}
     assert abuse.exit_status(abuse_rows(abuse, **run, close_latency_s=[0.9, 1.8])) == 0
     assert abuse.exit_status(abuse_rows(abuse, **run, close_latency_s=[0.9, 2.5])) == 1  # one closed late
     # seen 1.5 s past the deadline: late with the default slack, within it with --close-slack-s 2
     assert abuse.exit_status(abuse_rows(abuse, **run, close_latency_s=[0.9, 2.5], slack_s=2.0)) == 0
-    hog = {"scenario": "session_hog", "hostile": 2, "sessions_held": 8}  # hog connections stay open on purpose
+    # hog connections stay open on purpose
+    hog: dict[str, Any] = {"scenario": "session_hog", "hostile": 2, "sessions_held": 8}
     assert abuse.exit_status(abuse_rows(abuse, **hog)) == 0
