@@ -30,7 +30,10 @@ Repeats are interleaved (levels alternate direction, servers alternate order); m
 ratios are reported. Writes ``gateway_load.json``, ``gateway_load.md`` and ``gateway_load.png``.
 
     python benchmarks/gateway_load.py [--repeats 3] [--schedules queue streams] [--baseline 2499b7e]
-        [--out benchmarks/results/gateway]
+        [--levels 1 4 8 16 32] [--no-prefill] [--out benchmarks/results/gateway]
+
+A full run takes about 20 minutes on a 2-core machine; ``--levels 1 32 --no-prefill`` measures the lone stream and
+one level (the x32 figure) in about a third of that, for trying a change.
 """
 
 from __future__ import annotations
@@ -449,7 +452,7 @@ async def run_all(
     prefill: list[dict[str, Any]] = []
     control: list[dict[str, Any]] = []  # the same window with no long prompt
     for rep in range(args.repeats):
-        levels = list(LEVELS) if rep % 2 == 0 else list(reversed(LEVELS))
+        levels = sorted(args.levels) if rep % 2 == 0 else sorted(args.levels, reverse=True)
         for n in levels:
             labels = list(urls) if (rep + n) % 2 == 0 else list(reversed(urls))
             for label, schedule in level_runs(labels, args.schedules, n, rep):
@@ -460,6 +463,8 @@ async def run_all(
                 raw[label].append({**level, "repeat": rep})
                 print(f"  repeat {rep} {label} {n:>2} streams ({schedule}): {level['tokens_per_s']:.1f} tok/s, "
                       f"itl p99 {level['itl_p99_s'] * 1e3:.0f} ms", file=sys.stderr)  # fmt: skip
+        if args.no_prefill:
+            continue
         measured = await run_prefill_interference(urls["engine"], texts, long_text, args.max_tokens, burst)
         prefill.append({**measured, "repeat": rep})
         control.append({**await run_prefill_interference(urls["engine"], texts, None, args.max_tokens, burst,
@@ -483,6 +488,15 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument(
+        "--levels", type=int, nargs="+", default=list(LEVELS),
+        help="concurrent streams per level (default 1 4 8 16 32); 1, the lone stream every level is compared with, "
+        "is required",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-prefill", action="store_true",
+        help="skip the prefill-interference measure (16 streams beside a long prompt, and its control) of every repeat",
+    )  # fmt: skip
+    parser.add_argument(
         "--baseline", default=None, help="a commit whose `splitspec serve` runs beside, for the lone stream"
     )
     parser.add_argument(
@@ -495,14 +509,20 @@ def main() -> None:
     args = parser.parse_args()
     if len(set(args.schedules)) < len(args.schedules):
         parser.error(f"--schedules names a schedule twice: {' '.join(args.schedules)}")
+    if 1 not in args.levels or min(args.levels) < 1 or len(set(args.levels)) < len(args.levels):
+        named = " ".join(map(str, args.levels))
+        parser.error(f"--levels must include 1 and name distinct positive counts, got {named}")
     results: dict[str, Any] = {**run_environment(), "repeats": args.repeats, "requests": args.requests,
-                               "schedules": args.schedules, "workers": args.workers, "long_prompt": args.long_prompt,
+                               "schedules": args.schedules, "workers": args.workers,
+                               "levels": sorted(args.levels),
+                               **({} if args.no_prefill else {"long_prompt": args.long_prompt}),
                                "max_tokens": args.max_tokens, "baseline": args.baseline,
                                "command": "python benchmarks/gateway_load.py " + " ".join(sys.argv[1:])}  # fmt: skip
     with baseline_checkout(args.baseline) as src, tempfile.TemporaryDirectory() as work:
         base = embedded_model("base")
         positions = json.loads((base / "config.json").read_text())["max_position_embeddings"]
-        if args.long_prompt + 8 > positions:  # the prompt and its 4 tokens out, with room to spare
+        # the long prompt and its 4 tokens out, with room to spare
+        if not args.no_prefill and args.long_prompt + 8 > positions:
             base = extended_copy(base, Path(work) / "base")
             results["base_positions"] = POSITIONS  # what the copy declares (the report names it)
         procs, urls, pids = start_stack(args.rtt_ms, src, args.workers, base_dir=base)

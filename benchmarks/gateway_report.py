@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from gateway_load import LEVELS, lone_rate
+from gateway_load import lone_rate
 from gateway_measures import quantile
 
 # per-level figures of runs since 2026-12-04: throughput while every stream is active, vLLM's inter-token latency
@@ -76,7 +76,7 @@ def same_requests(runs: list[dict[str, Any]], n: int, schedule: str | None = Non
 def _rows(runs: list[dict[str, Any]], schedule: str) -> list[dict[str, Any]]:
     """The summary rows (one per level, medians over repeats) of ``runs``' levels of ``schedule``."""
     rows = []
-    for n in LEVELS:
+    for n in sorted({r["streams"] for r in runs}):
         mine = [r for r in runs if r["streams"] == n and schedule_of(r) == schedule]
         if not mine:
             continue
@@ -124,16 +124,18 @@ def summarise(raw: dict[str, Any], primary: str = "streams") -> dict[str, Any]:
         "x32 per repeat": by_n[32]["per_repeat_vs_1_stream"] if 32 in by_n else None,
         "itl p99 16 / 1 (target <= 2)": by_n[16]["itl_p99_vs_1_stream"] if 16 in by_n else None,
         "itl p99 16 / 1 per repeat": by_n[16]["per_repeat_itl_p99_vs_1_stream"] if 16 in by_n else None,
-        "prefill p99 / p50 (target <= 3)": statistics.median(p["ratio"] for p in raw["prefill"]),
+        # None: the run skipped the prefill measure (--no-prefill)
+        "prefill p99 / p50 (target <= 3)": _median([p["ratio"] for p in raw["prefill"]]) if raw["prefill"] else None,
     }
     if 16 in by_n and by_n[16].get("delivery_itl_p99_s") is not None:  # runs since 2026-12-04
         checks["x16 while all 16 streams are active"] = by_n[16]["vs_1_stream_active"]
         checks["x32 while all 32 streams are active"] = by_n[32]["vs_1_stream_active"] if 32 in by_n else None
         checks["itl p99 16 / 1, per delivery (vLLM's ITL)"] = by_n[16]["delivery_itl_p99_vs_1_stream"]
-        delivery = [p["delivery_ratio"] for p in raw["prefill"] if "delivery_ratio" in p]
-        checks["prefill p99 / p50, per delivery (vLLM's ITL)"] = _median(delivery)
-        control = [p["delivery_ratio"] for p in raw.get("prefill_control", []) if "delivery_ratio" in p]
-        checks["same window, no prefill: p99 / p50, per delivery"] = _median(control)
+        if raw["prefill"]:
+            delivery = [p["delivery_ratio"] for p in raw["prefill"] if "delivery_ratio" in p]
+            checks["prefill p99 / p50, per delivery (vLLM's ITL)"] = _median(delivery)
+            control = [p["delivery_ratio"] for p in raw.get("prefill_control", []) if "delivery_ratio" in p]
+            checks["same window, no prefill: p99 / p50, per delivery"] = _median(control)
     for schedule in others:  # the same levels under another schedule, in the same run
         for n in (16, 32):
             row = next((r for r in out[f"engine, {schedule}"] if r["streams"] == n), None)
@@ -182,7 +184,7 @@ def _batch_key(item: tuple[str, Any]) -> tuple[str, int]:
 def _long_prompt_sentence(results: dict[str, Any]) -> str:
     """The prefill-interference prompt's length and median prefill time, and the base copy both ends loaded when
     the prompt needed more positions than the demo base declares ("" for results from before they were recorded)."""
-    if "long_prompt" not in results:
+    if "long_prompt" not in results or not results["raw"]["prefill"]:  # before they were recorded; --no-prefill
         return ""
     seconds = statistics.median(p["prefill_s"] for p in results["raw"]["prefill"])
     sentence = f" The prefill-interference prompt: {results['long_prompt']} tokens (and prefilled in a median "

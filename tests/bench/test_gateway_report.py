@@ -111,6 +111,29 @@ def test_the_summary_reports_each_schedule_against_the_same_lone_stream(report: 
     assert "a copy of the base model declaring 4096 positions" in longer
 
 
+def test_a_run_of_chosen_levels_without_the_prefill_measure_reports_what_it_measured(report: ModuleType) -> None:
+    """``--levels 1 24 --no-prefill``: a 24-stream row (not one of the default levels) against the lone stream, no
+    x16/x32 and no prefill checks (not measured), and no prefill sentence."""
+    lone = lone_run(0, {0: 1.0, 1: 1.0})  # 64 tok/s
+    level: dict[str, Any] = {"streams": 24, "schedule": "queue", "repeat": 0, "tokens_per_s": 320.0, "prompts": [0, 1]}
+    for run in (lone, level):
+        run.update(schedule="queue", ttft_p50_s=0.1, ttft_p99_s=0.2, itl_p50_s=0.01, itl_p99_s=0.05, edge_batches={})
+    raw = {"levels": {"engine": [lone, level]}, "prefill": [], "prefill_control": []}
+    summary = report.summarise(raw, "queue")
+    assert [(r["streams"], r["vs_1_stream"]) for r in summary["engine"]] == [(1, 1.0), (24, pytest.approx(5.0))]
+    checks = summary["checks"]
+    assert checks["x16 (target >= 10)"] is None
+    assert checks["x32 (target >= 16)"] is None
+    assert checks["prefill p99 / p50 (target <= 3)"] is None
+    results = {"summary": summary, "commit": "abc", "baseline": None, "repeats": 1, "requests": 2, "max_tokens": 64,
+               "command": "python benchmarks/gateway_load.py --levels 1 24 --no-prefill", "platform": "test",
+               "cpu_count": 2, "schedules": ["queue"], "levels": [1, 24], "raw": raw}  # fmt: skip
+    text = report.markdown(results)
+    assert "| engine | 24 | 320.0 |" in text
+    assert "prefill" not in text.split("## Targets")[1].split("##")[0]  # no prefill check shown
+    assert "prefill-interference prompt" not in text
+
+
 def test_other_schedules_run_beside_the_first_on_the_engine_at_16_and_32_streams(report: ModuleType) -> None:
     load = importlib.import_module("gateway_load")
     labels = ["engine", "baseline"]
