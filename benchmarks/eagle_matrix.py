@@ -135,7 +135,7 @@ def geomean(values: list[float]) -> float:
 
 
 async def run_matrix(
-    args: argparse.Namespace, target: Path, links: dict[int, int], answer_tokens: int = SHORT_ANSWER_TOKENS
+    args: argparse.Namespace, target: Path, links: dict[int, int]
 ) -> tuple[list[dict[str, Any]], EdgeRuntime]:
     tokenizer = AutoTokenizer.from_pretrained(target, local_files_only=True)
     base = EdgeConfig(
@@ -147,7 +147,7 @@ async def run_matrix(
     if "draft-whole" in args.modes:
         whole = EdgeRuntime(dataclasses.replace(base, draft_model_dir=args.whole_draft_model), loaded.model)
     rows: list[dict[str, Any]] = []
-    cases = prompts(tokenizer, args.long, args.long_tokens, answer_tokens)
+    cases = prompts(tokenizer, args.long, args.long_tokens, args.answer_tokens)
     modes = [m for m in MODES if m in args.modes]
     for rtt, port in links.items():
         config = dataclasses.replace(base, cloud_url=f"ws://127.0.0.1:{port}")
@@ -351,7 +351,7 @@ def main() -> int:
                                      f"127.0.0.1:{trunk_port}", "--rtt-ms", str(rtt)]))  # fmt: skip
                 _wait_for_port(links[rtt], procs[-1], 60)
             torch.set_num_threads(1)
-            rows, probe = asyncio.run(run_matrix(args, target, links, args.answer_tokens))
+            rows, probe = asyncio.run(run_matrix(args, target, links))
         finally:
             _stop(procs)
     env = run_environment()

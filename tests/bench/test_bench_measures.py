@@ -277,7 +277,7 @@ def test_every_mode_runs_on_a_client_of_its_own(eagle: ModuleType, monkeypatch: 
     monkeypatch.setattr(eagle, "one", one)
     modes = ["off", "ngram", "draft", "eagle", "auto", "eagle-chain"]
     args = SimpleNamespace(draft_model=None, draft_head=None, edge_layers=(2, 2), modes=modes, long=False,
-                           long_tokens=0, repeats=2, temperatures=[0.0])  # fmt: skip
+                           long_tokens=0, answer_tokens=8, repeats=2, temperatures=[0.0])  # fmt: skip
     rows, _ = asyncio.run(eagle.run_matrix(args, Path("unused"), {20: 1}))
     assert len(rows) == 2 * len(modes)
     used = [c for c in made if c.modes]
