@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, Future
 
 from tests.forkserver import Run, run_forked
 
@@ -22,3 +23,17 @@ def run_commands(
     if len(texts) != len(commands):
         raise ValueError("one input per command")
     return run_forked([Run(args, stdin=text) for args, text in zip(commands, texts, strict=True)], env, timeout)
+
+
+def start_command(runner: Executor, args: Sequence[str], timeout: float) -> Future[subprocess.CompletedProcess[str]]:
+    """``splitspec *args`` started on ``runner`` (a long-running one: a server), a process of its own as in
+    :func:`run_commands`; the future holds its exit status and output once it ends (killed past ``timeout`` s)."""
+    return runner.submit(lambda: run_commands([args], timeout=timeout)[0])
+
+
+def still_running(run: Future[subprocess.CompletedProcess[str]]) -> bool:
+    """True while :func:`start_command`'s command runs; once it has ended, an AssertionError with its output."""
+    if run.done():
+        out = run.result()
+        raise AssertionError(f"the command ended ({out.returncode}): {(out.stdout + out.stderr)[-3000:]}")
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 from collections import Counter
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,13 @@ def local_greedy(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
         )
     return list(out[0, len(prompt) :].tolist())
+
+
+@cache
+def greedy_reference(directory: Path, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
+    """:func:`local_greedy` (float32, CPU), computed once per checkpoint, prompt and length in a test process: the
+    identity tests compare several runs with the same reference. Do not modify the list returned."""
+    return local_greedy(directory, list(prompt), max_new_tokens)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,7 @@ from splitspec.models.loading import load_full
 from splitspec.models.masks import depths
 from splitspec.models.stack import FullModel
 from splitspec.prefix import window_start
-from tests.conftest import local_greedy
+from tests.conftest import greedy_reference
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 5, 9, 17, 3, 61, 30, 12, 7, 5, 9]
 
@@ -82,12 +81,6 @@ class PromptOnceSequence(LocalSequence):
         if first:
             super().reset()
         return await super().forward(tokens, parents, logits_from, sent=sent)
-
-
-@cache
-def reference(directory: Path, prompt: tuple[int, ...], n: int) -> list[int]:
-    """transformers' greedy output (:func:`local_greedy`), computed once per checkpoint, prompt and length."""
-    return local_greedy(directory, list(prompt), n)
 
 
 async def run(
@@ -142,7 +135,7 @@ async def test_decode_tells_the_controller_how_deep_each_drafter_reaches(make_ch
     ctl = SpeculationController(list(drafters), budgets=(1, 2, 4, 8, 16))
     generator = torch.Generator()
     out = speculative_decode(LocalSequence(full(directory)), PROMPT, 12, SamplingParams(), generator, drafters, ctl)
-    assert [token async for token in out] == reference(directory, tuple(PROMPT), 12)
+    assert [token async for token in out] == greedy_reference(directory, tuple(PROMPT), 12)
     assert (ctl.reach("ngram"), ctl.reach("prompt-lookup")) == (3, None)
     assert ctl.alphas("ngram", 16)[3:] == [0.0] * 13
     assert ctl.expected_accepted("ngram", 16) == pytest.approx(ctl.expected_accepted("ngram", 4))
@@ -179,7 +172,7 @@ async def test_greedy_speculation_is_token_identical(
     draft = full(make_checkpoint(family, layers=2, seed=99))
     trace: list[SpecStep] = []
     out = await run(full(directory), mode, PROMPT, 40, SamplingParams(), draft=draft, trace=trace)
-    assert out == reference(directory, tuple(PROMPT), 40)
+    assert out == greedy_reference(directory, tuple(PROMPT), 40)
     assert any(s.draft_tokens > 0 for s in trace), "the drafter never drafted"
     if mode in ("ngram", "prompt-lookup", "mix"):
         assert sum(s.accepted for s in trace) > 0  # repetitive random-model output is easy to draft
@@ -195,7 +188,7 @@ async def test_tree_shapes_are_token_identical(make_checkpoint: Callable[..., Pa
     gen = speculative_decode(
         LocalSequence(model), PROMPT, 40, SamplingParams(), torch.Generator(), drafters, controller, trace=trace
     )
-    assert [t async for t in gen] == reference(directory, tuple(PROMPT), 40)
+    assert [t async for t in gen] == greedy_reference(directory, tuple(PROMPT), 40)
     assert max(s.draft_tokens for s in trace) >= 8
 
 

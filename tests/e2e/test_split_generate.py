@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 from collections import Counter
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,9 @@ from splitspec.cloud.config import CloudConfig
 from splitspec.cloud.server import TrunkServer
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
-from tests.conftest import law_fit_pvalue, local_greedy, local_model
+from tests.conftest import greedy_reference, law_fit_pvalue, local_greedy, local_model
 
 PROMPT = [5, 9, 17, 3, 44, 2, 8, 61, 30, 12, 7]
-
-
-@cache
-def reference(model: Path, n: int) -> list[int]:
-    """transformers' greedy output of ``n`` tokens after PROMPT (:func:`local_greedy`), once per checkpoint."""
-    return local_greedy(model, PROMPT, n)
 
 
 def cloud_config(model: Path, **kw: object) -> CloudConfig:
@@ -38,7 +31,7 @@ async def test_greedy_split_equals_local_generate(
     make_checkpoint: Callable[..., Path], family: str, split: tuple[int, int]
 ) -> None:
     model = make_checkpoint(family, sharded=(family == "llama"))
-    expected = reference(model, 24)
+    expected = greedy_reference(model, tuple(PROMPT), 24)
     async with TrunkServer(cloud_config(model, edge_layers=split)) as server:
         async with SplitClient(
             EdgeConfig(allow_stock_edge_weights=True, model_dir=model, cloud_url=server.url, edge_layers=split)

@@ -21,7 +21,7 @@ import pytest
 
 from splitspec.cli import main
 from splitspec.demo import free_port
-from tests.commands import run_commands
+from tests.commands import start_command, still_running
 from tests.serve.conftest import Stack
 from tests.serve.test_tools_api import SCHEMA, WEATHER
 
@@ -58,14 +58,11 @@ def test_serve_process_answers_the_readme_examples_and_forces_tool_calls(
     with ThreadPoolExecutor(1) as runner:
         # a process of its own, forked from this test worker's fork server (tests/forkserver.py: the command's imports
         # are paid once per test worker); it is killed past the timeout
-        run = runner.submit(lambda: run_commands([args], timeout=290)[0])  # pytest-timeout: 300 s
+        run = start_command(runner, args, timeout=290)  # pytest-timeout: 300 s
         try:
             deadline = time.monotonic() + 120
             with httpx.Client() as http:  # one client: httpx.get builds a TLS context a call, ~80 ms of CPU each
-                while True:
-                    if run.done():
-                        out = run.result()
-                        raise AssertionError(f"splitspec serve ended ({out.returncode}): {out.stderr[-3000:]}")
+                while still_running(run):
                     try:
                         health = http.get(f"{base}/health", timeout=1)
                         if health.status_code == 200:

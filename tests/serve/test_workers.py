@@ -19,7 +19,7 @@ from splitspec.demo import free_port
 from splitspec.exceptions import ConfigError
 from splitspec.serve.config import ServeConfig
 from splitspec.serve.workers import Supervisor, claim_port, resolve_port, reuse_port_socket, watch_parent
-from tests.commands import run_commands
+from tests.commands import run_commands, start_command, still_running
 from tests.serve.conftest import MODEL_NAME, Stack
 
 PROMPTS = ["to be or not", "the quick brown", "once upon a time", "all the world"]
@@ -40,20 +40,6 @@ def worker_pids(http: httpx.Client, base: str, tries: int = 40) -> set[int]:
     for _ in range(tries):
         pids.add(int(http.get(f"{base}/health", timeout=5).json()["pid"]))
     return pids
-
-
-def command(runner: ThreadPoolExecutor, args: list[str], timeout: float) -> Future[subprocess.CompletedProcess[str]]:
-    """``splitspec *args`` as a process of its own, forked from this test worker's fork server (tests/forkserver.py:
-    the command's imports are paid once per test worker); the future holds its exit status and output once it ends
-    (it is killed past ``timeout`` seconds)."""
-    return runner.submit(lambda: run_commands([args], timeout=timeout)[0])
-
-
-def still_running(run: Future[subprocess.CompletedProcess[str]]) -> bool:
-    if run.done():
-        out = run.result()
-        raise AssertionError(f"the command ended ({out.returncode}): {(out.stdout + out.stderr)[-3000:]}")
-    return True
 
 
 def parent_of(pid: int) -> int:
@@ -99,7 +85,7 @@ def test_two_workers_share_a_port_answer_alike_and_are_restarted(
             "--port", str(port), "--allow-stock-edge-weights", "--threads", "1", "--workers", "2"]  # fmt: skip
     supervisor = None
     with ThreadPoolExecutor(1) as runner:
-        run = command(runner, args, timeout=290)  # pytest-timeout stops the test at 300 s
+        run = start_command(runner, args, timeout=290)  # pytest-timeout stops the test at 300 s
         try:
             pids = wait_for_workers(http, base, run, 2)
             assert len(pids) == 2
