@@ -25,6 +25,9 @@ no-draft. Writes ``draft_under_load.json``, ``.md`` and ``.png``.
 compare a change of the drafting's policy with what it replaces. ``--workers N``: another arm, the draft
 model's stack with ``splitspec serve --workers N`` (N interpreters, each batching its own streams).
 ``--arms no-draft head``: the shipped EAGLE head without the draft model (``head``) against neither.
+``--serve-flags "ARGS"`` / ``--trunk-flags "ARGS"``: an arm each, the draft model's stack with those flags after
+``splitspec serve``'s / ``cloud serve``'s own (a flag given again wins: ``--trunk-flags "--compute-on threads"``),
+reported over the ``draft`` arm paired per repeat: a setting tried side by side with no code of its own.
 
 Beside each arm's tok/s: its multiple of its own one-stream rate on the prompts the level sent (issue #24's targets
 are 10x at 16 streams and 16x at 32), and the stack's CPU per output token (the CPU seconds of this script's process
@@ -39,6 +42,7 @@ import asyncio
 import itertools
 import json
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -58,6 +62,7 @@ from splitspec.demo import _stop
 from splitspec.run_info import run_environment
 
 ARMS = ("draft", "no-draft", "head")  # head: the shipped EAGLE head, no draft model
+FLAG_ARMS = ("serve-flags", "trunk-flags")  # the draft arm's stack with more flags for splitspec serve / cloud serve
 
 
 PROMPT_POOL = 16  # distinct prompts every level draws from (--pool); the lone stream runs each once
@@ -171,9 +176,18 @@ def measure_arm(arm: str, args: argparse.Namespace, pool: list[str], baseline: P
     """One arm's stack, warmed, then each load level; ``baseline``: the baseline's code (its ``src``)."""
     src = baseline if arm == "baseline" else None
     workers = args.workers if arm.startswith("workers") else 1
-    draft_model = arm == "draft" or arm.startswith("workers") or (arm == "baseline" and args.baseline_draft == "on")
+    draft_model = (
+        arm in ("draft", *FLAG_ARMS) or arm.startswith("workers") or (arm == "baseline" and args.baseline_draft == "on")
+    )
     procs, urls, pids = start_stack(
-        args.rtt_ms, None, workers, draft_model=draft_model, engine_src=src, draft_head=arm == "head"
+        args.rtt_ms,
+        None,
+        workers,
+        draft_model=draft_model,
+        engine_src=src,
+        draft_head=arm == "head",
+        serve_flags=shlex.split(args.serve_flags) if arm == "serve-flags" else (),
+        trunk_flags=shlex.split(args.trunk_flags) if arm == "trunk-flags" else (),
     )
     try:
         url, serve = urls["engine"], pids["engine"]["serve"]
@@ -216,6 +230,7 @@ def summarise(
         pairings = [("draft", "no-draft", "ratio"), ("head", "no-draft", "ratio_head")]
         pairings += [(beside, "baseline", "ratio_baseline")]
         pairings += [(arm, "draft", "ratio_workers") for arm in arms if arm.startswith("workers")]
+        pairings += [(arm, "draft", f"ratio_{arm}") for arm in arms if arm in FLAG_ARMS]
         for top, bottom, key in pairings:
             if top in arms and bottom in arms:
                 pairs = [tok_s(top, k) / tok_s(bottom, k) for k in range(repeats)]
@@ -302,6 +317,15 @@ def markdown(results: dict[str, Any]) -> str:
             for n, c in results["summary"].items()
         )
         lines += ["", f"`--workers` over one process (paired per repeat): {per}."]
+    for arm in FLAG_ARMS:
+        key = f"ratio_{arm}"
+        if any(key in c for c in results["summary"].values()):
+            per = "; ".join(
+                f"{n} streams {c[key]:.2f} ({', '.join(f'{x:.2f}' for x in c[f'{key}_per_repeat'])})"
+                for n, c in results["summary"].items()
+            )
+            flags = results.get(arm.replace("-", "_"), "")
+            lines += ["", f"`{arm}` (`{flags}`) over `draft` (paired per repeat): {per}."]
     return "\n".join(lines) + "\n"
 
 
@@ -338,6 +362,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, help="N >= 2: an arm with the draft model and `serve --workers N`")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS[:2]), help="this checkout's arms to run")
     parser.add_argument(
+        "--serve-flags", help='an arm: the draft arm\'s stack with these `splitspec serve` flags too ("--threads 2")'
+    )
+    parser.add_argument(
+        "--trunk-flags", help='an arm: the draft arm\'s stack with these `cloud serve` flags too ("--batch-gather 0")'
+    )
+    parser.add_argument(
         "--baseline-draft",
         choices=("on", "off"),
         default="on",
@@ -350,12 +380,23 @@ def main() -> None:
         parser.error(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.workers is not None and args.workers < 2:
         parser.error("--workers adds an arm of N >= 2 serve processes")
+    flag_arms = [arm for arm in FLAG_ARMS if getattr(args, arm.replace("-", "_")) is not None]
+    for arm in flag_arms:
+        if not shlex.split(getattr(args, arm.replace("-", "_"))):
+            parser.error(f"--{arm} names no flag")
+    if flag_arms and "draft" not in args.arms:
+        parser.error("--serve-flags and --trunk-flags are compared with the draft arm: add it to --arms")
     pool = prompt_pool(prompts(200, 128), args.pool)
     rows: list[dict[str, Any]] = []
     beside = "draft" if args.baseline_draft == "on" else "no-draft"
     if args.baseline and beside not in args.arms:
         parser.error(f"--baseline-draft {args.baseline_draft} compares the baseline with the {beside} arm: add it")
-    arms = [*args.arms, *(["baseline"] if args.baseline else []), *([f"workers{args.workers}"] if args.workers else [])]
+    arms = [
+        *args.arms,
+        *(["baseline"] if args.baseline else []),
+        *([f"workers{args.workers}"] if args.workers else []),
+        *flag_arms,
+    ]
     with baseline_checkout(args.baseline) as baseline:
         for repeat in range(args.repeats):
             shift = repeat % len(arms)  # each repeat starts with another arm
@@ -367,6 +408,8 @@ def main() -> None:
         "arms": arms,
         "baseline": args.baseline,
         "beside": beside,
+        "serve_flags": args.serve_flags,
+        "trunk_flags": args.trunk_flags,
         "repeats": args.repeats,
         "seconds": args.seconds,
         "warm_s": args.warm_s,

@@ -48,7 +48,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -101,14 +101,17 @@ def spawn(args: list[str], src: Path | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
 
 
-def start_link(rtt_ms: float, src: Path | None, procs: list[Any], base: Path | None = None) -> int:
+def start_link(
+    rtt_ms: float, src: Path | None, procs: list[Any], base: Path | None = None, trunk_flags: Sequence[str] = ()
+) -> int:
     """A trunk server (``src``'s code, or this checkout's) of ``base`` (None: the demo base model) behind the WAN
-    emulator; the emulator's port."""
+    emulator; the emulator's port. ``trunk_flags`` go after ``cloud serve``'s own (a flag given again wins)."""
     base = base or embedded_model("base")
     trunk_port, link_port = free_port(), free_port()
     procs.append(spawn(["cloud", "serve", "--model", str(base), "--port", str(trunk_port), "--dtype", "float32",
                         "--threads", "1", "--max-sessions", "256", "--max-sessions-per-connection", "8",
-                        "--max-sessions-per-address", "256", "--max-connections-per-address", "256"], src))  # fmt: skip
+                        "--max-sessions-per-address", "256", "--max-connections-per-address", "256",
+                        *trunk_flags], src))  # fmt: skip
     _wait_for_port(trunk_port, procs[-1], 120)
     procs.append(spawn(["netem", "--listen", f"127.0.0.1:{link_port}", "--upstream", f"127.0.0.1:{trunk_port}",
                         "--rtt-ms", str(rtt_ms)]))  # fmt: skip
@@ -135,13 +138,16 @@ def start_stack(
     engine_src: Path | None = None,
     draft_head: bool = False,
     base_dir: Path | None = None,
+    serve_flags: Sequence[str] = (),
+    trunk_flags: Sequence[str] = (),
 ) -> tuple[list[Any], dict[str, str], dict[str, dict[str, int]]]:
     """The engine's server (``workers`` processes) and, with ``baseline_src``, the baseline's (one process),
     each with its own trunk and link (an older commit may speak an older protocol); with each server's
     process ids (trunk, link, serve) for their CPU time. ``draft_model`` False: ``auto`` without the draft model.
     ``engine_src``: the engine's server runs that checkout's code (None: this one's). ``draft_head``: the engine's
     server also has the shipped EAGLE head. ``base_dir``: the base model's checkpoint (None: the demo's), for the
-    trunk and the edge alike."""
+    trunk and the edge alike. ``serve_flags`` / ``trunk_flags``: more flags for the engine's ``splitspec serve`` /
+    its ``cloud serve``, after the stack's own (argparse: a flag given again wins)."""
     base, draft = base_dir or embedded_model("base"), embedded_model("draft")
     procs: list[Any] = []
     urls = {}
@@ -150,7 +156,7 @@ def start_stack(
     if baseline_src is not None:
         servers.append(("baseline", baseline_src))
     for label, src in servers:
-        link_port = start_link(rtt_ms, src, procs, base)
+        link_port = start_link(rtt_ms, src, procs, base, trunk_flags if label == "engine" else ())
         port = free_port()
         procs.append(spawn([
             "serve", "--model", str(base), *(["--draft-model", str(draft)] if draft_model else []),
@@ -159,6 +165,7 @@ def start_stack(
             "--served-model-name", "demo", "--port", str(port), "--dtype", "float32", "--threads", "1",
             "--max-active", "64", "--speculate", "auto", "--allow-stock-edge-weights",
             *(["--workers", str(workers)] if label == "engine" and workers > 1 else []),
+            *(serve_flags if label == "engine" else []),
         ], src))  # fmt: skip
         _wait_for_port(port, procs[-1], 180)
         urls[label] = f"http://127.0.0.1:{port}"

@@ -142,6 +142,61 @@ def test_the_report_names_the_stacks_cpu_not_the_machines(under_load: ModuleType
     assert "machine busy cores" not in text
 
 
+def test_a_flags_arm_runs_the_draft_stack_with_its_flags_after_the_stacks_own(
+    under_load: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commands: list[list[str]] = []
+
+    def spawn(args: list[str], src: Any = None) -> Any:
+        commands.append(args)
+        return SimpleNamespace(pid=len(commands))
+
+    stack = under_load.start_stack.__globals__  # gateway_load's: start_stack spawns through its own names
+    monkeypatch.setitem(stack, "spawn", spawn)
+    monkeypatch.setitem(stack, "_wait_for_port", lambda *a: None)
+    under_load.start_stack(80.0, Path("old-src"), serve_flags=["--threads", "2"], trunk_flags=["--compute-on", "x"])
+    trunks = [c for c in commands if c[:2] == ["cloud", "serve"]]
+    serves = [c for c in commands if c[0] == "serve"]
+    # the engine's stack first, then the baseline's: only the engine's get the flags, after their own
+    assert trunks[0][-2:] == ["--compute-on", "x"]
+    assert "--compute-on" not in trunks[1]
+    assert serves[0][-2:] == ["--threads", "2"]
+    assert serves[0].count("--threads") == 2
+    assert serves[1][-2:] != ["--threads", "2"]
+
+    seen: dict[str, Any] = {}
+
+    def start(*args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise StopIteration  # the stack's flags are what is checked here, not a run
+
+    monkeypatch.setattr(under_load, "start_stack", start)
+    arguments = SimpleNamespace(rtt_ms=80.0, workers=None, baseline_draft="on", serve_flags=None,
+                                trunk_flags="--batch-gather 0 --compute-on 'threads'")  # fmt: skip
+    with pytest.raises(StopIteration):
+        under_load.measure_arm("trunk-flags", arguments, [], None)
+    assert seen["draft_model"]
+    assert seen["trunk_flags"] == ["--batch-gather", "0", "--compute-on", "threads"]
+    assert seen["serve_flags"] == ()
+
+
+def test_a_flags_arm_is_reported_over_the_draft_arm_paired_by_repeat(under_load: ModuleType) -> None:
+    figures = {"serve_cpu_ms_per_token": 1.0, "stack_busy_cores": 1.0, "stack_cpu_ms_per_token": 1.0}
+    rows = [
+        {"arm": arm, "streams": 32, "repeat": k, "tok_s": tok_s, **figures}
+        for arm, rates in (("draft", (300.0, 400.0)), ("trunk-flags", (330.0, 360.0)))
+        for k, tok_s in enumerate(rates)
+    ]
+    cell = under_load.summarise(rows, [32], 2, ["draft", "trunk-flags"])["32"]
+    assert cell["ratio_trunk-flags_per_repeat"] == pytest.approx([1.1, 0.9])
+    results = {"environment": {"commit": "abc"}, "repeats": 2, "seconds": 20.0, "warm_s": 8.0, "rtt_ms": 80.0,
+               "command": "python benchmarks/draft_under_load.py", "arms": ["draft", "trunk-flags"],
+               "trunk_flags": "--compute-on threads", "summary": {"32": cell}}  # fmt: skip
+    assert "`trunk-flags` (`--compute-on threads`) over `draft` (paired per repeat): 32 streams 1.00 (1.10, 0.90)" in (
+        under_load.markdown(results)
+    )
+
+
 # -- gateway_soak -----------------------------------------------------------------------------------------------------
 
 
