@@ -111,7 +111,7 @@ def published_sampling(directory: str | Path) -> PublishedSampling:
     )
 
 
-def _warn_unapplied(published: PublishedSampling, sampling: bool) -> None:
+def warn_unapplied(published: PublishedSampling, sampling: bool) -> None:
     """One WARNING naming each setting of the file that changes its publisher's output and is not applied here."""
     settings = {**published.unapplied, **(published.unapplied_when_sampling if sampling else {})}
     new = {key: value for key, value in settings.items() if (published.source, key) not in _warned}
@@ -155,7 +155,7 @@ def sampling_settings(
         top_k=top_k if top_k is not None else published.top_k if published.top_k is not None else HF_DEFAULT_TOP_K,
         seed=seed,
     )
-    _warn_unapplied(published, sampling=not params.greedy)
+    warn_unapplied(published, sampling=not params.greedy)
     if params.greedy:
         if top_p is not None or top_k is not None:
             log.warning("--top-p/--top-k have no effect when decoding greedily: pass --temperature above 0")

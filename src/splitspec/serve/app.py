@@ -185,7 +185,7 @@ def create_app(state: ServeState) -> FastAPI:
         job = Job(
             prompt_ids=plan.prompt_ids,
             max_tokens=token_budget(len(plan.prompt_ids), body.token_limit(), state.max_positions, "messages"),
-            params=sampling(body),
+            params=sampling(body, state.sampling_defaults),
             stops=body.stop_strings(),
             stop_ids=stops,
             make_processor=processors(body, plan.grammar, stops, state.vocab_size, compiler),
@@ -217,7 +217,8 @@ def create_app(state: ServeState) -> FastAPI:
                     raise invalid(f"token ids {bad[:5]} are outside the vocabulary (0..{last})", "prompt")
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else state.decode(prompt_ids)
             budget = token_budget(len(prompt_ids), body.token_limit(), state.max_positions, "prompt")
-            jobs.append(Job(prompt_ids, budget, sampling(body), body.stop_strings(), stops, make, echo=echo,
+            params = sampling(body, state.sampling_defaults)
+            jobs.append(Job(prompt_ids, budget, params, body.stop_strings(), stops, make, echo=echo,
                             logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
                             min_tokens=body.min_tokens, continues_prompt=True))  # fmt: skip
         return await respond(request, body, jobs, chat=False)

@@ -27,6 +27,7 @@ from splitspec.decoding.sampling import SamplingParams
 from splitspec.serve import schemas
 from splitspec.serve.engine import Generation
 from splitspec.serve.errors import invalid
+from splitspec.serve.sampling_defaults import SamplingDefaults
 from splitspec.serve.schemas import FinishReason
 from splitspec.serve.state import ServeState
 from splitspec.serve.tool_parsers import Event, Format, ToolCall, ToolCallStream
@@ -76,11 +77,9 @@ class Tally:
         return schemas.usage(self.prompt, self.completion + running, self.cached)
 
 
-def sampling(body: schemas.GenerationRequest) -> SamplingParams:
-    top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_p = 1.0 if body.top_p is None else body.top_p
-    return SamplingParams(temperature=temperature, top_p=top_p, seed=body.seed, top_k=top_k)
+def sampling(body: schemas.GenerationRequest, defaults: SamplingDefaults) -> SamplingParams:
+    """The request's sampling: what it sent, else the server's defaults (serve/sampling_defaults.py)."""
+    return defaults.params(body.temperature, body.top_p, body.top_k, body.seed)
 
 
 def stop_ids(body: schemas.GenerationRequest, default: frozenset[int], vocab_size: int) -> frozenset[int]:

@@ -40,6 +40,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         prefix_reuse=not args.no_prefix_reuse,
         chat_template=_read_text(args.chat_template),
         tool_call_parser=args.tool_call_parser,
+        generation_config=args.generation_config,
     )
     if args.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {args.workers}")
@@ -82,6 +83,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="auto",
         help="how tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call>: Qwen2.5, Qwen3, "
         'Hermes), llama3_json ({"name", "parameters"}: Llama 3.1+), or auto (the chat template says which)',
+    )
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        default="auto",
+        help="auto: a request that leaves temperature, top_p or top_k unset gets the checkpoint's "
+        "generation_config.json values, as vLLM does; vllm: OpenAI's defaults (temperature 1, top_p 1) whatever "
+        "the file says (default auto)",
     )
     p.add_argument(
         "--workers",

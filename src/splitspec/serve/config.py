@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from splitspec.edge.config import EdgeConfig
 from splitspec.exceptions import ConfigError
+from splitspec.serve.sampling_defaults import GENERATION_CONFIG_MODES, GenerationConfigMode
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # the formats of splitspec.serve.tool_parsers
 
@@ -25,6 +26,9 @@ class ServeConfig:
     prefix_reuse: bool = True  # False: every request re-prefills its whole prompt (for comparison)
     chat_template: str | None = None  # Jinja chat template overriding the tokenizer's, if any
     tool_call_parser: str = "auto"  # --tool-call-parser: auto (from the template), hermes, llama3_json
+    # --generation-config: auto (the checkpoint's generation_config.json gives the temperature, top_p and top_k a
+    # request leaves unset, as vLLM) or vllm (OpenAI's neutral defaults): serve/sampling_defaults.py
+    generation_config: GenerationConfigMode = "auto"
     worker: int | None = None  # this process's index under --workers N (its /metrics carry worker="i"); None: alone
 
     def __post_init__(self) -> None:
@@ -39,6 +43,11 @@ class ServeConfig:
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ConfigError(
                 f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ConfigError(
+                f"--generation-config must be one of {', '.join(GENERATION_CONFIG_MODES)}, "
+                f"got {self.generation_config!r}"
             )
         if not self.served_model_name:
             raise ConfigError("the served model name must not be empty")

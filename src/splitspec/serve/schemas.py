@@ -182,8 +182,9 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None  # None: the served model (vLLM's rule; OpenAI requires it)
-    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)  # OpenAI's default: sampling at T = 1
-    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    # None (not sent): the server's default, OpenAI's T = 1 and top_p 1 unless the checkpoint publishes others
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; 0 or -1 keeps every token
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit integer, as vLLM and torch take
     stop: str | list[str] | None = None

@@ -19,6 +19,7 @@ from splitspec.serve.logprobs import TokenBytes
 from splitspec.serve.metrics import ServeMetrics
 from splitspec.serve.pool import SessionPool
 from splitspec.serve.prefix_cache import PrefixCache
+from splitspec.serve.sampling_defaults import sampling_defaults
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class ServeState:
         )
         self.controller = self.engine.population(drafters) if drafters else None
         self.eos_token_ids = self.runtime.eos_token_ids
+        # what a request that leaves temperature, top_p or top_k unset samples with
+        self.sampling_defaults = sampling_defaults(runtime.published_sampling, config.generation_config)
         # a chat reply also ends at the template's end-of-turn token (<|im_end|>, <|eot_id|>, ...)
         self.chat_stop_ids = self.eos_token_ids | (end_of_turn_ids(self.tokenizer) if self.templated else frozenset())
         self.metrics = ServeMetrics(worker=config.worker)
