@@ -93,6 +93,7 @@ def test_a_named_function_is_forced_and_streams_as_openai_deltas(client: openai.
     )  # fmt: skip
     calls = whole.choices[0].message.tool_calls or []
     assert [c.function.name for c in calls] == ["add"]
+    assert whole.choices[0].finish_reason == "stop"  # OpenAI's and vLLM's for a named function ("required": tool_calls)
     jsonschema.validate(arguments(calls[0]), ADD["function"]["parameters"])
     chunks = list(chat(client,
         model=MODEL_NAME, messages=ASK, tools=[WEATHER, ADD], tool_choice=named, max_tokens=60, temperature=0,
@@ -106,7 +107,7 @@ def test_a_named_function_is_forced_and_streams_as_openai_deltas(client: openai.
     assert deltas[0].function.name == "add"
     assert all(d.id is None and d.function is not None and d.function.name is None for d in deltas[1:])
     assert "".join((d.function.arguments or "") for d in deltas if d.function) == calls[0].function.arguments
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
 
 def test_a_reply_cut_after_a_complete_call_finishes_for_length(client: openai.OpenAI, tool_stack: Stack) -> None:

@@ -192,6 +192,7 @@ def create_app(state: ServeState) -> FastAPI:
             tool_format=plan.tool_format,
             tools=plan.tools,
             parallel=plan.parallel,
+            call_finish=plan.call_finish,
             logprobs=body.logprob_alternatives(),
             min_tokens=body.min_tokens,
         )

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from splitspec.chat_template import render, reserved_template_kwargs
 from splitspec.decoding.grammar import GrammarCompiler
 from splitspec.serve.errors import ApiError, invalid
-from splitspec.serve.schemas import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from splitspec.serve.schemas import ChatCompletionRequest, ChatMessage, FinishReason, NamedToolChoice
 from splitspec.serve.structured import checked, output_grammar, output_param
 from splitspec.serve.tool_parsers import Format, detect_format, forcing_grammar
 
@@ -34,6 +34,8 @@ class ChatPlan:
     tools: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> OpenAI function definition
     parallel: bool = True  # parallel_tool_calls: more than one call allowed
     grammar: str | None = None  # llguidance grammar the reply must follow
+    # the finish reason of a reply that ends with calls: "stop" under a named tool_choice, as OpenAI and vLLM report it
+    call_finish: FinishReason = "tool_calls"
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -108,6 +110,7 @@ def plan_chat(
         if choice == "required" or named is not None:
             forced = [by_name[named]] if named is not None else tools
             several = plan.parallel and named is None  # a named function: exactly one call, as vLLM
+            plan.call_finish = "stop" if named is not None else "tool_calls"
             plan.grammar = checked(lambda: forcing_grammar(compiler(), fmt, forced, several), "tools")
     fmt_param = output_param(body)
     if fmt_param is not None:

@@ -47,6 +47,7 @@ class Job:
     tool_format: Format | None = None
     tools: dict[str, dict[str, Any]] = field(default_factory=dict)
     parallel: bool = True
+    call_finish: FinishReason = "tool_calls"  # a reply that ends with calls ("stop" under a named tool_choice)
     logprobs: int | None = None  # alternatives per generated token; None: no logprobs
     prompt_logprobs: int | None = None  # echo with logprobs: the same for the prompt's tokens
     min_tokens: int = 0  # vLLM's: no stop token, and no stop string ending, in the first this many
@@ -196,7 +197,7 @@ class Runner:
                 self.current = None  # counted: no longer running
                 # a reply cut by max_tokens says "length" even after complete calls (vLLM's rule): it did not end
                 called = parser is not None and bool(parser.calls) and out.finish_reason == "stop"
-                finish: FinishReason = "tool_calls" if called else out.finish_reason
+                finish = job.call_finish if called else out.finish_reason
                 yield Item(index, job, finish=finish, tokens=held)
                 if await self.disconnected():  # the generation stopped early: start no more choices
                     return
