@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from splitspec.edge.config import EdgeConfig
 from splitspec.exceptions import ConfigError
-from splitspec.serve.sampling_defaults import GENERATION_CONFIG_MODES, GenerationConfigMode
 
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")  # the formats of splitspec.serve.tool_parsers
+GenerationConfigMode = Literal["auto", "vllm"]  # the sampling defaults' source: serve/sampling_defaults.py
+GENERATION_CONFIG_MODES: tuple[GenerationConfigMode, ...] = ("auto", "vllm")
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
 
 from splitspec.decoding.published import PublishedSampling, warn_unapplied
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import CheckpointError, ConfigError
-
-GenerationConfigMode = Literal["auto", "vllm"]
-GENERATION_CONFIG_MODES: tuple[GenerationConfigMode, ...] = ("auto", "vllm")
+from splitspec.serve.config import GENERATION_CONFIG_MODES, GenerationConfigMode
 
 log = logging.getLogger(__name__)
 
