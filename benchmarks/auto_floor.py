@@ -52,6 +52,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -447,7 +448,7 @@ def beside(args: argparse.Namespace) -> int:
                 row[f"{label}:{a}/{b}:each"] = [round(x, 3) for x in ratios]
         rows.append(row)
     environment = run_environment()
-    command = "python benchmarks/auto_floor.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/auto_floor.py " + shlex.join(sys.argv[1:])
     results = {"environment": environment, "baseline": args.baseline, "command": command, "rows": rows, "runs": runs}
     lines = [
         f"# `auto` ratios, commit {environment['commit'][:7]} beside {args.baseline}",
@@ -533,7 +534,7 @@ def main() -> int:
         "environment": environment,
         # the code measured (a before/after pair may differ), relative to the repository when it lies inside it
         "splitspec_src": _relative(Path(splitspec.__file__).parent),
-        "command": "python benchmarks/auto_floor.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/auto_floor.py " + shlex.join(sys.argv[1:]),
         "dtype": args.dtype,
         "pinned": args.pin,  # the trunk and the link on a core of their own (--pin)
         "repeats": args.repeats,

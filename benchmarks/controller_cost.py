@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -124,7 +125,7 @@ def main() -> int:
     medians = {label: {k: statistics.median(r[k] for r in got) for k in got[0]} for label, got in runs.items() if got}
     results: dict[str, Any] = {
         "commit": env.get("commit", ""), "environment": env, "baseline": args.baseline, "repeats": args.repeats,
-        "calls": args.calls, "command": "python benchmarks/controller_cost.py " + " ".join(sys.argv[1:]),
+        "calls": args.calls, "command": "python benchmarks/controller_cost.py " + shlex.join(sys.argv[1:]),
         "runs": runs, "this": medians["this"], "before": medians.get("before"),
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

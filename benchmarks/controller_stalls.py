@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import random
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -190,7 +191,7 @@ def main() -> int:
         "baseline": args.baseline,
         "seeds": args.seeds,
         "draft_token_ms": args.draft_token_ms,
-        "command": "python benchmarks/controller_stalls.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/controller_stalls.py " + shlex.join(sys.argv[1:]),
         "this": runs["this"][0],
         "before": runs["before"][0] if runs["before"] else None,
     }

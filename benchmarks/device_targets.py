@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import shlex
 import statistics
 import sys
 import tempfile
@@ -603,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     results = {
         **run_environment(),
-        "argv": " ".join(sys.argv[1:] if argv is None else argv),
+        "argv": shlex.join(sys.argv[1:] if argv is None else argv),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "torch": torch.__version__,

@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import json
 import logging
+import shlex
 import statistics
 import sys
 import time
@@ -273,7 +274,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     env = {} if args.measure else {**run_environment(), "device": args.device}  # a child's figures carry none
-    command = "python benchmarks/draft_cold_start.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/draft_cold_start.py " + shlex.join(sys.argv[1:])
     if args.baseline:
         from splitspec.bench.beside import measure_beside
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -153,7 +154,7 @@ def main() -> int:
     medians = {label: {k: statistics.median(r[k] for r in got) for k in got[0]} for label, got in runs.items() if got}
     results: dict[str, Any] = {
         "commit": env.get("commit", ""), "environment": env, "baseline": args.baseline, "repeats": args.repeats,
-        "command": "python benchmarks/draft_cost.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/draft_cost.py " + shlex.join(sys.argv[1:]),
         "runs": runs,
         "this": medians["this"], "before": medians.get("before"),
     }  # fmt: skip

@@ -404,7 +404,7 @@ def main() -> None:
                 rows += [{**r, "repeat": repeat} for r in measure_arm(arm, args, pool, baseline)]
     results: dict[str, Any] = {
         "environment": run_environment(),
-        "command": "python benchmarks/draft_under_load.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/draft_under_load.py " + shlex.join(sys.argv[1:]),
         "arms": arms,
         "baseline": args.baseline,
         "beside": beside,

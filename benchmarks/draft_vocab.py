@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -266,7 +267,7 @@ def main() -> None:
     heads_ = heads(base, sorted(args.sizes))
     results: dict[str, Any] = {
         **env,
-        "command": "python benchmarks/draft_vocab.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/draft_vocab.py " + shlex.join(sys.argv[1:]),
         "coverage": coverage(heads_, base),
         "chains": chains(heads_, LocalFeatures(base, heads_["all"].config.feature_layers)),
     }

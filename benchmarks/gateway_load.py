@@ -43,6 +43,7 @@ import asyncio
 import itertools
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -524,7 +525,7 @@ def main() -> None:
                                "levels": sorted(args.levels),
                                **({} if args.no_prefill else {"long_prompt": args.long_prompt}),
                                "max_tokens": args.max_tokens, "baseline": args.baseline,
-                               "command": "python benchmarks/gateway_load.py " + " ".join(sys.argv[1:])}  # fmt: skip
+                               "command": "python benchmarks/gateway_load.py " + shlex.join(sys.argv[1:])}  # fmt: skip
     with baseline_checkout(args.baseline) as src, tempfile.TemporaryDirectory() as work:
         base = embedded_model("base")
         positions = json.loads((base / "config.json").read_text())["max_position_embeddings"]

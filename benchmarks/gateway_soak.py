@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -320,7 +321,7 @@ def main() -> None:
         soak.stop()
     results: dict[str, Any] = {
         **run_environment(), **{k: v for k, v in vars(args).items() if k != "out"},
-        "command": "python benchmarks/gateway_soak.py " + " ".join(sys.argv[1:]), "raw": raw,
+        "command": "python benchmarks/gateway_soak.py " + shlex.join(sys.argv[1:]), "raw": raw,
         "verdict": judge(raw, args.recovery_s),
     }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)

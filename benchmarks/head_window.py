@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -144,7 +145,7 @@ def main() -> int:
     model = load_full(Checkpoint(base), torch.float32)
     head = load_draft_head(embedded_model("base-eagle"), Checkpoint(embedded_model("base")))
     cases, sources = build_cases(base, 2000, (args.answer,))
-    command = "python benchmarks/head_window.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/head_window.py " + shlex.join(sys.argv[1:])
     results: dict[str, Any] = {
         "environment": run_environment(),
         "answer": args.answer,

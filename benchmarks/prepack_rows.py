@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -135,7 +136,7 @@ def main() -> None:
     growth = {k: statistics.median(m["after_mb"] - m["before_mb"] for m in v) for k, v in memory.items()}
     results = {
         **run_environment(), "repeats": args.repeats, "memory_rows": args.memory_rows, "calls": CALLS,
-        "command": "python benchmarks/prepack_rows.py " + " ".join(sys.argv[1:]),
+        "command": "python benchmarks/prepack_rows.py " + shlex.join(sys.argv[1:]),
         "times": table, "raw_times": times, "memory": memory, "growth_mb": growth,
         "shapes": {"padded": len({row_bucket(n) for n in range(1, args.memory_rows + 1)}), "exact": args.memory_rows},
     }  # fmt: skip

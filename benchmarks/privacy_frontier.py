@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -654,7 +655,7 @@ def main() -> int:
     if args.report_only:
         write_report(args.out, json.loads(meta_path.read_text()) if meta_path.is_file() else {})
         return 0
-    meta = {**run_environment(), "command": "python benchmarks/privacy_frontier.py " + " ".join(sys.argv[1:])}
+    meta = {**run_environment(), "command": "python benchmarks/privacy_frontier.py " + shlex.join(sys.argv[1:])}
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     settings = tuple(parse_defence(s) for s in args.settings.split(","))
     done, _ = measured(args.out, args.max_tokens)

@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import multiprocessing
+import shlex
 import statistics
 import sys
 import tempfile
@@ -457,7 +458,7 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
 
 async def main_async(args: argparse.Namespace) -> None:
     env = run_environment()
-    command = "python benchmarks/trunk_load.py " + " ".join(sys.argv[1:])
+    command = "python benchmarks/trunk_load.py " + shlex.join(sys.argv[1:])
     runs: list[dict[str, Any]] = []
     setup: dict[str, Endpoint] = {}  # each server's device and kernels, as it reports them
     max_sessions = max([*args.sessions, 16]) + 2

@@ -34,6 +34,7 @@ import bisect
 import json
 import logging
 import re
+import shlex
 import statistics
 import sys
 import tempfile
@@ -369,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in steps.items()
         }
     results = {
-        "argv": " ".join(sys.argv[1:] if argv is None else argv),
+        "argv": shlex.join(sys.argv[1:] if argv is None else argv),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "torch": torch.__version__,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 from tests.bench.scripts import run_script
@@ -51,11 +52,19 @@ def halves() -> tuple[list[str], list[str]]:
     return names[::2], names[1::2]
 
 
-def run_at_toy_size(name: str, out: Path) -> None:
-    """``benchmarks/<name>.py`` at its toy size must exit as expected and write its report, naming its commit."""
-    run_script(f"{name}.py", [*SCRIPTS[name], "--out", str(out)], timeout=300, returncodes=RETURNCODES.get(name, (0,)))
+def run_at_toy_size(name: str, tmp_path: Path) -> None:
+    """``benchmarks/<name>.py`` at its toy size must exit as expected and write its report, naming its commit, and a
+    reproduce command that a shell splits back into the arguments it ran with (the output folder's name has a space)."""
+    out = tmp_path / "toy run"
+    args = [*SCRIPTS[name], "--out", str(out)]
+    run_script(f"{name}.py", args, timeout=300, returncodes=RETURNCODES.get(name, (0,)))
     stem = REPORTS.get(name, name)
     report = json.loads((out / f"{stem}.json").read_text())
     commit = report["commit"] if "commit" in report else report["environment"]["commit"]
     assert re.match(r"[0-9a-f]{40}", commit), commit  # the measurement names its code (+dirty in a work tree)
+    command = report.get("command", report.get("environment", {}).get("command"))
+    if command is not None:  # a command naming --out is the arguments it ran with; others list the settings alone
+        words = shlex.split(command)
+        assert words[:2] == ["python", f"benchmarks/{name}.py"]
+        assert "--out" not in words or words[2:] == args
     assert (out / f"{stem}.md").read_text().strip()
