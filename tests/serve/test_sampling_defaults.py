@@ -64,6 +64,16 @@ def test_unapplied_settings_are_named_once(tmp_path: Path, caplog: pytest.LogCap
     assert "repetition_penalty=1.05" in warnings[0]
     assert "min_p=0.1" in warnings[0]  # the defaults sample, so min_p would act
     assert any("temperature 0.7" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+    caplog.clear()
+    pub._warned.clear()
+    with caplog.at_level(logging.INFO, logger="splitspec"):
+        # a penalty without sampling values: the defaults stay neutral, and the penalty is still named
+        assert sampling_defaults(published_with(tmp_path, repetition_penalty=1.1), "auto") == SamplingDefaults()
+        sampling_defaults(published_with(tmp_path, repetition_penalty=1.2), "vllm")  # vllm ignores the file
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"{tmp_path / 'generation_config.json'} sets repetition_penalty=1.1, which splitspec does not apply (only "
+        "temperature, top_p and top_k are taken from it): output differs from the publisher's own generate call"
+    ]
 
 
 def test_the_flag_reaches_the_config_and_a_bad_mode_is_refused() -> None:

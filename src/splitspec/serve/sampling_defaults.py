@@ -53,9 +53,12 @@ def sampling_defaults(published: PublishedSampling, mode: GenerationConfigMode) 
     neutral = SamplingDefaults()
     given = {"temperature": published.temperature, "top_p": published.top_p, "top_k": published.top_k}
     set_there = {key: value for key, value in given.items() if value is not None}
-    if mode == "vllm" or not set_there:
+    if mode == "vllm":
         if set_there:
             log.info("--generation-config vllm: %s's %s not used as defaults", published.source, _listed(set_there))
+        return neutral
+    if not set_there:
+        warn_unapplied(published, sampling=True)  # a repetition_penalty alone: vLLM's auto would apply it
         return neutral
     defaults = SamplingDefaults(
         temperature=published.temperature if published.temperature is not None else neutral.temperature,
