@@ -11,6 +11,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+import splitspec
 from splitspec.decoding.dear_gate import DearGate
 from tests.serve.conftest import MODEL_NAME, SPECIALS, Stack
 from tests.serve.helpers import generate_cli, rendered
@@ -149,10 +150,14 @@ def test_models_health_and_metrics(stack: Stack, sync_client: openai.OpenAI) -> 
     models = sync_client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
     assert sync_client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    # vLLM's field, which clients read for the context they may fill: the checkpoint's positions
+    assert models.data[0].model_extra == {"max_model_len": stack.state.max_positions}
+    assert sync_client.models.retrieve(MODEL_NAME).model_extra == {"max_model_len": stack.state.max_positions}
     sync_client.completions.create(model=MODEL_NAME, prompt="to be", max_tokens=3, temperature=0)
     root = stack.base_url.removesuffix("/v1")
     health = httpx.get(f"{root}/health").json()
     assert health["status"] == "ok"
+    assert httpx.get(f"{root}/version").json() == {"version": splitspec.__version__}
     assert health["sessions_active"] == 0
     metrics = httpx.get(f"{root}/metrics").text
     values = {

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from splitspec import __version__
 from splitspec.decoding.grammar import GrammarCompiler
 from splitspec.exceptions import ConfigError
 from splitspec.serve import schemas
@@ -131,6 +132,10 @@ def create_app(state: ServeState) -> FastAPI:
         return {"status": "ok", "model": name, "sessions_active": state.pool.active,
                 "sessions_idle": len(state.pool.cache), "pid": os.getpid()}  # fmt: skip  # pid: which worker answered
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}  # vLLM's /version: unauthenticated, as /health
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -138,13 +143,13 @@ def create_app(state: ServeState) -> FastAPI:
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models(request: Request) -> dict[str, Any]:
         count(request, 200)
-        return {"object": "list", "data": [schemas.model_card(name, created)]}
+        return {"object": "list", "data": [schemas.model_card(name, created, state.max_positions)]}
 
     @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])  # a hub id has a "/"
     async def model(request: Request, model_id: str) -> dict[str, Any]:
         check_model(model_id)
         count(request, 200)
-        return schemas.model_card(name, created)
+        return schemas.model_card(name, created, state.max_positions)
 
     @app.post("/tokenize", dependencies=[Depends(authorize)])
     async def tokenize_route(request: Request, body: TokenizeRequest) -> dict[str, Any]:

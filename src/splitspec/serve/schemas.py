@@ -429,5 +429,7 @@ def chat_delta(
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
-def model_card(name: str, created: int) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "splitspec"}
+def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """OpenAI's model object, with vLLM's ``max_model_len`` (prompt + completion tokens), which clients read for the
+    context they may fill."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "splitspec", "max_model_len": max_model_len}
