@@ -33,7 +33,7 @@ def test_the_files_values_are_the_defaults_under_auto_and_a_sent_value_wins(tmp_
     # Qwen2.5-Instruct's values; as vLLM, they apply without do_sample too
     published = published_with(tmp_path, temperature=0.7, top_p=0.8, top_k=20)
     defaults = sampling_defaults(published, "auto")
-    assert defaults == SamplingDefaults(0.7, 0.8, 20, str(tmp_path / "generation_config.json"))
+    assert defaults == SamplingDefaults(0.7, 0.8, 20)
     assert defaults.params(None, None, None, 3) == SamplingParams(temperature=0.7, top_p=0.8, seed=3, top_k=20)
     assert defaults.params(0.0, None, None, None).greedy  # a temperature sent wins, 0 included
     assert defaults.params(1.2, 1.0, -1, None) == SamplingParams(temperature=1.2, top_p=1.0, top_k=0)  # -1: all

@@ -32,7 +32,6 @@ class SamplingDefaults:
     temperature: float = 1.0  # softmax temperature; OpenAI's default samples at 1
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # the k most likely tokens kept; 0 keeps every token (a file's -1 means the same)
-    source: str | None = None  # the generation_config.json they come from; None: the neutral defaults
 
     def params(
         self, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None
@@ -64,7 +63,6 @@ def sampling_defaults(published: PublishedSampling, mode: GenerationConfigMode) 
         temperature=published.temperature if published.temperature is not None else neutral.temperature,
         top_p=published.top_p if published.top_p is not None else neutral.top_p,
         top_k=neutral.top_k if published.top_k in (None, -1) else published.top_k,  # -1: every token, as 0
-        source=published.source,
     )
     try:
         sampling = defaults.params(None, None, None, None)
