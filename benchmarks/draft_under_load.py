@@ -65,6 +65,11 @@ ARMS = ("draft", "no-draft", "head")  # head: the shipped EAGLE head, no draft m
 FLAG_ARMS = ("serve-flags", "trunk-flags")  # the draft arm's stack with more flags for splitspec serve / cloud serve
 
 
+def flags_key(arm: str) -> str:
+    """A flags arm's attribute of the parsed arguments and its key in the results (``serve-flags``: ``serve_flags``)."""
+    return arm.replace("-", "_")
+
+
 PROMPT_POOL = 16  # distinct prompts every level draws from (--pool); the lone stream runs each once
 MAX_TOKENS = 64  # tokens out per request (--max-tokens)
 
@@ -324,7 +329,7 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{n} streams {c[key]:.2f} ({', '.join(f'{x:.2f}' for x in c[f'{key}_per_repeat'])})"
                 for n, c in results["summary"].items()
             )
-            flags = results.get(arm.replace("-", "_"), "")
+            flags = results.get(flags_key(arm), "")
             lines += ["", f"`{arm}` (`{flags}`) over `draft` (paired per repeat): {per}."]
     return "\n".join(lines) + "\n"
 
@@ -380,9 +385,10 @@ def main() -> None:
         parser.error(f"--max-tokens must be positive, got {args.max_tokens}")
     if args.workers is not None and args.workers < 2:
         parser.error("--workers adds an arm of N >= 2 serve processes")
-    flag_arms = [arm for arm in FLAG_ARMS if getattr(args, arm.replace("-", "_")) is not None]
+    given = {arm: getattr(args, flags_key(arm)) for arm in FLAG_ARMS}  # arm -> its flags (None: no such arm)
+    flag_arms = [arm for arm, flags in given.items() if flags is not None]
     for arm in flag_arms:
-        if not shlex.split(getattr(args, arm.replace("-", "_"))):
+        if not shlex.split(given[arm]):
             parser.error(f"--{arm} names no flag")
     if flag_arms and "draft" not in args.arms:
         parser.error("--serve-flags and --trunk-flags are compared with the draft arm: add it to --arms")

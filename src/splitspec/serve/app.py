@@ -211,6 +211,7 @@ def create_app(state: ServeState) -> FastAPI:
         if grammar is not None:
             await prepare_grammar(stops)
         make = processors(body, grammar, stops, state.vocab_size, compiler)
+        params = sampling(body, state.sampling_defaults)  # frozen: every prompt's choices share it
         jobs = []
         for prompt in body.prompts():
             if isinstance(prompt, str):
@@ -223,7 +224,6 @@ def create_app(state: ServeState) -> FastAPI:
                     raise invalid(f"token ids {bad[:5]} are outside the vocabulary (0..{last})", "prompt")
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else state.decode(prompt_ids)
             budget = token_budget(len(prompt_ids), body.token_limit(), state.max_positions, "prompt")
-            params = sampling(body, state.sampling_defaults)
             jobs.append(Job(prompt_ids, budget, params, body.stop_strings(), stops, make, echo=echo,
                             logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
                             min_tokens=body.min_tokens, continues_prompt=True))  # fmt: skip

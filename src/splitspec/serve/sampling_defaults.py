@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from splitspec.decoding.published import PublishedSampling, warn_unapplied
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import CheckpointError, ConfigError
-from splitspec.serve.config import GENERATION_CONFIG_MODES, GenerationConfigMode
+from splitspec.serve.config import GenerationConfigMode
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,8 @@ class SamplingDefaults:
 
 
 def sampling_defaults(published: PublishedSampling, mode: GenerationConfigMode) -> SamplingDefaults:
-    """The defaults under ``--generation-config mode``, logged; a file's out-of-range value is a CheckpointError."""
-    if mode not in GENERATION_CONFIG_MODES:
-        raise ConfigError(f"--generation-config must be one of {', '.join(GENERATION_CONFIG_MODES)}, got {mode!r}")
+    """The defaults under ``--generation-config mode`` (checked by :class:`ServeConfig`), logged; a file's out-of-range
+    value is a CheckpointError."""
     neutral = SamplingDefaults()
     given = {"temperature": published.temperature, "top_p": published.top_p, "top_k": published.top_k}
     set_there = {key: value for key, value in given.items() if value is not None}
