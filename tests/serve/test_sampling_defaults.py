@@ -16,7 +16,9 @@ from splitspec.decoding import published as pub
 from splitspec.decoding.published import published_sampling
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import CheckpointError, ConfigError
+from splitspec.serve.app import token_budget
 from splitspec.serve.config import ServeConfig
+from splitspec.serve.errors import ApiError
 from splitspec.serve.sampling_defaults import SamplingDefaults, sampling_defaults
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import chat, complete
@@ -41,6 +43,25 @@ def test_the_files_values_are_the_defaults_under_auto_and_a_sent_value_wins(tmp_
     only_top_p = sampling_defaults(published_with(tmp_path, top_p=0.5), "auto")
     assert (only_top_p.temperature, only_top_p.top_p, only_top_p.top_k) == (1.0, 0.5, 0)  # the rest stay neutral
     assert sampling_defaults(published_with(tmp_path, top_k=-1), "auto").top_k == 0
+
+
+def test_the_files_max_new_tokens_is_the_default_max_tokens_under_auto(tmp_path: Path) -> None:
+    assert sampling_defaults(published_with(tmp_path, max_new_tokens=512), "auto") == SamplingDefaults(max_tokens=512)
+    assert sampling_defaults(published_with(tmp_path, max_new_tokens=512), "vllm").max_tokens is None
+    assert sampling_defaults(published_with(tmp_path, temperature=0.6), "auto").max_tokens is None
+    # as vLLM: a value sent wins, even above the default; none sent: the default, up to what the context has left
+    assert token_budget(10, 300, 64, 1000, "prompt") == 300
+    assert token_budget(10, None, 64, 1000, "prompt") == 64
+    assert token_budget(990, None, 64, 1000, "prompt") == 10
+    assert token_budget(10, None, None, 1000, "prompt") == 990
+    with pytest.raises(ApiError, match="maximum context length is 1000 tokens"):
+        token_budget(1000, None, 64, 1000, "prompt")  # no room left: still refused
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, "64", True])
+def test_a_bad_max_new_tokens_names_the_file(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: max_new_tokens must be a positive integer"):
+        published_with(tmp_path, max_new_tokens=bad)
 
 
 def test_without_sampling_values_the_defaults_are_openais(tmp_path: Path) -> None:
@@ -89,10 +110,12 @@ def test_the_flag_reaches_the_config_and_a_bad_mode_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def top_k_one_model(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The chat checkpoint publishing top_k 1: sampling with it is the argmax, whatever the seed."""
+    """The chat checkpoint publishing top_k 1 (sampling with it is the argmax, whatever the seed) and
+    max_new_tokens 3."""
     directory = tmp_path_factory.mktemp("top-k-one")
     shutil.copytree(chat_model, directory, dirs_exist_ok=True)
-    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "top_k": 1}))
+    generation = {"bos_token_id": 0, "top_k": 1, "max_new_tokens": 3}
+    (directory / "generation_config.json").write_text(json.dumps(generation))
     return directory
 
 
@@ -108,8 +131,21 @@ def test_a_request_without_sampling_fields_gets_the_checkpoints_defaults(top_k_o
         all_tokens = chat(client, model=MODEL_NAME, messages=ASK, max_tokens=12, seed=5, extra_body={"top_k": 0})
         greedy_text = complete(client, model=MODEL_NAME, prompt="the question", max_tokens=12, temperature=0)
         unset_text = complete(client, model=MODEL_NAME, prompt="the question", max_tokens=12, seed=5)
+        no_limit = chat(client, model=MODEL_NAME, messages=ASK, temperature=0)
+        no_limit_text = complete(client, model=MODEL_NAME, prompt="the question", temperature=0, max_tokens=None)
     finally:
         stack.close()
+    assert (greedy.usage.completion_tokens, greedy.choices[0].finish_reason) == (12, "length")  # no end in 12
+    assert (greedy_text.usage.completion_tokens, greedy_text.choices[0].finish_reason) == (12, "length")
+    for a, b in [(greedy.choices[0].message.content, no_limit.choices[0].message.content),
+                 (greedy_text.choices[0].text, no_limit_text.choices[0].text)]:  # fmt: skip
+        assert a.startswith(b) or b.startswith(a)  # the same greedy reply, cut at its own length
+    limits = (no_limit.usage.completion_tokens, no_limit_text.usage.completion_tokens)
+    if mode == "auto":  # the file's max_new_tokens
+        assert limits == (3, 3)
+        assert no_limit.choices[0].finish_reason == no_limit_text.choices[0].finish_reason == "length"
+    else:  # what the context has left
+        assert min(limits) > 12
     assert all_tokens.choices[0].message.content != greedy.choices[0].message.content  # T = 1, every token
     if mode == "auto":
         assert unset.choices[0].message.content == greedy.choices[0].message.content

@@ -72,6 +72,7 @@ class PublishedSampling:
     top_p: float | None
     top_k: int | None
     source: str  # the file they come from, for messages
+    max_new_tokens: int | None = None  # tokens its generate produces at most (>= 1); serve's default max_tokens
     # settings of UNAPPLIED / UNAPPLIED_WHEN_SAMPLING the file turns on, with their values
     unapplied: Mapping[str, Any] = field(default_factory=dict)
     unapplied_when_sampling: Mapping[str, Any] = field(default_factory=dict)
@@ -100,12 +101,18 @@ def published_sampling(directory: str | Path) -> PublishedSampling:
     top_k = raw.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise CheckpointError(f"{source}: top_k must be an integer, got {top_k!r:.40}")
+    max_new_tokens = raw.get("max_new_tokens")
+    if max_new_tokens is not None and (
+        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+    ):
+        raise CheckpointError(f"{source}: max_new_tokens must be a positive integer, got {max_new_tokens!r:.40}")
     return PublishedSampling(
         do_sample=raw.get("do_sample") is True,
         temperature=number("temperature"),
         top_p=number("top_p"),
         top_k=top_k,
         source=source,
+        max_new_tokens=max_new_tokens,
         unapplied=_turned_on(raw, UNAPPLIED),
         unapplied_when_sampling=_turned_on(raw, UNAPPLIED_WHEN_SAMPLING),
     )

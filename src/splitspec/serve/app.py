@@ -189,7 +189,13 @@ def create_app(state: ServeState) -> FastAPI:
             await prepare_grammar(stops)
         job = Job(
             prompt_ids=plan.prompt_ids,
-            max_tokens=token_budget(len(plan.prompt_ids), body.token_limit(), state.max_positions, "messages"),
+            max_tokens=token_budget(
+                len(plan.prompt_ids),
+                body.token_limit(),
+                state.sampling_defaults.max_tokens,
+                state.max_positions,
+                "messages",
+            ),
             params=sampling(body, state.sampling_defaults),
             stops=body.stop_strings(),
             stop_ids=stops,
@@ -223,7 +229,9 @@ def create_app(state: ServeState) -> FastAPI:
                     last = state.vocab_size - 1
                     raise invalid(f"token ids {bad[:5]} are outside the vocabulary (0..{last})", "prompt")
             echo = "" if not body.echo else prompt if isinstance(prompt, str) else state.decode(prompt_ids)
-            budget = token_budget(len(prompt_ids), body.token_limit(), state.max_positions, "prompt")
+            budget = token_budget(
+                len(prompt_ids), body.token_limit(), state.sampling_defaults.max_tokens, state.max_positions, "prompt"
+            )
             jobs.append(Job(prompt_ids, budget, params, body.stop_strings(), stops, make, echo=echo,
                             logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
                             min_tokens=body.min_tokens, continues_prompt=True))  # fmt: skip
@@ -284,14 +292,15 @@ class RunnerStream(StreamingResponse):
             await self._close()
 
 
-def token_budget(prompt_tokens: int, requested: int | None, max_positions: int, param: str) -> int:
-    """Tokens the completion may have: as requested, else what the context has left (400 if none, or if the
-    prompt has no token: a tokenizer without a BOS token encodes "" to nothing, and a model needs one to start)."""
+def token_budget(prompt_tokens: int, requested: int | None, default: int | None, max_positions: int, param: str) -> int:
+    """Tokens the completion may have: as requested, else the server's ``default`` (generation_config.json's
+    max_new_tokens) up to what the context has left, else all it has left (400 if none, or if the prompt has no
+    token: a tokenizer without a BOS token encodes "" to nothing, and a model needs one to start)."""
     if prompt_tokens == 0:
         raise invalid(f"The {param} is empty: it encodes to no token, and generation needs at least one.", param)
     room = max_positions - prompt_tokens
     if requested is None:
-        requested = room
+        requested = room if default is None else min(default, max(room, 1))  # vLLM: min(default, room)
     if requested > room or room < 1:
         raise invalid(
             f"This model's maximum context length is {max_positions} tokens. However, you requested "

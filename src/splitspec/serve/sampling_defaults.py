@@ -1,4 +1,4 @@
-"""What a request that leaves ``temperature``, ``top_p`` or ``top_k`` unset samples with.
+"""What a request that leaves ``temperature``, ``top_p``, ``top_k`` or ``max_tokens`` unset gets.
 
 vLLM's OpenAI server takes those defaults from the checkpoint's generation_config.json
 (``--generation-config auto``, its default), so a client that sends no temperature gets the sampling
@@ -8,8 +8,10 @@ vllm`` keeps the neutral defaults (temperature 1, top-p 1, every token) whatever
 
 As vLLM, the file's values apply whether or not it sets ``do_sample``: a server has no greedy
 default (``splitspec generate`` follows transformers' ``generate`` instead: decoding/published.py).
-A value the request sends always wins. Settings of the file that splitspec does not apply
-(``repetition_penalty``, ``min_p``, ...) are named in one WARNING at start-up.
+A value the request sends always wins. The file's ``max_new_tokens`` is the ``max_tokens`` of a
+request that sends none (capped by what the context has left), as vLLM: it never caps a value sent.
+Settings of the file that splitspec does not apply (``repetition_penalty``, ``min_p``, ...) are
+named in one WARNING at start-up.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """The sampling settings a request does not send (OpenAI's and vLLM's neutral ones unless a file gives them)."""
+    """The settings a request does not send (OpenAI's and vLLM's neutral ones unless a file gives them)."""
 
     temperature: float = 1.0  # softmax temperature; OpenAI's default samples at 1
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # the k most likely tokens kept; 0 keeps every token (a file's -1 means the same)
+    max_tokens: int | None = None  # completion tokens at most; None: what the context has left
 
     def params(
         self, temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None
@@ -49,7 +52,8 @@ def sampling_defaults(published: PublishedSampling, mode: GenerationConfigMode) 
     """The defaults under ``--generation-config mode`` (checked by :class:`ServeConfig`), logged; a file's out-of-range
     value is a CheckpointError."""
     neutral = SamplingDefaults()
-    given = {"temperature": published.temperature, "top_p": published.top_p, "top_k": published.top_k}
+    given = {"temperature": published.temperature, "top_p": published.top_p, "top_k": published.top_k,
+             "max_tokens": published.max_new_tokens}  # fmt: skip
     set_there = {key: value for key, value in given.items() if value is not None}
     if mode == "vllm":
         if set_there:
@@ -62,13 +66,15 @@ def sampling_defaults(published: PublishedSampling, mode: GenerationConfigMode) 
         temperature=published.temperature if published.temperature is not None else neutral.temperature,
         top_p=published.top_p if published.top_p is not None else neutral.top_p,
         top_k=neutral.top_k if published.top_k in (None, -1) else published.top_k,  # -1: every token, as 0
+        max_tokens=published.max_new_tokens,
     )
     try:
         sampling = defaults.params(None, None, None, None)
     except ConfigError as exc:
         raise CheckpointError(f"{published.source}: {exc}") from None
     log.info(
-        "requests that do not set them sample with %s (from %s; --generation-config vllm: temperature 1, top_p 1)",
+        "requests that do not set them get %s (from %s; --generation-config vllm: temperature 1, top_p 1, "
+        "max_tokens what the context has left)",
         _listed(set_there),
         published.source,
     )
