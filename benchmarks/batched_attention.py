@@ -139,14 +139,14 @@ def main() -> None:
         parser.error(f"--contexts must be at least 1 token, got {args.contexts}")
     if args.baseline is None:
         parser.error("--baseline REF is required (the commit to compare against)")
-    from gateway_load import baseline_checkout
+    from gateway_load import checkouts
     from safetensors.torch import load_file
 
     from splitspec.run_info import run_environment
 
-    here = Path(__file__).resolve().parents[1] / "src"
     per_arm: dict[str, list[dict[str, float]]] = {"rows": [], "baseline": []}
-    with baseline_checkout(args.baseline) as baseline, tempfile.TemporaryDirectory() as tmp:
+    with checkouts(args.baseline) as (here, baseline), tempfile.TemporaryDirectory() as tmp:
+        assert here is not None  # the working tree's code, from a worktree as REF's
         assert baseline is not None
         for repeat in range(args.repeats):
             order = ["rows", "baseline"] if repeat % 2 == 0 else ["baseline", "rows"]

@@ -22,7 +22,9 @@ no-draft. Writes ``draft_under_load.json``, ``.md`` and ``.png``.
         [--max-tokens 64]
 
 ``--baseline REF``: a third arm, commit REF's code with the draft model (a git worktree, same venv), to
-compare a change of the drafting's policy with what it replaces. ``--workers N``: another arm, the draft
+compare a change of the drafting's policy with what it replaces; with it, every other arm runs this working tree's
+code from a worktree too (a commit of the tree as it is, ``engine_commit`` in the results), so that both sides load
+their code alike. ``--workers N``: another arm, the draft
 model's stack with ``splitspec serve --workers N`` (N interpreters, each batching its own streams).
 ``--arms no-draft head``: the shipped EAGLE head without the draft model (``head``) against neither.
 ``--serve-flags "ARGS"`` / ``--trunk-flags "ARGS"``: an arm each, the draft model's stack with those flags after
@@ -56,10 +58,10 @@ import matplotlib.pyplot as plt
 import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gateway_load import baseline_checkout, prompts, start_stack, stream_one, tree_cpu_seconds
+from gateway_load import checkouts, prompts, start_stack, stream_one, tree_cpu_seconds
 
 from splitspec.demo import _stop
-from splitspec.run_info import run_environment
+from splitspec.run_info import git_commit, run_environment
 
 ARMS = ("draft", "no-draft", "head")  # head: the shipped EAGLE head, no draft model
 FLAG_ARMS = ("serve-flags", "trunk-flags")  # the draft arm's stack with more flags for splitspec serve / cloud serve
@@ -177,9 +179,12 @@ def measure_level(
     return row
 
 
-def measure_arm(arm: str, args: argparse.Namespace, pool: list[str], baseline: Path | None) -> list[dict[str, Any]]:
-    """One arm's stack, warmed, then each load level; ``baseline``: the baseline's code (its ``src``)."""
-    src = baseline if arm == "baseline" else None
+def measure_arm(
+    arm: str, args: argparse.Namespace, pool: list[str], baseline: Path | None, engine: Path | None = None
+) -> list[dict[str, Any]]:
+    """One arm's stack, warmed, then each load level; ``baseline`` / ``engine``: the ``src`` the baseline's arm /
+    every other arm runs (None: this checkout as installed)."""
+    src = baseline if arm == "baseline" else engine
     workers = args.workers if arm.startswith("workers") else 1
     draft_model = (
         arm in ("draft", *FLAG_ARMS) or arm.startswith("workers") or (arm == "baseline" and args.baseline_draft == "on")
@@ -286,7 +291,12 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [
             "",
             f"Beside the baseline: commit `{results['baseline']}`'s code with"
-            + (" the draft model (its own stack)." if beside == "draft" else "out the draft model (its own stack)."),
+            + (" the draft model (its own stack)." if beside == "draft" else "out the draft model (its own stack).")
+            + (
+                f" Both from git worktrees: the other arms ran `{results['engine_commit']}` (this working tree)."
+                if results.get("engine_commit")
+                else ""
+            ),
             "",
             f"| streams | {beside} tok/s | baseline tok/s | {beside} / baseline | per repeat "
             "| serve CPU ms/token baseline |",
@@ -403,13 +413,15 @@ def main() -> None:
         *([f"workers{args.workers}"] if args.workers else []),
         *flag_arms,
     ]
-    with baseline_checkout(args.baseline) as baseline:
+    with checkouts(args.baseline) as (engine, baseline):
         for repeat in range(args.repeats):
             shift = repeat % len(arms)  # each repeat starts with another arm
             for arm in arms[shift:] + arms[:shift]:
-                rows += [{**r, "repeat": repeat} for r in measure_arm(arm, args, pool, baseline)]
+                rows += [{**r, "repeat": repeat} for r in measure_arm(arm, args, pool, baseline, engine)]
+        engine_commit = git_commit(engine) if engine is not None else None
     results: dict[str, Any] = {
         "environment": run_environment(),
+        "engine_commit": engine_commit,  # with --baseline, the working tree as the other arms ran it
         "command": "python benchmarks/draft_under_load.py " + shlex.join(sys.argv[1:]),
         "arms": arms,
         "baseline": args.baseline,

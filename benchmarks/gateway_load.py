@@ -5,7 +5,8 @@ float32), the WAN emulator (``splitspec netem``, 80 ms RTT), and ``splitspec ser
 draft model and ``--speculate auto`` (float32). With ``--baseline REF`` a second trunk, link and
 ``splitspec serve`` run the code of commit REF (a git worktree of it, same venv; an older commit
 may speak an older protocol) beside them, for the comparison side by side; the baseline is
-measured at 1 and 16 streams.
+measured at 1 and 16 streams. The engine's side then runs this working tree's code from a worktree
+too (a commit of the tree as it is, ``engine_commit`` in the results), so both sides load alike.
 
 The load is the official ``openai`` client: N requests in flight (N = 1, 4, 8, 16, 32) over N x ``--requests`` (8)
 streamed completions, as a load tester keeps N in flight over many more requests than N. ``--schedules`` says how:
@@ -73,24 +74,54 @@ from gateway_measures import (
 from transformers import AutoTokenizer
 
 from splitspec.demo import ASSETS, _stop, _wait_for_port, embedded_model, free_port
-from splitspec.run_info import cpu_seconds, run_environment
+from splitspec.run_info import cpu_seconds, git_commit, run_environment
 
 LEVELS = (1, 4, 8, 16, 32)
 
 
 @contextmanager
-def baseline_checkout(ref: str | None) -> Iterator[Path | None]:
-    """The ``src`` folder of a temporary git worktree of commit ``ref`` (None: no baseline, None)."""
-    if ref is None:
-        yield None
-        return
+def worktree_src(commit: str) -> Iterator[Path]:
+    """The ``src`` folder of a temporary git worktree of ``commit``, removed afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
-        tree = Path(tmp) / "baseline"
-        subprocess.run(["git", "worktree", "add", "--detach", str(tree), ref], check=True, capture_output=True)
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], check=True, capture_output=True)
         try:
             yield tree / "src"
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def working_tree_commit() -> str:
+    """A commit of this working tree as it is: HEAD's, or, with changes, a new commit on HEAD of every file that is
+    not ignored (tracked or not), made through a throwaway index: the index, the files and the branches stay as
+    they are (the commit is unreferenced, and git's gc drops it in time)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index"), "GIT_AUTHOR_NAME": "benchmark",
+               "GIT_AUTHOR_EMAIL": "benchmark@localhost", "GIT_COMMITTER_NAME": "benchmark",
+               "GIT_COMMITTER_EMAIL": "benchmark@localhost"}  # fmt: skip
+
+        def git(*args: str) -> str:
+            return subprocess.run(["git", *args], check=True, capture_output=True, text=True, env=env).stdout.strip()
+
+        git("read-tree", "HEAD")
+        git("add", "--all")
+        tree = git("write-tree")
+        if tree == git("rev-parse", "HEAD^{tree}"):
+            return git("rev-parse", "HEAD")
+        return git("commit-tree", tree, "-p", "HEAD", "-m", "benchmark: the working tree as it was run")
+
+
+@contextmanager
+def checkouts(baseline: str | None) -> Iterator[tuple[Path | None, Path | None]]:
+    """The ``src`` folders of an A/B's two arms, (this working tree's code, commit ``baseline``'s), each from a
+    temporary git worktree so that both load their code the same way (stop 62: with this checkout's editable
+    install beside a worktree on ``PYTHONPATH``, identical code read 0.97, and a commit read 0.89-0.94 where both
+    from worktrees read 1.02); without a baseline, (None, None): this checkout as installed."""
+    if baseline is None:
+        yield None, None
+        return
+    with worktree_src(working_tree_commit()) as engine, worktree_src(baseline) as old:
+        yield engine, old
 
 
 def spawn(args: list[str], src: Path | None = None) -> subprocess.Popen[bytes]:
@@ -526,14 +557,16 @@ def main() -> None:
                                **({} if args.no_prefill else {"long_prompt": args.long_prompt}),
                                "max_tokens": args.max_tokens, "baseline": args.baseline,
                                "command": "python benchmarks/gateway_load.py " + shlex.join(sys.argv[1:])}  # fmt: skip
-    with baseline_checkout(args.baseline) as src, tempfile.TemporaryDirectory() as work:
+    with checkouts(args.baseline) as (engine_src, src), tempfile.TemporaryDirectory() as work:
         base = embedded_model("base")
         positions = json.loads((base / "config.json").read_text())["max_position_embeddings"]
         # the long prompt and its 4 tokens out, with room to spare
         if not args.no_prefill and args.long_prompt + 8 > positions:
             base = extended_copy(base, Path(work) / "base")
             results["base_positions"] = POSITIONS  # what the copy declares (the report names it)
-        procs, urls, pids = start_stack(args.rtt_ms, src, args.workers, base_dir=base)
+        if engine_src is not None:
+            results["engine_commit"] = git_commit(engine_src)  # the working tree as it ran (a new commit if changed)
+        procs, urls, pids = start_stack(args.rtt_ms, src, args.workers, engine_src=engine_src, base_dir=base)
         try:
             raw = asyncio.run(run_all(urls, args, pids))
         finally:

@@ -216,6 +216,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Commit `{results['commit'][:12]}`"
         + (f", baseline `{results['baseline']}`" if results["baseline"] else "")
+        + (f" (the engine from a worktree of `{results['engine_commit']}`)" if results.get("engine_commit") else "")
         + (f"; the engine's server runs {results['workers']} workers" if results.get("workers", 1) > 1 else "")
         + f"; {results['repeats']} interleaved repeats, medians; "
         f"128-token prompts (each unique: no prefix-cache hits), {results['max_tokens']} tokens out, greedy, "

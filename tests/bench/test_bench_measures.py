@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -178,6 +179,44 @@ def test_a_flags_arm_runs_the_draft_stack_with_its_flags_after_the_stacks_own(
     assert seen["draft_model"]
     assert seen["trunk_flags"] == ["--batch-gather", "0", "--compute-on", "threads"]
     assert seen["serve_flags"] == ()
+    for arm, src in (("draft", Path("engine/src")), ("baseline", Path("old/src")), ("no-draft", Path("engine/src"))):
+        with pytest.raises(StopIteration):
+            under_load.measure_arm(arm, arguments, [], Path("old/src"), Path("engine/src"))
+        assert seen["engine_src"] == src  # with a baseline, every arm runs from a worktree
+
+
+def test_an_ab_runs_both_arms_from_worktrees_and_the_working_tree_as_it_is(
+    under_load: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a baseline, the engine's arm runs the working tree's code (changed and new files included) from a
+    worktree, as the baseline's does, and the repository's index, files and branch stay as they were."""
+    gateway = under_load.start_stack.__globals__
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout.strip()
+
+    monkeypatch.chdir(tmp_path)
+    git("init", "-q")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "code.py").write_text("OLD = 1\n")
+    git("add", "src/code.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "old")
+    old = git("rev-parse", "HEAD")
+    assert gateway["working_tree_commit"]() == old  # nothing changed: HEAD itself
+    (tmp_path / "src" / "code.py").write_text("NEW = 2\n")
+    (tmp_path / "src" / "added.py").write_text("ADDED = 3\n")
+    status = git("status", "--porcelain")
+    with gateway["checkouts"](old) as (engine, baseline):
+        assert (engine / "code.py").read_text() == "NEW = 2\n"
+        assert (engine / "added.py").read_text() == "ADDED = 3\n"
+        assert (baseline / "code.py").read_text() == "OLD = 1\n"
+        assert not (baseline / "added.py").exists()
+        assert engine.resolve() != (tmp_path / "src").resolve()
+    assert git("rev-parse", "HEAD") == old
+    assert git("status", "--porcelain") == status  # nothing staged, nothing lost
+    assert git("worktree", "list").count("\n") == 0  # both worktrees removed
+    with gateway["checkouts"](None) as pair:
+        assert pair == (None, None)  # no A/B: this checkout as installed
 
 
 def test_a_flags_arm_is_reported_over_the_draft_arm_paired_by_repeat(under_load: ModuleType) -> None:
