@@ -62,3 +62,26 @@ def test_a_named_tool_is_forced_and_streams_to_the_same_call(llm: ChatOpenAI) ->
         full += chunk  # type: ignore[assignment]  # LangChain's chunk addition is typed loosely
     assert isinstance(full, AIMessageChunk)
     assert [(c["name"], c["args"]) for c in full.tool_calls] == [(c["name"], c["args"]) for c in reply.tool_calls]
+
+
+def test_the_responses_api_gets_the_forced_call_and_a_second_turn(tool_stack: Stack) -> None:
+    """``ChatOpenAI(use_responses_api=True)``: the same forced call over ``/v1/responses``, streamed or not, and
+    a second turn whose history LangChain sends as function_call and function_call_output items."""
+    llm = ChatOpenAI(model=MODEL_NAME, base_url=tool_stack.base_url, api_key="unused",  # type: ignore[arg-type]
+                     temperature=0, max_completion_tokens=80, max_retries=0, use_responses_api=True)  # fmt: skip
+    bound = llm.bind_tools(TOOLS, tool_choice="get_weather")
+    reply = bound.invoke("whether tis nobler")
+    assert isinstance(reply, AIMessage)
+    assert [c["name"] for c in reply.tool_calls] == ["get_weather"]
+    jsonschema.validate(reply.tool_calls[0]["args"], schema_of("get_weather"))
+    chunks = list(bound.stream("whether tis nobler"))
+    full = chunks[0]
+    for chunk in chunks[1:]:
+        full += chunk  # type: ignore[assignment]  # LangChain's chunk addition is typed loosely
+    assert isinstance(full, AIMessageChunk)
+    assert [(c["name"], c["args"]) for c in full.tool_calls] == [(c["name"], c["args"]) for c in reply.tool_calls]
+    results = [ToolMessage("sunny, 21 C", tool_call_id=str(c["id"])) for c in reply.tool_calls]
+    second = llm.bind_tools(TOOLS).invoke([HumanMessage("whether tis nobler"), reply, *results], max_tokens=8)
+    assert isinstance(second, AIMessage)
+    assert not second.tool_calls
+    assert isinstance(second.text, str)

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,6 +32,14 @@ from splitspec.serve.choices import Item, Job, Runner, processors, sampling, sto
 from splitspec.serve.disconnect import DisconnectPoll
 from splitspec.serve.errors import ApiError, internal_error, invalid, unsupported
 from splitspec.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs, triples
+from splitspec.serve.responses import (
+    ResponsesRequest,
+    chat_request,
+    finished,
+    output_items,
+    response_events,
+    response_object,
+)
 from splitspec.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -173,6 +181,26 @@ def create_app(state: ServeState) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await respond(request, body, [await chat_job(body)], chat=True)
+
+    @app.post("/v1/responses", dependencies=[Depends(authorize)])
+    async def responses(request: Request, body: ResponsesRequest) -> Response:
+        chat = chat_request(body)
+        runner = Runner(state, [await chat_job(chat)], 1, disconnect_check(request, body.stream))
+        await runner.first()
+        response = response_object(body, schemas.new_id("resp"), schemas.now(), name, chat)
+        count(request, 200)
+        if body.stream:
+            return RunnerStream(response_events(runner, response), runner.close)
+        try:
+            (choice,) = await runner.collect()
+        finally:
+            await runner.close()
+        finished(response, output_items(choice), choice.finish, runner.tally.usage())
+        return JSONResponse(response)
+
+    async def chat_job(body: ChatCompletionRequest) -> Job:
+        """The generation a chat request asks for (400s name the field)."""
         check_common(body)
         if not state.templated:
             raise invalid(
@@ -187,7 +215,7 @@ def create_app(state: ServeState) -> FastAPI:
         stops = stop_ids(body, state.chat_stop_ids, state.vocab_size)
         if plan.grammar is not None:
             await prepare_grammar(stops)
-        job = Job(
+        return Job(
             prompt_ids=plan.prompt_ids,
             max_tokens=token_budget(
                 len(plan.prompt_ids),
@@ -207,7 +235,6 @@ def create_app(state: ServeState) -> FastAPI:
             logprobs=body.logprob_alternatives(),
             min_tokens=body.min_tokens,
         )
-        return await respond(request, body, [job], chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -240,9 +267,7 @@ def create_app(state: ServeState) -> FastAPI:
     async def respond(
         request: Request, body: ChatCompletionRequest | CompletionRequest, jobs: list[Job], chat: bool
     ) -> Response:
-        # a stream notices its client leaving itself (Starlette's StreamingResponse listens and cancels it, and its
-        # close ends the runner): asking the connection between tokens too would only cost the event loop
-        runner = Runner(state, jobs, body.n, _still_there if body.stream else DisconnectPoll(request.is_disconnected))
+        runner = Runner(state, jobs, body.n, disconnect_check(request, bool(body.stream)))
         await runner.first()
         rid = schemas.new_id("chatcmpl" if chat else "cmpl")
         now = schemas.now()
@@ -276,6 +301,13 @@ def create_app(state: ServeState) -> FastAPI:
 async def _still_there() -> bool:
     """A streamed generation's disconnect check: never (its response watches the connection)."""
     return False
+
+
+def disconnect_check(request: Request, stream: bool) -> Callable[[], Awaitable[bool]]:
+    """How a generation asks whether its client left: a stream never asks (Starlette's StreamingResponse listens
+    and cancels it, and its close ends the runner: asking between tokens too would only cost the event loop); a
+    whole reply polls the connection."""
+    return _still_there if stream else DisconnectPoll(request.is_disconnected)
 
 
 class RunnerStream(StreamingResponse):

@@ -1,0 +1,167 @@
+"""``POST /v1/responses`` (OpenAI's Responses API): the request's translation into the chat request it means, and
+through ``splitspec serve`` and a real trunk server with the official ``openai`` client: the reply equals the
+chat endpoint's, streamed or not, forced function calls come back as ``function_call`` items, and a second turn
+carries their output."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from pydantic import ValidationError
+
+from splitspec.serve.errors import ApiError
+from splitspec.serve.responses import ResponsesRequest, chat_request
+from tests.serve.conftest import MODEL_NAME, Stack
+from tests.serve.helpers import chat
+from tests.serve.test_tools_api import ADD, SCHEMA, WEATHER
+
+FLAT_WEATHER: Any = {"type": "function", **WEATHER["function"]}  # the Responses API's tools are flat
+FLAT_ADD: Any = {"type": "function", **ADD["function"]}
+
+
+def translated(**request: Any) -> dict[str, Any]:
+    return chat_request(ResponsesRequest.model_validate({"model": MODEL_NAME, **request})).model_dump(
+        exclude_none=True, by_alias=True
+    )
+
+
+def test_instructions_input_tools_and_limits_become_the_chat_request() -> None:
+    chat_body = translated(instructions="be brief", input="hello", max_output_tokens=7, temperature=0.5,
+                           tools=[FLAT_WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                           parallel_tool_calls=False, top_k=3, seed=9)  # fmt: skip
+    assert [(m["role"], m["content"]) for m in chat_body["messages"]] == [("system", "be brief"), ("user", "hello")]
+    assert (chat_body["max_tokens"], chat_body["temperature"], chat_body["top_k"], chat_body["seed"]) == (7, 0.5, 3, 9)
+    assert chat_body["tools"] == [{"type": "function", "function": WEATHER["function"]}]
+    assert chat_body["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat_body["parallel_tool_calls"] is False
+
+
+def test_items_become_messages_and_calls_join_the_assistant_turn() -> None:
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "checking"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
+        {"type": "function_call", "call_id": "c2", "name": "add", "arguments": '{"a": 1}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "c2", "output": "2"},
+    ]
+    messages = translated(input=items)["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+    assert messages[0]["content"] == [{"type": "text", "text": "weather?"}]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]  # both calls on the one assistant turn
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert (messages[2]["tool_call_id"], messages[2]["content"]) == ("c1", "sunny")
+    structured = translated(input="x", text={"format": {"type": "json_schema", "name": "r", "schema": SCHEMA}})
+    assert structured["response_format"] == {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "param", "says"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input (input_image)",
+         "text only"),
+        ({"tools": [{"type": "web_search"}]}, "tools (web_search)", "only function tools"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input (reasoning)", "items are"),
+        ({"input": [{"type": "function_call", "call_id": "c"}]}, "input", "missing or mistyped"),
+        ({"text": {"format": {"type": "xml"}}}, "text", "text.format must be"),
+        ({"temperature": 5.0}, "temperature", "less than or equal to 2"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_served_is_a_400_naming_the_field(request_fields: dict[str, Any], param: str, says: str) -> None:
+    with pytest.raises((ApiError, ValidationError)) as caught:  # pydantic's: the Responses field itself is bad
+        translated(**{"input": "hi", **request_fields})
+    err = caught.value
+    if isinstance(err, ApiError):
+        assert (err.status, err.param) == (400, param)
+        assert says in err.body()["error"]["message"]
+    else:
+        assert says in str(err)
+        assert param in str(err)
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
+
+
+def test_a_response_is_the_chat_reply_streamed_or_not(client: openai.OpenAI) -> None:
+    ask = "to be or not"
+    reference = chat(client, model=MODEL_NAME, messages=[{"role": "system", "content": "brief"},
+                     {"role": "user", "content": ask}], max_tokens=12, temperature=0)  # fmt: skip
+    whole = client.responses.create(model=MODEL_NAME, instructions="brief", input=ask, max_output_tokens=12,
+                                    temperature=0)  # fmt: skip
+    assert whole.output_text == reference.choices[0].message.content
+    assert (whole.status, whole.incomplete_details and whole.incomplete_details.reason) == (
+        "incomplete", "max_output_tokens")  # fmt: skip  # cut at 12 tokens, as the chat reply ("length")
+    assert reference.choices[0].finish_reason == "length"
+    assert whole.usage is not None
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (
+        reference.usage.prompt_tokens, reference.usage.completion_tokens)  # fmt: skip
+    assert whole.id.startswith("resp")
+    assert whole.to_dict()["store"] is False  # nothing is kept
+    deltas: list[str] = []
+    with client.responses.stream(model=MODEL_NAME, instructions="brief", input=ask, max_output_tokens=12,
+                                 temperature=0) as stream:  # fmt: skip
+        kinds, final = [], None
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            if event.type == "response.incomplete":  # OpenAI's last event for a reply cut by max_output_tokens
+                final = event.response
+    assert final is not None
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.incomplete"
+    assert "".join(deltas) == final.output_text == whole.output_text
+    assert [item.type for item in final.output] == ["message"]
+
+
+def test_forced_calls_are_function_call_items_and_a_second_turn_answers(tool_stack: Stack) -> None:
+    client = openai.OpenAI(base_url=tool_stack.base_url, api_key="unused", max_retries=0)
+    ask = "to be or not to be"
+    forced: dict[str, Any] = {"model": MODEL_NAME, "input": ask, "tools": [FLAT_WEATHER, FLAT_ADD],
+                              "max_output_tokens": 80, "tool_choice": {"type": "function", "name": "get_weather"},
+                              "temperature": 0}  # fmt: skip
+    whole = client.responses.create(**forced)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert len(calls) == 1
+    assert calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["function"]["parameters"])
+    assert whole.status == "completed"
+    with client.responses.stream(**forced) as stream:
+        added = [e.item.type for e in stream if e.type == "response.output_item.added"]
+        streamed = stream.get_final_response()
+    assert "function_call" in added
+    streamed_calls = [item for item in streamed.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed_calls] == [(c.name, c.arguments) for c in calls]
+    second = client.responses.create(
+        model=MODEL_NAME, max_output_tokens=8, temperature=0, tools=[FLAT_WEATHER, FLAT_ADD],
+        input=[{"role": "user", "content": ask}, calls[0].model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}],
+    )  # fmt: skip
+    reference = chat(
+        client, model=MODEL_NAME, max_tokens=8, temperature=0, tools=[WEATHER, ADD],
+        messages=[{"role": "user", "content": ask},
+                  {"role": "assistant", "content": None, "tool_calls": [{"id": calls[0].call_id, "type": "function",
+                   "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]},
+                  {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny, 21 C"}],
+    )  # fmt: skip
+    assert second.output_text == (reference.choices[0].message.content or "")
+
+
+def test_a_bad_request_over_http_is_openais_error_object(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as missing:
+        client.post("/responses", cast_to=object, body={"model": MODEL_NAME})  # no input
+    assert missing.value.status_code == 400
+    assert missing.value.param == "input"
+    with pytest.raises(openai.BadRequestError) as stored:
+        client.responses.create(model=MODEL_NAME, input="hi", previous_response_id="resp_x")
+    assert stored.value.param == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="another-model", input="hi")
