@@ -5,7 +5,10 @@ carries their output."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -13,8 +16,10 @@ import openai
 import pytest
 from pydantic import ValidationError
 
+from splitspec.serve.choices import Tally
 from splitspec.serve.errors import ApiError
-from splitspec.serve.responses import ResponsesRequest, chat_request
+from splitspec.serve.responses import ResponsesRequest, chat_request, response_events, response_object
+from splitspec.serve.tool_parsers import Event, ToolCall
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import chat
 from tests.serve.test_tools_api import ADD, SCHEMA, WEATHER
@@ -165,3 +170,66 @@ def test_a_bad_request_over_http_is_openais_error_object(client: openai.OpenAI) 
     assert stored.value.param == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="another-model", input="hi")
+
+
+class ScriptedRunner:
+    """A runner whose reply is given: text, calls and a finish reason, as ``Runner.events`` yields them."""
+
+    def __init__(self, events: list[Event], finish: str) -> None:
+        self.items = [SimpleNamespace(event=e, finish=None) for e in events]
+        self.items.append(SimpleNamespace(event=None, finish=finish))
+        self.tally = Tally(prompt=5, completion=9)
+
+    async def events(self) -> AsyncIterator[Any]:
+        for item in self.items:
+            yield item
+
+
+def streamed(events: list[Event], finish: str) -> list[dict[str, Any]]:
+    body = ResponsesRequest.model_validate({"input": "hi"})
+    response = response_object(body, "resp_1", 0, MODEL_NAME, chat_request(body))
+
+    async def read() -> list[str]:
+        return [line async for line in response_events(ScriptedRunner(events, finish), response)]  # type: ignore[arg-type]
+
+    lines = asyncio.run(read())
+    return [json.loads(line.split("data: ", 1)[1]) for line in lines]
+
+
+@pytest.mark.parametrize(
+    ("events", "finish", "kinds"),
+    [
+        ([Event("Let me "), Event("check."), Event(call=ToolCall("call_1", "add", '{"a": 1}')),
+          Event(call=ToolCall("call_2", "add", '{"a": 2}'))], "tool_calls",
+         ["message", "function_call", "function_call"]),
+        ([], "stop", ["message"]),  # an empty reply: one empty message
+        ([Event(call=ToolCall("call_1", "add", "{}")), Event("after")], "length", ["function_call", "message"]),
+    ],
+)  # fmt: skip
+def test_the_stream_opens_and_closes_each_output_item_in_order(
+    events: list[Event], finish: str, kinds: list[str]
+) -> None:
+    """Every item is added, fed and done at its own output_index, in order, with one id; the sequence numbers count
+    from 0; the last event's response holds exactly the done items, with the usage and status."""
+    payloads = streamed(events, finish)
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    assert [p["type"] for p in payloads[:2]] == ["response.created", "response.in_progress"]
+    last = payloads[-1]
+    assert last["type"] == ("response.incomplete" if finish == "length" else "response.completed")
+    added = [p for p in payloads if p["type"] == "response.output_item.added"]
+    done = [p for p in payloads if p["type"] == "response.output_item.done"]
+    assert [p["output_index"] for p in added] == [p["output_index"] for p in done] == list(range(len(kinds)))
+    assert [p["item"]["type"] for p in done] == kinds
+    assert [p["item"]["id"] for p in added] == [p["item"]["id"] for p in done]
+    assert last["response"]["output"] == [p["item"] for p in done]
+    for p in payloads:
+        if "item_id" in p:  # a delta or a done event belongs to the item open at its index
+            assert p["item_id"] == done[p["output_index"]]["item"]["id"]
+    text = "".join(e.content for e in events if e.call is None)
+    message = next(p["item"] for p in done if p["item"]["type"] == "message")
+    assert message["content"][0]["text"] == text
+    calls = [p["item"] for p in done if p["item"]["type"] == "function_call"]
+    assert [(c["call_id"], c["arguments"]) for c in calls] == [
+        (e.call.id, e.call.arguments) for e in events if e.call is not None
+    ]
+    assert last["response"]["usage"]["output_tokens"] == 9
