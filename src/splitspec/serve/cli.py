@@ -68,7 +68,9 @@ def _read_text(path: Path | None) -> str | None:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the edge (chat/completions, completions)")
+    p = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server on the edge (chat/completions, completions, responses)"
+    )
     add_edge_link_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000; 0 picks one)")
