@@ -170,6 +170,10 @@ def test_a_bad_request_over_http_is_openais_error_object(client: openai.OpenAI) 
     assert stored.value.param == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="another-model", input="hi")
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client.responses.retrieve("resp_x")
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        client.responses.delete("resp_x")
 
 
 class ScriptedRunner:

@@ -199,6 +199,11 @@ def create_app(state: ServeState) -> FastAPI:
         finished(response, output_items(choice), choice.finish, runner.tally.usage())
         return JSONResponse(response)
 
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], dependencies=[Depends(authorize)])
+    async def stored_response(response_id: str) -> Response:
+        raise ApiError(404, f"No response '{response_id:.64}': splitspec serve stores no responses (every response "
+                       "says store: false).", param="response_id", code="not_found")  # fmt: skip
+
     async def chat_job(body: ChatCompletionRequest) -> Job:
         """The generation a chat request asks for (400s name the field)."""
         check_common(body)
