@@ -75,6 +75,9 @@ def test_items_become_messages_and_calls_join_the_assistant_turn() -> None:
         ({"input": [{"type": "function_call", "call_id": "c"}]}, "input", "missing or mistyped"),
         ({"text": {"format": {"type": "xml"}}}, "text", "text.format must be"),
         ({"temperature": 5.0}, "temperature", "less than or equal to 2"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt", "change the reply"),
+        ({"max_tool_calls": 1}, "max_tool_calls", "change the reply"),
+        ({"background": True}, "background", "change the reply"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
     ],
 )  # fmt: skip

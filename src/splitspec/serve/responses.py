@@ -10,9 +10,10 @@ Chat Completions request it means (:func:`chat_request`: ``instructions`` become
 (:func:`response_events`).
 
 The server keeps no responses: ``previous_response_id`` and ``conversation`` are a 400 (send the whole
-conversation in ``input``), and a response says ``"store": false``. Tools other than functions, and
-input images and files, are a 400 naming the field. ``reasoning`` and ``include`` are read and
-ignored: no model served here reasons in a separate channel, and no extra output is produced.
+conversation in ``input``), and a response says ``"store": false``. Tools other than functions,
+input images and files, and the fields in :data:`REFUSED` are a 400 naming the field. ``reasoning``
+and ``include`` are read and ignored: no model served here reasons in a separate channel, and no
+extra output is produced.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 # chat request fields (vLLM's extensions and the sampling ones) a Responses request may send as they are
 PASSED_THROUGH = ("top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty",
                   "frequency_penalty", "logit_bias", "chat_template_kwargs")  # fmt: skip
+# Responses fields that would change the reply but are not honoured, with the values that change nothing (anything
+# else is a 400 naming the field, as chat's REFUSED): a stored prompt template by id, a cap on tool calls, a
+# response run in the background to be polled for
+REFUSED: dict[str, tuple[object, ...]] = {"prompt": (None,), "max_tool_calls": (None,), "background": (None, False)}
 
 
 class ResponsesRequest(BaseModel):
@@ -160,8 +165,11 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "user": body.user,
     }
     extra = body.model_extra or {}
+    for name, neutral in REFUSED.items():
+        if extra.get(name) not in neutral:
+            raise unsupported(name, "it would change the reply")
     chat.update({key: extra[key] for key in PASSED_THROUGH if key in extra})
-    ignored = sorted(set(extra) - set(PASSED_THROUGH))
+    ignored = sorted(set(extra) - set(PASSED_THROUGH) - set(REFUSED))
     if ignored:
         log.debug("responses: ignoring fields %s", ", ".join(ignored))
     try:
