@@ -183,8 +183,8 @@ class ScriptedRunner:
     """A runner whose reply is given: text, calls and a finish reason, as ``Runner.events`` yields them."""
 
     def __init__(self, events: list[Event], finish: str) -> None:
-        self.items = [SimpleNamespace(event=e, finish=None) for e in events]
-        self.items.append(SimpleNamespace(event=None, finish=finish))
+        self.items = [SimpleNamespace(event=e, finish=None, tokens=[]) for e in events]
+        self.items.append(SimpleNamespace(event=None, finish=finish, tokens=[]))
         self.tally = Tally(prompt=5, completion=9)
 
     async def events(self) -> AsyncIterator[Any]:
@@ -240,3 +240,30 @@ def test_the_stream_opens_and_closes_each_output_item_in_order(
         (e.call.id, e.call.arguments) for e in events if e.call is not None
     ]
     assert last["response"]["usage"]["output_tokens"] == 9
+
+
+def test_included_logprobs_are_chats_streamed_or_not(client: openai.OpenAI) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the text's token logprobs are exactly
+    the chat endpoint's for the same request, whole or streamed (the deltas' entries add up to the message's)."""
+    ask = [{"role": "user", "content": "to be or not"}]
+    reference = chat(client, model=MODEL_NAME, messages=ask, max_tokens=6, temperature=0, logprobs=True,
+                     top_logprobs=2).choices[0].logprobs.content  # fmt: skip
+    expected = [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in reference]
+    assert len(expected) == 6
+    asked: dict[str, Any] = {"model": MODEL_NAME, "input": ask, "max_output_tokens": 6, "temperature": 0,
+                             "include": ["message.output_text.logprobs"], "top_logprobs": 2}  # fmt: skip
+    whole = client.responses.create(**asked)
+    part = whole.to_dict()["output"][0]["content"][0]
+    got = [(e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+           for e in part["logprobs"]]  # fmt: skip
+    assert got == expected
+    deltas, done = [], None
+    with client.responses.stream(**asked) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                deltas += [(e.token, e.logprob) for e in event.logprobs]
+            if event.type == "response.output_text.done":
+                done = [(e.token, e.logprob) for e in event.logprobs]
+    assert deltas == done == [(token, logprob) for token, logprob, _ in expected]
+    plain = client.responses.create(**{**asked, "include": [], "top_logprobs": None})
+    assert plain.to_dict()["output"][0]["content"][0]["logprobs"] == []  # not asked: none

@@ -35,10 +35,9 @@ from splitspec.serve.logprobs import TextOffsets, chat_logprobs, completion_logp
 from splitspec.serve.responses import (
     ResponsesRequest,
     chat_request,
-    finished,
-    output_items,
     response_events,
     response_object,
+    whole_response,
 )
 from splitspec.serve.schemas import (
     ChatCompletionRequest,
@@ -189,15 +188,16 @@ def create_app(state: ServeState) -> FastAPI:
         runner = Runner(state, [await chat_job(chat)], 1, disconnect_check(request, body.stream))
         await runner.first()
         response = response_object(body, schemas.new_id("resp"), schemas.now(), name, chat)
+        entries = (
+            None if not chat.logprobs else lambda tokens: chat_logprobs(triples(tokens), state.token_bytes)["content"]
+        )
         count(request, 200)
         if body.stream:
-            return RunnerStream(response_events(runner, response), runner.close)
+            return RunnerStream(response_events(runner, response, entries), runner.close)
         try:
-            (choice,) = await runner.collect()
+            return JSONResponse(await whole_response(runner, response, entries))
         finally:
             await runner.close()
-        finished(response, output_items(choice), choice.finish, runner.tally.usage())
-        return JSONResponse(response)
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], dependencies=[Depends(authorize)])
     async def stored_response(response_id: str) -> Response:

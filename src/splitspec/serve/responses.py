@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from splitspec.decoding.loop import Emitted
 from splitspec.serve import schemas
-from splitspec.serve.choices import Choice, Runner
+from splitspec.serve.choices import Runner
 from splitspec.serve.errors import ApiError, internal_error, invalid, unsupported
+from splitspec.serve.logprobs import chat_logprobs, triples
 from splitspec.serve.schemas import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,15 @@ PASSED_THROUGH = ("top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "min_
 # else is a 400 naming the field, as chat's REFUSED): a stored prompt template by id, a cap on tool calls, a
 # response run in the background to be polled for
 REFUSED: dict[str, tuple[object, ...]] = {"prompt": (None,), "max_tool_calls": (None,), "background": (None, False)}
+LOGPROBS = "message.output_text.logprobs"  # the ``include`` entry that asks for the text's token logprobs
+
+# the logprob entries of generated tokens ({"token", "logprob", "bytes", "top_logprobs"}, chat's shape)
+Logprobs = Callable[[Sequence[Emitted]], list[dict[str, Any]]]
+
+
+def logprob_entries(token_bytes: Callable[[int], bytes]) -> Logprobs:
+    """Chat's logprob entries of generated tokens: the Responses API's ``output_text`` logprobs have their shape."""
+    return lambda tokens: list(chat_logprobs(triples(tokens), token_bytes)["content"])
 
 
 class ResponsesRequest(BaseModel):
@@ -55,6 +66,8 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = None  # None: the server's default (generation_config.json under auto)
     top_p: float | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)  # None: the server's default max_tokens
+    include: list[str] | None = None  # with "message.output_text.logprobs": the text's token logprobs
+    top_logprobs: int | None = Field(default=None, ge=0, le=schemas.MAX_TOP_LOGPROBS)  # alternatives per token
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
     stream: bool = False
     store: bool | None = None  # nothing is stored whatever it says: responses carry "store": false
@@ -164,6 +177,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "response_format": _response_format(body),
         "user": body.user,
     }
+    if LOGPROBS in (body.include or []) or body.top_logprobs is not None:
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     extra = body.model_extra or {}
     for name, neutral in REFUSED.items():
         if extra.get(name) not in neutral:
@@ -193,13 +208,15 @@ def _usage(use: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _message_item(item_id: str, text: str, status: Literal["in_progress", "completed"]) -> dict[str, Any]:
-    content = [] if status == "in_progress" else [_text_part(text)]
+def _message_item(
+    item_id: str, text: str, status: Literal["in_progress", "completed"], logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if status == "in_progress" else [_text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
@@ -249,84 +266,108 @@ def finished(response: dict[str, Any], output: list[dict[str, Any]], finish: str
         response["status"] = "completed"
 
 
-def output_items(choice: Choice) -> list[dict[str, Any]]:
-    """A whole reply's output: its message (when it has text, or no calls), then its function calls."""
-    items = [_message_item(schemas.new_id("msg"), choice.text, "completed")] if choice.text or not choice.calls else []
-    return items + [_call_item(schemas.new_id("fc"), c.id, c.name, c.arguments, "completed") for c in choice.calls]
-
-
-async def response_events(runner: Runner, response: dict[str, Any]) -> AsyncIterator[str]:
-    """The Responses stream: created, in_progress, each output item's added / delta / done events, then completed
-    (or incomplete); a failure mid-stream is an error event, as chat's."""
-    sequence = 0
-
-    def event(kind: str, **fields: Any) -> str:
-        nonlocal sequence
-        sequence += 1
-        payload = {"type": kind, "sequence_number": sequence - 1, **fields}
-        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
-
+async def _events(
+    runner: Runner, response: dict[str, Any], logprobs: Logprobs | None
+) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """The reply as the Responses stream's events, (type, fields), the last one carrying ``response`` done (a
+    failure raises). Items in order: a message when text comes (closed before a call, and one empty message for an
+    empty reply), each function call whole. With ``logprobs``, each text delta carries its tokens' entries and the
+    message all of them (the tokens after its last text, an end of turn, included), as chat's logprobs."""
     output: list[dict[str, Any]] = []
     message: dict[str, Any] | None = None  # the message item whose text is streaming
+    text, entries = "", list[dict[str, Any]]()  # its text and its tokens' logprobs so far
+    finish = "stop"
 
-    def open_text() -> tuple[dict[str, Any], list[str]]:
+    def logprobs_of(tokens: Sequence[Emitted]) -> list[dict[str, Any]]:
+        return logprobs(tokens) if logprobs is not None and tokens else []
+
+    def open_text() -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
         item = _message_item(schemas.new_id("msg"), "", "in_progress")
         at = {"item_id": item["id"], "output_index": len(output), "content_index": 0}
-        return item, [event("response.output_item.added", output_index=len(output), item=item),
-                      event("response.content_part.added", **at, part=_text_part(""))]  # fmt: skip
+        return item, [("response.output_item.added", {"output_index": len(output), "item": item}),
+                      ("response.content_part.added", {**at, "part": _text_part("")})]  # fmt: skip
 
-    def close_text(item: dict[str, Any], text: str) -> list[str]:
-        done = _message_item(item["id"], text, "completed")
+    def close_text(item: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        done = _message_item(item["id"], text, "completed", entries)
         at = {"item_id": done["id"], "output_index": len(output), "content_index": 0}
-        events = [event("response.output_text.done", **at, text=text, logprobs=[]),
-                  event("response.content_part.done", **at, part=_text_part(text)),
-                  event("response.output_item.done", output_index=len(output), item=done)]  # fmt: skip
+        events = [("response.output_text.done", {**at, "text": text, "logprobs": entries}),
+                  ("response.content_part.done", {**at, "part": _text_part(text, entries)}),
+                  ("response.output_item.done", {"output_index": len(output), "item": done})]  # fmt: skip
         output.append(done)
         return events
 
-    yield event("response.created", response=response)
-    yield event("response.in_progress", response=response)
-    text, finish = "", "stop"
+    yield "response.created", {"response": response}
+    yield "response.in_progress", {"response": response}
+    async for item in runner.events():
+        if item.event is not None and item.event.call is not None:
+            if message is not None:
+                for kind, fields in close_text(message):
+                    yield kind, fields
+                message, text, entries = None, "", []
+            call = item.event.call
+            fc = _call_item(schemas.new_id("fc"), call.id, call.name, "", "in_progress")
+            at = {"item_id": fc["id"], "output_index": len(output)}
+            yield "response.output_item.added", {"output_index": len(output), "item": fc}
+            yield "response.function_call_arguments.delta", {**at, "delta": call.arguments}
+            yield "response.function_call_arguments.done", {**at, "arguments": call.arguments}
+            fc = {**fc, "arguments": call.arguments, "status": "completed"}
+            yield "response.output_item.done", {"output_index": len(output), "item": fc}
+            output.append(fc)
+        elif item.event is not None and item.event.content:
+            if message is None:
+                message, opening = open_text()
+                for kind, fields in opening:
+                    yield kind, fields
+            text += item.event.content
+            fresh = logprobs_of(item.tokens)
+            entries += fresh
+            yield (
+                "response.output_text.delta",
+                {
+                    "item_id": message["id"],
+                    "output_index": len(output),
+                    "content_index": 0,
+                    "delta": item.event.content,
+                    "logprobs": fresh,
+                },
+            )
+        else:  # tokens without text (an end of turn): the message's, when it has one
+            entries += logprobs_of(item.tokens)
+        if item.finish is not None:
+            finish = item.finish
+    if message is None and not output:  # an empty reply: one empty message
+        message, opening = open_text()
+        for kind, fields in opening:
+            yield kind, fields
+    if message is not None:
+        for kind, fields in close_text(message):
+            yield kind, fields
+    finished(response, output, finish, runner.tally.usage())
+    yield (
+        ("response.incomplete" if response["status"] == "incomplete" else "response.completed"),
+        {"response": response},
+    )
+
+
+async def response_events(
+    runner: Runner, response: dict[str, Any], logprobs: Logprobs | None = None
+) -> AsyncIterator[str]:
+    """The Responses stream as server-sent events, numbered from 0; a failure mid-stream is an error event, as
+    chat's."""
+    sequence = 0
     try:
-        async for item in runner.events():
-            if item.event is not None and item.event.call is not None:
-                if message is not None:
-                    for line in close_text(message, text):
-                        yield line
-                    message, text = None, ""
-                call = item.event.call
-                fc = _call_item(schemas.new_id("fc"), call.id, call.name, "", "in_progress")
-                at = {"item_id": fc["id"], "output_index": len(output)}
-                yield event("response.output_item.added", output_index=len(output), item=fc)
-                yield event("response.function_call_arguments.delta", **at, delta=call.arguments)
-                yield event("response.function_call_arguments.done", **at, arguments=call.arguments)
-                fc = {**fc, "arguments": call.arguments, "status": "completed"}
-                yield event("response.output_item.done", output_index=len(output), item=fc)
-                output.append(fc)
-            elif item.event is not None and item.event.content:
-                if message is None:
-                    message, lines = open_text()
-                    for line in lines:
-                        yield line
-                text += item.event.content
-                yield event("response.output_text.delta", item_id=message["id"], output_index=len(output),
-                            content_index=0, delta=item.event.content, logprobs=[])  # fmt: skip
-            if item.finish is not None:
-                finish = item.finish
+        async for kind, fields in _events(runner, response, logprobs):
+            yield f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence, **fields})}\n\n"
+            sequence += 1
     except ApiError as err:
         yield f"data: {json.dumps(err.body())}\n\n"
-        return
     except Exception as exc:  # a failure of our own mid-stream: the client still gets an error event
         log.exception("a responses stream failed")
         yield f"data: {json.dumps(internal_error(exc).body())}\n\n"
-        return
-    if message is None and not output:  # an empty reply: one empty message, as the whole response has
-        message, lines = open_text()
-        for line in lines:
-            yield line
-    if message is not None:
-        for line in close_text(message, text):
-            yield line
-    finished(response, output, finish, runner.tally.usage())
-    kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-    yield event(kind, response=response)
+
+
+async def whole_response(runner: Runner, response: dict[str, Any], logprobs: Logprobs | None = None) -> dict[str, Any]:
+    """``response`` done, unstreamed: the same items as the stream's (one code path); a failure raises."""
+    async for _ in _events(runner, response, logprobs):
+        pass
+    return response
