@@ -5,15 +5,16 @@ Agent frameworks default to it now (the OpenAI Agents SDK, ``langchain-openai`` 
 Chat Completions request it means (:func:`chat_request`: ``instructions`` become the system message,
 ``input`` items the messages, flat function tools the nested ones, ``max_output_tokens`` the
 ``max_tokens``, ``text.format`` the ``response_format``), runs exactly as that chat request runs
-(template, tool-call parsing, grammars, sampling defaults), and its one choice is rendered as a
-``response`` object (:func:`response_object`) or as the Responses stream's typed events
-(:func:`response_events`).
+(template, tool-call parsing, grammars, sampling defaults), and its one choice is rendered as the
+Responses stream's typed events (:func:`response_events`) or, unstreamed, as the ``response`` object
+those events end with (:func:`whole_response`: one code path, so both give the same items).
+``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) adds chat's token logprobs.
 
 The server keeps no responses: ``previous_response_id`` and ``conversation`` are a 400 (send the whole
 conversation in ``input``), and a response says ``"store": false``. Tools other than functions,
 input images and files, and the fields in :data:`REFUSED` are a 400 naming the field. ``reasoning``
-and ``include`` are read and ignored: no model served here reasons in a separate channel, and no
-extra output is produced.
+and the other ``include`` entries are read and ignored: no model served here reasons in a separate
+channel, and no other extra output is produced.
 """
 
 from __future__ import annotations
