@@ -267,3 +267,22 @@ def test_included_logprobs_are_chats_streamed_or_not(client: openai.OpenAI) -> N
     assert deltas == done == [(token, logprob) for token, logprob, _ in expected]
     plain = client.responses.create(**{**asked, "include": [], "top_logprobs": None})
     assert plain.to_dict()["output"][0]["content"][0]["logprobs"] == []  # not asked: none
+
+
+def test_a_json_schema_text_format_constrains_the_reply(tool_stack: Stack) -> None:
+    """``text.format`` json_schema (flat, as the Responses API has it) constrains sampled replies to the schema, and
+    the same seed reproduces the chat endpoint's reply under the nested ``response_format``."""
+    client = openai.OpenAI(base_url=tool_stack.base_url, api_key="unused", max_retries=0)
+    ask = "to be or not to be"
+    texts = [
+        client.responses.create(model=MODEL_NAME, input=ask, max_output_tokens=60, temperature=1.0,
+                                text={"format": {"type": "json_schema", "name": "verdict", "schema": SCHEMA,
+                                                 "strict": True}}, extra_body={"seed": seed}).output_text
+        for seed in (3, 4)
+    ]  # fmt: skip
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    nested = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": SCHEMA, "strict": True}}
+    reference = chat(client, model=MODEL_NAME, messages=[{"role": "user", "content": ask}], response_format=nested,
+                     max_tokens=60, temperature=1.0, seed=3)  # fmt: skip
+    assert texts[0] == reference.choices[0].message.content
