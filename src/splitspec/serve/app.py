@@ -35,6 +35,8 @@ from splitspec.serve.logprobs import TextOffsets, chat_logprobs, completion_logp
 from splitspec.serve.responses import (
     ResponsesRequest,
     chat_request,
+    item_id,
+    logprob_entries,
     response_events,
     response_object,
     whole_response,
@@ -187,10 +189,8 @@ def create_app(state: ServeState) -> FastAPI:
         chat = chat_request(body)
         runner = Runner(state, [await chat_job(chat)], 1, disconnect_check(request, body.stream))
         await runner.first()
-        response = response_object(body, schemas.new_id("resp"), schemas.now(), name, chat)
-        entries = (
-            None if not chat.logprobs else lambda tokens: chat_logprobs(triples(tokens), state.token_bytes)["content"]
-        )
+        response = response_object(body, item_id("resp"), schemas.now(), name, chat)
+        entries = logprob_entries(state.token_bytes) if chat.logprobs else None
         count(request, 200)
         if body.stream:
             return RunnerStream(response_events(runner, response, entries), runner.close)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
@@ -46,6 +47,11 @@ LOGPROBS = "message.output_text.logprobs"  # the ``include`` entry that asks for
 
 # the logprob entries of generated tokens ({"token", "logprob", "bytes", "top_logprobs"}, chat's shape)
 Logprobs = Callable[[Sequence[Emitted]], list[dict[str, Any]]]
+
+
+def item_id(prefix: str) -> str:
+    """A Responses id as OpenAI writes them: ``resp_``, ``msg_``, ``fc_`` and 32 hex digits."""
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def logprob_entries(token_bytes: Callable[[int], bytes]) -> Logprobs:
@@ -283,7 +289,7 @@ async def _events(
         return logprobs(tokens) if logprobs is not None and tokens else []
 
     def open_text() -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
-        item = _message_item(schemas.new_id("msg"), "", "in_progress")
+        item = _message_item(item_id("msg"), "", "in_progress")
         at = {"item_id": item["id"], "output_index": len(output), "content_index": 0}
         return item, [("response.output_item.added", {"output_index": len(output), "item": item}),
                       ("response.content_part.added", {**at, "part": _text_part("")})]  # fmt: skip
@@ -306,7 +312,7 @@ async def _events(
                     yield kind, fields
                 message, text, entries = None, "", []
             call = item.event.call
-            fc = _call_item(schemas.new_id("fc"), call.id, call.name, "", "in_progress")
+            fc = _call_item(item_id("fc"), call.id, call.name, "", "in_progress")
             at = {"item_id": fc["id"], "output_index": len(output)}
             yield "response.output_item.added", {"output_index": len(output), "item": fc}
             yield "response.function_call_arguments.delta", {**at, "delta": call.arguments}
