@@ -174,6 +174,9 @@ def test_a_bad_request_over_http_is_openais_error_object(client: openai.OpenAI) 
     assert stored.value.param == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="another-model", input="hi")
+    with pytest.raises(openai.BadRequestError) as too_long:  # the chat request's 400 names the Responses field
+        client.responses.create(model=MODEL_NAME, input="to be " * 5000)
+    assert too_long.value.param == "input"
     with pytest.raises(openai.NotFoundError, match="stores no responses"):
         client.responses.retrieve("resp_x")
     with pytest.raises(openai.NotFoundError, match="stores no responses"):

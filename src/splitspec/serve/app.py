@@ -39,6 +39,7 @@ from splitspec.serve.responses import (
     logprob_entries,
     response_events,
     response_object,
+    responses_param,
     whole_response,
 )
 from splitspec.serve.schemas import (
@@ -187,7 +188,12 @@ def create_app(state: ServeState) -> FastAPI:
     @app.post("/v1/responses", dependencies=[Depends(authorize)])
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         chat = chat_request(body)
-        runner = Runner(state, [await chat_job(chat)], 1, disconnect_check(request, body.stream))
+        try:
+            job = await chat_job(chat)
+        except ApiError as err:  # a 400 of the chat request it runs as names the Responses field
+            err.param = responses_param(err.param)
+            raise
+        runner = Runner(state, [job], 1, disconnect_check(request, body.stream))
         await runner.first()
         response = response_object(body, item_id("resp"), schemas.now(), name, chat)
         entries = logprob_entries(state.token_bytes) if chat.logprobs else None

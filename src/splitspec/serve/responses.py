@@ -43,6 +43,8 @@ PASSED_THROUGH = ("top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "min_
 # else is a 400 naming the field, as chat's REFUSED): a stored prompt template by id, a cap on tool calls, a
 # response run in the background to be polled for
 REFUSED: dict[str, tuple[object, ...]] = {"prompt": (None,), "max_tool_calls": (None,), "background": (None, False)}
+# chat request fields and the Responses fields they are made from, where the names differ
+CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 LOGPROBS = "message.output_text.logprobs"  # the ``include`` entry that asks for the text's token logprobs
 
 # the logprob entries of generated tokens ({"token", "logprob", "bytes", "top_logprobs"}, chat's shape)
@@ -199,10 +201,12 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
-        param = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}.get(
-            where.split(".")[0], where.split(".")[0] or None
-        )
-        raise invalid(f"{where}: {first.get('msg', 'invalid')}", param) from None
+        raise invalid(f"{where}: {first.get('msg', 'invalid')}", responses_param(where.split(".")[0] or None)) from None
+
+
+def responses_param(chat_param: str | None) -> str | None:
+    """The Responses field a chat request's field came from (a 400 on the chat request names it)."""
+    return CHAT_FIELDS.get(chat_param or "", chat_param)
 
 
 def _usage(use: dict[str, Any]) -> dict[str, Any]:
