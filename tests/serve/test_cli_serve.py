@@ -29,8 +29,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "http://127.0.0.1:8000"
 
 
-def readme_blocks() -> tuple[str, str]:
-    """The serve section's curl command and its five-line openai example."""
+def readme_blocks() -> tuple[str, str, str]:
+    """The serve section's curl command, its five-line openai example and its agent turn over the Responses API."""
     text = README.read_text()
     section = text[text.index("### The OpenAI API on the edge") :]
     bash = re.search(r"```bash\n(.*?)```", section, re.S)
@@ -39,7 +39,9 @@ def readme_blocks() -> tuple[str, str]:
     assert python
     curl = bash.group(1)[bash.group(1).index("curl ") :].replace("\\\n", " ")
     assert len(python.group(1).strip().splitlines()) <= 5
-    return curl, python.group(1)
+    agent = re.search(r"<!-- serve-agent-example[^\n]*\n```python\n(.*?)```", section, re.S)
+    assert agent
+    return curl, python.group(1), agent.group(1)
 
 
 @pytest.mark.slow
@@ -73,7 +75,7 @@ def test_serve_process_answers_the_readme_examples_and_forces_tool_calls(
                     assert time.monotonic() < deadline, "splitspec serve did not come up"
                     time.sleep(0.2)
             assert pid != os.getpid()
-            curl, example = readme_blocks()
+            curl, example, agent = readme_blocks()
             if shutil.which("curl"):
                 command = shlex.split(curl.replace(README_URL, base))
                 out = subprocess.run(command, capture_output=True, text=True, timeout=60)
@@ -92,6 +94,13 @@ def test_serve_process_answers_the_readme_examples_and_forces_tool_calls(
             assert isinstance(example_reply.choices[0].message.content, str)
             assert printed == example_reply.choices[0].message.content + "\n", "the README example printed no reply"
             assert 1 <= example_reply.usage.completion_tokens <= 32
+            exec(compile(agent, "README", "exec"), names)  # the client the example above made
+            printed = capsys.readouterr().out
+            call, answer = names["call"], names["answer"]
+            assert call.name == "get_weather"
+            assert json.loads(call.arguments)["city"] in ("Oslo", "Paris", "Lima")  # the forcing grammar's schema
+            assert printed == f"{call.name} {call.arguments} {answer.output_text}\n"
+            assert 1 <= answer.usage.output_tokens <= 32
 
             client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
             ask: list[Any] = [{"role": "user", "content": "to be"}]
