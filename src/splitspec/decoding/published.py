@@ -98,21 +98,20 @@ def published_sampling(directory: str | Path) -> PublishedSampling:
             raise CheckpointError(f"{source}: {key} must be a number, got {value!r:.40}")
         return None if value is None else float(value)
 
-    top_k = raw.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise CheckpointError(f"{source}: top_k must be an integer, got {top_k!r:.40}")
-    max_new_tokens = raw.get("max_new_tokens")
-    if max_new_tokens is not None and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
-    ):
-        raise CheckpointError(f"{source}: max_new_tokens must be a positive integer, got {max_new_tokens!r:.40}")
+    def integer(key: str, positive: bool = False) -> int | None:
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or (positive and value < 1)):
+            kind = "a positive integer" if positive else "an integer"
+            raise CheckpointError(f"{source}: {key} must be {kind}, got {value!r:.40}")
+        return value
+
     return PublishedSampling(
         do_sample=raw.get("do_sample") is True,
         temperature=number("temperature"),
         top_p=number("top_p"),
-        top_k=top_k,
+        top_k=integer("top_k"),
         source=source,
-        max_new_tokens=max_new_tokens,
+        max_new_tokens=integer("max_new_tokens", positive=True),
         unapplied=_turned_on(raw, UNAPPLIED),
         unapplied_when_sampling=_turned_on(raw, UNAPPLIED_WHEN_SAMPLING),
     )
