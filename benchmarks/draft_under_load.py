@@ -59,6 +59,7 @@ import openai
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gateway_load import checkouts, prompts, start_stack, stream_one, tree_cpu_seconds
+from gateway_measures import arrived
 
 from splitspec.demo import _stop
 from splitspec.run_info import git_commit, run_environment
@@ -112,15 +113,6 @@ async def lone_pass(url: str, pool: list[str], max_tokens: int = MAX_TOKENS) -> 
     return out
 
 
-def counted(request: dict[str, Any], until: float) -> float:
-    """The tokens of ``request`` that arrived by ``until``: its content chunks up to then, scaled to the tokens the
-    server reported for it (a chunk per token but for the last, as a rule)."""
-    chunks = request["chunks"]
-    if not chunks:
-        return 0.0
-    return float(request["tokens"]) * sum(1 for t in chunks if t <= until) / len(chunks)
-
-
 def level_figures(requests: list[dict[str, Any]], t0: float, until: float) -> dict[str, Any]:
     """A level's rate from its requests: the tokens that arrived in [t0, until] over until - t0 (those of requests
     still in flight at ``until`` arrive during the ramp-down, as fewer streams run, and are left out), and how much
@@ -129,8 +121,8 @@ def level_figures(requests: list[dict[str, Any]], t0: float, until: float) -> di
     weights: dict[int, float] = {}
     for r in requests:
         if r["tokens"]:
-            weights[r["prompt"]] = weights.get(r["prompt"], 0.0) + counted(r, until) / r["tokens"]
-    window = sum(counted(r, until) for r in requests)
+            weights[r["prompt"]] = weights.get(r["prompt"], 0.0) + arrived(r, until) / r["tokens"]
+    window = sum(arrived(r, until) for r in requests)
     return {
         "window_tokens": window,
         "window_s": until - t0,

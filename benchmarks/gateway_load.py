@@ -258,18 +258,21 @@ def unique(prompt: str) -> str:
 async def stream_one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> dict[str, Any]:
     prompt = unique(prompt)
     t0 = time.perf_counter()
-    chunks: list[float] = []
+    chunks: list[float] = []  # content chunks' arrival times
+    counts: list[int] = []  # the tokens each carried: the usage every chunk reports (vLLM's continuous_usage_stats)
     tokens = 0
+    usage: Any = {"include_usage": True, "continuous_usage_stats": True}  # a vLLM key the SDK's type does not name
     stream = await client.completions.create(
-        model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    )  # fmt: skip
+        model="demo", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True, stream_options=usage
+    )
     async for chunk in stream:
+        sent = tokens
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].text:
             chunks.append(time.perf_counter())
-    return {"start": t0, "chunks": chunks, "tokens": tokens, "end": time.perf_counter()}
+            counts.append(tokens - sent)
+    return {"start": t0, "chunks": chunks, "counts": counts, "tokens": tokens, "end": time.perf_counter()}
 
 
 def request_prompt(stream: int, r: int, requests: int, pool: int) -> int:
@@ -382,8 +385,8 @@ async def run_level(
     # each request's inter-token latencies, per token and per delivery
     latencies = [
         (
-            [latency for _, latency in token_latencies(r["chunks"], burst)],
-            [gap for _, gap in delivery_gaps(r["chunks"], burst)],
+            [latency for _, latency in token_latencies(r["chunks"], r["counts"], burst)],
+            [gap for _, gap in delivery_gaps(r["chunks"], r["counts"], burst)],
         )
         for r in results
     ]
@@ -445,14 +448,14 @@ async def run_prefill_interference(
         window = (start, start + (window_s or 0.0))
     results = [r for stream in await asyncio.gather(*workers) for r in stream]
     await client.close()
-    all_gaps = [latency for r in results for _, latency in token_latencies(r["chunks"], burst)]
+    all_gaps = [latency for r in results for _, latency in token_latencies(r["chunks"], r["counts"], burst)]
     # the deliveries that waited through part of the window (came after it opened, began waiting before it
     # closed), per delivery (vLLM's inter-token latency) and per token (each of a delivery's k tokens, g / k)
-    overlaps = [overlapping(r["chunks"], burst, window) for r in results]
+    overlaps = [overlapping(r["chunks"], r["counts"], burst, window) for r in results]
     during = [latency for per_token, _ in overlaps for latency in per_token]
     inside = [gap for _, per_delivery in overlaps for gap in per_delivery]
     p50 = quantile(all_gaps, 0.5)
-    delivery_p50 = quantile([gap for r in results for _, gap in delivery_gaps(r["chunks"], burst)], 0.5)
+    delivery_p50 = quantile([gap for r in results for _, gap in delivery_gaps(r["chunks"], r["counts"], burst)], 0.5)
     return {"prefill_s": window[1] - window[0], "itl_p50_s": p50, "itl_p99_during_s": quantile(during, 0.99),
             "ratio": quantile(during, 0.99) / p50, "gaps_during": len(during),
             "delivery_itl_p50_s": delivery_p50, "delivery_itl_p99_during_s": quantile(inside, 0.99),
@@ -461,7 +464,8 @@ async def run_prefill_interference(
             # what the figures came from, for a re-analysis: the window and every stream's chunk arrivals, in
             # seconds from the window's opening
             "window_s": [0.0, window[1] - window[0]],
-            "chunks_s": [[round(t - window[0], 6) for t in r["chunks"]] for r in results]}  # fmt: skip
+            "chunks_s": [[round(t - window[0], 6) for t in r["chunks"]] for r in results],
+            "chunk_tokens": [r["counts"] for r in results]}  # fmt: skip
 
 
 def level_runs(labels: list[str], schedules: list[str], n: int, repeat: int) -> list[tuple[str, str]]:

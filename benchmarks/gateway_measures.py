@@ -1,5 +1,6 @@
 """What ``gateway_load.py`` computes from what it collects: quantiles, a stream's deliveries and inter-token
-latencies from its chunks' arrival times, the rate while every stream is active, and the edge's forwards and a
+latencies from its chunks' arrival times and the tokens each carried, the rate while every stream is active, and the
+edge's forwards and a
 round trip's parts from ``splitspec serve``'s ``/metrics``."""
 
 from __future__ import annotations
@@ -26,44 +27,46 @@ BURST_FLOOR_S = 0.002  # content chunks closer than this arrived together, whate
 
 def burst_s(rtt_ms: float) -> float:
     """Content chunks of one stream closer than this are one delivery. Each of a stream's steps crosses the link,
-    so its deliveries are at least one round trip apart; ``serve`` streams a step's tokens as a chunk each, and
-    on a busy machine they reach the client milliseconds apart (2-8 ms at one stream in stop 56's run, more under
-    load). A quarter of the round trip tells the two apart."""
+    so its deliveries are at least one round trip apart; ``serve`` streamed a step's tokens as a chunk each until
+    stop 64 (one chunk a step since), and on a busy machine they reached the client milliseconds apart (2-8 ms at one
+    stream in stop 56's run, more under load). A quarter of the round trip tells the two apart."""
     return max(BURST_FLOOR_S, rtt_ms / 4e3)
 
 
-def deliveries(chunks: list[float], burst: float) -> list[tuple[float, float, int]]:
-    """(arrival, gap, tokens) of every delivery after the first: content chunks less than ``burst`` seconds apart
-    are one delivery (a speculative step's tokens, :func:`burst_s`); arrival: its last chunk's; gap: seconds since
-    the previous delivery's last chunk."""
-    bursts: list[list[float]] = []
-    for t in chunks:
-        if bursts and t - bursts[-1][-1] < burst:
-            bursts[-1].append(t)
+def deliveries(chunks: list[float], counts: list[int], burst: float) -> list[tuple[float, float, int]]:
+    """(arrival, gap, tokens) of every delivery after the first: content chunks (arrival times ``chunks``, carrying
+    ``counts`` tokens each) less than ``burst`` seconds apart are one delivery (a speculative step's tokens,
+    :func:`burst_s`); arrival: its last chunk's; gap: seconds since the previous delivery's last chunk."""
+    bursts: list[list[tuple[float, int]]] = []
+    for t, k in zip(chunks, counts, strict=True):
+        if bursts and t - bursts[-1][-1][0] < burst:
+            bursts[-1].append((t, k))
         else:
-            bursts.append([t])
-    return [(b[-1], b[-1] - previous[-1], len(b)) for previous, b in itertools.pairwise(bursts)]
+            bursts.append([(t, k)])
+    return [(b[-1][0], b[-1][0] - previous[-1][0], sum(k for _, k in b)) for previous, b in itertools.pairwise(bursts)]
 
 
-def token_latencies(chunks: list[float], burst: float) -> list[tuple[float, float]]:
+def token_latencies(chunks: list[float], counts: list[int], burst: float) -> list[tuple[float, float]]:
     """(arrival, seconds per token) for every token after the first: a delivery of k tokens that came g seconds
     after the previous delivery gives each of its k tokens g / k."""
-    return [(at, gap / k) for at, gap, k in deliveries(chunks, burst) for _ in range(k)]
+    return [(at, gap / k) for at, gap, k in deliveries(chunks, counts, burst) for _ in range(k)]
 
 
-def delivery_gaps(chunks: list[float], burst: float) -> list[tuple[float, float]]:
+def delivery_gaps(chunks: list[float], counts: list[int], burst: float) -> list[tuple[float, float]]:
     """(arrival, gap) per delivery: vLLM's inter-token latency (its benchmark appends the time since the last
     chunk for every chunk, and vLLM streams a speculative step's tokens as one chunk)."""
-    return [(at, gap) for at, gap, _ in deliveries(chunks, burst)]
+    return [(at, gap) for at, gap, _ in deliveries(chunks, counts, burst)]
 
 
-def overlapping(chunks: list[float], burst: float, window: tuple[float, float]) -> tuple[list[float], list[float]]:
+def overlapping(
+    chunks: list[float], counts: list[int], burst: float, window: tuple[float, float]
+) -> tuple[list[float], list[float]]:
     """A stream's latencies that waited through part of ``window`` (start, end): (per token, per delivery). A
     delivery overlapped the window when it came after the window opened and its wait began before the window
     closed; each of its k tokens then counts, with g / k."""
     per_token: list[float] = []
     per_delivery: list[float] = []
-    for at, gap, k in deliveries(chunks, burst):
+    for at, gap, k in deliveries(chunks, counts, burst):
         if window[0] < at and at - gap < window[1]:
             per_delivery.append(gap)
             per_token += [gap / k] * k
@@ -71,20 +74,22 @@ def overlapping(chunks: list[float], burst: float, window: tuple[float, float]) 
 
 
 def tpot(result: dict[str, Any]) -> float | None:
-    """A request's time per output token after the first (vLLM's TPOT); None under two tokens."""
-    chunks = result["chunks"]
-    return (chunks[-1] - chunks[0]) / (len(chunks) - 1) if len(chunks) > 1 else None
+    """A request's time per output token after its first chunk (vLLM's TPOT); None when no token came after it."""
+    chunks, after = result["chunks"], sum(result["counts"][1:])
+    return (chunks[-1] - chunks[0]) / after if after else None
+
+
+def arrived(result: dict[str, Any], until: float) -> int:
+    """The tokens of a request's content chunks that arrived by ``until``."""
+    return sum(k for t, k in zip(result["chunks"], result["counts"], strict=True) if t <= until)
 
 
 def all_active_rate(per_stream: list[list[dict[str, Any]]], t0: float) -> float:
     """Output tok/s while every stream is active: from ``t0`` until the first stream finishes its last request.
     A level's wall time also holds its ramp-down, when the streams that finished early leave fewer running: a
-    lower concurrency than the level's. Counted by content chunks, scaled to the tokens the server reported."""
+    lower concurrency than the level's. Counted by the tokens of the content chunks that arrived by then."""
     until = float(min(stream[-1]["end"] for stream in per_stream))
-    chunks: list[float] = [t for stream in per_stream for r in stream for t in r["chunks"]]
-    tokens = int(sum(r["tokens"] for stream in per_stream for r in stream))
-    inside = sum(1 for t in chunks if t <= until)
-    return inside * (tokens / max(1, len(chunks))) / (until - t0)
+    return sum(arrived(r, until) for stream in per_stream for r in stream) / (until - t0)
 
 
 def metric_samples(text: str) -> list[Sample]:

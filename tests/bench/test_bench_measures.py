@@ -76,7 +76,7 @@ def test_a_level_counts_only_the_tokens_that_arrived_within_its_seconds(
         for gap in (0.01, 0.01, 0.01, 0.01, 0.5, 0.5):
             await asyncio.sleep(gap)
             chunks.append(time.perf_counter())
-        return {"start": start, "chunks": chunks, "tokens": 6, "end": time.perf_counter()}
+        return {"start": start, "chunks": chunks, "counts": [1] * 6, "tokens": 6, "end": time.perf_counter()}
 
     monkeypatch.setattr(under_load, "stream_one", stream_one)
     row = under_load.measure_level("http://127.0.0.1:9", ["a", "b", "c"], 2, 0.3, os.getpid())
@@ -98,7 +98,7 @@ def test_the_lone_stream_runs_the_prompts_the_levels_send(
         started.append(prompt)
         await asyncio.sleep(0.01)
         now = time.perf_counter()
-        return {"start": now, "chunks": [now], "tokens": 1, "end": now}
+        return {"start": now, "chunks": [now], "counts": [1], "tokens": 1, "end": now}
 
     monkeypatch.setattr(under_load, "stream_one", stream_one)
     pool = ["p0", "p1", "p2", "p3"]

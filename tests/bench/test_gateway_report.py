@@ -155,7 +155,8 @@ def test_the_queue_schedule_keeps_every_stream_busy_until_the_queue_is_empty(
     async def fake_stream(client: object, prompt: str, max_tokens: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         await asyncio.sleep(seconds.get(int(prompt), 0.01))
-        return {"start": t0, "chunks": [time.perf_counter()], "tokens": max_tokens, "end": time.perf_counter()}
+        now = time.perf_counter()
+        return {"start": t0, "chunks": [now], "counts": [max_tokens], "tokens": max_tokens, "end": now}
 
     monkeypatch.setattr(load, "stream_one", fake_stream)
     pool = [str(p) for p in range(8)]
@@ -175,18 +176,24 @@ def measures(report: ModuleType) -> ModuleType:
 
 def test_a_speculative_steps_chunks_are_one_delivery(measures: ModuleType) -> None:
     # tokens at 0 s; 3 in one step at 0.100 s; 1 at 0.200 s
-    chunks = [0.0, 0.100, 0.1005, 0.101, 0.200]
+    chunks, ones = [0.0, 0.100, 0.1005, 0.101, 0.200], [1] * 5
     burst = measures.burst_s(80.0)
     assert burst == pytest.approx(0.02)  # a quarter of the round trip every step of a stream crosses
-    assert measures.delivery_gaps(chunks, burst) == [(0.101, pytest.approx(0.101)), (0.200, pytest.approx(0.099))]
-    per_token = measures.token_latencies(chunks, burst)
+    gaps = [(0.101, pytest.approx(0.101)), (0.200, pytest.approx(0.099))]
+    assert measures.delivery_gaps(chunks, ones, burst) == gaps
+    per_token = measures.token_latencies(chunks, ones, burst)
     assert [latency for _, latency in per_token] == pytest.approx([0.101 / 3] * 3 + [0.099])
     # a step's chunks reach a busy client milliseconds apart: still one delivery (was three at a 2 ms threshold)
     spread = [0.0, 0.100, 0.1025, 0.104]
-    assert measures.deliveries(spread, burst) == [(0.104, pytest.approx(0.104), 3)]
+    assert measures.deliveries(spread, [1] * 4, burst) == [(0.104, pytest.approx(0.104), 3)]
     assert measures.burst_s(0.0) == measures.BURST_FLOOR_S
-    assert measures.tpot({"chunks": chunks}) == pytest.approx(0.05)
-    assert measures.tpot({"chunks": [0.0]}) is None
+    assert measures.tpot({"chunks": chunks, "counts": ones}) == pytest.approx(0.05)
+    assert measures.tpot({"chunks": [0.0], "counts": [1]}) is None
+    # the same tokens with the step as one chunk of 3 (serve since stop 64): the same figures
+    whole, counts = [0.0, 0.101, 0.200], [1, 3, 1]
+    assert measures.delivery_gaps(whole, counts, burst) == gaps
+    assert [x for _, x in measures.token_latencies(whole, counts, burst)] == pytest.approx([0.101 / 3] * 3 + [0.099])
+    assert measures.tpot({"chunks": whole, "counts": counts}) == pytest.approx(0.05)
 
 
 def test_nearest_rank_quantiles(measures: ModuleType) -> None:
@@ -201,18 +208,20 @@ def test_nearest_rank_quantiles(measures: ModuleType) -> None:
 def test_a_delivery_that_waited_through_the_prefill_counts_during_it(measures: ModuleType) -> None:
     # a 3-token delivery 0.25 s after the previous one, 0.1 s past the window's end: it waited through the window
     chunks = [0.0, 0.95, 1.2, 1.2005, 1.201]
-    per_token, per_delivery = measures.overlapping(chunks, 0.02, (1.0, 1.1))
+    per_token, per_delivery = measures.overlapping(chunks, [1] * 5, 0.02, (1.0, 1.1))
     assert per_delivery == [pytest.approx(0.251)]
     assert per_token == pytest.approx([0.251 / 3] * 3)  # the per-token rule dropped it (at > end + gap / k)
-    assert measures.overlapping(chunks, 0.02, (1.25, 1.3)) == ([], [])  # nothing waited through a later window
+    assert measures.overlapping(chunks, [1] * 5, 0.02, (1.25, 1.3)) == ([], [])  # nothing waited through a later window
 
 
 def test_the_all_active_rate_leaves_out_the_ramp_down(measures: ModuleType) -> None:
     # two streams from t0 = 0: one finishes at 1 s, the other runs alone until 3 s
-    fast = [{"chunks": [0.25, 0.5, 0.75, 1.0], "tokens": 4, "end": 1.0}]
-    slow = [{"chunks": [0.5, 1.0, 2.0, 3.0], "tokens": 4, "end": 3.0}]
+    fast = [{"chunks": [0.25, 0.5, 0.75, 1.0], "counts": [1, 1, 1, 1], "tokens": 4, "end": 1.0}]
+    slow = [{"chunks": [0.5, 1.0, 2.0, 3.0], "counts": [1, 1, 1, 1], "tokens": 4, "end": 3.0}]
     assert measures.all_active_rate([fast, slow], 0.0) == pytest.approx(6.0)  # 6 tokens in the first second
     assert measures.all_active_rate([slow], 0.0) == pytest.approx(4 / 3)  # a lone stream: its whole run
+    stepped = [{"chunks": [0.5, 1.0, 3.0], "counts": [1, 2, 1], "tokens": 4, "end": 3.0}]  # a 2-token chunk at 1 s
+    assert measures.all_active_rate([fast, stepped], 0.0) == pytest.approx(7.0)  # counted by its tokens
 
 
 def test_an_unknown_schedule_is_refused_before_any_request(report: ModuleType) -> None:

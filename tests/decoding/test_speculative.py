@@ -25,6 +25,7 @@ from splitspec.decoding.drafters import (
 )
 from splitspec.decoding.eagle import EagleDrafter
 from splitspec.decoding.local import LocalSequence
+from splitspec.decoding.loop import decode
 from splitspec.decoding.sampling import SamplingParams, probabilities
 from splitspec.decoding.speculative import SpecStep, make_drafters, speculative_decode
 from splitspec.edge.config import EdgeConfig
@@ -176,6 +177,24 @@ async def test_greedy_speculation_is_token_identical(
     assert any(s.draft_tokens > 0 for s in trace), "the drafter never drafted"
     if mode in ("ngram", "prompt-lookup", "mix"):
         assert sum(s.accepted for s in trace) > 0  # repetitive random-model output is easy to draft
+
+
+async def test_a_steps_tokens_are_marked_as_coming_together(make_checkpoint: Callable[..., Path]) -> None:
+    """Every token of a verified step but its last says another follows at once (``more``): what lets ``serve`` send
+    a step as one chunk. The first token (the prefill's) stands alone; the marks follow the trace's steps."""
+    directory = make_checkpoint("llama")
+    drafters = {"ngram": NgramPool()}
+    trace: list[SpecStep] = []
+    gen = decode(
+        LocalSequence(full(directory)), PROMPT, 40, SamplingParams(), torch.Generator(), drafters,
+        FixedPolicy("ngram", 4), trace=trace,
+    )  # fmt: skip
+    out = [e async for e in gen]
+    assert [e.token for e in out] == greedy_reference(directory, tuple(PROMPT), 40)
+    steps = [1] + [s.emitted for s in trace]
+    assert sum(steps) == 40
+    assert max(steps) > 1
+    assert [e.more for e in out] == [i < n - 1 for n in steps for i in range(n)]
 
 
 async def test_tree_shapes_are_token_identical(make_checkpoint: Callable[..., Path]) -> None:

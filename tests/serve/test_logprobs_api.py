@@ -4,7 +4,7 @@ completions with ``echo``, against the whole model's log-softmax computed locall
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +242,24 @@ def test_top_logprobs_needs_logprobs(stack: Stack) -> None:
     assert reply.status_code == 400
     assert reply.json()["error"]["param"] == "top_logprobs"
     assert httpx.post(f"{stack.base_url}/chat/completions", json={**body, "logprobs": True}).status_code == 200
+
+
+def test_a_speculative_step_streams_as_one_chunk(make_stack: Callable[..., Stack]) -> None:
+    """With n-gram drafting on the random model's repetitive output, steps deliver several tokens, and each step goes
+    out as one chunk (as vLLM streams a step): fewer chunks than one-token decoding sends for the same reply (whose
+    chunks are a token each, save where the detokenizer holds one back), each chunk's logprobs its own tokens."""
+    kw: dict[str, Any] = dict(model=MODEL_NAME, prompt="to be or not to be", max_tokens=40, temperature=0, logprobs=0)
+    chunks: dict[str, list[list[str]]] = {}
+    for mode in ("off", "ngram"):
+        client = openai.OpenAI(base_url=make_stack(speculate=mode).base_url, api_key="unused", max_retries=0)
+        whole = complete(client, **kw)
+        chunks[mode] = []
+        text = ""
+        for chunk in complete(client, stream=True, **kw):
+            if chunk.choices and chunk.choices[0].text:
+                chunks[mode].append(chunk.choices[0].logprobs.tokens)
+                text += chunk.choices[0].text
+        assert text == whole.choices[0].text
+        assert [t for tokens in chunks[mode] for t in tokens] == whole.choices[0].logprobs.tokens
+    assert [t for c in chunks["off"] for t in c] == [t for c in chunks["ngram"] for t in c]  # the same reply
+    assert len(chunks["ngram"]) < len(chunks["off"]) * 0.8

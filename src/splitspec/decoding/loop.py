@@ -40,7 +40,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Protocol, runtime_checkable
 
@@ -117,6 +117,7 @@ class Emitted:
     token: int
     logprob: float | None = None  # log-softmax of the model's raw logits at this position; None unless asked
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there and their logprobs, best first
+    more: bool = False  # another token of the same step follows at once (a consumer may send them together)
 
 
 @dataclass
@@ -425,8 +426,10 @@ async def decode(
             for processor in processors:
                 processor.accept(new)
             try:
-                for emitted in _emit(raw, rows[: len(new)], new, logprobs):
-                    yield emitted
+                step = _emit(raw, rows[: len(new)], new, logprobs)
+                for emitted in step[:-1]:
+                    yield replace(emitted, more=True)
+                yield step[-1]
             except GeneratorExit:  # the caller went away: the aside proposals are still scored, once done
                 score_aside_when_done(started, controller, target_tokens)
                 raise

@@ -6,6 +6,8 @@ it becomes safe to show (see :mod:`splitspec.serve.text`) until a stop token, a 
 token limit; the session goes back to the pool's prefix cache, or is closed at once if the
 request failed or the HTTP client went away.
 
+A speculative step's tokens go out as one piece (one SSE chunk), as vLLM streams a step's output:
+fewer chunks for the server to send and the client to parse, with the same text and tokens.
 Each :class:`Piece` carries the tokens (with their logprobs, when asked) consumed since the last
 piece, so logprobs line up with the text they produced, as vLLM streams them: a token whose text
 the stop-string scanner holds back rides with the piece that releases it, and the tokens that
@@ -139,7 +141,8 @@ class Generation:
             return
         try:
             emitted = self._first
-            held: list[Emitted] = []  # tokens whose text has not been released yet
+            held: list[Emitted] = []  # tokens whose text has not been sent yet
+            text = ""  # their released text
             while True:
                 token = emitted.token
                 self.outcome.completion_tokens += 1
@@ -147,18 +150,20 @@ class Generation:
                 if token in self.stop_token_ids:  # counted, its logprob kept, its text not shown (as vLLM)
                     self.outcome.finish_reason = "stop"
                     break
-                delta = self.text.push(token)
-                if delta:
-                    yield Piece(delta, held)
-                    held = []
+                text += self.text.push(token)
                 if self.text.stopped:
                     self.outcome.finish_reason = "stop"
                     break
                 if self.outcome.completion_tokens >= self.max_tokens:
                     break
-                if await self.disconnected():
-                    log.info("client went away after %d tokens: closing its session", self.outcome.completion_tokens)
-                    return
+                if not emitted.more:  # a step's tokens go out as one piece, as vLLM streams a speculative step
+                    if text:
+                        yield Piece(text, held)
+                        held, text = [], ""
+                    if await self.disconnected():
+                        tokens = self.outcome.completion_tokens
+                        log.info("client went away after %d tokens: closing its session", tokens)
+                        return
                 try:
                     emitted = await anext(self._tokens)
                 except StopAsyncIteration:  # the decoder ends where a grammar completes, after its whole last step
@@ -166,9 +171,9 @@ class Generation:
                     break
                 except SplitspecError as exc:
                     raise self._failed(exc) from exc
-            tail = self.text.flush()
-            if tail or held:
-                yield Piece(tail, held)
+            text += self.text.flush()
+            if text or held:
+                yield Piece(text, held)
             healthy = True
         finally:
             await self._finish(healthy)
