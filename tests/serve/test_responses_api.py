@@ -6,19 +6,30 @@ carries their output."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import ValidationError
 
 from splitspec.serve.choices import Tally
-from splitspec.serve.errors import ApiError
-from splitspec.serve.responses import ResponsesRequest, chat_request, response_events, response_object
+from splitspec.serve.errors import CONTEXT_EXCEEDED, ApiError
+from splitspec.serve.responses import (
+    ResponsesRequest,
+    chat_request,
+    fitted,
+    response_events,
+    response_object,
+    truncated,
+    turns,
+)
+from splitspec.serve.schemas import ChatCompletionRequest
 from splitspec.serve.tool_parsers import Event, ToolCall
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import chat
@@ -290,3 +301,88 @@ def test_a_json_schema_text_format_constrains_the_reply(tool_stack: Stack) -> No
     reference = chat(client, model=MODEL_NAME, messages=[{"role": "user", "content": ask}], response_format=nested,
                      max_tokens=60, temperature=1.0, seed=3)  # fmt: skip
     assert texts[0] == reference.choices[0].message.content
+
+
+def conversation(turns_: int, words: int) -> list[dict[str, Any]]:
+    """``turns_`` user/assistant turns of about ``words`` tokens each, after a system message."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": "brief"}]
+    for k in range(turns_):
+        out += [{"role": "user", "content": f"turn {k}: " + "to be " * (words // 2)},
+                {"role": "assistant", "content": "or not"}]  # fmt: skip
+    return out[:-1]  # ends on the last user message
+
+
+def test_turns_start_at_user_messages_after_the_leading_system_ones() -> None:
+    def chat_of(*roles: str) -> Any:
+        messages = [{"role": r, "content": "x"} if r != "tool" else {"role": r, "content": "x", "tool_call_id": "c"}
+                    for r in roles]  # fmt: skip
+        return ChatCompletionRequest.model_validate({"model": MODEL_NAME, "messages": messages})
+
+    chat_body = chat_of("system", "developer", "user", "assistant", "tool", "user", "system", "user")
+    assert turns(chat_body.messages) == [2, 5, 7]
+    assert [m.role for m in truncated(chat_body, 1).messages] == ["system", "developer", "user", "system", "user"]
+    assert [m.role for m in truncated(chat_body, 2).messages] == ["system", "developer", "user"]
+    assert turns(chat_of("system", "assistant", "user").messages) == [1, 2]  # what precedes the first user is a turn
+    assert turns(chat_of("system").messages) == []
+    for drop in (0, 3):
+        with pytest.raises(ValueError, match="the last one stays"):
+            truncated(chat_body, drop)
+
+
+def test_auto_truncation_drops_the_fewest_oldest_turns() -> None:
+    chat_body = ChatCompletionRequest.model_validate({"model": MODEL_NAME, "messages": conversation(9, 10)})
+    tried: list[int] = []
+
+    async def job_of(fits: int, body: ChatCompletionRequest) -> int:  # a prompt of at most ``fits`` turns fits
+        tried.append(len(turns(body.messages)))
+        if len(turns(body.messages)) > fits:
+            raise ApiError(400, "too long", param="messages", code=CONTEXT_EXCEEDED)
+        return len(body.messages)
+
+    for fits in range(1, 10):
+        tried.clear()
+        kept, job = asyncio.run(fitted(chat_body, True, functools.partial(job_of, fits)))
+        assert len(turns(kept.messages)) == fits  # the fewest turns dropped
+        assert kept.messages[-1] == chat_body.messages[-1]
+        assert job == len(kept.messages)
+        assert len(tried) <= 5  # bisected: 1 + ceil(log2(8)) + 1 tries at most
+    with pytest.raises(ApiError, match="too long"):  # without truncation, or when only the last turn would not fit
+        asyncio.run(fitted(chat_body, False, functools.partial(job_of, 5)))
+    with pytest.raises(ApiError, match="too long"):
+        asyncio.run(fitted(chat_body, True, functools.partial(job_of, 0)))
+
+    async def other(body: ChatCompletionRequest) -> int:
+        raise ApiError(400, "bad tools", param="tools")
+
+    with pytest.raises(ApiError, match="bad tools"):  # another 400 is not a reason to drop turns
+        asyncio.run(fitted(chat_body, True, other))
+
+
+def test_auto_truncation_answers_as_chat_does_on_the_turns_that_fit(stack: Stack, client: openai.OpenAI) -> None:
+    """A conversation over the model's 4,096 positions: a 400 naming ``input`` without truncation; with
+    ``truncation: "auto"`` exactly the chat endpoint's reply to the conversation without its fewest oldest turns
+    whose prompt and ``max_output_tokens`` fit (counted here with the server's /tokenize)."""
+    messages = conversation(12, 400)
+    root = stack.base_url.removesuffix("/v1")
+
+    def prompt_tokens(kept: list[dict[str, Any]]) -> int:
+        return len(httpx.post(f"{root}/tokenize", json={"messages": kept}).json()["tokens"])
+
+    def without(drop: int) -> list[dict[str, Any]]:
+        return [messages[0], *messages[1 + 2 * drop :]]
+
+    limit = 4096 - 8
+    assert prompt_tokens(messages) > limit
+    drop = next(k for k in range(12) if prompt_tokens(without(k)) <= limit)
+    assert drop >= 2
+    items: Any = [{"type": "message", **m} for m in messages[1:]]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL_NAME, instructions="brief", input=items, max_output_tokens=8)
+    assert refused.value.param == "input"
+    whole = client.responses.create(model=MODEL_NAME, instructions="brief", input=items, max_output_tokens=8,
+                                    temperature=0, truncation="auto")  # fmt: skip
+    reference = chat(client, model=MODEL_NAME, messages=without(drop), max_tokens=8, temperature=0)
+    assert whole.truncation == "auto"
+    assert whole.output_text == reference.choices[0].message.content
+    assert whole.usage is not None
+    assert whole.usage.input_tokens == reference.usage.prompt_tokens == prompt_tokens(without(drop))

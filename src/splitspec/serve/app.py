@@ -30,11 +30,12 @@ from splitspec.serve import schemas
 from splitspec.serve.chat_request import plan_chat, template_kwargs, template_messages
 from splitspec.serve.choices import Item, Job, Runner, processors, sampling, stop_ids
 from splitspec.serve.disconnect import DisconnectPoll
-from splitspec.serve.errors import ApiError, internal_error, invalid, unsupported
+from splitspec.serve.errors import CONTEXT_EXCEEDED, ApiError, internal_error, invalid, unsupported
 from splitspec.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs, triples
 from splitspec.serve.responses import (
     ResponsesRequest,
     chat_request,
+    fitted,
     item_id,
     logprob_entries,
     response_events,
@@ -189,7 +190,7 @@ def create_app(state: ServeState) -> FastAPI:
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         chat = chat_request(body)
         try:
-            job = await chat_job(chat)
+            chat, job = await fitted(chat, body.truncation == "auto", chat_job)
         except ApiError as err:  # a 400 of the chat request it runs as names the Responses field
             err.param = responses_param(err.param)
             raise
@@ -350,7 +351,7 @@ def token_budget(prompt_tokens: int, requested: int | None, default: int | None,
             f"{prompt_tokens + max(requested, 1)} tokens ({prompt_tokens} in the {param}, "
             f"{max(requested, 1)} for the completion). Please reduce the length of the {param} or the completion.",
             param=param,
-            code="context_length_exceeded",
+            code=CONTEXT_EXCEEDED,
         )
     return requested
 

@@ -20,6 +20,8 @@ from splitspec.exceptions import (
     UnknownSession,
 )
 
+CONTEXT_EXCEEDED = "context_length_exceeded"  # the code of the 400 for a prompt and completion that do not fit
+
 
 class ApiError(Exception):
     """A request failed; ``status`` is the HTTP status, the rest is OpenAI's error object."""

@@ -11,7 +11,11 @@ those events end with (:func:`whole_response`: one code path, so both give the s
 ``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) adds chat's token logprobs.
 
 The server keeps no responses: ``previous_response_id`` and ``conversation`` are a 400 (send the whole
-conversation in ``input``), and a response says ``"store": false``. Tools other than functions,
+conversation in ``input``), and a response says ``"store": false``. ``truncation: "auto"`` drops the
+conversation's oldest turns (a user message and what follows it, up to the next; the system messages
+before the first stay) until the prompt and ``max_output_tokens`` fit the context (:func:`truncated`),
+as OpenAI drops items from the beginning; ``"disabled"`` (the default) answers a prompt that does not
+fit with a 400. Tools other than functions,
 input images and files, and the fields in :data:`REFUSED` are a 400 naming the field. ``reasoning``
 and the other ``include`` entries are read and ignored: no model served here reasons in a separate
 channel, and no other extra output is produced.
@@ -22,15 +26,15 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitspec.decoding.loop import Emitted
 from splitspec.serve import schemas
 from splitspec.serve.choices import Runner
-from splitspec.serve.errors import ApiError, internal_error, invalid, unsupported
+from splitspec.serve.errors import CONTEXT_EXCEEDED, ApiError, internal_error, invalid, unsupported
 from splitspec.serve.logprobs import chat_logprobs, triples
 from splitspec.serve.schemas import ChatCompletionRequest
 
@@ -46,6 +50,7 @@ REFUSED: dict[str, tuple[object, ...]] = {"prompt": (None,), "max_tool_calls": (
 # chat request fields and the Responses fields they are made from, where the names differ
 CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 LOGPROBS = "message.output_text.logprobs"  # the ``include`` entry that asks for the text's token logprobs
+T = TypeVar("T")
 
 # the logprob entries of generated tokens ({"token", "logprob", "bytes", "top_logprobs"}, chat's shape)
 Logprobs = Callable[[Sequence[Emitted]], list[dict[str, Any]]]
@@ -84,6 +89,7 @@ class ResponsesRequest(BaseModel):
     conversation: str | dict[str, Any] | None = None  # refused, as previous_response_id
     metadata: dict[str, str] | None = None  # echoed back
     user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: drop the oldest turns to fit; None: disabled
 
 
 def _text(content: Any, where: str) -> str | list[dict[str, str]]:
@@ -204,6 +210,54 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         raise invalid(f"{where}: {first.get('msg', 'invalid')}", responses_param(where.split(".")[0] or None)) from None
 
 
+def turns(messages: Sequence[Any]) -> list[int]:
+    """Where each turn of a conversation starts (indices into ``messages``): its leading system and developer
+    messages are no turn; a turn runs from one user message to the next (what comes before the first user message,
+    after them, is one turn too)."""
+    start = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+    users = [i for i in range(start + 1, len(messages)) if messages[i].role == "user"]
+    return [start, *users] if start < len(messages) else []
+
+
+def truncated(chat: ChatCompletionRequest, drop: int) -> ChatCompletionRequest:
+    """``chat`` without its ``drop`` oldest turns (:func:`turns`; the leading system messages stay)."""
+    starts = turns(chat.messages)
+    if not 0 < drop < len(starts):
+        raise ValueError(f"{drop} turns of {len(starts)} cannot be dropped (the last one stays)")
+    kept = chat.messages[: starts[0]] + chat.messages[starts[drop] :]
+    return chat.model_copy(update={"messages": kept})
+
+
+async def fitted(
+    chat: ChatCompletionRequest, truncate: bool, job_of: Callable[[ChatCompletionRequest], Awaitable[T]]
+) -> tuple[ChatCompletionRequest, T]:
+    """``chat`` and its job (``job_of``, a 400 for a prompt that does not fit); with ``truncate``, one that does not
+    fit drops its fewest oldest turns that make it fit (bisected: fewer turns, fewer tokens), or is the first
+    attempt's 400 if only its last turn would not."""
+    try:
+        return chat, await job_of(chat)
+    except ApiError as err:
+        if not truncate or err.code != CONTEXT_EXCEEDED:
+            raise
+        refusal = err
+    found: tuple[ChatCompletionRequest, T] | None = None
+    low, high = 1, len(turns(chat.messages)) - 1  # the turns that may go
+    while low <= high:
+        drop = (low + high) // 2
+        shorter = truncated(chat, drop)
+        try:
+            found = shorter, await job_of(shorter)
+            high = drop - 1
+        except ApiError as err:
+            if err.code != CONTEXT_EXCEEDED:
+                raise
+            low = drop + 1
+    if found is None:
+        raise refusal
+    log.info("truncation auto: dropped the oldest %d of %d turns", low, len(turns(chat.messages)))
+    return found
+
+
 def responses_param(chat_param: str | None) -> str | None:
     """The Responses field a chat request's field came from (a 400 on the chat request names it)."""
     return CHAT_FIELDS.get(chat_param or "", chat_param)
@@ -259,7 +313,7 @@ def response_object(
         "tool_choice": body.tool_choice or "auto",
         "tools": body.tools or [],
         "top_p": body.top_p,
-        "truncation": "disabled",
+        "truncation": body.truncation or "disabled",
         "usage": None,
         "user": body.user,
         "metadata": body.metadata or {},
