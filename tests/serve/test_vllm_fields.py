@@ -1,5 +1,6 @@
 """vLLM's request extensions through a real trunk server: each is honoured (``allowed_token_ids``,
-``structured_outputs``, ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``)
+``structured_outputs``, ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``,
+``truncate_prompt_tokens``)
 or, sent with a value that would change the output, a 400 naming it; never silently ignored."""
 
 from __future__ import annotations
@@ -81,6 +82,28 @@ def completion_of(stack: Stack, prompt_ids: list[int], max_tokens: int) -> dict[
     return ok(stack, "/completions", body)
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack: Stack) -> None:
+    """vLLM's left truncation: the reply to a prompt cut to its last k tokens is the reply to those k tokens sent as
+    ids (completions, echoing what was kept) and to the chat prompt's last k tokens; -1 keeps what fits the model;
+    a limit over its positions, 0 and -2 are 400s naming the field."""
+    prompt_ids = tokenize(stack, {"model": MODEL_NAME, "prompt": "to be or not to be that is the question"})
+    cut = ok(stack, "/completions", {**COMPLETION, "prompt": "to be or not to be that is the question",
+                                     "truncate_prompt_tokens": 4, "echo": True})  # fmt: skip
+    sent = ok(stack, "/completions", {**COMPLETION, "prompt": prompt_ids[-4:], "echo": True})
+    assert cut["usage"]["prompt_tokens"] == 4
+    assert cut["choices"][0]["text"] == sent["choices"][0]["text"]  # the kept prompt's text, then the same reply
+    whole = ok(stack, "/completions", {**COMPLETION, "prompt": "to be or not", "truncate_prompt_tokens": -1})
+    assert whole["choices"] == ok(stack, "/completions", COMPLETION)["choices"]
+    chat_ids = tokenize(stack, {"model": MODEL_NAME, "messages": ASK})
+    chat_cut = ok(stack, "/chat/completions", {**CHAT, "truncate_prompt_tokens": 5})
+    assert chat_cut["usage"]["prompt_tokens"] == 5
+    same = ok(stack, "/completions", {**COMPLETION, "prompt": chat_ids[-5:], "stop_token_ids": [end_id(stack)]})
+    assert content(chat_cut).split() == same["choices"][0]["text"].split()
+    for path, base in (("/completions", COMPLETION), ("/chat/completions", CHAT)):
+        for bad in (stack.state.max_positions + 1, 0, -2):
+            assert error(stack, path, {**base, "truncate_prompt_tokens": bad})["param"] == "truncate_prompt_tokens"
+
+
 # -- refused unless neutral ------------------------------------------------------------------------
 
 
@@ -94,7 +117,6 @@ def completion_of(stack: Stack, prompt_ids: list[int], max_tokens: int) -> dict[
             ("skip_special_tokens", True, False),
             ("bad_words", [], ["to"]),
             ("prompt_logprobs", None, 0),
-            ("truncate_prompt_tokens", None, 3),
         ]
     ]
     + [("/chat/completions", "echo", False, True)],

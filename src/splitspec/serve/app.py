@@ -227,10 +227,11 @@ def create_app(state: ServeState) -> FastAPI:
         stops = stop_ids(body, state.chat_stop_ids, state.vocab_size)
         if plan.grammar is not None:
             await prepare_grammar(stops)
+        prompt_ids = kept_prompt(plan.prompt_ids, body.truncate_prompt_tokens, state.max_positions)
         return Job(
-            prompt_ids=plan.prompt_ids,
+            prompt_ids=prompt_ids,
             max_tokens=token_budget(
-                len(plan.prompt_ids),
+                len(prompt_ids),
                 body.token_limit(),
                 state.sampling_defaults.max_tokens,
                 state.max_positions,
@@ -267,7 +268,10 @@ def create_app(state: ServeState) -> FastAPI:
                 if bad:
                     last = state.vocab_size - 1
                     raise invalid(f"token ids {bad[:5]} are outside the vocabulary (0..{last})", "prompt")
-            echo = "" if not body.echo else prompt if isinstance(prompt, str) else state.decode(prompt_ids)
+            kept = kept_prompt(prompt_ids, body.truncate_prompt_tokens, state.max_positions)
+            whole = len(kept) == len(prompt_ids)  # a text prompt kept whole is echoed as it was sent
+            echo = "" if not body.echo else prompt if isinstance(prompt, str) and whole else state.decode(kept)
+            prompt_ids = kept
             budget = token_budget(
                 len(prompt_ids), body.token_limit(), state.sampling_defaults.max_tokens, state.max_positions, "prompt"
             )
@@ -354,6 +358,19 @@ def token_budget(prompt_tokens: int, requested: int | None, default: int | None,
             code=CONTEXT_EXCEEDED,
         )
     return requested
+
+
+def kept_prompt(prompt_ids: list[int], keep: int | None, max_positions: int) -> list[int]:
+    """The prompt the model reads: its last ``keep`` tokens (``truncate_prompt_tokens``, vLLM's left truncation; -1:
+    as many as the model's positions), or all of it (None). A limit over the model's positions is a 400, as vLLM's."""
+    if keep is None:
+        return prompt_ids
+    if keep > max_positions:
+        raise invalid(
+            f"truncate_prompt_tokens ({keep}) is more than this model's {max_positions} positions",
+            "truncate_prompt_tokens",
+        )
+    return prompt_ids[-(max_positions if keep == -1 else keep) :]
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:

@@ -40,7 +40,6 @@ REFUSED: dict[str, object] = {
     "skip_special_tokens": True,
     "bad_words": [],
     "prompt_logprobs": None,
-    "truncate_prompt_tokens": None,
     "echo": False,  # chat: vLLM prepends the last message's content
 }
 
@@ -201,6 +200,8 @@ class GenerationRequest(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: response_format's kin
     allowed_token_ids: list[int] | None = None  # vLLM's extension: every other token is banned
+    # vLLM's extension: keep the prompt's last k tokens (-1: as many as the model's positions)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     @field_validator("stop")
     @classmethod
@@ -221,6 +222,13 @@ class GenerationRequest(BaseModel):
                 raise ValueError(f"keys must be token ids, got {key[:20]!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the model's positions) or a number of tokens")
         return value
 
     @field_validator("allowed_token_ids")
