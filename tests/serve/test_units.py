@@ -44,6 +44,13 @@ def test_stop_string_across_tokens_is_cut_and_excluded() -> None:
     assert deltas[:2] == ["", ""]  # "a", "ab" could still begin "cde"/"zz": held back (hold = 2 chars)
 
 
+def test_include_stop_keeps_the_first_stop_string_in_the_text() -> None:
+    assert "".join(run(StopTextStream(decode_letters, ["cde", "zz"], include_stop=True), [0, 1, 2, 3, 4, 5])) == "abcde"
+    # stop strings that appear within one token: the first to start, and of those starting there the shortest
+    both = StopTextStream(lambda ids: "".join(["ab", "cdef"][i] for i in ids), ["cde", "cd", "f"], include_stop=True)
+    assert "".join(run(both, [0, 1])) == "abcd"
+
+
 def test_without_a_stop_everything_is_released() -> None:
     stream = StopTextStream(decode_letters, ["xyz"])
     assert "".join(run(stream, [0, 1, 2, 3])) == "abcd"

@@ -104,6 +104,32 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack: Stack) -> N
             assert error(stack, path, {**base, "truncate_prompt_tokens": bad})["param"] == "truncate_prompt_tokens"
 
 
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_include_stop_str_in_output_keeps_the_stop_string(stack: Stack, path: str) -> None:
+    """A stop string picked from the greedy reply's middle: the reply ends just before it, or with it when
+    ``include_stop_str_in_output`` asks (vLLM's extension), streamed or not."""
+    base = {**(COMPLETION if path == "/completions" else CHAT), "max_tokens": 16}
+
+    def text(reply: Mapping[str, Any]) -> str:
+        return str(reply["choices"][0]["text"] if path == "/completions" else content(reply))
+
+    full = text(ok(stack, path, base))
+    words = full.split()
+    assert len(words) >= 4
+    stop = " " + words[len(words) // 2]
+    before = full[: full.index(stop)]
+    assert text(ok(stack, path, {**base, "stop": [stop]})) == before
+    kept = ok(stack, path, {**base, "stop": [stop], "include_stop_str_in_output": True})
+    assert text(kept) == before + stop
+    assert kept["choices"][0]["finish_reason"] == "stop"
+    with httpx.stream("POST", f"{stack.base_url}{path}", json={**base, "stop": [stop], "stream": True,
+                      "include_stop_str_in_output": True}, timeout=60) as response:  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    field = "text" if path == "/completions" else "content"
+    streamed = "".join(c["choices"][0].get(field) or c["choices"][0].get("delta", {}).get(field) or "" for c in chunks)
+    assert streamed == before + stop
+
+
 # -- refused unless neutral ------------------------------------------------------------------------
 
 
@@ -113,7 +139,6 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(stack: Stack) -> N
         (path, field, neutral, value)
         for path in ("/chat/completions", "/completions")
         for field, neutral, value in [
-            ("include_stop_str_in_output", False, True),
             ("skip_special_tokens", True, False),
             ("bad_words", [], ["to"]),
             ("prompt_logprobs", None, 0),

@@ -247,6 +247,7 @@ def create_app(state: ServeState) -> FastAPI:
             call_finish=plan.call_finish,
             logprobs=body.logprob_alternatives(),
             min_tokens=body.min_tokens,
+            include_stop=body.include_stop_str_in_output,
         )
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -277,7 +278,8 @@ def create_app(state: ServeState) -> FastAPI:
             )
             jobs.append(Job(prompt_ids, budget, params, body.stop_strings(), stops, make, echo=echo,
                             logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
-                            min_tokens=body.min_tokens, continues_prompt=True))  # fmt: skip
+                            min_tokens=body.min_tokens, continues_prompt=True,
+                            include_stop=body.include_stop_str_in_output))  # fmt: skip
         return await respond(request, body, jobs, chat=False)
 
     async def respond(

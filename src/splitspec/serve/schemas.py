@@ -36,8 +36,7 @@ REFUSED: dict[str, object] = {
     "guided_regex": None,
     "guided_grammar": None,
     "guided_choice": None,
-    "include_stop_str_in_output": False,  # vLLM's extensions
-    "skip_special_tokens": True,
+    "skip_special_tokens": True,  # vLLM's extensions
     "bad_words": [],
     "prompt_logprobs": None,
     "echo": False,  # chat: vLLM prepends the last message's content
@@ -200,6 +199,7 @@ class GenerationRequest(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: response_format's kin
     allowed_token_ids: list[int] | None = None  # vLLM's extension: every other token is banned
+    include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ends the text stays in it
     # vLLM's extension: keep the prompt's last k tokens (-1: as many as the model's positions)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 

@@ -4,7 +4,8 @@ The generated ids become text one token at a time (:class:`~splitspec.detokenize
 a short window decoded per token). :class:`StopTextStream` releases only text that can no longer
 turn into a stop string (the last ``len(longest stop) - 1`` characters are held back). When a stop
 string appears, the text before it is the answer and the stop string itself is dropped, as OpenAI
-does. Streaming and non-streaming responses both concatenate these deltas, so the two always agree.
+does (kept with ``include_stop``, vLLM's ``include_stop_str_in_output``). Streaming and
+non-streaming responses both concatenate these deltas, so the two always agree.
 With vLLM's ``min_tokens`` m, a stop string counts only if it ends in the text of token m + 1 or a
 later one (the first m tokens may not stop the reply, as they may not be a stop token).
 """
@@ -25,8 +26,10 @@ class StopTextStream:
         stops: Sequence[str] = (),
         min_tokens: int = 0,
         context: Sequence[int] = (),
+        include_stop: bool = False,
     ) -> None:
-        """``context``: the prompt's last ids, which the text is decoded after (see :mod:`splitspec.detokenize`)."""
+        """``context``: the prompt's last ids, which the text is decoded after (see :mod:`splitspec.detokenize`);
+        ``include_stop``: the stop string that ends the text is part of it."""
         self._decoded = IncrementalText(decode, context)
         self._stops = [s for s in stops if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
@@ -34,6 +37,7 @@ class StopTextStream:
         self._min_tokens = min_tokens  # tokens that may not complete a stop string
         self._pushed = 0  # tokens pushed so far
         self._boundary = 0  # characters of the first min_tokens tokens: a stop string must end past them
+        self._include_stop = include_stop
         self.stopped = False
 
     @property
@@ -52,13 +56,13 @@ class StopTextStream:
         # a stop string not seen before must end in the unreleased text, so it starts at >= _sent,
         # and past the text of the first min_tokens tokens
         hits = [
-            i
-            for i in (self._text.find(s, max(self._sent, self._boundary - len(s) + 1)) for s in self._stops)
+            (i, len(s) if self._include_stop else 0)
+            for i, s in ((self._text.find(s, max(self._sent, self._boundary - len(s) + 1)), s) for s in self._stops)
             if i >= 0 and self._pushed > self._min_tokens
         ]
         if hits:
             self.stopped = True
-            return self._release(min(hits))
+            return self._release(sum(min(hits)))  # the first stop string (the shortest of those starting there)
         end = len(self._text) - self._hold
         if self._text.endswith(REPLACEMENT):
             end = min(end, len(self._text) - 1)
