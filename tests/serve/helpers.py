@@ -1,4 +1,5 @@
-"""Helpers of the server tests: expected outputs from ``splitspec generate`` and local rendering."""
+"""Helpers of the server tests: expected outputs from ``splitspec generate``, local rendering, the server's
+/tokenize."""
 
 from __future__ import annotations
 
@@ -7,12 +8,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from splitspec.chat_template import end_of_turn_ids
 from splitspec.cli import main
 from splitspec.detokenize import CONTEXT_TOKENS, text_after
+from tests.serve.conftest import Stack
+
+
+def tokenize(stack: Stack, body: Mapping[str, Any]) -> list[int]:
+    """vLLM's /tokenize (at the server's root, not under /v1)."""
+    response = httpx.post(f"{stack.base_url.removesuffix('/v1')}/tokenize", json=dict(body), timeout=60)
+    assert response.status_code == 200, response.text
+    return list(response.json()["tokens"])
 
 
 def rendered(model: Path, messages: Sequence[Mapping[str, Any]]) -> str:

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import local_model
 from tests.serve.conftest import MODEL_NAME, Stack
-from tests.serve.helpers import chat, complete
+from tests.serve.helpers import chat, complete, tokenize
 from tests.serve.test_tools_api import ADD
 from tests.tool_model import TOOL_VOCAB
 
@@ -48,12 +48,6 @@ def ids_of(model_dir: Path, texts: Sequence[str]) -> list[int]:
         assert len(by_text[text]) == 1, f"{text!r} names tokens {by_text[text]}"
         out.append(by_text[text][0])
     return out
-
-
-def server_prompt(stack: Stack, messages: list[dict[str, Any]]) -> list[int]:
-    """The prompt ids the server builds for ``messages`` (its /tokenize endpoint)."""
-    root = stack.base_url.removesuffix("/v1")
-    return list(httpx.post(f"{root}/tokenize", json={"messages": messages}).json()["tokens"])
 
 
 def content_of(entries: Sequence[Any]) -> list[tuple[str, float, list[tuple[str, float]]]]:
@@ -94,7 +88,7 @@ def test_chat_logprobs_streamed_and_whole_equal_the_local_model(
     assert text == whole.choices[0].message.content
     assert_close(content_of(streamed), content_of(content))
 
-    prompt = server_prompt(stack, ASK)
+    prompt = tokenize(stack, {"messages": ASK})  # the prompt ids the server builds
     generated = ids_of(chat_model, [e.token for e in content])
     assert [bytes(e.bytes).decode() for e in content] == [e.token for e in content]
     local = local_logprobs(chat_model, prompt + generated)[len(prompt) - 1 :]  # row k scores generated[k]

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
@@ -32,7 +31,7 @@ from splitspec.serve.responses import (
 from splitspec.serve.schemas import ChatCompletionRequest
 from splitspec.serve.tool_parsers import Event, ToolCall
 from tests.serve.conftest import MODEL_NAME, Stack
-from tests.serve.helpers import chat
+from tests.serve.helpers import chat, tokenize
 from tests.serve.test_tools_api import ADD, SCHEMA, WEATHER
 
 FLAT_WEATHER: Any = {"type": "function", **WEATHER["function"]}  # the Responses API's tools are flat
@@ -363,10 +362,9 @@ def test_auto_truncation_answers_as_chat_does_on_the_turns_that_fit(stack: Stack
     ``truncation: "auto"`` exactly the chat endpoint's reply to the conversation without its fewest oldest turns
     whose prompt and ``max_output_tokens`` fit (counted here with the server's /tokenize)."""
     messages = conversation(12, 400)
-    root = stack.base_url.removesuffix("/v1")
 
     def prompt_tokens(kept: list[dict[str, Any]]) -> int:
-        return len(httpx.post(f"{root}/tokenize", json={"messages": kept}).json()["tokens"])
+        return len(tokenize(stack, {"messages": kept}))
 
     def without(drop: int) -> list[dict[str, Any]]:
         return [messages[0], *messages[1 + 2 * drop :]]

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from tests.conftest import local_model
 from tests.serve.conftest import CHAT_TEMPLATE, MODEL_NAME, Stack
+from tests.serve.helpers import tokenize
 
 ASK = [{"role": "user", "content": "to be or not"}]
 CHAT = {"model": MODEL_NAME, "messages": ASK, "max_tokens": 6, "temperature": 0}
@@ -49,13 +50,6 @@ def error(stack: Stack, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
     response = post(stack, path, body)
     assert response.status_code == 400, response.text
     return dict(response.json()["error"])
-
-
-def tokenize(stack: Stack, body: Mapping[str, Any]) -> list[int]:
-    """vLLM's /tokenize (at the server's root, not under /v1)."""
-    response = httpx.post(f"{stack.base_url.removesuffix('/v1')}/tokenize", json=dict(body), timeout=60)
-    assert response.status_code == 200, response.text
-    return list(response.json()["tokens"])
 
 
 def content(reply: Mapping[str, Any]) -> str:

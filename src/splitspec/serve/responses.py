@@ -241,7 +241,8 @@ async def fitted(
             raise
         refusal = err
     found: tuple[ChatCompletionRequest, T] | None = None
-    low, high = 1, len(turns(chat.messages)) - 1  # the turns that may go
+    count = len(turns(chat.messages))
+    low, high = 1, count - 1  # the turns that may go
     while low <= high:
         drop = (low + high) // 2
         shorter = truncated(chat, drop)
@@ -254,7 +255,7 @@ async def fitted(
             low = drop + 1
     if found is None:
         raise refusal
-    log.info("truncation auto: dropped the oldest %d of %d turns", low, len(turns(chat.messages)))
+    log.info("truncation auto: dropped the oldest %d of %d turns", low, count)
     return found
 
 

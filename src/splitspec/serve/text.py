@@ -55,14 +55,15 @@ class StopTextStream:
             self._boundary = len(self._text)
         # a stop string not seen before must end in the unreleased text, so it starts at >= _sent,
         # and past the text of the first min_tokens tokens
-        hits = [
-            (i, len(s) if self._include_stop else 0)
-            for i, s in ((self._text.find(s, max(self._sent, self._boundary - len(s) + 1)), s) for s in self._stops)
-            if i >= 0 and self._pushed > self._min_tokens
-        ]
+        hits = []  # (where a stop string starts, where the text then ends)
+        if self._pushed > self._min_tokens:
+            for s in self._stops:
+                i = self._text.find(s, max(self._sent, self._boundary - len(s) + 1))
+                if i >= 0:
+                    hits.append((i, i + len(s) if self._include_stop else i))
         if hits:
             self.stopped = True
-            return self._release(sum(min(hits)))  # the first stop string (the shortest of those starting there)
+            return self._release(min(hits)[1])  # the first stop string (the shortest of those starting there)
         end = len(self._text) - self._hold
         if self._text.endswith(REPLACEMENT):
             end = min(end, len(self._text) - 1)
