@@ -331,6 +331,12 @@ def add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
         help="sample from the k likeliest tokens, 0 = all (default: generation_config.json's, else 50)",
     )
     p.add_argument(
+        "--min-p",
+        type=float,
+        help="drop tokens less likely than this fraction of the likeliest one, in [0, 1], 0 = none (default: "
+        "generation_config.json's, else 0)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         help="sampling seed: the same tokens again with --speculate off; under speculation the same distribution "

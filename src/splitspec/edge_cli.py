@@ -52,4 +52,6 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The flags given, else the checkpoint's generation_config.json: the same rule as SplitClient.sampling."""
     from splitspec.decoding.published import published_sampling, sampling_settings
 
-    return sampling_settings(published_sampling(args.model), args.temperature, args.top_p, args.top_k, args.seed)
+    return sampling_settings(
+        published_sampling(args.model), args.temperature, args.top_p, args.top_k, args.seed, args.min_p
+    )

@@ -1,5 +1,5 @@
-"""logit_bias, allowed_token_ids, min_tokens and OpenAI's penalties as logits processors, row by row of a draft
-chain."""
+"""logit_bias, allowed_token_ids, min_tokens, OpenAI's penalties and the repetition penalty as logits processors,
+row by row of a draft chain."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import random
 from collections import Counter
 
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
-from splitspec.decoding.adjusters import AllowedTokens, LogitBias, MinTokens, Penalties
+from splitspec.decoding.adjusters import AllowedTokens, LogitBias, MinTokens, Penalties, RepetitionPenalty
 from splitspec.decoding.processors import ProcessorChain
 
 V = 8
@@ -110,3 +111,34 @@ def test_a_row_after_drafted_tokens_is_penalised_to_the_bit_as_one_token_decodin
         one_token = Penalties(presence, frequency)
         one_token.accept([t, t])
         assert torch.equal(two_rows[1], one_token.process(logits.clone(), [], [])[0])
+
+
+def test_the_repetition_penalty_is_transformers_row_by_row_over_the_prompt_and_the_draft() -> None:
+    """Row i after the context and draft[:i] equals transformers' processor over that whole sequence, to the bit;
+    a context that grows is read incrementally, and one that is not the last one extended is read afresh."""
+    rng = random.Random(5)
+    vocab = 40
+    penalty = RepetitionPenalty(1.3)
+    context: list[int] = []
+    for step in range(60):
+        if step == 30:
+            context = [rng.randrange(vocab) for _ in range(5)]  # another sequence (shorter): read afresh
+        elif step == 45:  # the same length, its last token (wherever it is) replaced by an unseen one
+            fresh = min(set(range(vocab)) - set(context))
+            context = [fresh if t == context[-1] else t for t in context]
+        else:
+            context += [rng.randrange(vocab) for _ in range(rng.randrange(3))]
+        draft = [rng.randrange(vocab) for _ in range(rng.randrange(5))]
+        logits = torch.randn(len(draft) + 1, vocab, generator=torch.Generator().manual_seed(step)) * 4
+        out = penalty.process(logits.clone(), context, draft)
+        reference = RepetitionPenaltyLogitsProcessor(1.3)
+        for i in range(len(draft) + 1):
+            ids = torch.tensor([[*context, *draft[:i]]], dtype=torch.long)  # (1, n)
+            want = reference(ids, logits[i : i + 1].clone())[0] if ids.shape[1] else logits[i]
+            assert torch.equal(out[i], want), (step, i)
+
+
+def test_the_repetition_penalty_lowers_seen_tokens_and_keeps_the_others() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
+    out = RepetitionPenalty(2.0).process(logits.clone(), [0, 1, 0], [])
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]

@@ -81,7 +81,8 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_published_settings_that_are_not_applied_are_named_in_one_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Qwen2.5-Instruct's generation_config.json: repetition_penalty 1.05, which splitspec does not apply."""
+    """Qwen2.5-Instruct's generation_config.json: repetition_penalty 1.05, which ``generate`` does not apply (``serve``
+    does); its min_p is applied."""
     model = checkpoint_with(
         tmp_path, do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, min_p=0.05,
         no_repeat_ngram_size=3, typical_p=0.9,
@@ -89,10 +90,12 @@ def test_published_settings_that_are_not_applied_are_named_in_one_warning(
     with caplog.at_level(logging.INFO, logger="splitspec.decoding.published"):
         params = sampling_settings(published_sampling(model))
         sampling_settings(published_sampling(model))  # the CLI and the runtime both read it: warned once
-    assert params == SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
+    assert params == SamplingParams(temperature=0.7, top_p=0.8, top_k=20, min_p=0.05)
+    assert sampling_settings(published_sampling(model), min_p=0.0).min_p == 0.0  # a value given wins
     (warning,) = _warnings(caplog)
-    for setting in ("repetition_penalty=1.05", "min_p=0.05", "no_repeat_ngram_size=3", "typical_p=0.9"):
+    for setting in ("repetition_penalty=1.05", "no_repeat_ngram_size=3", "typical_p=0.9"):
         assert setting in warning
+    assert "min_p=" not in warning
     assert "does not apply" in warning
     assert str(model / "generation_config.json") in warning
 
@@ -105,7 +108,7 @@ def test_greedy_decoding_names_only_what_generate_applies_without_sampling(
         assert sampling_settings(published_sampling(model)).greedy
     (warning,) = _warnings(caplog)
     assert "repetition_penalty=1.1" in warning
-    assert "min_p" not in warning  # generate applies min_p only when sampling
+    assert "min_p=" not in warning  # applied, and only when sampling
 
 
 def test_settings_left_off_are_not_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -113,7 +116,7 @@ def test_settings_left_off_are_not_warned_about(tmp_path: Path, caplog: pytest.L
     for key, off in {**pub.UNAPPLIED, **pub.UNAPPLIED_WHEN_SAMPLING}.items():
         assert hf.get(key, off) in (off, None), key  # the values that leave a setting off are transformers' defaults
     neutral = {key: off for key, off in {**pub.UNAPPLIED, **pub.UNAPPLIED_WHEN_SAMPLING}.items() if off is not None}
-    model = checkpoint_with(tmp_path, do_sample=True, suppress_tokens=[], **neutral)
+    model = checkpoint_with(tmp_path, do_sample=True, suppress_tokens=[], repetition_penalty=1.0, min_p=0.0, **neutral)
     with caplog.at_level(logging.WARNING, logger="splitspec.decoding.published"):
         sampling_settings(published_sampling(model))
     assert _warnings(caplog) == []

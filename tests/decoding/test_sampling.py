@@ -1,33 +1,39 @@
-"""Our temperature/top-k/top-p transform equals transformers' warpers; parameters are validated."""
+"""Our temperature/top-k/top-p/min-p transform equals transformers' warpers; parameters are validated."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from splitspec.decoding.sampling import SamplingParams, choose_token, greedy_tokens, probabilities
 from splitspec.exceptions import ConfigError
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_p", "top_k"),
-    [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.5, 0.5, 0), (0.3, 0.05, 0), (1.0, 1.0, 5), (0.7, 0.95, 12), (1.2, 0.3, 40)],
-)
-def test_probabilities_match_transformers(temperature: float, top_p: float, top_k: int) -> None:
-    """The order of transformers' generate: temperature, then top-k, then top-p."""
+    ("temperature", "top_p", "top_k", "min_p"),
+    [(1.0, 1.0, 0, 0.0), (0.7, 0.9, 0, 0.0), (1.5, 0.5, 0, 0.0), (0.3, 0.05, 0, 0.0), (1.0, 1.0, 5, 0.0),
+     (0.7, 0.95, 12, 0.0), (1.2, 0.3, 40, 0.0), (1.0, 1.0, 0, 0.1), (0.7, 0.9, 12, 0.05), (1.5, 1.0, 0, 1.0)],
+)  # fmt: skip
+def test_probabilities_match_transformers(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
+    """The order of transformers' generate: temperature, then top-k, then top-p, then min-p."""
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
     scores = TemperatureLogitsWarper(temperature)(None, logits)
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(None, scores)  # type: ignore[arg-type]  # warpers do not read input_ids
     expected = scores.softmax(-1)
-    torch.testing.assert_close(probabilities(logits, temperature, top_p, top_k), expected)
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    torch.testing.assert_close(probabilities(logits, temperature, top_p, top_k, min_p), expected)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
     torch.testing.assert_close(params.probabilities(logits), expected)
     if top_k:
         assert int((expected[0] > 0).sum()) <= top_k
+    if min_p == 1.0:  # only the likeliest token is left: sampling is greedy
+        assert torch.equal(expected.argmax(-1), logits.argmax(-1))
+        assert (expected.max(-1).values == 1).all()
 
 
 def test_greedy_tokens_are_argmax_with_its_ties_and_nans() -> None:
@@ -50,12 +56,13 @@ def test_greedy_and_seeded_choice() -> None:
 
 
 @pytest.mark.parametrize(
-    ("temperature", "top_p", "top_k"),
-    [(-0.1, 1.0, 0), (1.0, 0.0, 0), (1.0, 1.5, 0), (float("nan"), 1.0, 0), (1.0, 1.0, -1)],
-)
-def test_bad_parameters(temperature: float, top_p: float, top_k: int) -> None:
+    ("temperature", "top_p", "top_k", "min_p"),
+    [(-0.1, 1.0, 0, 0.0), (1.0, 0.0, 0, 0.0), (1.0, 1.5, 0, 0.0), (float("nan"), 1.0, 0, 0.0), (1.0, 1.0, -1, 0.0),
+     (1.0, 1.0, 0, -0.1), (1.0, 1.0, 0, 1.5), (1.0, 1.0, 0, float("nan"))],
+)  # fmt: skip
+def test_bad_parameters(temperature: float, top_p: float, top_k: int, min_p: float) -> None:
     with pytest.raises(ConfigError):
-        SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
 
 
 def test_a_tiny_temperature_decodes_greedily() -> None:

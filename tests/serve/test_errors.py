@@ -59,6 +59,10 @@ def test_unknown_model(stack: Stack) -> None:
         ("/chat/completions", {"n": 0}, "n"),
         ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/chat/completions", {"min_p": 1.5}, "min_p"),
+        ("/completions", {"prompt": "to be", "min_p": -0.1}, "min_p"),
+        ("/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("/completions", {"prompt": "to be", "repetition_penalty": -1.2}, "repetition_penalty"),
         ("/chat/completions", {"logit_bias": {"to": 1}}, "logit_bias"),
         ("/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
         ("/chat/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
@@ -86,9 +90,9 @@ def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: 
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/chat/completions", {"min_p": 0.1}, "min_p"),
+        ("/chat/completions", {"bad_words": ["be"]}, "bad_words"),
         ("/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-        ("/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+        ("/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
         ("/completions", {"best_of": 3}, "best_of"),
         ("/completions", {"suffix": "x"}, "suffix"),
     ],

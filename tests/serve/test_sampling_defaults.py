@@ -69,32 +69,53 @@ def test_without_sampling_values_the_defaults_are_openais(tmp_path: Path) -> Non
     assert SamplingDefaults().params(None, None, None, None) == SamplingParams(temperature=1.0, top_p=1.0, top_k=0)
 
 
-@pytest.mark.parametrize("bad", [{"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -1.0}, {"top_k": -5}])
+@pytest.mark.parametrize(
+    "bad", [{"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -1.0}, {"top_k": -5}, {"min_p": 1.5}, {"min_p": -0.5}]
+)
 def test_an_out_of_range_default_names_the_file(tmp_path: Path, bad: dict[str, object]) -> None:
-    with pytest.raises(CheckpointError, match=r"generation_config\.json: (top_p|temperature|top_k)"):
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: (top_p|temperature|top_k|min_p)"):
         sampling_defaults(published_with(tmp_path, **bad), "auto")
 
 
-def test_unapplied_settings_are_named_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_files_min_p_and_repetition_penalty_are_defaults_and_unapplied_settings_are_named_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As vLLM's ``auto``: Qwen2.5-Instruct's repetition_penalty 1.05 and a min_p become the defaults, named in the
+    INFO line; a setting splitspec does not apply is named in one WARNING."""
     pub._warned.clear()
-    published = published_with(tmp_path, temperature=0.7, repetition_penalty=1.05, min_p=0.1)
+    published = published_with(tmp_path, temperature=0.7, repetition_penalty=1.05, min_p=0.1, typical_p=0.9)
     with caplog.at_level(logging.INFO, logger="splitspec"):
-        sampling_defaults(published, "auto")
+        defaults = sampling_defaults(published, "auto")
+    assert defaults == SamplingDefaults(temperature=0.7, min_p=0.1, repetition_penalty=1.05)
+    assert defaults.params(None, None, None, None).min_p == 0.1
+    assert defaults.params(None, None, None, None, 0.0).min_p == 0.0  # a value sent wins
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
-    assert "repetition_penalty=1.05" in warnings[0]
-    assert "min_p=0.1" in warnings[0]  # the defaults sample, so min_p would act
-    assert any("temperature 0.7" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+    assert "typical_p=0.9" in warnings[0]
+    assert "repetition_penalty=" not in warnings[0]
+    assert "min_p=" not in warnings[0]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any("temperature 0.7, min_p 0.1, repetition_penalty 1.05" in line for line in infos)
     caplog.clear()
     pub._warned.clear()
     with caplog.at_level(logging.INFO, logger="splitspec"):
-        # a penalty without sampling values: the defaults stay neutral, and the penalty is still named
-        assert sampling_defaults(published_with(tmp_path, repetition_penalty=1.1), "auto") == SamplingDefaults()
-        sampling_defaults(published_with(tmp_path, repetition_penalty=1.2), "vllm")  # vllm ignores the file
+        # a penalty alone is a default too; vllm ignores the file
+        assert sampling_defaults(published_with(tmp_path, repetition_penalty=1.1), "auto") == SamplingDefaults(
+            repetition_penalty=1.1
+        )
+        assert sampling_defaults(published_with(tmp_path, repetition_penalty=1.2), "vllm") == SamplingDefaults()
+        sampling_defaults(published_with(tmp_path, no_repeat_ngram_size=3), "auto")
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
-        f"{tmp_path / 'generation_config.json'} sets repetition_penalty=1.1, which splitspec does not apply (only "
-        "temperature, top_p and top_k are taken from it): output differs from the publisher's own generate call"
+        f"{tmp_path / 'generation_config.json'} sets no_repeat_ngram_size=3, which splitspec does not apply here (it "
+        "takes temperature, top_p, top_k and min_p from it, and `splitspec serve` its repetition_penalty): output "
+        "differs from the publisher's own generate call"
     ]
+
+
+@pytest.mark.parametrize("bad", [0, -1.05, "1.1", True])
+def test_a_bad_repetition_penalty_names_the_file(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(CheckpointError, match=r"generation_config\.json: repetition_penalty must be"):
+        published_with(tmp_path, repetition_penalty=bad)
 
 
 def test_the_flag_reaches_the_config_and_a_bad_mode_is_refused() -> None:

@@ -2,13 +2,15 @@
 penalties.
 
 Each implements :class:`splitspec.decoding.processors.LogitsProcessor` over the tokens generated
-in this request (not the prompt), as OpenAI defines them:
+in this request (not the prompt), as OpenAI defines them, except ``repetition_penalty``:
 
 * ``logit_bias``: a constant added to a token's logit (-100 bans it, 100 all but forces it);
 * ``allowed_token_ids`` (vLLM's): every other token is banned, stop tokens included unless listed;
 * ``min_tokens``: the stop tokens are forbidden until that many tokens were generated;
 * penalties: ``logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``, ``c[j]``
-  the count of token j generated so far.
+  the count of token j generated so far;
+* ``repetition_penalty`` (transformers' and vLLM's, Keskar et al. 2019): the logit of every token in the prompt or
+  generated so far is divided by the penalty where positive and multiplied by it otherwise.
 
 Row i of a ``(q, V)`` block follows ``draft[:i]``, so these see the draft's tokens as generated.
 """
@@ -155,3 +157,47 @@ class Penalties:
     @property
     def finished(self) -> bool:
         return False
+
+
+class RepetitionPenalty(_Stateless):
+    """transformers' ``RepetitionPenaltyLogitsProcessor`` and vLLM's ``repetition_penalty``, over the sequence so far
+    (the prompt and the tokens generated) and, row by row, the draft it follows.
+
+    The seen tokens are read from ``tokens`` as it grows (one sequence's context only grows between calls); a
+    context that is not the last one extended is read afresh."""
+
+    def __init__(self, penalty: float) -> None:
+        self.penalty = penalty
+        self._seen: set[int] = set()  # the tokens of the context's first _length
+        self._length = 0
+        self._last: int | None = None  # the context's token at _length - 1 (a context that differs: read afresh)
+
+    def _seen_in(self, tokens: Sequence[int]) -> set[int]:
+        n = self._length
+        if len(tokens) < n or (n and tokens[n - 1] != self._last):
+            self._seen, n = set(), 0
+        self._seen.update(tokens[n:])
+        self._length, self._last = len(tokens), tokens[-1] if tokens else None
+        return self._seen
+
+    def _penalize(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.where(x < 0, x * self.penalty, x / self.penalty)  # transformers' rule, element by element
+
+    def process(self, logits: torch.Tensor, tokens: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+        """Each row's seen tokens penalised once, as one-token decoding would for that position (an element's
+        result does not depend on the other rows, so it is the same float32)."""
+        q = logits.shape[0]
+        seen = self._seen_in(tokens)
+        if seen:
+            ids = torch.tensor(sorted(seen), dtype=torch.long, device=logits.device)  # (k,)
+            logits[:, ids] = self._penalize(logits[:, ids])  # (q, k)
+        first_row: dict[int, int] = {}  # a new token of the draft -> the first row that follows it
+        for i, token in enumerate(draft[: q - 1]):
+            if token not in seen and token not in first_row:
+                first_row[token] = i + 1
+        for token, row in first_row.items():
+            logits[row:, token] = self._penalize(logits[row:, token])  # (q - row,)
+        return logits
+
+    def validate_draft(self, draft: Sequence[int]) -> int:
+        return len(draft)

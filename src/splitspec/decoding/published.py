@@ -1,14 +1,15 @@
 """The sampling a checkpoint's publisher meant (generation_config.json), and how a user's choices override it.
 
 transformers' ``generate`` samples only when ``do_sample`` is set; it then takes temperature,
-top-k and top-p from generation_config.json, and its own defaults (1.0, 50, 1.0) for what the file
-leaves unset. :func:`sampling_settings` does the same for those three, and it logs what it chose: a
+top-k, top-p and min-p from generation_config.json, and its own defaults (1.0, 50, 1.0, off) for what
+the file leaves unset. :func:`sampling_settings` does the same for those, and it logs what it chose: a
 checkpoint that publishes ``do_sample: false`` is decoded greedily *and says so* (with how to
 sample instead), never silently. Any value the user gives wins; ``temperature=0`` is greedy.
+The file's ``repetition_penalty`` (Qwen2.5-Instruct sets 1.05) is read too (:class:`PublishedSampling`):
+``splitspec serve`` applies it as vLLM does.
 
-Only those settings are taken from the file. Others that change the publisher's own ``generate``
-output (``repetition_penalty``, which Qwen2.5-Instruct sets to 1.05, ``no_repeat_ngram_size``,
-``min_p``, ``typical_p``, ...: :data:`UNAPPLIED`, :data:`UNAPPLIED_WHEN_SAMPLING`) are not applied:
+Other settings that change the publisher's own ``generate`` output (``no_repeat_ngram_size``,
+``typical_p``, ...: :data:`UNAPPLIED`, :data:`UNAPPLIED_WHEN_SAMPLING`) are not applied:
 where the file sets one, a WARNING names it, so output that differs from that call is never a
 surprise.
 """
@@ -37,7 +38,6 @@ HF_DEFAULT_TOP_P = 1.0
 # apply, each with the value that leaves it off (transformers' default; None or an empty list is off too):
 # these act whether generate samples or not ...
 UNAPPLIED: Mapping[str, object] = {
-    "repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "min_length": 0,
     "min_new_tokens": 0,
@@ -53,7 +53,6 @@ UNAPPLIED: Mapping[str, object] = {
 }
 # ... and these only when it samples (do_sample)
 UNAPPLIED_WHEN_SAMPLING: Mapping[str, object] = {
-    "min_p": 0.0,
     "typical_p": 1.0,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
@@ -73,6 +72,8 @@ class PublishedSampling:
     top_k: int | None
     source: str  # the file they come from, for messages
     max_new_tokens: int | None = None  # tokens its generate produces at most (>= 1); serve's default max_tokens
+    min_p: float | None = None  # in [0, 1]; applies when sampling
+    repetition_penalty: float | None = None  # > 0; 1 is off; applies whether or not generate samples
     # settings of UNAPPLIED / UNAPPLIED_WHEN_SAMPLING the file turns on, with their values
     unapplied: Mapping[str, Any] = field(default_factory=dict)
     unapplied_when_sampling: Mapping[str, Any] = field(default_factory=dict)
@@ -112,21 +113,32 @@ def published_sampling(directory: str | Path) -> PublishedSampling:
         top_k=integer("top_k"),
         source=source,
         max_new_tokens=integer("max_new_tokens", positive=True),
+        min_p=number("min_p"),
+        repetition_penalty=_positive(number("repetition_penalty"), "repetition_penalty", source),
         unapplied=_turned_on(raw, UNAPPLIED),
         unapplied_when_sampling=_turned_on(raw, UNAPPLIED_WHEN_SAMPLING),
     )
 
 
-def warn_unapplied(published: PublishedSampling, sampling: bool) -> None:
-    """One WARNING naming each setting of the file that changes its publisher's output and is not applied here."""
+def _positive(value: float | None, key: str, source: str) -> float | None:
+    if value is not None and not value > 0:
+        raise CheckpointError(f"{source}: {key} must be above 0, got {value:g}")
+    return value
+
+
+def warn_unapplied(published: PublishedSampling, sampling: bool, repetition: bool = False) -> None:
+    """One WARNING naming each setting of the file that changes its publisher's output and is not applied here
+    (``repetition``: the caller applies the file's repetition_penalty, as ``serve`` does)."""
     settings = {**published.unapplied, **(published.unapplied_when_sampling if sampling else {})}
+    if not repetition and published.repetition_penalty not in (None, 1.0):
+        settings["repetition_penalty"] = published.repetition_penalty
     new = {key: value for key, value in settings.items() if (published.source, key) not in _warned}
     if not new:
         return
     _warned.update((published.source, key) for key in new)
     log.warning(
-        "%s sets %s, which splitspec does not apply (only temperature, top_p and top_k are taken from it): "
-        "output differs from the publisher's own generate call",
+        "%s sets %s, which splitspec does not apply here (it takes temperature, top_p, top_k and min_p from it, and "
+        "`splitspec serve` its repetition_penalty): output differs from the publisher's own generate call",
         published.source,
         ", ".join(f"{key}={value!r:.40}" for key, value in new.items()),
     )
@@ -138,8 +150,10 @@ def sampling_settings(
     top_p: float | None = None,
     top_k: int | None = None,
     seed: int | None = None,
+    min_p: float | None = None,
 ) -> SamplingParams:
-    """The sampling to run: each value the user gives, else the published one, else transformers' default."""
+    """The sampling to run: each value the user gives, else the published one, else transformers' default (min_p:
+    off)."""
     if temperature is None:
         if published.do_sample:
             temperature = published.temperature if published.temperature is not None else HF_DEFAULT_TEMPERATURE
@@ -160,13 +174,18 @@ def sampling_settings(
         top_p=top_p if top_p is not None else published.top_p if published.top_p is not None else HF_DEFAULT_TOP_P,
         top_k=top_k if top_k is not None else published.top_k if published.top_k is not None else HF_DEFAULT_TOP_K,
         seed=seed,
+        min_p=min_p if min_p is not None else published.min_p or 0.0,
     )
     warn_unapplied(published, sampling=not params.greedy)
     if params.greedy:
-        if top_p is not None or top_k is not None:
-            log.warning("--top-p/--top-k have no effect when decoding greedily: pass --temperature above 0")
+        if top_p is not None or top_k is not None or min_p is not None:
+            log.warning("--top-p/--top-k/--min-p have no effect when decoding greedily: pass --temperature above 0")
     else:
         log.info(
-            "sampling at temperature %g, top-k %d (0: off), top-p %g", params.temperature, params.top_k, params.top_p
+            "sampling at temperature %g, top-k %d (0: off), top-p %g, min-p %g (0: off)",
+            params.temperature,
+            params.top_k,
+            params.top_p,
+            params.min_p,
         )
     return params

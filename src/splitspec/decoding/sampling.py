@@ -1,8 +1,8 @@
-"""Turning logits into tokens: greedy, temperature, top-k and nucleus (top-p) sampling.
+"""Turning logits into tokens: greedy, temperature, top-k, nucleus (top-p) and min-p sampling.
 
-The probability transform matches transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``
-and ``TopPLogitsWarper`` in that order (a test checks it), so sampled split output has exactly the
-distribution of sampled local output.
+The probability transform matches transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
+``TopPLogitsWarper`` and ``MinPLogitsWarper`` in that order (a test checks it), so sampled split
+output has exactly the distribution of sampled local output.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]; 1 keeps every token
     seed: int | None = None  # generator seed; None draws one (recorded in results)
     top_k: int = 0  # keep only the k most likely tokens; 0 keeps every token
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest one's probability, in [0, 1]; 0 keeps every token
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -35,6 +36,8 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 keeps every token), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -43,7 +46,7 @@ class SamplingParams:
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """(..., V) logits -> (..., V) float32 probabilities under these settings (greedy: the argmax's one-hot)."""
-        return probabilities(logits, self.temperature, self.top_p, self.top_k)
+        return probabilities(logits, self.temperature, self.top_p, self.top_k, self.min_p)
 
     def generator(self, device: torch.device | None = None) -> tuple[torch.Generator, int]:
         """A seeded generator on ``device`` (default CPU), where the logits it samples from live, and its seed."""
@@ -51,8 +54,10 @@ class SamplingParams:
         return torch.Generator(device=device or "cpu").manual_seed(seed), seed
 
 
-def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
-    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k (0: off) and top-p.
+def probabilities(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0
+) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities after temperature, top-k (0: off), top-p and min-p (0: off).
 
     A temperature below :data:`GREEDY_BELOW` gives the greedy law, one-hot on each row's argmax (the first of tied
     maxima), instead of the NaN that ``logits / temperature`` overflowing to inf would give."""
@@ -70,7 +75,11 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float = 1.0, 
         drop_sorted[..., -1:] = False  # always keep the most likely token
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, -float("inf"))
-    return scores.softmax(dim=-1)
+    probs = scores.softmax(dim=-1)  # (..., V)
+    if min_p > 0:  # min-p (Nguyen et al. 2024): keep what reaches min_p x the row's top probability; it always does
+        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def outside_top_k(values: torch.Tensor, top_k: int) -> torch.Tensor | None:

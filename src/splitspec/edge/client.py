@@ -281,13 +281,14 @@ class SplitClient:
         top_p: float | None = None,
         top_k: int | None = None,
         seed: int | None = None,
+        min_p: float | None = None,
     ) -> SamplingParams:
         """Sampling as the checkpoint publishes it (generation_config.json), with the values given here overriding it.
 
         What :meth:`generate` and :meth:`stream` use when given no ``params``, and what the CLI's
-        ``--temperature/--top-p/--top-k/--seed`` build; see :mod:`splitspec.decoding.published`.
+        ``--temperature/--top-p/--top-k/--seed/--min-p`` build; see :mod:`splitspec.decoding.published`.
         """
-        return self.runtime.sampling(temperature, top_p, top_k, seed)
+        return self.runtime.sampling(temperature, top_p, top_k, seed, min_p)
 
     @property
     def default_sampling(self) -> SamplingParams:

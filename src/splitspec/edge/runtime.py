@@ -263,9 +263,10 @@ class EdgeRuntime:
         top_p: float | None = None,
         top_k: int | None = None,
         seed: int | None = None,
+        min_p: float | None = None,
     ) -> SamplingParams:
         """Sampling as the checkpoint publishes it (generation_config.json), overridden by the values given."""
-        return sampling_settings(self.published_sampling, temperature, top_p, top_k, seed)
+        return sampling_settings(self.published_sampling, temperature, top_p, top_k, seed, min_p)
 
     def check_length(self, prompt_tokens: int, max_new_tokens: int, context_tokens: int = 0) -> None:
         """Refuse a generation that could pass the model's maximum positions: context + prompt + max new tokens.

@@ -240,7 +240,7 @@ def create_app(state: ServeState) -> FastAPI:
             params=sampling(body, state.sampling_defaults),
             stops=body.stop_strings(),
             stop_ids=stops,
-            make_processor=processors(body, plan.grammar, stops, state.vocab_size, compiler),
+            make_processor=processors(body, plan.grammar, stops, state.vocab_size, compiler, state.sampling_defaults),
             tool_format=plan.tool_format,
             tools=plan.tools,
             parallel=plan.parallel,
@@ -257,7 +257,7 @@ def create_app(state: ServeState) -> FastAPI:
         grammar = output_grammar(body, compiler)
         if grammar is not None:
             await prepare_grammar(stops)
-        make = processors(body, grammar, stops, state.vocab_size, compiler)
+        make = processors(body, grammar, stops, state.vocab_size, compiler, state.sampling_defaults)
         params = sampling(body, state.sampling_defaults)  # frozen: every prompt's choices share it
         jobs = []
         for prompt in body.prompts():

@@ -3,8 +3,8 @@
 Choice i of a request with ``seed`` s samples with seed s + i, so choices differ from each other
 and a repeated request repeats them; a seeded sample decodes one token per round trip (speculation
 would make the random draws depend on what the link measured before). Logits processors (the
-grammar, ``logit_bias``, ``allowed_token_ids``, ``min_tokens``, penalties) are made afresh for every choice. Replies go
-through :class:`~splitspec.serve.tool_parsers.ToolCallStream` when the request has tools, so a
+grammar, ``logit_bias``, ``allowed_token_ids``, ``min_tokens``, the penalties) are made afresh for every choice.
+Replies go through :class:`~splitspec.serve.tool_parsers.ToolCallStream` when the request has tools, so a
 streamed reply and a whole one carry the same calls and content. Each :class:`Item` carries the
 tokens behind its text (with their logprobs when asked): an echoed prompt its prompt tokens, a
 piece of content the tokens that released it; tokens that released no content of their own (held
@@ -19,7 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitspec.decoding.adjusters import AllowedTokens, LogitBias, MinTokens, Penalties
+from splitspec.decoding.adjusters import AllowedTokens, LogitBias, MinTokens, Penalties, RepetitionPenalty
 from splitspec.decoding.grammar import GrammarCompiler
 from splitspec.decoding.loop import Emitted
 from splitspec.decoding.processors import LogitsProcessor, ProcessorChain
@@ -81,7 +81,7 @@ class Tally:
 
 def sampling(body: schemas.GenerationRequest, defaults: SamplingDefaults) -> SamplingParams:
     """The request's sampling: what it sent, else the server's defaults (serve/sampling_defaults.py)."""
-    return defaults.params(body.temperature, body.top_p, body.top_k, body.seed)
+    return defaults.params(body.temperature, body.top_p, body.top_k, body.seed, body.min_p)
 
 
 def stop_ids(body: schemas.GenerationRequest, default: frozenset[int], vocab_size: int) -> frozenset[int]:
@@ -97,8 +97,10 @@ def processors(
     stops: frozenset[int],
     vocab_size: int,
     compiler: Callable[[], GrammarCompiler],
+    defaults: SamplingDefaults,
 ) -> Callable[[], LogitsProcessor | None]:
-    """A factory of the request's logits processors (one set per choice); 400 for bad values."""
+    """A factory of the request's logits processors (one set per choice), in vLLM's order (the allowed tokens, the
+    bias, the repetition penalty, OpenAI's penalties); 400 for bad values."""
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     if any(t >= vocab_size for t in bias):
         raise invalid(f"logit_bias keys must be token ids in 0..{vocab_size - 1}", "logit_bias")
@@ -106,6 +108,7 @@ def processors(
     if allowed is not None and any(not 0 <= t < vocab_size for t in allowed):
         raise invalid(f"allowed_token_ids must be token ids in 0..{vocab_size - 1}", "allowed_token_ids")
     presence, frequency = body.presence_penalty or 0.0, body.frequency_penalty or 0.0
+    repetition = defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty
 
     def make() -> LogitsProcessor | None:
         chain: list[LogitsProcessor] = []
@@ -113,6 +116,8 @@ def processors(
             chain.append(AllowedTokens(allowed, vocab_size))
         if bias:
             chain.append(LogitBias(bias, vocab_size))
+        if repetition != 1.0:
+            chain.append(RepetitionPenalty(repetition))
         if presence or frequency:
             chain.append(Penalties(presence, frequency))
         if body.min_tokens:

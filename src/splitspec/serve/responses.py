@@ -41,8 +41,8 @@ from splitspec.serve.schemas import ChatCompletionRequest
 log = logging.getLogger(__name__)
 
 # chat request fields (vLLM's extensions and the sampling ones) a Responses request may send as they are
-PASSED_THROUGH = ("top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty",
-                  "frequency_penalty", "logit_bias", "chat_template_kwargs")  # fmt: skip
+PASSED_THROUGH = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "logit_bias", "chat_template_kwargs")  # fmt: skip
 # Responses fields that would change the reply but are not honoured, with the values that change nothing (anything
 # else is a 400 naming the field, as chat's REFUSED): a stored prompt template by id, a cap on tool calls, a
 # response run in the background to be polled for

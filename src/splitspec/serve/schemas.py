@@ -28,8 +28,6 @@ REFUSED: dict[str, object] = {
     "function_call": None,
     "prediction": None,
     "audio": None,
-    "min_p": 0.0,
-    "repetition_penalty": 1.0,
     "length_penalty": 1.0,
     "use_beam_search": False,
     "guided_json": None,  # vLLM's older names for response_format
@@ -184,6 +182,9 @@ class GenerationRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension; 0 or -1 keeps every token
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM's extension; 0 keeps every token
+    # vLLM's extension (transformers'): seen tokens' logits divided by it where positive, times it otherwise; 1: off
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit integer, as vLLM and torch take
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension: more tokens that end the reply

@@ -1,0 +1,111 @@
+"""vLLM's ``repetition_penalty`` and ``min_p`` through a real trunk server: sent in a request, or published in the
+checkpoint's generation_config.json (``--generation-config auto``, as vLLM), they change the reply as transformers'
+processors change its whole model's output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from tests.conftest import local_model
+from tests.serve.conftest import MODEL_NAME, Stack
+
+PROMPT = "to be or not to be that is the question to be or not to be"
+COMPLETION: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "to be or not"}], "max_tokens": 10}
+
+
+def ok(stack: Stack, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{stack.base_url}{path}", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def text(reply: dict[str, Any]) -> str:
+    choice = reply["choices"][0]
+    return str(choice["text"] if "text" in choice else choice["message"]["content"])
+
+
+def penalised_greedy(model_dir: Path, prompt: list[int], penalty: float, tokens: int) -> list[int]:
+    """The whole model's greedy tokens under transformers' own RepetitionPenaltyLogitsProcessor."""
+    model, out = local_model(model_dir), list[int]()
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    with torch.no_grad():
+        for _ in range(tokens):
+            ids = torch.tensor([prompt + out])  # (1, n)
+            logits = model(ids).logits[:, -1].float()  # (1, V)
+            out.append(int(processor(ids, logits).argmax()))
+    return out
+
+
+@pytest.mark.parametrize("penalty", [1.8, 1.05])
+def test_repetition_penalty_is_transformers_over_the_prompt_and_the_reply(
+    make_stack: Callable[..., Stack], chat_model: Path, penalty: float
+) -> None:
+    """Greedy under the penalty, n-gram drafts verified several a step, equals the whole model under transformers'
+    processor token for token, streamed or not; without it the reply differs (the prompt repeats itself, so its
+    tokens are what the penalty lowers)."""
+    stack = make_stack(speculate="ngram")
+    prompt = stack.state.tokenizer.encode(PROMPT, add_special_tokens=False)
+    body = {**COMPLETION, "prompt": prompt, "repetition_penalty": penalty}
+    reply = ok(stack, "/completions", body)
+    tokenizer = stack.state.tokenizer
+    want = penalised_greedy(chat_model, prompt, penalty, COMPLETION["max_tokens"])
+    shown = [t for t in want if t not in tokenizer.all_special_ids]  # the reply's text skips special tokens
+    assert text(reply).split() == tokenizer.convert_ids_to_tokens(shown)  # it decodes tokens apart, spaced
+    assert reply["usage"]["completion_tokens"] == COMPLETION["max_tokens"]
+    plain = ok(stack, "/completions", {**body, "repetition_penalty": 1.0})
+    assert text(plain) != text(reply)
+    assert text(ok(stack, "/completions", {**body, "repetition_penalty": None})) == text(plain)  # not sent: off
+    with httpx.stream("POST", f"{stack.base_url}/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text(reply)
+
+
+def test_min_p_one_leaves_only_the_likeliest_token(stack: Stack) -> None:
+    """min_p 1 keeps only tokens as likely as the likeliest: sampled at temperature 1, every choice is the greedy
+    reply; without it the seeded choices are not."""
+    greedy = text(ok(stack, "/chat/completions", {**CHAT, "temperature": 0}))
+    sampled = {**CHAT, "temperature": 1.0, "seed": 11, "n": 3}
+    kept = ok(stack, "/chat/completions", {**sampled, "min_p": 1.0})
+    assert [c["message"]["content"] for c in kept["choices"]] == [greedy] * 3
+    free = ok(stack, "/chat/completions", sampled)
+    assert any(c["message"]["content"] != greedy for c in free["choices"])
+    responses = ok(stack, "/responses", {"model": MODEL_NAME, "input": CHAT["messages"], "max_output_tokens": 10,
+                                         "temperature": 1.0, "min_p": 1.0})  # fmt: skip
+    assert responses["output"][0]["content"][0]["text"] == greedy  # passed through to the chat request
+
+
+@pytest.fixture(scope="module")
+def penalty_model(chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chat checkpoint publishing repetition_penalty 1.8 (and nothing else)."""
+    directory = tmp_path_factory.mktemp("penalty")
+    shutil.copytree(chat_model, directory, dirs_exist_ok=True)
+    (directory / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "repetition_penalty": 1.8}))
+    return directory
+
+
+@pytest.mark.parametrize("mode", ["auto", "vllm"])
+def test_a_published_repetition_penalty_is_the_default(stack: Stack, penalty_model: Path, mode: str) -> None:
+    """Under ``auto`` a request that sends no penalty gets the file's, as vLLM; one sent wins; ``vllm`` leaves it
+    off. (The shared stack serves the same weights with no generation_config.json.)"""
+    prompt = stack.state.tokenizer.encode(PROMPT, add_special_tokens=False)
+    body = {**COMPLETION, "prompt": prompt}
+    published = Stack(penalty_model, generation_config=mode)
+    try:
+        unset = text(ok(published, "/completions", body))
+        off = text(ok(published, "/completions", {**body, "repetition_penalty": 1.0}))
+    finally:
+        published.close()
+    penalised = text(ok(stack, "/completions", {**body, "repetition_penalty": 1.8}))
+    plain = text(ok(stack, "/completions", body))
+    assert off == plain
+    assert unset == (penalised if mode == "auto" else plain)
