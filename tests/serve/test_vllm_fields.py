@@ -239,6 +239,27 @@ def test_structured_outputs_choice_regex_and_grammar(tool_stack: Stack) -> None:
     assert not set(plain) <= set(words)  # the constraint, not the model, made them
 
 
+def test_vllms_older_guided_fields_are_structured_outputs(tool_stack: Stack) -> None:
+    """guided_choice/regex/grammar/json (vLLM before 0.10.2) give exactly the replies of the structured_outputs
+    they became (seeded, sampled: a constraint read otherwise would change them); with structured_outputs, a 400."""
+    base = {**CHAT, "max_tokens": 20, "temperature": 1.0, "n": 4, "seed": 7}
+    for key, spec in [("choice", ["yes", "no", "to be or not"]), ("regex", r"[0-9]{3}-[a-z]{2}"),
+                      ("grammar", 'start: ("to" | "be") " " ("or" | "not")'), ("json", SCHEMA)]:  # fmt: skip
+        guided = ok(tool_stack, "/chat/completions", {**base, f"guided_{key}": spec, "guided_decoding_backend": "x"})
+        structured = ok(tool_stack, "/chat/completions", {**base, "structured_outputs": {key: spec}})
+        assert [content({"choices": [c]}) for c in guided["choices"]] == [
+            content({"choices": [c]}) for c in structured["choices"]
+        ], key
+    free = ok(tool_stack, "/chat/completions", base)
+    assert [c["message"]["content"] for c in free["choices"]] != [c["message"]["content"] for c in guided["choices"]]
+    both = {**base, "guided_regex": "a", "structured_outputs": {"regex": "a"}}
+    assert "not both" in error(tool_stack, "/chat/completions", both)["message"]
+    whitespace = error(
+        tool_stack, "/completions", {**COMPLETION, "guided_json": SCHEMA, "guided_whitespace_pattern": " "}
+    )
+    assert (whitespace["param"], whitespace["code"]) == ("structured_outputs", "unsupported_parameter")
+
+
 def test_structured_outputs_json_is_response_formats(tool_stack: Stack) -> None:
     body = {**CHAT, "max_tokens": 40}
     fmt = ok(tool_stack, "/chat/completions", {**body, "response_format": {"type": "json_schema", "json_schema": {

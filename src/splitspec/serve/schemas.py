@@ -21,6 +21,10 @@ MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: no vocabulary has 10^10 tokens
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat top_logprobs, completions logprobs)
 MAX_CHOICES = 128  # OpenAI's limit on n
 
+# vLLM's older names for the constraints of structured_outputs (before 0.10.2), read as that
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+          "guided_whitespace_pattern": "whitespace_pattern"}  # fmt: skip
+
 # fields clients send that we know but do not implement, with the value that changes nothing (a field one endpoint
 # declares is never refused there: ``echo`` is honoured by completions, refused on chat)
 REFUSED: dict[str, object] = {
@@ -30,10 +34,6 @@ REFUSED: dict[str, object] = {
     "audio": None,
     "length_penalty": 1.0,
     "use_beam_search": False,
-    "guided_json": None,  # vLLM's older names for response_format
-    "guided_regex": None,
-    "guided_grammar": None,
-    "guided_choice": None,
     "skip_special_tokens": True,  # vLLM's extensions
     "bad_words": [],
     "prompt_logprobs": None,
@@ -203,6 +203,21 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ends the text stays in it
     # vLLM's extension: keep the prompt's last k tokens (-1: as many as the model's positions)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _guided(cls, data: Any) -> Any:
+        """vLLM's older ``guided_json``/``guided_regex``/``guided_choice``/``guided_grammar`` as the
+        ``structured_outputs`` they became (``guided_decoding_backend`` chose an engine: ignored, one is here)."""
+        if not isinstance(data, dict):
+            return data
+        sent = {key: data[key] for key in GUIDED if data.get(key) is not None}
+        if not sent:
+            return data
+        if data.get("structured_outputs") is not None:
+            raise ValueError("send structured_outputs or vLLM's older guided_* fields, not both")
+        rest = {key: value for key, value in data.items() if key not in GUIDED}
+        return {**rest, "structured_outputs": {GUIDED[key]: value for key, value in sent.items()}}
 
     @field_validator("stop")
     @classmethod
