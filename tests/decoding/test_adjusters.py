@@ -9,7 +9,14 @@ from collections import Counter
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from splitspec.decoding.adjusters import AllowedTokens, LogitBias, MinTokens, Penalties, RepetitionPenalty
+from splitspec.decoding.adjusters import (
+    AllowedTokens,
+    BadWords,
+    LogitBias,
+    MinTokens,
+    Penalties,
+    RepetitionPenalty,
+)
 from splitspec.decoding.processors import ProcessorChain
 
 V = 8
@@ -142,3 +149,30 @@ def test_the_repetition_penalty_lowers_seen_tokens_and_keeps_the_others() -> Non
     logits = torch.tensor([[2.0, -2.0, 2.0, -2.0]])
     out = RepetitionPenalty(2.0).process(logits.clone(), [0, 1, 0], [])
     assert out.tolist() == [[1.0, -4.0, 2.0, -2.0]]
+
+
+def test_bad_words_ban_a_words_last_token_after_the_rest_of_it_row_by_row() -> None:
+    """Row i (after draft[:i]) bans what one-token decoding bans once draft[:i] was generated: a one-token word
+    always, a longer word's last token where the generated tokens end with the rest; a draft stops before one."""
+    words = [[3], [1, 2], [4, 1, 5]]
+    rng = random.Random(7)
+    for _ in range(200):
+        generated = [rng.randrange(V) for _ in range(rng.randrange(4))]
+        draft = [rng.randrange(V) for _ in range(rng.randrange(5))]
+        drafted = BadWords(words)
+        drafted.accept(generated)
+        out = drafted.process(torch.zeros(len(draft) + 1, V), [], draft)
+        for i in range(len(draft) + 1):
+            history = generated + draft[:i]
+            want = {3} | ({2} if history[-1:] == [1] else set()) | ({5} if history[-2:] == [4, 1] else set())
+            assert {t for t in range(V) if out[i, t] == -float("inf")} == want, (history, i)
+            one_token = BadWords(words)
+            one_token.accept(history)
+            assert torch.equal(one_token.process(torch.zeros(1, V), [], [])[0], out[i])
+        cut = drafted.validate_draft(draft)
+        assert all(out[i, draft[i]] > -float("inf") for i in range(cut))  # the draft up to the cut is allowed ...
+        assert cut == len(draft) or out[cut, draft[cut]] == -float("inf")  # ... and cut at the first banned token
+    words_left = BadWords(words)
+    words_left.accept([4, 1])
+    words_left.rollback(1)
+    assert words_left.process(torch.zeros(1, V), [], [])[0, 5] == 0.0  # forgotten: [4] alone bans nothing

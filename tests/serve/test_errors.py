@@ -60,6 +60,8 @@ def test_unknown_model(stack: Stack) -> None:
         ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
         ("/chat/completions", {"min_p": 1.5}, "min_p"),
+        ("/chat/completions", {"bad_words": ["be", " "]}, "bad_words"),
+        ("/chat/completions", {"bad_words": ["x"] * 129}, "bad_words"),
         ("/completions", {"prompt": "to be", "min_p": -0.1}, "min_p"),
         ("/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
         ("/completions", {"prompt": "to be", "repetition_penalty": -1.2}, "repetition_penalty"),
@@ -90,7 +92,7 @@ def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: 
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/chat/completions", {"bad_words": ["be"]}, "bad_words"),
+        ("/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
         ("/completions", {"best_of": 3}, "best_of"),

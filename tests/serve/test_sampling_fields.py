@@ -1,6 +1,6 @@
-"""vLLM's ``repetition_penalty`` and ``min_p`` through a real trunk server: sent in a request, or published in the
-checkpoint's generation_config.json (``--generation-config auto``, as vLLM), they change the reply as transformers'
-processors change its whole model's output."""
+"""vLLM's ``repetition_penalty``, ``min_p`` and ``bad_words`` through a real trunk server: sent in a request, or (the
+first two) published in the checkpoint's generation_config.json (``--generation-config auto``, as vLLM), they change
+the reply as transformers' processors, or the rule written out here, change its whole model's output."""
 
 from __future__ import annotations
 
@@ -109,3 +109,42 @@ def test_a_published_repetition_penalty_is_the_default(stack: Stack, penalty_mod
     plain = text(ok(stack, "/completions", body))
     assert off == plain
     assert unset == (penalised if mode == "auto" else plain)
+
+
+def banned_greedy(model_dir: Path, prompt: list[int], tokens: int, single: int, pair: tuple[int, int]) -> list[int]:
+    """The whole model's greedy tokens, never ``single``, and never ``pair[1]`` right after a generated ``pair[0]``."""
+    model, out = local_model(model_dir), list[int]()
+    with torch.no_grad():
+        for _ in range(tokens):
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float()  # (V,)
+            logits[single] = -float("inf")
+            if out[-1:] == [pair[0]]:
+                logits[pair[1]] = -float("inf")
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_bad_words_are_never_generated(make_stack: Callable[..., Stack], chat_model: Path) -> None:
+    """vLLM's rule: a one-token word is banned, a longer word's last token after the rest of it; under n-gram
+    drafting, the reply equals the whole model's greedy tokens under that rule, and differs without each word."""
+    stack = make_stack(speculate="ngram")
+    tokenizer = stack.state.tokenizer
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+
+    def reply_tokens(words: list[str]) -> list[str]:
+        body = {**COMPLETION, "prompt": prompt, "logprobs": 0, "bad_words": words or None}
+        return list(ok(stack, "/completions", body)["choices"][0]["logprobs"]["tokens"])
+
+    plain = reply_tokens([])
+    single = plain[0]  # banned alone, it changes the reply from its first token
+    assert tokenizer.encode(single, add_special_tokens=False) == tokenizer.convert_tokens_to_ids([single])
+    without_single = reply_tokens([single])
+    pair = without_single[:2]  # then, banned as a two-token word, from its second token
+    assert tokenizer.encode(" ".join(pair), add_special_tokens=False) == tokenizer.convert_tokens_to_ids(pair)
+    both = reply_tokens([single, " ".join(pair)])
+    ids = tokenizer.convert_tokens_to_ids([single, *pair])
+    want = banned_greedy(chat_model, prompt, COMPLETION["max_tokens"], ids[0], (ids[1], ids[2]))
+    assert both == tokenizer.convert_ids_to_tokens(want)
+    assert without_single[0] != plain[0]
+    assert both[0] == without_single[0]
+    assert both[1] != without_single[1]

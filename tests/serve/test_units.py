@@ -15,6 +15,7 @@ from splitspec.demo import embedded_model
 from splitspec.detokenize import IncrementalText
 from splitspec.edge import EdgeConfig
 from splitspec.serve.app import create_app
+from splitspec.serve.choices import bad_word_ids
 from splitspec.serve.config import ServeConfig
 from splitspec.serve.metrics import ServeMetrics
 from splitspec.serve.prefix_cache import PrefixCache
@@ -301,3 +302,25 @@ def test_a_workers_metrics_carry_its_index_on_every_sample() -> None:
     assert all(labels.get("worker") == "3" for labels in labelled)
     assert {"endpoint": "/v1/completions", "status": "200", "worker": "3"} in labelled
     assert all("worker" not in labels for labels in samples(ServeMetrics()))
+
+
+def test_bad_word_ids_are_vllms_word_alone_and_after_a_space() -> None:
+    """vLLM's rule: the word without its leading spaces, and after a space where that starts with another token and
+    is as long (byte-level BPE: "the" and " the" are different tokens)."""
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model("base"))
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    assert bad_word_ids(encode, ["the", "  Romeo", "import os", "foo", "Verona"]) == [
+        [1007],
+        [281],  # "the", " the"
+        [3494],
+        [4818],  # the leading spaces dropped, then one put back
+        [904, 709],
+        [677, 709],  # two tokens, the first differs after a space
+        [4410],  # " foo" is [756, 81]: longer, so left out
+        [56, 272, 7580],  # " Verona" is [7523, 7580]: shorter, left out
+    ]
+    assert [encode(w) for w in ("the", " the", "foo", " foo", " Verona")] == [[1007], [281], [4410], [756, 81],
+                                                                              [7523, 7580]]  # fmt: skip

@@ -134,7 +134,6 @@ def test_include_stop_str_in_output_keeps_the_stop_string(stack: Stack, path: st
         for path in ("/chat/completions", "/completions")
         for field, neutral, value in [
             ("skip_special_tokens", True, False),
-            ("bad_words", [], ["to"]),
             ("prompt_logprobs", None, 0),
         ]
     ]

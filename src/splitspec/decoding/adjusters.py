@@ -10,7 +10,8 @@ in this request (not the prompt), as OpenAI defines them, except ``repetition_pe
 * penalties: ``logit[j] -= c[j] * frequency_penalty + (c[j] > 0) * presence_penalty``, ``c[j]``
   the count of token j generated so far;
 * ``repetition_penalty`` (transformers' and vLLM's, Keskar et al. 2019): the logit of every token in the prompt or
-  generated so far is divided by the penalty where positive and multiplied by it otherwise.
+  generated so far is divided by the penalty where positive and multiplied by it otherwise;
+* ``bad_words`` (vLLM's): a word's last token is banned where the tokens generated end with the rest of it.
 
 Row i of a ``(q, V)`` block follows ``draft[:i]``, so these see the draft's tokens as generated.
 """
@@ -201,3 +202,57 @@ class RepetitionPenalty(_Stateless):
 
     def validate_draft(self, draft: Sequence[int]) -> int:
         return len(draft)
+
+
+class BadWords:
+    """vLLM's ``bad_words``, as token sequences: a sequence's last token is banned wherever the tokens generated so
+    far (the prompt's are not looked at, as in vLLM) end with the rest of it; a one-token sequence always."""
+
+    def __init__(self, words: Collection[Sequence[int]]) -> None:
+        self._always = torch.tensor(sorted({w[0] for w in words if len(w) == 1}), dtype=torch.long)  # (s,)
+        self._after = sorted({(tuple(w[:-1]), w[-1]) for w in words if len(w) > 1})  # (the tokens before, the last)
+        self._reach = max((len(before) for before, _ in self._after), default=0)  # tokens looked back at most
+        self._generated: list[int] = []
+
+    def _recent(self) -> list[int]:
+        """The generated tokens a sequence can reach back to."""
+        return self._generated[max(0, len(self._generated) - self._reach) :]
+
+    def _banned_after(self, history: Sequence[int]) -> list[int]:
+        """The last tokens of the sequences whose other tokens end ``history``."""
+        n = len(history)
+        return [
+            last for before, last in self._after if n >= len(before) and tuple(history[n - len(before) :]) == before
+        ]
+
+    def process(self, logits: torch.Tensor, tokens: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+        if len(self._always):
+            logits[:, self._always.to(logits.device)] = -float("inf")  # (q, s)
+        if self._after:
+            history = [*self._recent(), *draft]
+            start = len(history) - len(draft)  # row i follows history[: start + i]
+            for i in range(logits.shape[0]):
+                banned = self._banned_after(history[: start + i])
+                if banned:
+                    logits[i, torch.tensor(banned, dtype=torch.long, device=logits.device)] = -float("inf")
+        return logits
+
+    def validate_draft(self, draft: Sequence[int]) -> int:
+        always = set(self._always.tolist())
+        history = self._recent()
+        for i, token in enumerate(draft):
+            if token in always or token in self._banned_after(history):
+                return i
+            history.append(token)
+        return len(draft)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self._generated.extend(tokens)
+
+    def rollback(self, n: int) -> None:
+        if n:
+            del self._generated[-n:]
+
+    @property
+    def finished(self) -> bool:
+        return False

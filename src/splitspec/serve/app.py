@@ -25,10 +25,11 @@ from starlette.exceptions import HTTPException
 
 from splitspec import __version__
 from splitspec.decoding.grammar import GrammarCompiler
+from splitspec.decoding.processors import LogitsProcessor
 from splitspec.exceptions import ConfigError
 from splitspec.serve import schemas
 from splitspec.serve.chat_request import plan_chat, template_kwargs, template_messages
-from splitspec.serve.choices import Item, Job, Runner, processors, sampling, stop_ids
+from splitspec.serve.choices import Item, Job, Runner, bad_word_ids, processors, sampling, stop_ids
 from splitspec.serve.disconnect import DisconnectPoll
 from splitspec.serve.errors import CONTEXT_EXCEEDED, ApiError, internal_error, invalid, unsupported
 from splitspec.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs, triples
@@ -128,6 +129,14 @@ def create_app(state: ServeState) -> FastAPI:
         if model is not None and model != name:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{name}'.",
                            param="model", code="model_not_found")  # fmt: skip
+
+    def logits_processors(
+        body: ChatCompletionRequest | CompletionRequest, grammar: str | None, stops: frozenset[int]
+    ) -> Callable[[], LogitsProcessor | None]:
+        words = bad_word_ids(
+            lambda text: list(state.tokenizer.encode(text, add_special_tokens=False)), body.bad_words or ()
+        )
+        return processors(body, grammar, stops, state.vocab_size, compiler, state.sampling_defaults, words)
 
     def check_common(body: ChatCompletionRequest | CompletionRequest) -> None:
         check_model(body.model)
@@ -240,7 +249,7 @@ def create_app(state: ServeState) -> FastAPI:
             params=sampling(body, state.sampling_defaults),
             stops=body.stop_strings(),
             stop_ids=stops,
-            make_processor=processors(body, plan.grammar, stops, state.vocab_size, compiler, state.sampling_defaults),
+            make_processor=logits_processors(body, plan.grammar, stops),
             tool_format=plan.tool_format,
             tools=plan.tools,
             parallel=plan.parallel,
@@ -257,7 +266,7 @@ def create_app(state: ServeState) -> FastAPI:
         grammar = output_grammar(body, compiler)
         if grammar is not None:
             await prepare_grammar(stops)
-        make = processors(body, grammar, stops, state.vocab_size, compiler, state.sampling_defaults)
+        make = logits_processors(body, grammar, stops)
         params = sampling(body, state.sampling_defaults)  # frozen: every prompt's choices share it
         jobs = []
         for prompt in body.prompts():

@@ -14,12 +14,12 @@ by the tool-call parser, a stop token) go with the next item, at the latest the 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitspec.decoding.adjusters import AllowedTokens, LogitBias, MinTokens, Penalties, RepetitionPenalty
+from splitspec.decoding.adjusters import AllowedTokens, BadWords, LogitBias, MinTokens, Penalties, RepetitionPenalty
 from splitspec.decoding.grammar import GrammarCompiler
 from splitspec.decoding.loop import Emitted
 from splitspec.decoding.processors import LogitsProcessor, ProcessorChain
@@ -98,9 +98,11 @@ def processors(
     vocab_size: int,
     compiler: Callable[[], GrammarCompiler],
     defaults: SamplingDefaults,
+    bad_words: Sequence[Sequence[int]] = (),
 ) -> Callable[[], LogitsProcessor | None]:
     """A factory of the request's logits processors (one set per choice), in vLLM's order (the allowed tokens, the
-    bias, the repetition penalty, OpenAI's penalties); 400 for bad values."""
+    bad words, the bias, the repetition penalty, OpenAI's penalties); 400 for bad values. ``bad_words``: the token
+    sequences of :func:`bad_word_ids`."""
     bias = {int(k): v for k, v in (body.logit_bias or {}).items()}
     if any(t >= vocab_size for t in bias):
         raise invalid(f"logit_bias keys must be token ids in 0..{vocab_size - 1}", "logit_bias")
@@ -114,6 +116,8 @@ def processors(
         chain: list[LogitsProcessor] = []
         if allowed is not None:
             chain.append(AllowedTokens(allowed, vocab_size))
+        if bad_words:
+            chain.append(BadWords(bad_words))
         if bias:
             chain.append(LogitBias(bias, vocab_size))
         if repetition != 1.0:
@@ -127,6 +131,18 @@ def processors(
         return None if not chain else chain[0] if len(chain) == 1 else ProcessorChain(chain)
 
     return make
+
+
+def bad_word_ids(encode: Callable[[str], list[int]], words: Sequence[str]) -> list[list[int]]:
+    """vLLM's token sequences for ``bad_words``: each word as it is (leading spaces dropped), and again after a space
+    where that starts with another token and is as long (a word inside a sentence rather than at its start)."""
+    out: list[list[int]] = []
+    for word in words:
+        alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
+        out.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return out
 
 
 @dataclass

@@ -20,6 +20,7 @@ MAX_STOP_STRINGS = 64  # OpenAI allows 4, vLLM any number; lm-eval sends a task'
 MAX_TOKEN_ID_DIGITS = 10  # a logit_bias key: no vocabulary has 10^10 tokens
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (chat top_logprobs, completions logprobs)
 MAX_CHOICES = 128  # OpenAI's limit on n
+MAX_BAD_WORDS = 128  # vLLM's limit on bad_words (MAX_NUM_BAD_WORDS)
 
 # vLLM's older names for the constraints of structured_outputs (before 0.10.2), read as that
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
@@ -35,7 +36,6 @@ REFUSED: dict[str, object] = {
     "length_penalty": 1.0,
     "use_beam_search": False,
     "skip_special_tokens": True,  # vLLM's extensions
-    "bad_words": [],
     "prompt_logprobs": None,
     "echo": False,  # chat: vLLM prepends the last message's content
 }
@@ -200,6 +200,7 @@ class GenerationRequest(BaseModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's extension: response_format's kin
     allowed_token_ids: list[int] | None = None  # vLLM's extension: every other token is banned
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)  # vLLM's: words never generated
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ends the text stays in it
     # vLLM's extension: keep the prompt's last k tokens (-1: as many as the model's positions)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
@@ -245,6 +246,13 @@ class GenerationRequest(BaseModel):
     def _truncation(cls, value: int | None) -> int | None:
         if value == 0:
             raise ValueError("truncate_prompt_tokens must be -1 (the model's positions) or a number of tokens")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if any(not word.strip() for word in value or ()):
+            raise ValueError("bad words must not be empty or only spaces")
         return value
 
     @field_validator("allowed_token_ids")
