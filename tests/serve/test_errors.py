@@ -94,7 +94,7 @@ def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: 
     [
         ("/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
         ("/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-        ("/chat/completions", {"skip_special_tokens": False}, "skip_special_tokens"),
+        ("/chat/completions", {"prediction": {"type": "content", "content": "to be"}}, "prediction"),
         ("/completions", {"best_of": 3}, "best_of"),
         ("/completions", {"suffix": "x"}, "suffix"),
     ],

@@ -133,7 +133,6 @@ def test_include_stop_str_in_output_keeps_the_stop_string(stack: Stack, path: st
         (path, field, neutral, value)
         for path in ("/chat/completions", "/completions")
         for field, neutral, value in [
-            ("skip_special_tokens", True, False),
             ("prompt_logprobs", None, 0),
         ]
     ]
@@ -187,6 +186,41 @@ def test_unhonoured_structured_outputs_options_are_refused(tool_stack: Stack, sp
 def test_bad_values_are_named(tool_stack: Stack, path: str, change: dict[str, Any], param: str) -> None:
     base = CHAT if path == "/chat/completions" else COMPLETION
     assert error(tool_stack, path, {**base, **change})["param"] == param
+
+
+# -- skip_special_tokens ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_skip_special_tokens_false_shows_special_tokens(stack: Stack, path: str) -> None:
+    """A reply made of special and plain tokens (allowed_token_ids) shows every token's text with
+    skip_special_tokens false and leaves the special ones out by default; the completions' text offsets count
+    them too. The stop token's text is never shown (as vLLM)."""
+    tokenizer = stack.state.tokenizer
+    special = [t for t in tokenizer.all_special_ids if t not in stack.state.chat_stop_ids][:2]
+    plain = tokenizer.encode("whether tis nobler", add_special_tokens=False)
+    base = CHAT if path == "/chat/completions" else COMPLETION
+    body = {**base, "max_tokens": 12, "temperature": 1.0, "seed": 3, "allowed_token_ids": special + plain,
+            "logprobs": True if path == "/chat/completions" else 0}  # fmt: skip
+
+    def tokens_and_text(reply: dict[str, Any]) -> tuple[list[str], str]:
+        choice = reply["choices"][0]
+        if path == "/chat/completions":
+            return [e["token"] for e in choice["logprobs"]["content"]], str(choice["message"]["content"])
+        return list(choice["logprobs"]["tokens"]), str(choice["text"])
+
+    tokens, hidden = tokens_and_text(ok(stack, path, body))
+    shown_tokens, shown = tokens_and_text(ok(stack, path, {**body, "skip_special_tokens": False}))
+    assert shown_tokens == tokens  # the same reply, shown differently
+    names = set(tokenizer.convert_ids_to_tokens(special))
+    assert names & set(tokens)  # the reply holds special tokens
+    assert shown.split() == tokens  # this tokenizer decodes tokens apart, spaced
+    assert hidden.split() == [t for t in tokens if t not in names]
+    if path == "/completions":  # each token moves the offset by its text's length, special ones only when shown
+        for skip in (True, False):
+            reply = ok(stack, path, {**body, "skip_special_tokens": skip})["choices"][0]["logprobs"]
+            steps = [b - a for a, b in zip(reply["text_offset"], reply["text_offset"][1:], strict=False)]
+            assert steps == [0 if skip and t in names else len(t) for t in tokens[:-1]], skip
 
 
 # -- allowed_token_ids ---------------------------------------------------------------------------

@@ -257,6 +257,7 @@ def create_app(state: ServeState) -> FastAPI:
             logprobs=body.logprob_alternatives(),
             min_tokens=body.min_tokens,
             include_stop=body.include_stop_str_in_output,
+            skip_special=body.skip_special_tokens,
         )
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -280,7 +281,8 @@ def create_app(state: ServeState) -> FastAPI:
                     raise invalid(f"token ids {bad[:5]} are outside the vocabulary (0..{last})", "prompt")
             kept = kept_prompt(prompt_ids, body.truncate_prompt_tokens, state.max_positions)
             whole = len(kept) == len(prompt_ids)  # a text prompt kept whole is echoed as it was sent
-            echo = "" if not body.echo else prompt if isinstance(prompt, str) and whole else state.decode(kept)
+            decode = state.decode if body.skip_special_tokens else state.decode_all
+            echo = "" if not body.echo else prompt if isinstance(prompt, str) and whole else decode(kept)
             prompt_ids = kept
             budget = token_budget(
                 len(prompt_ids), body.token_limit(), state.sampling_defaults.max_tokens, state.max_positions, "prompt"
@@ -288,7 +290,8 @@ def create_app(state: ServeState) -> FastAPI:
             jobs.append(Job(prompt_ids, budget, params, body.stop_strings(), stops, make, echo=echo,
                             logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
                             min_tokens=body.min_tokens, continues_prompt=True,
-                            include_stop=body.include_stop_str_in_output))  # fmt: skip
+                            include_stop=body.include_stop_str_in_output,
+                            skip_special=body.skip_special_tokens))  # fmt: skip
         return await respond(request, body, jobs, chat=False)
 
     async def respond(
@@ -300,6 +303,8 @@ def create_app(state: ServeState) -> FastAPI:
         now = schemas.now()
         wants = body.logprob_alternatives() if isinstance(body, ChatCompletionRequest) else body.logprobs
         token_bytes = None if wants is None else state.token_bytes
+        if token_bytes is not None and not body.skip_special_tokens:  # text_offset counts special tokens' text
+            token_bytes = token_bytes.showing_special()
         if body.stream:
             count(request, 200)
             events = sse_events(runner, rid, now, name, body.include_usage, body.continuous_usage, chat, token_bytes)

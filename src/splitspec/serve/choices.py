@@ -53,6 +53,7 @@ class Job:
     min_tokens: int = 0  # vLLM's: no stop token, and no stop string ending, in the first this many
     continues_prompt: bool = False  # a completion: its text is decoded after the prompt's (a chat reply: alone)
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string that ends the text stays in it
+    skip_special: bool = True  # vLLM's skip_special_tokens: special tokens' text left out
 
 
 @dataclass
@@ -170,7 +171,8 @@ class Runner:
         speculate = "off" if seeded and not params.greedy else None
         return Generation(self.state, job.prompt_ids, job.max_tokens, params, job.stops, job.stop_ids,
                           self.disconnected, job.make_processor(), speculate, job.logprobs,
-                          job.prompt_logprobs, job.min_tokens, job.continues_prompt, job.include_stop)  # fmt: skip
+                          job.prompt_logprobs, job.min_tokens, job.continues_prompt, job.include_stop,
+                          job.skip_special)  # fmt: skip
 
     @staticmethod
     def runs(job: Job) -> bool:

@@ -71,6 +71,7 @@ class Generation:
         min_tokens: int = 0,
         continues_prompt: bool = False,
         include_stop: bool = False,
+        skip_special: bool = True,
     ) -> None:
         """``processor``: a grammar, logit_bias, penalties (drafts are cut where it forbids a token);
         ``speculate``: overrides the server's mode for this request (``off`` for a seeded sample);
@@ -79,13 +80,15 @@ class Generation:
         ``min_tokens``: a stop string ending in the first this many tokens does not stop the reply;
         ``continues_prompt``: the text is decoded after the prompt's last ids (a completion, whose text continues
         the prompt's: a SentencePiece word keeps its space), not alone (a chat reply, a message of its own);
-        ``include_stop``: the stop string that ends the reply stays in its text (vLLM's include_stop_str_in_output)."""
+        ``include_stop``: the stop string that ends the reply stays in its text (vLLM's include_stop_str_in_output);
+        ``skip_special``: special tokens' text is left out (vLLM's skip_special_tokens; a stop token's always is)."""
         self.state = state
         self.prompt_ids = list(prompt_ids)
         self.max_tokens = max_tokens
         self.params = params
         context = self.prompt_ids[-CONTEXT_TOKENS:] if continues_prompt else []
-        self.text = StopTextStream(state.decode, stops, min_tokens, context, include_stop)
+        decode = state.decode if skip_special else state.decode_all
+        self.text = StopTextStream(decode, stops, min_tokens, context, include_stop)
         self.stop_token_ids = stop_token_ids  # end the reply (finish_reason "stop"), not shown
         self.disconnected = disconnected  # polled between tokens: the HTTP client went away
         self.processor = processor

@@ -14,6 +14,7 @@ part of a UTF-8 character keeps its bytes (its text is then ``bytes:\\xNN...``, 
 from __future__ import annotations
 
 import codecs
+import copy
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -53,6 +54,12 @@ class TokenBytes:
             self._ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=max(vocab_size, len(tokenizer)))
         except ValueError as exc:  # llguidance names a decoder it cannot read
             log.info("logprob token bytes: each token decoded alone (llguidance cannot read the tokenizer: %s)", exc)
+
+    def showing_special(self) -> TokenBytes:
+        """The same bytes, for a text that shows special tokens (no token is left out of its offsets)."""
+        shown = copy.copy(self)
+        shown.special_ids = frozenset()
+        return shown
 
     def __call__(self, token_id: int) -> bytes:
         data = self._known.get(token_id)

@@ -35,7 +35,6 @@ REFUSED: dict[str, object] = {
     "audio": None,
     "length_penalty": 1.0,
     "use_beam_search": False,
-    "skip_special_tokens": True,  # vLLM's extensions
     "prompt_logprobs": None,
     "echo": False,  # chat: vLLM prepends the last message's content
 }
@@ -202,6 +201,7 @@ class GenerationRequest(BaseModel):
     allowed_token_ids: list[int] | None = None  # vLLM's extension: every other token is banned
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)  # vLLM's: words never generated
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ends the text stays in it
+    skip_special_tokens: bool = True  # vLLM's extension: false shows special tokens' text (the stop token's never)
     # vLLM's extension: keep the prompt's last k tokens (-1: as many as the model's positions)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 

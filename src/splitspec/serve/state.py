@@ -85,3 +85,7 @@ class ServeState:
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def decode_all(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` with special tokens' text in it (vLLM's ``skip_special_tokens: false``)."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
