@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, RepetitionPenaltyLogitsProcessor
 
 from splitspec.chat import ChatConfig, chat
 from splitspec.chat_template import end_of_turn_ids, plan_turn, render
@@ -25,7 +25,7 @@ from splitspec.decoding.sampling import SamplingParams
 from splitspec.edge import EdgeConfig, SplitClient
 from splitspec.edge.runtime import EdgeRuntime
 from splitspec.exceptions import ConfigError
-from tests.conftest import local_greedy
+from tests.conftest import local_greedy, local_model
 
 # ChatML-like, with a BOS at the start (as Llama 3's template has) and </s> closing every turn
 TEMPLATE = (
@@ -44,7 +44,9 @@ def instruct_model(make_checkpoint: Callable[..., Path], tmp_path_factory: pytes
     return directory
 
 
-async def run_chat(model: Path, lines: list[str], system_prompt: str | None = None) -> list[dict[str, Any]]:
+async def run_chat(
+    model: Path, lines: list[str], system_prompt: str | None = None, repetition_penalty: float = 1.0
+) -> list[dict[str, Any]]:
     out = io.StringIO()
     async with TrunkServer(CloudConfig(model_dir=model, port=0)) as server:
         edge = EdgeConfig(model_dir=model, cloud_url=server.url, allow_stock_edge_weights=True)
@@ -55,6 +57,7 @@ async def run_chat(model: Path, lines: list[str], system_prompt: str | None = No
             speculate="off",
             json_lines=True,
             system_prompt=system_prompt,
+            repetition_penalty=repetition_penalty,
         )
         await chat(config, lines, out)
     return [json.loads(line) for line in out.getvalue().splitlines()]
@@ -83,6 +86,22 @@ async def test_chat_sends_the_chat_template_turn_after_turn(instruct_model: Path
         if len(messages) > 1 + (system is not None):  # later turns send only what the caches lack
             assert len(sent) < len(expected) // 2
         messages.append({"role": "assistant", "content": str(turn["text"])})
+
+
+async def test_the_repetition_penalty_reads_the_whole_conversation(instruct_model: Path) -> None:
+    """Every turn's reply is the whole model's greedy one under transformers' processor over the whole conversation
+    (the caches keep earlier turns; the penalty still sees their tokens)."""
+    turns = await run_chat(instruct_model, ["to be or not\n", "to be or not to be\n"], repetition_penalty=3.0)
+    plain = await run_chat(instruct_model, ["to be or not\n", "to be or not to be\n"])
+    model = local_model(instruct_model)
+    for turn in turns:
+        context, out = list(turn["input_ids"]), list[int]()
+        with torch.no_grad():
+            for _ in range(len(turn["token_ids"])):
+                ids = torch.tensor([context + out])  # (1, n)
+                out.append(int(RepetitionPenaltyLogitsProcessor(3.0)(ids, model(ids).logits[:, -1].float()).argmax()))
+        assert turn["token_ids"] == out
+    assert [t["token_ids"] for t in turns] != [t["token_ids"] for t in plain]
 
 
 def test_end_of_turn_and_turn_plan(instruct_model: Path) -> None:

@@ -337,6 +337,12 @@ def add_edge_args(p: argparse.ArgumentParser, tokens_help: str) -> None:
         "generation_config.json's, else 0)",
     )
     p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="divide the logits of the tokens seen so far (prompt and output) by this where positive, multiply "
+        "where negative; 1 = off (default: generation_config.json's, else 1)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         help="sampling seed: the same tokens again with --speculate off; under speculation the same distribution "

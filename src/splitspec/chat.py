@@ -26,6 +26,7 @@ from typing import TextIO
 from transformers import PreTrainedTokenizerBase
 
 from splitspec.chat_template import Message, end_of_turn_ids, has_chat_template, plan_turn, render
+from splitspec.decoding.adjusters import RepetitionPenalty
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.detokenize import IncrementalText
 from splitspec.edge import EdgeConfig, SplitClient
@@ -48,6 +49,7 @@ class ChatConfig:
     json_lines: bool = False  # print one JSON object per turn instead of streaming text
     system_prompt: str | None = None  # a system message opening the conversation (chat template only)
     plain: bool = False  # ignore the chat template: plain text turns (base models)
+    repetition_penalty: float = 1.0  # over the whole conversation so far (transformers' rule); 1: off
 
 
 class Conversation:
@@ -188,6 +190,7 @@ async def chat(config: ChatConfig, lines: Iterable[str], out: TextIO = sys.stdou
                 generator=generator,
                 speculate=config.speculate,
                 fresh=plan.keep == 0,
+                processor=None if config.repetition_penalty == 1.0 else RepetitionPenalty(config.repetition_penalty),
             ):
                 generated.append(token)
                 if not config.json_lines and token not in stops:

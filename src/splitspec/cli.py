@@ -32,10 +32,11 @@ from splitspec.arguments import (
 )
 from splitspec.detokenize import CONTEXT_TOKENS, IncrementalText, text_after
 from splitspec.device_choices import DEVICE_HELP
-from splitspec.edge_cli import edge_config, sampling_params
+from splitspec.edge_cli import edge_config, repetition_penalty, sampling_params
 from splitspec.exceptions import ConfigError, SplitspecError
 
 if TYPE_CHECKING:
+    from splitspec.decoding.processors import LogitsProcessor
     from splitspec.decoding.sampling import SamplingParams
     from splitspec.edge import SplitClient
 
@@ -54,12 +55,14 @@ def _register_cloud(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from splitspec.decoding.adjusters import RepetitionPenalty
     from splitspec.edge import SplitClient
     from splitspec.models.checkpoint import load_tokenizer
 
     config = edge_config(args)
     tokenizer = load_tokenizer(args.model)  # the checkpoint checked before its generation_config is read (and logged)
     params = sampling_params(args)
+    penalty = repetition_penalty(args)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise ConfigError("the prompt encodes to no tokens")
@@ -69,11 +72,14 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         async with client:
+            processor = None if penalty == 1.0 else RepetitionPenalty(penalty)
             if args.json:
-                return await _generate_json(client, tokenizer, prompt_ids, args, params)
+                return await _generate_json(client, tokenizer, prompt_ids, args, params, processor)
             text = IncrementalText(lambda ids: str(tokenizer.decode(ids)), prompt_ids[-CONTEXT_TOKENS:])
             try:
-                async for token in client.stream(prompt_ids, args.max_new_tokens, params, speculate=args.speculate):
+                async for token in client.stream(
+                    prompt_ids, args.max_new_tokens, params, speculate=args.speculate, processor=processor
+                ):
                     sys.stdout.write(text.push(token))
                     sys.stdout.flush()
             finally:  # what was produced stays on screen, even when the link fails midway
@@ -84,13 +90,18 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 async def _generate_json(
-    client: SplitClient, tokenizer: Any, prompt_ids: list[int], args: argparse.Namespace, params: SamplingParams
+    client: SplitClient,
+    tokenizer: Any,
+    prompt_ids: list[int],
+    args: argparse.Namespace,
+    params: SamplingParams,
+    processor: LogitsProcessor | None,
 ) -> int:
     """--json: the result, or on a failure midway every token produced so far with an ``error`` field."""
     produced: list[int] = []
     try:
         result = await client.generate(
-            prompt_ids, args.max_new_tokens, params, speculate=args.speculate, produced=produced
+            prompt_ids, args.max_new_tokens, params, speculate=args.speculate, produced=produced, processor=processor
         )
     except SplitspecError as exc:
         out: dict[str, Any] = {"prompt_ids": prompt_ids, "token_ids": produced}
@@ -122,6 +133,7 @@ def _run_chat(args: argparse.Namespace) -> int:
         edge=edge_config(args),
         max_new_tokens=args.max_new_tokens,
         params=sampling_params(args),
+        repetition_penalty=repetition_penalty(args),
         speculate=args.speculate,
         json_lines=args.json,
         system_prompt=args.system,

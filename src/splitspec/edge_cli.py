@@ -52,6 +52,20 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """The flags given, else the checkpoint's generation_config.json: the same rule as SplitClient.sampling."""
     from splitspec.decoding.published import published_sampling, sampling_settings
 
+    published = published_sampling(args.model)
     return sampling_settings(
-        published_sampling(args.model), args.temperature, args.top_p, args.top_k, args.seed, args.min_p
+        published, args.temperature, args.top_p, args.top_k, args.seed, args.min_p, repetition_applied=True
     )
+
+
+def repetition_penalty(args: argparse.Namespace) -> float:
+    """``--repetition-penalty``, else the checkpoint's generation_config.json's (as transformers' generate), else 1
+    (off)."""
+    from splitspec.decoding.published import published_sampling
+
+    value = args.repetition_penalty
+    if value is None:
+        value = published_sampling(args.model).repetition_penalty
+    elif not value > 0:
+        raise ConfigError(f"--repetition-penalty must be above 0, got {value:g}")
+    return 1.0 if value is None else value

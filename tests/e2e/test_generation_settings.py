@@ -52,7 +52,8 @@ async def test_a_failed_generation_reports_every_token_it_produced(
         edge = EdgeConfig(model_dir=model, cloud_url=server.url, allow_stock_edge_weights=True, max_recoveries=0)
         args = argparse.Namespace(max_new_tokens=10, speculate="off")
         async with SplitClient(edge) as client:
-            status = await _generate_json(client, AutoTokenizer.from_pretrained(model), PROMPT, args, SamplingParams())
+            tokenizer = AutoTokenizer.from_pretrained(model)
+            status = await _generate_json(client, tokenizer, PROMPT, args, SamplingParams(), None)
     out = json.loads(capsys.readouterr().out)
     assert status == 2
     assert "ServerError" in out["error"]

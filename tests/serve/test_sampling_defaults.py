@@ -106,9 +106,9 @@ def test_the_files_min_p_and_repetition_penalty_are_defaults_and_unapplied_setti
         assert sampling_defaults(published_with(tmp_path, repetition_penalty=1.2), "vllm") == SamplingDefaults()
         sampling_defaults(published_with(tmp_path, no_repeat_ngram_size=3), "auto")
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
-        f"{tmp_path / 'generation_config.json'} sets no_repeat_ngram_size=3, which splitspec does not apply here (it "
-        "takes temperature, top_p, top_k and min_p from it, and `splitspec serve` its repetition_penalty): output "
-        "differs from the publisher's own generate call"
+        f"{tmp_path / 'generation_config.json'} sets no_repeat_ngram_size=3, which splitspec does not apply here: "
+        "output differs from the publisher's own generate call (splitspec takes temperature, top_p, top_k, min_p and, "
+        "in its commands, repetition_penalty from the file)"
     ]
 
 

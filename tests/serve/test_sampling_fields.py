@@ -4,7 +4,10 @@ the reply as transformers' processors, or the rule written out here, change its 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -13,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from transformers import RepetitionPenaltyLogitsProcessor
+from transformers import AutoTokenizer, RepetitionPenaltyLogitsProcessor
 
+from splitspec.cli import main
 from tests.conftest import local_model
 from tests.serve.conftest import MODEL_NAME, Stack
 
@@ -148,3 +152,35 @@ def test_bad_words_are_never_generated(make_stack: Callable[..., Stack], chat_mo
     assert without_single[0] != plain[0]
     assert both[0] == without_single[0]
     assert both[1] != without_single[1]
+
+
+def generate_ids(model: Path, port: int, prompt: str, *flags: str) -> list[int]:
+    """``splitspec generate --json`` (greedy, n-gram drafting) against the trunk on ``port``: its token ids."""
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["generate", "--model", str(model), "--cloud", f"ws://127.0.0.1:{port}", "--prompt", prompt,
+                     "--allow-stock-edge-weights", "--max-new-tokens", "24", "--speculate", "ngram", "--json",
+                     "--temperature", "0", *flags])  # fmt: skip
+    assert code == 0
+    return list(json.loads(stdout.getvalue())["token_ids"])
+
+
+def test_generate_applies_the_repetition_penalty_given_or_published(
+    stack: Stack, chat_model: Path, penalty_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``generate --repetition-penalty`` equals the whole model under transformers' processor (up to an end of
+    sequence); without the flag, a checkpoint publishing 1.8 gets the same (as transformers' generate), and
+    ``--repetition-penalty 1`` turns it off."""
+    ids = generate_ids(chat_model, stack.trunk_port, PROMPT, "--repetition-penalty", "1.8")
+    prompt = AutoTokenizer.from_pretrained(chat_model).encode(PROMPT)
+    assert ids == penalised_greedy(chat_model, prompt, 1.8, 24)[: len(ids)]
+    assert len(ids) == 24 or ids[-1] in stack.state.eos_token_ids
+    assert generate_ids(penalty_model, stack.trunk_port, PROMPT) == ids
+    plain = generate_ids(chat_model, stack.trunk_port, PROMPT)
+    assert plain != ids
+    assert generate_ids(penalty_model, stack.trunk_port, PROMPT, "--repetition-penalty", "1") == plain
+    with caplog.at_level(logging.ERROR, logger="splitspec"):
+        code = main(["generate", "--model", str(chat_model), "--cloud", f"ws://127.0.0.1:{stack.trunk_port}",
+                     "--prompt", PROMPT, "--repetition-penalty", "0"])  # fmt: skip
+    assert code != 0
+    assert "--repetition-penalty must be above 0, got 0" in caplog.text

@@ -6,7 +6,8 @@ the file leaves unset. :func:`sampling_settings` does the same for those, and it
 checkpoint that publishes ``do_sample: false`` is decoded greedily *and says so* (with how to
 sample instead), never silently. Any value the user gives wins; ``temperature=0`` is greedy.
 The file's ``repetition_penalty`` (Qwen2.5-Instruct sets 1.05) is read too (:class:`PublishedSampling`):
-``splitspec serve`` applies it as vLLM does.
+the ``generate``, ``chat`` and ``serve`` commands apply it, as transformers' generate and vLLM do (a logits processor,
+:class:`~splitspec.decoding.adjusters.RepetitionPenalty`); the Python API's default sampling does not, and says so.
 
 Other settings that change the publisher's own ``generate`` output (``no_repeat_ngram_size``,
 ``typical_p``, ...: :data:`UNAPPLIED`, :data:`UNAPPLIED_WHEN_SAMPLING`) are not applied:
@@ -137,8 +138,8 @@ def warn_unapplied(published: PublishedSampling, sampling: bool, repetition: boo
         return
     _warned.update((published.source, key) for key in new)
     log.warning(
-        "%s sets %s, which splitspec does not apply here (it takes temperature, top_p, top_k and min_p from it, and "
-        "`splitspec serve` its repetition_penalty): output differs from the publisher's own generate call",
+        "%s sets %s, which splitspec does not apply here: output differs from the publisher's own generate call "
+        "(splitspec takes temperature, top_p, top_k, min_p and, in its commands, repetition_penalty from the file)",
         published.source,
         ", ".join(f"{key}={value!r:.40}" for key, value in new.items()),
     )
@@ -151,9 +152,10 @@ def sampling_settings(
     top_k: int | None = None,
     seed: int | None = None,
     min_p: float | None = None,
+    repetition_applied: bool = False,
 ) -> SamplingParams:
     """The sampling to run: each value the user gives, else the published one, else transformers' default (min_p:
-    off)."""
+    off). ``repetition_applied``: the caller applies the file's repetition_penalty (not named as unapplied)."""
     if temperature is None:
         if published.do_sample:
             temperature = published.temperature if published.temperature is not None else HF_DEFAULT_TEMPERATURE
@@ -176,7 +178,7 @@ def sampling_settings(
         seed=seed,
         min_p=min_p if min_p is not None else published.min_p or 0.0,
     )
-    warn_unapplied(published, sampling=not params.greedy)
+    warn_unapplied(published, sampling=not params.greedy, repetition=repetition_applied)
     if params.greedy:
         if top_p is not None or top_k is not None or min_p is not None:
             log.warning("--top-p/--top-k/--min-p have no effect when decoding greedily: pass --temperature above 0")

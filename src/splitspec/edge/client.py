@@ -387,8 +387,9 @@ class SplitClient:
         stop_token_ids: Collection[int] | None = None,
         speculate: str = "auto",
         produced: list[int] | None = None,
+        processor: LogitsProcessor | None = None,
     ) -> GenerationResult:
-        """Generate and return the tokens with per-step figures.
+        """Generate and return the tokens with per-step figures (``processor``: as :meth:`stream`'s).
 
         ``params`` None: :attr:`default_sampling` (the checkpoint's published settings). Each new
         token is also appended to ``produced`` when given, so a caller still has every token
@@ -400,7 +401,9 @@ class SplitClient:
         trace: list[SpecStep] = []
         t0 = time.perf_counter()
         tokens = produced if produced is not None else []
-        async for token in self.stream(prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace):
+        async for token in self.stream(
+            prompt_ids, max_new_tokens, params, stop_token_ids, generator, speculate, trace, processor=processor
+        ):
             tokens.append(token)
         return GenerationResult(
             prompt_ids=list(prompt_ids),
