@@ -92,7 +92,7 @@ def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: 
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/chat/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/chat/completions", {"echo": True}, "echo"),
         ("/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/chat/completions", {"prediction": {"type": "content", "content": "to be"}}, "prediction"),
         ("/completions", {"best_of": 3}, "best_of"),

@@ -130,13 +130,10 @@ def test_include_stop_str_in_output_keeps_the_stop_string(stack: Stack, path: st
 @pytest.mark.parametrize(
     ("path", "field", "neutral", "value"),
     [
-        (path, field, neutral, value)
-        for path in ("/chat/completions", "/completions")
-        for field, neutral, value in [
-            ("prompt_logprobs", None, 0),
-        ]
-    ]
-    + [("/chat/completions", "echo", False, True)],
+        ("/chat/completions", "echo", False, True),
+        ("/chat/completions", "use_beam_search", False, True),
+        ("/completions", "length_penalty", 1.0, 0.5),
+    ],
 )
 def test_unhonoured_fields_are_refused_unless_neutral(
     stack: Stack, path: str, field: str, neutral: object, value: object

@@ -118,13 +118,14 @@ class Emitted:
     logprob: float | None = None  # log-softmax of the model's raw logits at this position; None unless asked
     top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there and their logprobs, best first
     more: bool = False  # another token of the same step follows at once (a consumer may send them together)
+    rank: int | None = None  # 1 + how many tokens were likelier there (a prompt token's; None unless asked)
 
 
 @dataclass
 class PromptLogprobs:
     """Asks :func:`decode` for the prompt's logprobs; it fills ``entries`` after the prefill.
 
-    ``entries[i]`` is prompt token i + 1 with its logprob under the prefill's row i and ``top``
+    ``entries[i]`` is prompt token i + 1 with its logprob under the prefill's row i, its rank there and ``top``
     alternatives (nothing predicts the first prompt token, so it has no entry).
     """
 
@@ -139,7 +140,7 @@ def prompt_token_logprobs(
     out: list[Emitted] = []
     for start in range(0, len(prompt_ids) - 1, rows_per_chunk):
         stop = min(start + rows_per_chunk, len(prompt_ids) - 1)
-        out += token_logprobs(logits[start:stop], prompt_ids[start + 1 : stop + 1], top)  # (chunk, V) at a time
+        out += token_logprobs(logits[start:stop], prompt_ids[start + 1 : stop + 1], top, ranks=True)  # (chunk, V)
     return out
 
 
@@ -207,16 +208,21 @@ def _before_completion(tokens: Sequence[int], processors: Sequence[LogitsProcess
     return len(tokens)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[Emitted]:
-    """logits (n, V), row i scoring ``tokens[i]`` -> each token with its logprob and ``top`` alternatives."""
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int, ranks: bool = False) -> list[Emitted]:
+    """logits (n, V), row i scoring ``tokens[i]`` -> each token with its logprob, ``top`` alternatives and, with
+    ``ranks``, its rank in its row (vLLM's: 1 + the tokens strictly likelier)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
-    chosen = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])[:, 0].tolist()
+    chosen_t = logprobs.gather(1, torch.tensor(list(tokens), device=logits.device)[:, None])  # (n, 1)
+    chosen = chosen_t[:, 0].tolist()
+    rank: list[int | None] = [None] * len(chosen)
+    if ranks:
+        rank = [int(r) + 1 for r in (logprobs > chosen_t).sum(dim=-1).tolist()]  # (n,)
     if top <= 0:
-        return [Emitted(t, lp) for t, lp in zip(tokens, chosen, strict=True)]
+        return [Emitted(t, lp, rank=r) for t, lp, r in zip(tokens, chosen, rank, strict=True)]
     values, ids = logprobs.topk(top, dim=-1)  # (n, top)
     return [
-        Emitted(t, lp, tuple(zip(i, v, strict=True)))
-        for t, lp, i, v in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)
+        Emitted(t, lp, tuple(zip(i, v, strict=True)), rank=r)
+        for t, lp, i, v, r in zip(tokens, chosen, ids.tolist(), values.tolist(), rank, strict=True)
     ]
 
 

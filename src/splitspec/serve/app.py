@@ -32,7 +32,7 @@ from splitspec.serve.chat_request import plan_chat, template_kwargs, template_me
 from splitspec.serve.choices import Item, Job, Runner, bad_word_ids, processors, sampling, stop_ids
 from splitspec.serve.disconnect import DisconnectPoll
 from splitspec.serve.errors import CONTEXT_EXCEEDED, ApiError, internal_error, invalid, unsupported
-from splitspec.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs, triples
+from splitspec.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs, prompt_logprobs_json, triples
 from splitspec.serve.responses import (
     ResponsesRequest,
     chat_request,
@@ -258,6 +258,7 @@ def create_app(state: ServeState) -> FastAPI:
             min_tokens=body.min_tokens,
             include_stop=body.include_stop_str_in_output,
             skip_special=body.skip_special_tokens,
+            prompt_logprobs=body.prompt_logprobs,
         )
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -268,6 +269,8 @@ def create_app(state: ServeState) -> FastAPI:
         if grammar is not None:
             await prepare_grammar(stops)
         make = logits_processors(body, grammar, stops)
+        asks = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        scored = max(asks) if asks else None  # alternatives scored for the prompt, for echo and vLLM's field
         params = sampling(body, state.sampling_defaults)  # frozen: every prompt's choices share it
         jobs = []
         for prompt in body.prompts():
@@ -288,7 +291,7 @@ def create_app(state: ServeState) -> FastAPI:
                 len(prompt_ids), body.token_limit(), state.sampling_defaults.max_tokens, state.max_positions, "prompt"
             )
             jobs.append(Job(prompt_ids, budget, params, body.stop_strings(), stops, make, echo=echo,
-                            logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
+                            logprobs=body.logprobs, prompt_logprobs=scored,
                             min_tokens=body.min_tokens, continues_prompt=True,
                             include_stop=body.include_stop_str_in_output,
                             skip_special=body.skip_special_tokens))  # fmt: skip
@@ -323,8 +326,16 @@ def create_app(state: ServeState) -> FastAPI:
                                     [schemas.tool_call_json(t.id, t.name, t.arguments) for t in c.calls], lp)
                 for c, lp in zip(choices, lps, strict=True)
             ]  # fmt: skip
-            return JSONResponse(schemas.envelope(rid, "chat.completion", now, name, out, use))
+            whole = schemas.envelope(rid, "chat.completion", now, name, out, use)
+            if body.prompt_logprobs is not None:  # vLLM's: the conversation's, once for the response
+                whole["prompt_logprobs"] = prompt_logprobs_json(
+                    choices[0].prompt, body.prompt_logprobs, state.token_bytes
+                )
+            return JSONResponse(whole)
         out = [schemas.text_choice(c.index, c.text, c.finish, lp) for c, lp in zip(choices, lps, strict=True)]
+        if body.prompt_logprobs is not None:  # vLLM's: each choice carries its prompt's
+            for c, item in zip(choices, out, strict=True):
+                item["prompt_logprobs"] = prompt_logprobs_json(c.prompt, body.prompt_logprobs, state.token_bytes)
         return JSONResponse(schemas.envelope(rid, "text_completion", now, name, out, use))
 
     return app

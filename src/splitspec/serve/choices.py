@@ -49,7 +49,7 @@ class Job:
     parallel: bool = True
     call_finish: FinishReason = "tool_calls"  # a reply that ends with calls ("stop" under a named tool_choice)
     logprobs: int | None = None  # alternatives per generated token; None: no logprobs
-    prompt_logprobs: int | None = None  # echo with logprobs: the same for the prompt's tokens
+    prompt_logprobs: int | None = None  # alternatives scored for the prompt's tokens (echo's logprobs, vLLM's field)
     min_tokens: int = 0  # vLLM's: no stop token, and no stop string ending, in the first this many
     continues_prompt: bool = False  # a completion: its text is decoded after the prompt's (a chat reply: alone)
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string that ends the text stays in it
@@ -146,6 +146,12 @@ def bad_word_ids(encode: Callable[[str], list[int]], words: Sequence[str]) -> li
     return out
 
 
+def trimmed(entries: list[Emitted], alternatives: int | None) -> list[Emitted]:
+    """``entries`` with at most ``alternatives`` each (the prompt is scored for the larger of two asks)."""
+    keep = alternatives or 0
+    return [e if len(e.top) <= keep else dataclasses.replace(e, top=e.top[:keep]) for e in entries]
+
+
 @dataclass
 class Choice:
     index: int
@@ -153,6 +159,7 @@ class Choice:
     finish: FinishReason
     calls: list[ToolCall]
     tokens: list[Emitted] = field(default_factory=list)  # echoed prompt tokens first, then the generated ones
+    prompt: list[Emitted] = field(default_factory=list)  # the scored prompt (its first token unscored), when asked
 
 
 class Runner:
@@ -239,7 +246,10 @@ class Runner:
         choices: dict[int, Choice] = {}
         async for item in self.events():
             choice = choices.setdefault(item.index, Choice(item.index, "", "length", []))
-            choice.tokens += item.tokens
+            if item.prompt:
+                choice.prompt = list(item.tokens)
+            if not item.prompt or item.job.echo:  # an echoed prompt's logprobs lead the completion's
+                choice.tokens += trimmed(item.tokens, item.job.logprobs) if item.prompt else item.tokens
             if item.event is not None:
                 choice.text += item.event.content
                 if item.event.call is not None:

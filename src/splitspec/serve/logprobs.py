@@ -108,6 +108,26 @@ def token_text(data: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
+def prompt_logprobs_json(
+    prompt: Sequence[Emitted], top: int, token_bytes: Callable[[int], bytes]
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: None for the prompt's first token (nothing predicts it), then for each later one a
+    map from token id (as a string) to its ``logprob``, ``rank`` and ``decoded_token``: the prompt's own token first,
+    then the ``top`` likeliest there (ranks 1 to ``top``)."""
+
+    def one(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": token_text(token_bytes(token_id))}
+
+    out: list[dict[str, dict[str, Any]] | None] = [None] if prompt else []
+    for entry in prompt[1:]:
+        logprob = entry.logprob if entry.logprob is not None else -math.inf
+        row = {str(entry.token): one(entry.token, logprob, entry.rank)}
+        for rank, (token_id, alternative) in enumerate(entry.top[:top], start=1):
+            row.setdefault(str(token_id), one(token_id, alternative, rank))
+        out.append(row)
+    return out
+
+
 def chat_logprobs(entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes]) -> dict[str, Any]:
     """Chat's ``logprobs`` object for the generated tokens ``entries``."""
 

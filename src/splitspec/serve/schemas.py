@@ -35,7 +35,6 @@ REFUSED: dict[str, object] = {
     "audio": None,
     "length_penalty": 1.0,
     "use_beam_search": False,
-    "prompt_logprobs": None,
     "echo": False,  # chat: vLLM prepends the last message's content
 }
 
@@ -202,6 +201,8 @@ class GenerationRequest(BaseModel):
     bad_words: list[str] | None = Field(default=None, max_length=MAX_BAD_WORDS)  # vLLM's: words never generated
     include_stop_str_in_output: bool = False  # vLLM's extension: the stop string that ends the text stays in it
     skip_special_tokens: bool = True  # vLLM's extension: false shows special tokens' text (the stop token's never)
+    # vLLM's extension: each prompt token's logprob and rank, with this many alternatives (not with stream)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     # vLLM's extension: keep the prompt's last k tokens (-1: as many as the model's positions)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
@@ -246,6 +247,13 @@ class GenerationRequest(BaseModel):
     def _truncation(cls, value: int | None) -> int | None:
         if value == 0:
             raise ValueError("truncate_prompt_tokens must be -1 (the model's positions) or a number of tokens")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true (vLLM's rule)")
         return value
 
     @field_validator("bad_words")
