@@ -92,7 +92,7 @@ def test_invalid_values(stack: Stack, path: str, change: dict[str, Any], param: 
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [
-        ("/chat/completions", {"echo": True}, "echo"),
+        ("/chat/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("/chat/completions", {"prediction": {"type": "content", "content": "to be"}}, "prediction"),
         ("/completions", {"best_of": 3}, "best_of"),

@@ -130,7 +130,6 @@ def test_include_stop_str_in_output_keeps_the_stop_string(stack: Stack, path: st
 @pytest.mark.parametrize(
     ("path", "field", "neutral", "value"),
     [
-        ("/chat/completions", "echo", False, True),
         ("/chat/completions", "use_beam_search", False, True),
         ("/completions", "length_penalty", 1.0, 0.5),
     ],
@@ -322,6 +321,26 @@ def test_add_generation_prompt_and_continue_final_message(stack: Stack, chat_mod
     assert content(reply).split() == completion_of(stack, open_ids, 6)["choices"][0]["text"].split()
     fields = ("messages", "add_generation_prompt", "continue_final_message")
     assert tokenize(stack, {k: body[k] for k in fields}) == open_ids
+
+
+def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(stack: Stack) -> None:
+    """vLLM's chat ``echo``: a continued assistant message's content, then the continuation, whole or streamed;
+    a last message of another role than the reply's (a user's, under add_generation_prompt) is not echoed."""
+    started = [
+        *ASK,
+        {"role": "assistant", "content": [{"type": "text", "text": "that is"}, {"type": "text", "text": "the"}]},
+    ]
+    body = {**CHAT, "messages": started, "add_generation_prompt": False, "continue_final_message": True}
+    plain = content(ok(stack, "/chat/completions", body))
+    echoed = ok(stack, "/chat/completions", {**body, "echo": True})
+    assert content(echoed) == "that is\nthe" + plain  # text parts joined by newlines, as vLLM
+    assert echoed["usage"] == ok(stack, "/chat/completions", body)["usage"]  # the echo is no completion token
+    with httpx.stream("POST", f"{stack.base_url}/chat/completions", json={**body, "echo": True, "stream": True},
+                      timeout=60) as response:  # fmt: skip
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == content(echoed)
+    asked = ok(stack, "/chat/completions", {**CHAT, "echo": True})  # the last message is the user's
+    assert content(asked) == content(ok(stack, "/chat/completions", CHAT))
 
 
 def test_chat_template_kwargs_reach_the_template(make_stack: Callable[..., Stack], chat_model: Path) -> None:

@@ -259,6 +259,7 @@ def create_app(state: ServeState) -> FastAPI:
             include_stop=body.include_stop_str_in_output,
             skip_special=body.skip_special_tokens,
             prompt_logprobs=body.prompt_logprobs,
+            echo=body.echoed(),
         )
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])

@@ -43,7 +43,7 @@ class Job:
     stops: list[str]
     stop_ids: frozenset[int]
     make_processor: Callable[[], LogitsProcessor | None]
-    echo: str = ""  # completions with echo: the prompt's text, before the completion's
+    echo: str = ""  # text before the reply's: a completion's echoed prompt, a chat's echoed last message (vLLM's)
     tool_format: Format | None = None
     tools: dict[str, dict[str, Any]] = field(default_factory=dict)
     parallel: bool = True

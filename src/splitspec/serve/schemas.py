@@ -26,8 +26,8 @@ MAX_BAD_WORDS = 128  # vLLM's limit on bad_words (MAX_NUM_BAD_WORDS)
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
           "guided_whitespace_pattern": "whitespace_pattern"}  # fmt: skip
 
-# fields clients send that we know but do not implement, with the value that changes nothing (a field one endpoint
-# declares is never refused there: ``echo`` is honoured by completions, refused on chat)
+# fields clients send that we know but do not implement, with the value that changes nothing (a field an endpoint
+# declares is never refused there)
 REFUSED: dict[str, object] = {
     "functions": None,  # the legacy form of tools
     "function_call": None,
@@ -35,7 +35,6 @@ REFUSED: dict[str, object] = {
     "audio": None,
     "length_penalty": 1.0,
     "use_beam_search": False,
-    "echo": False,  # chat: vLLM prepends the last message's content
 }
 
 
@@ -304,11 +303,22 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: bool = True  # vLLM's extensions, for the chat template
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (Qwen3's enable_thinking)
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when that has the reply's role
 
     @field_validator("continue_final_message")
     @classmethod
     def _continue(cls, value: bool, info: ValidationInfo) -> bool:
         return _continue_final(value, info)
+
+    def echoed(self) -> str:
+        """What vLLM's ``echo`` puts before the reply: the last message's content (text parts joined by newlines)
+        when its role is the reply's (the assistant's under ``add_generation_prompt``, else the last message's own,
+        as vLLM names it), else nothing."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        if not self.echo or last.role != role or last.content is None:
+            return ""
+        return last.content if isinstance(last.content, str) else "\n".join(p.text for p in last.content)
 
     def logprob_alternatives(self) -> int | None:
         """Alternatives per generated token when logprobs are asked for, else None."""
