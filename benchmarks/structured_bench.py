@@ -53,11 +53,10 @@ def metric(text: str, name: str) -> float:
     return sum(float(line.split(" ")[1]) for line in text.splitlines() if line.startswith(name + " "))
 
 
-async def one(http: httpx.AsyncClient, base: str, prompt: str, schema: bool, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    if schema:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "line", "schema": SCHEMA}}
+async def timed_completion(http: httpx.AsyncClient, base: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed ``/v1/completions`` request: its text, completion tokens, decode tok/s (tokens after the first /
+    time after the first) and completion tokens after the first per decode round trip (from ``/metrics``)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     m0 = (await http.get(f"{base}/metrics")).text
     t0 = time.perf_counter()
     t_first, text, usage = None, [], None
@@ -79,10 +78,38 @@ async def one(http: httpx.AsyncClient, base: str, prompt: str, schema: bool, max
     )
     n = usage["completion_tokens"] if usage else 0
     first = t_first or t_end
-    return {"schema": schema, "prompt": prompt, "text": "".join(text), "tokens": n, "total_s": t_end - t0,
+    return {"text": "".join(text), "tokens": n, "total_s": t_end - t0,
             "decode_tok_s": (n - 1) / (t_end - first) if n > 1 and t_end > first else None,
             # the first token comes from the prefill, whose round trips count under their own label
             "tokens_per_trip": (n - 1) / trips if trips and n > 0 else None}  # fmt: skip
+
+
+async def one(http: httpx.AsyncClient, base: str, prompt: str, schema: bool, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "demo", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if schema:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "line", "schema": SCHEMA}}
+    return {"schema": schema, "prompt": prompt, **await timed_completion(http, base, body)}
+
+
+def start_link_stack(rtt_ms: float) -> tuple[list[Any], str]:
+    """A trunk server of the demo base model, the WAN emulator at ``rtt_ms`` and ``splitspec serve`` with the demo
+    draft model (``--speculate auto``), each a process on loopback: the processes and serve's base URL."""
+    base_model, draft = embedded_model("base"), embedded_model("draft")
+    trunk_port, link_port, port = free_port(), free_port(), free_port()
+    procs = [_spawn(["cloud", "serve", "--model", str(base_model), "--port", str(trunk_port), "--threads", "1"])]
+    try:
+        _wait_for_port(trunk_port, procs[0], 120)
+        procs.append(_spawn(["netem", "--listen", f"127.0.0.1:{link_port}", "--upstream",
+                             f"127.0.0.1:{trunk_port}", "--rtt-ms", str(rtt_ms)]))  # fmt: skip
+        _wait_for_port(link_port, procs[1], 60)
+        procs.append(_spawn(["serve", "--model", str(base_model), "--draft-model", str(draft), "--cloud",
+                             f"ws://127.0.0.1:{link_port}", "--served-model-name", "demo", "--port", str(port),
+                             "--threads", "1", "--allow-stock-edge-weights"]))  # fmt: skip
+        _wait_for_port(port, procs[-1], 120)
+    except BaseException:
+        _stop(procs)
+        raise
+    return procs, f"http://127.0.0.1:{port}"
 
 
 async def run(base: str, repeats: int, max_tokens: int) -> list[dict[str, Any]]:
@@ -153,19 +180,9 @@ def main() -> int:
     parser.add_argument("--rtt-ms", type=float, default=80.0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/structured"))
     args = parser.parse_args()
-    base_model, draft = embedded_model("base"), embedded_model("draft")
-    trunk_port, link_port, port = free_port(), free_port(), free_port()
-    procs = [_spawn(["cloud", "serve", "--model", str(base_model), "--port", str(trunk_port), "--threads", "1"])]
+    procs, base = start_link_stack(args.rtt_ms)
     try:
-        _wait_for_port(trunk_port, procs[0], 120)
-        procs.append(_spawn(["netem", "--listen", f"127.0.0.1:{link_port}", "--upstream",
-                             f"127.0.0.1:{trunk_port}", "--rtt-ms", str(args.rtt_ms)]))  # fmt: skip
-        _wait_for_port(link_port, procs[1], 60)
-        procs.append(_spawn(["serve", "--model", str(base_model), "--draft-model", str(draft), "--cloud",
-                             f"ws://127.0.0.1:{link_port}", "--served-model-name", "demo", "--port", str(port),
-                             "--threads", "1", "--allow-stock-edge-weights"]))  # fmt: skip
-        _wait_for_port(port, procs[-1], 120)
-        rows = asyncio.run(run(f"http://127.0.0.1:{port}", args.repeats, args.max_tokens))
+        rows = asyncio.run(run(base, args.repeats, args.max_tokens))
     finally:
         _stop(procs)
     for row in rows:  # a document finished within max_tokens must parse

@@ -164,40 +164,44 @@ class RepetitionPenalty(_Stateless):
     """transformers' ``RepetitionPenaltyLogitsProcessor`` and vLLM's ``repetition_penalty``, over the sequence so far
     (the prompt and the tokens generated) and, row by row, the draft it follows.
 
-    The seen tokens are read from ``tokens`` as it grows (one sequence's context only grows between calls); a
-    context that is not the last one extended is read afresh."""
+    The seen tokens are kept as a (V,) mask read from ``tokens`` as it grows (one sequence's context only grows
+    between calls); a context that is not the last one extended is read afresh."""
 
     def __init__(self, penalty: float) -> None:
         self.penalty = penalty
-        self._seen: set[int] = set()  # the tokens of the context's first _length
+        self._seen: torch.Tensor | None = None  # (V,) bool: the tokens of the context's first _length
         self._length = 0
         self._last: int | None = None  # the context's token at _length - 1 (a context that differs: read afresh)
 
-    def _seen_in(self, tokens: Sequence[int]) -> set[int]:
+    def _seen_in(self, tokens: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
         n = self._length
-        if len(tokens) < n or (n and tokens[n - 1] != self._last):
-            self._seen, n = set(), 0
-        self._seen.update(tokens[n:])
-        self._length, self._last = len(tokens), tokens[-1] if tokens else None
-        return self._seen
-
-    def _penalize(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x < 0, x * self.penalty, x / self.penalty)  # transformers' rule, element by element
+        seen = self._seen
+        if (
+            seen is None
+            or seen.shape[0] != vocab
+            or seen.device != device
+            or len(tokens) < n
+            or (n and tokens[n - 1] != self._last)
+        ):
+            seen, n = torch.zeros(vocab, dtype=torch.bool, device=device), 0
+        if len(tokens) > n:
+            seen[torch.tensor(tokens[n:], dtype=torch.long, device=device)] = True
+        self._seen, self._length, self._last = seen, len(tokens), tokens[-1] if tokens else None
+        return seen
 
     def process(self, logits: torch.Tensor, tokens: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
-        """Each row's seen tokens penalised once, as one-token decoding would for that position (an element's
-        result does not depend on the other rows, so it is the same float32)."""
-        q = logits.shape[0]
-        seen = self._seen_in(tokens)
-        if seen:
-            ids = torch.tensor(sorted(seen), dtype=torch.long, device=logits.device)  # (k,)
-            logits[:, ids] = self._penalize(logits[:, ids])  # (q, k)
-        first_row: dict[int, int] = {}  # a new token of the draft -> the first row that follows it
-        for i, token in enumerate(draft[: q - 1]):
-            if token not in seen and token not in first_row:
-                first_row[token] = i + 1
-        for token, row in first_row.items():
-            logits[row:, token] = self._penalize(logits[row:, token])  # (q - row,)
+        """Each row's seen tokens penalised, elementwise as one-token decoding would for that position (an
+        element's result does not depend on the other rows, so it is the same float32)."""
+        q, vocab = logits.shape
+        rows = self._seen_in(tokens, vocab, logits.device).expand(q, vocab)  # (q, V): row i's seen tokens
+        if q > 1 and draft:
+            rows = rows.clone()
+            for i, token in enumerate(draft[: q - 1]):
+                rows[i + 1 :, token] = True  # rows after a drafted token have seen it
+        columns = rows[-1].nonzero().squeeze(1)  # (k,): every token some row has seen (the last row sees most)
+        sub = logits[:, columns]  # (q, k)
+        penalised = torch.where(sub < 0, sub * self.penalty, sub / self.penalty)  # transformers' rule
+        logits[:, columns] = torch.where(rows[:, columns], penalised, sub)
         return logits
 
     def validate_draft(self, draft: Sequence[int]) -> int:

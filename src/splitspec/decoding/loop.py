@@ -163,33 +163,31 @@ class SequentialPolicy(BlindPolicy):
         return [Choice(None, 0, 0.0)]
 
 
-def first_chain(draft: Draft) -> Draft:
-    """The draft's first branch (root, its first child, ...) as a chain."""
-    tokens: list[int] = []
-    rows: list[int] = []
-    node = -1
-    while True:
-        child = next((i for i, p in enumerate(draft.parents) if p == node), None)
-        if child is None:
-            break
-        tokens.append(draft.tokens[child])
-        rows.append(child)
-        node = child
-    probs = None if draft.probs is None else draft.probs[rows]
-    return Draft(tokens, list(range(-1, len(tokens) - 1)), probs)
+def paths(parents: Sequence[int]) -> list[list[int]]:
+    """Each node's path from its root, node indices parents first (a node's parent precedes it)."""
+    out: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        out.append([*out[parent], i] if parent >= 0 else [i])
+    return out
 
 
-def cut_draft(draft: Draft, processors: Sequence[LogitsProcessor]) -> Draft:
-    """The draft as one chain, cut at the first token a processor forbids, and before a token that completes a
-    processor (a grammar): that token then comes from its own row, as one-token decoding makes it, and no row is
-    verified past the end, where only a stop token may follow (and ``min_tokens`` may forbid that one too)."""
-    chain_draft = first_chain(draft)
-    allowed = min((p.validate_draft(chain_draft.tokens) for p in processors), default=len(chain_draft))
-    allowed = _before_completion(chain_draft.tokens[:allowed], processors)
-    if allowed >= len(chain_draft):
-        return chain_draft
-    probs = None if chain_draft.probs is None else chain_draft.probs[:allowed]
-    return Draft(chain_draft.tokens[:allowed], chain_draft.parents[:allowed], probs)
+def prune_draft(draft: Draft, processors: Sequence[LogitsProcessor]) -> Draft:
+    """The draft less every node whose path from its root a processor forbids, or whose path a token completes a
+    processor (a grammar) before its end: that token then comes from its own row, as one-token decoding makes it,
+    and no row is verified past the end, where only a stop token may follow (and ``min_tokens`` may forbid that
+    one too). A kept node's ancestors are kept, so the draft stays a tree."""
+    kept: list[int] = []
+    for path in paths(draft.parents):
+        tokens = [draft.tokens[i] for i in path]
+        allowed = min((p.validate_draft(tokens) for p in processors), default=len(tokens))
+        if _before_completion(tokens[:allowed], processors) == len(tokens):
+            kept.append(path[-1])
+    if len(kept) == len(draft):
+        return draft
+    index = {node: k for k, node in enumerate(kept)}
+    parents = [index[draft.parents[i]] if draft.parents[i] >= 0 else -1 for i in kept]
+    probs = None if draft.probs is None else draft.probs[kept]
+    return Draft([draft.tokens[i] for i in kept], parents, probs)
 
 
 def _before_completion(tokens: Sequence[int], processors: Sequence[LogitsProcessor]) -> int:
@@ -233,14 +231,30 @@ def _emit(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int], logp
 
 
 def _process(
-    logits: torch.Tensor, processors: Sequence[LogitsProcessor], context: Sequence[int], draft: Sequence[int]
+    logits: torch.Tensor, processors: Sequence[LogitsProcessor], context: Sequence[int], draft: Draft
 ) -> torch.Tensor:
+    """The verified rows (1 + n, V) as the processors make them: row 0 follows the context, row 1 + i the path to
+    draft node i. A processor reads one chain at a time, so a tree goes to it one root-to-leaf chain at a time;
+    rows that several chains share come out the same from each (a row depends only on its own path)."""
     if not processors:
         return logits
+    if draft.parents == list(range(-1, len(draft) - 1)):  # a chain (or no draft): one pass
+        return _process_chain(logits.clone(), processors, context, draft.tokens)
     out = logits.clone()
-    for processor in processors:
-        out = processor.process(out, context, draft)
+    leaves = set(range(len(draft))) - set(draft.parents)
+    for path in paths(draft.parents):
+        if path[-1] in leaves:
+            rows = [0, *[i + 1 for i in path]]
+            out[rows] = _process_chain(logits[rows], processors, context, [draft.tokens[i] for i in path])
     return out
+
+
+def _process_chain(
+    logits: torch.Tensor, processors: Sequence[LogitsProcessor], context: Sequence[int], draft: Sequence[int]
+) -> torch.Tensor:
+    for processor in processors:
+        logits = processor.process(logits, context, draft)
+    return logits
 
 
 def _drafting_waits(drafters: Mapping[str, Drafter], executor: Executor | None) -> dict[str, float]:
@@ -309,7 +323,7 @@ async def decode(
                 prompt_token_logprobs, logits, prompt_ids, prompt_logprobs.top
             )
         last = logits[-1:]  # (1, V)
-        pending = choose_token(_process(last, processors, context, ())[0], params, generator)
+        pending = choose_token(_process(last, processors, context, Draft.empty())[0], params, generator)
         (first,) = _emit(last, [0], [pending], logprobs)
         for processor in processors:
             processor.accept([pending])
@@ -377,7 +391,7 @@ async def decode(
                 if processors and draft:
                     if draft.probs is not None and not params.greedy:
                         raise ValueError(SAMPLED_DRAFT_UNDER_PROCESSORS.format(choice.drafter))
-                    draft = cut_draft(draft, processors)
+                    draft = prune_draft(draft, processors)
                 if draft:
                     used, used_s = choice.drafter, seconds
                     break
@@ -401,7 +415,7 @@ async def decode(
             t0 = time.perf_counter()
             raw = await verifier.forward(tokens, parents, sent=propose_aside)  # (1 + n, V)
             step_s = time.perf_counter() - t0
-            logits = _process(raw, processors, context, draft.tokens)  # a chain when processors are given
+            logits = _process(raw, processors, context, draft)
             if params.greedy:
                 verdict = greedy_verify_tree(draft.tokens, draft.parents, logits)
             else:

@@ -3,11 +3,12 @@
 A processor (a grammar, a forced tool call, a logit bias) belongs to one sequence. The decode loop
 (:mod:`splitspec.decoding.loop`) calls it on every block of rows it chooses tokens from: the
 prefill's last row, and a verification step's rows, which follow the accepted sequence and then
-each drafted token in turn. It is asked before a draft is sent how much of the draft it allows,
-told which tokens were emitted, and may be asked to forget the last n.
+each drafted token of one chain in turn (a draft tree comes one root-to-leaf chain at a time). It is
+asked before a draft is sent how much of a chain it allows, told which tokens were emitted, and may
+be asked to forget the last n.
 
-A grammar (:class:`splitspec.decoding.grammar.GrammarProcessor`), ``logit_bias``, ``min_tokens``
-and the OpenAI penalties (:mod:`splitspec.decoding.adjusters`) are processors;
+A grammar (:class:`splitspec.decoding.grammar.GrammarProcessor`), ``logit_bias``, ``min_tokens``,
+``bad_words`` and the penalties (:mod:`splitspec.decoding.adjusters`) are processors;
 :class:`ProcessorChain` runs several as one.
 """
 
