@@ -21,18 +21,16 @@ logits processor also keeps drafts to one chain. Then the edge's own cost: ``Rep
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
-from structured_bench import PROMPTS, start_link_stack, timed_completion
+from structured_bench import PROMPTS, link_bench_args, start_link_stack, timed_completion
 
 from splitspec.decoding.adjusters import BadWords, RepetitionPenalty
 from splitspec.demo import _stop
@@ -141,12 +139,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=40)
-    parser.add_argument("--rtt-ms", type=float, default=80.0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/sampling_fields"))
-    args = parser.parse_args()
+    args = link_bench_args(__doc__, "benchmarks/results/sampling_fields")
     procs, base = start_link_stack(args.rtt_ms)
     try:
         rows = asyncio.run(run(base, args.repeats, args.max_tokens))

@@ -173,13 +173,18 @@ def markdown(results: dict[str, Any]) -> str:
     ])  # fmt: skip
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def link_bench_args(doc: str | None, out: str) -> argparse.Namespace:
+    """The arguments of a benchmark over :func:`start_link_stack`: repeats, tokens per reply, RTT, results folder."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0] if doc else None)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=40)
     parser.add_argument("--rtt-ms", type=float, default=80.0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/structured"))
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path(out))
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = link_bench_args(__doc__, "benchmarks/results/structured")
     procs, base = start_link_stack(args.rtt_ms)
     try:
         rows = asyncio.run(run(base, args.repeats, args.max_tokens))
