@@ -339,6 +339,9 @@ def test_chat_echo_starts_the_reply_with_the_last_message_of_its_role(stack: Sta
                       timeout=60) as response:  # fmt: skip
         chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == content(echoed)
+    scored = ok(stack, "/chat/completions", {**body, "echo": True, "logprobs": True, "prompt_logprobs": 1})
+    assert len(scored["choices"][0]["logprobs"]["content"]) == scored["usage"]["completion_tokens"]  # the reply's
+    assert len(scored["prompt_logprobs"]) == scored["usage"]["prompt_tokens"]
     asked = ok(stack, "/chat/completions", {**CHAT, "echo": True})  # the last message is the user's
     assert content(asked) == content(ok(stack, "/chat/completions", CHAT))
 

@@ -140,8 +140,9 @@ def bad_word_ids(encode: Callable[[str], list[int]], words: Sequence[str]) -> li
     out: list[list[int]] = []
     for word in words:
         alone, spaced = encode(word.lstrip()), encode(" " + word.lstrip())
-        out.append(alone)
-        if spaced[0] != alone[0] and len(spaced) == len(alone):
+        if alone:  # a text that encodes to nothing bans nothing
+            out.append(alone)
+        if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
             out.append(spaced)
     return out
 
@@ -248,7 +249,7 @@ class Runner:
             choice = choices.setdefault(item.index, Choice(item.index, "", "length", []))
             if item.prompt:
                 choice.prompt = list(item.tokens)
-            if not item.prompt or item.job.echo:  # an echoed prompt's logprobs lead the completion's
+            if not item.prompt or (item.job.continues_prompt and item.job.echo):  # a completion's echo leads
                 choice.tokens += trimmed(item.tokens, item.job.logprobs) if item.prompt else item.tokens
             if item.event is not None:
                 choice.text += item.event.content
