@@ -16,9 +16,9 @@ from splitspec.decoding import published as pub
 from splitspec.decoding.published import published_sampling
 from splitspec.decoding.sampling import SamplingParams
 from splitspec.exceptions import CheckpointError, ConfigError
-from splitspec.serve.app import token_budget
 from splitspec.serve.config import ServeConfig
 from splitspec.serve.errors import ApiError
+from splitspec.serve.prompt_budget import token_budget
 from splitspec.serve.sampling_defaults import SamplingDefaults, sampling_defaults
 from tests.serve.conftest import MODEL_NAME, Stack
 from tests.serve.helpers import chat, complete

@@ -31,8 +31,9 @@ from splitspec.serve import schemas
 from splitspec.serve.chat_request import plan_chat, template_kwargs, template_messages
 from splitspec.serve.choices import Item, Job, Runner, bad_word_ids, processors, sampling, stop_ids
 from splitspec.serve.disconnect import DisconnectPoll
-from splitspec.serve.errors import CONTEXT_EXCEEDED, ApiError, internal_error, invalid, unsupported
+from splitspec.serve.errors import ApiError, internal_error, invalid, unsupported
 from splitspec.serve.logprobs import TextOffsets, chat_logprobs, completion_logprobs, prompt_logprobs_json, triples
+from splitspec.serve.prompt_budget import kept_prompt, token_budget
 from splitspec.serve.responses import (
     ResponsesRequest,
     chat_request,
@@ -366,39 +367,6 @@ class RunnerStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._close()
-
-
-def token_budget(prompt_tokens: int, requested: int | None, default: int | None, max_positions: int, param: str) -> int:
-    """Tokens the completion may have: as requested, else the server's ``default`` (generation_config.json's
-    max_new_tokens) up to what the context has left, else all it has left (400 if none, or if the prompt has no
-    token: a tokenizer without a BOS token encodes "" to nothing, and a model needs one to start)."""
-    if prompt_tokens == 0:
-        raise invalid(f"The {param} is empty: it encodes to no token, and generation needs at least one.", param)
-    room = max_positions - prompt_tokens
-    if requested is None:
-        requested = room if default is None else min(default, max(room, 1))  # vLLM: min(default, room)
-    if requested > room or room < 1:
-        raise invalid(
-            f"This model's maximum context length is {max_positions} tokens. However, you requested "
-            f"{prompt_tokens + max(requested, 1)} tokens ({prompt_tokens} in the {param}, "
-            f"{max(requested, 1)} for the completion). Please reduce the length of the {param} or the completion.",
-            param=param,
-            code=CONTEXT_EXCEEDED,
-        )
-    return requested
-
-
-def kept_prompt(prompt_ids: list[int], keep: int | None, max_positions: int) -> list[int]:
-    """The prompt the model reads: its last ``keep`` tokens (``truncate_prompt_tokens``, vLLM's left truncation; -1:
-    as many as the model's positions), or all of it (None). A limit over the model's positions is a 400, as vLLM's."""
-    if keep is None:
-        return prompt_ids
-    if keep > max_positions:
-        raise invalid(
-            f"truncate_prompt_tokens ({keep}) is more than this model's {max_positions} positions",
-            "truncate_prompt_tokens",
-        )
-    return prompt_ids[-(max_positions if keep == -1 else keep) :]
 
 
 def validation_error(exc: RequestValidationError) -> ApiError:
