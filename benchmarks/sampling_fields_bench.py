@@ -72,9 +72,10 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     out: dict[str, dict[str, float | None]] = {}
     for name in MODES:
         mine = [r for r in rows if r["mode"] == name]
-        stats: dict[str, float | None] = {
-            k: statistics.median(r[k] for r in mine if r[k] is not None) for k in ("decode_tok_s", "tokens_per_trip")
-        }
+        stats: dict[str, float | None] = {}
+        for k in ("decode_tok_s", "tokens_per_trip"):
+            values = [r[k] for r in mine if r[k] is not None]  # None: a one-token reply has no decode
+            stats[k] = statistics.median(values) if values else None
         base = BASELINE.get(name)
         ratios = [
             r["decode_tok_s"] / by[(base, r["prompt"], r["repeat"])]["decode_tok_s"]
@@ -116,6 +117,9 @@ def edge_cost(repeats: int) -> dict[str, float]:
 def markdown(results: dict[str, Any]) -> str:
     s = results["summary"]
 
+    def number(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
     def ratio(m: str) -> str:
         r = s[m]
         if r["ratio"] is None:
@@ -130,7 +134,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "| mode | decode tok/s | tokens per round trip | decode tok/s ratio, median (range) |",
         "|---|---:|---:|---|",
-        *[f"| {m} | {s[m]['decode_tok_s']:.2f} | {s[m]['tokens_per_trip']:.2f} | {ratio(m)} |" for m in MODES],
+        *[f"| {m} | {number(s[m]['decode_tok_s'])} | {number(s[m]['tokens_per_trip'])} | {ratio(m)} |" for m in MODES],
         "",
         f"Edge cost per `process` call (a 5-row block of 8,192 logits after a 2,000-token context): repetition "
         f"penalty {results['edge_us']['repetition_penalty']:.0f} us, bad words (3 one-token and 3 two-token words) "

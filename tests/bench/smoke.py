@@ -32,6 +32,7 @@ SCRIPTS: dict[str, list[str]] = {
     "privacy_transforms": ["--windows", "4"],
     "quant_load": ["--repeats", "1", "--layers", "5", "--hidden", "256"],
     "serve_bench": ["--repeats", "1", "--max-tokens", "4", "--rtt-ms", "5", "--bandwidth-mbit", "0"],
+    "sampling_fields_bench": ["--repeats", "1", "--max-tokens", "6", "--rtt-ms", "5"],
     "sibling_proposals": ["--tokens", "20", "--draws", "1"],
     "specfed_eval": ["--docs", "1", "--windows", "1", "--length", "8", "--domains", "prose"],
     "specfed_wan": ["--prompts", "1", "--new-tokens", "4", "--rtt-ms", "5"],
@@ -40,7 +41,7 @@ SCRIPTS: dict[str, list[str]] = {
     "tail_logits": ["--repeats", "1", "--calls", "2"],
 }
 # fmt: on
-REPORTS = {"privacy_transforms": "transforms"}
+REPORTS = {"privacy_transforms": "transforms", "sampling_fields_bench": "sampling_fields"}
 # exit 1 says a target gate failed: quant_load's weight-memory gates hold for its 16-layer default, not for a
 # 1-layer trunk whose fixed costs dominate
 RETURNCODES = {"quant_load": (0, 1)}
