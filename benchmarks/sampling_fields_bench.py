@@ -22,7 +22,6 @@ logits processor also keeps drafts to one chain. Then the edge's own cost: ``Rep
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from typing import Any
 
 import httpx
 import torch
-from structured_bench import PROMPTS, link_bench_args, start_link_stack, timed_completion
+from structured_bench import PROMPTS, link_bench_args, start_link_stack, timed_completion, write_report
 
 from splitspec.decoding.adjusters import BadWords, RepetitionPenalty
 from splitspec.demo import _stop
@@ -155,10 +154,7 @@ def main() -> int:
     results = {"commit": env.get("commit", ""), "command": command, "repeats": args.repeats,
                "max_tokens": args.max_tokens, "rtt_ms": args.rtt_ms, "environment": env, "rows": rows,
                "summary": summarize(rows), "edge_us": edge_cost(args.repeats)}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sampling_fields.json").write_text(json.dumps(results, indent=2))
-    (args.out / "sampling_fields.md").write_text(markdown(results) + "\n")
-    print(markdown(results))
+    write_report(args.out, "sampling_fields", results, markdown(results))
     return 0
 
 

@@ -183,6 +183,14 @@ def link_bench_args(doc: str | None, out: str) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def write_report(out: Path, stem: str, results: dict[str, Any], text: str) -> None:
+    """``<stem>.json`` and ``<stem>.md`` into ``out``, the markdown also printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.md").write_text(text + "\n")
+    print(text)
+
+
 def main() -> int:
     args = link_bench_args(__doc__, "benchmarks/results/structured")
     procs, base = start_link_stack(args.rtt_ms)
@@ -204,10 +212,7 @@ def main() -> int:
     results = {"commit": env.get("commit", ""), "repeats": args.repeats, "max_tokens": args.max_tokens,
                "rtt_ms": args.rtt_ms, "platform": platform.platform(), "environment": env, "rows": rows,
                "summary": summary, "grammar": grammar}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "structured_bench.json").write_text(json.dumps(results, indent=2))
-    (args.out / "structured_bench.md").write_text(markdown(results) + "\n")
-    print(markdown(results))
+    write_report(args.out, "structured_bench", results, markdown(results))
     return 0
 
 

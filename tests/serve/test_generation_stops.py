@@ -18,7 +18,7 @@ LETTERS = "abcdefghijklmnopqrstuvwxyz"
 PERIOD = 26  # an ordinary token: "."
 
 
-def decode(ids: Sequence[int]) -> str:
+def decode(ids: Sequence[int], skip_special: bool = True) -> str:  # ServeState.decode's signature; no specials here
     return "".join("." if i == PERIOD else LETTERS[i] for i in ids)
 
 

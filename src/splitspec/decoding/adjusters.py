@@ -213,7 +213,8 @@ class BadWords:
     far (the prompt's are not looked at, as in vLLM) end with the rest of it; a one-token sequence always."""
 
     def __init__(self, words: Collection[Sequence[int]]) -> None:
-        self._always = torch.tensor(sorted({w[0] for w in words if len(w) == 1}), dtype=torch.long)  # (s,)
+        self._always_set = frozenset(w[0] for w in words if len(w) == 1)  # the one-token words
+        self._always = torch.tensor(sorted(self._always_set), dtype=torch.long)  # (s,)
         self._after = sorted({(tuple(w[:-1]), w[-1]) for w in words if len(w) > 1})  # (the tokens before, the last)
         self._reach = max((len(before) for before, _ in self._after), default=0)  # tokens looked back at most
         self._generated: list[int] = []
@@ -242,10 +243,9 @@ class BadWords:
         return logits
 
     def validate_draft(self, draft: Sequence[int]) -> int:
-        always = set(self._always.tolist())
         history = self._recent()
         for i, token in enumerate(draft):
-            if token in always or token in self._banned_after(history):
+            if token in self._always_set or token in self._banned_after(history):
                 return i
             history.append(token)
         return len(draft)

@@ -24,11 +24,11 @@ rows so the extra memory stays bounded, on a worker thread (off the event loop),
 token is yielded.
 
 Logits processors (:class:`~splitspec.decoding.processors.LogitsProcessor`: a grammar, say) see
-every row before a token is chosen from it, in verification as in the prefill. A draft is cut
-before it is sent at the first token a processor forbids (no round trip is spent on it), and with
-processors a draft is a single chain (its first branch). Output under processors is then what
+every row before a token is chosen from it, in verification as in the prefill, each row along its own path
+(a draft tree goes to them one root-to-leaf chain at a time). A draft loses every node whose path a processor
+forbids before it is sent (no round trip is spent on it). Output under processors is then what
 one-token constrained decoding gives: identical tokens when greedy; when sampling, the drafts are
-deterministic (q one-hot: n-grams, prompt lookup, the draft model's greedy chain), so the
+deterministic (q one-hot: n-grams, prompt lookup, the draft model's greedy tree), so the
 acceptance rule stays exact. A sampled draft (one that carries q) under processors while the target
 samples is refused with a ``ValueError``: cutting it where a processor forbids a token would not
 be lossless.
@@ -64,6 +64,7 @@ from splitspec.decoding.sampling import SamplingParams, choose_token
 from splitspec.decoding.shadow import score_shadows
 from splitspec.decoding.trees import draft_depth
 from splitspec.decoding.warmup import abandon_prepare, catching_up, finish_prepare, start_catch_up, start_prepare
+from splitspec.models.masks import chain
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a token may carry (OpenAI's limit)
 PROMPT_ROWS_PER_CHUNK = 256  # prefill rows turned into logprobs at once: bounds the (rows, V) float32 copies
@@ -238,7 +239,7 @@ def _process(
     rows that several chains share come out the same from each (a row depends only on its own path)."""
     if not processors:
         return logits
-    if draft.parents == list(range(-1, len(draft) - 1)):  # a chain (or no draft): one pass
+    if draft.parents == chain(len(draft)):  # a chain (or no draft): one pass
         return _process_chain(logits.clone(), processors, context, draft.tokens)
     out = logits.clone()
     leaves = set(range(len(draft))) - set(draft.parents)

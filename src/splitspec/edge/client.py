@@ -316,7 +316,7 @@ class SplitClient:
         """Yield new token ids as they are produced (:meth:`stream_tokens` without logprobs).
 
         ``processor`` (a grammar, logit_bias, penalties) sees every row of logits before a token is
-        chosen from it; drafts are cut at the first token it forbids, so speculation goes on.
+        chosen from it; a draft loses the nodes whose path it forbids, so speculation goes on.
         """
         processors = () if processor is None else (processor,)
         async for emitted in self.stream_tokens(

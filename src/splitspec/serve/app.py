@@ -285,9 +285,12 @@ def create_app(state: ServeState) -> FastAPI:
                     last = state.vocab_size - 1
                     raise invalid(f"token ids {bad[:5]} are outside the vocabulary (0..{last})", "prompt")
             kept = kept_prompt(prompt_ids, body.truncate_prompt_tokens, state.max_positions)
-            whole = len(kept) == len(prompt_ids)  # a text prompt kept whole is echoed as it was sent
-            decode = state.decode if body.skip_special_tokens else state.decode_all
-            echo = "" if not body.echo else prompt if isinstance(prompt, str) and whole else decode(kept)
+            if not body.echo:
+                echo = ""
+            elif isinstance(prompt, str) and len(kept) == len(prompt_ids):
+                echo = prompt  # a text prompt kept whole is echoed as it was sent
+            else:
+                echo = state.decode(kept, body.skip_special_tokens)
             prompt_ids = kept
             budget = token_budget(
                 len(prompt_ids), body.token_limit(), state.sampling_defaults.max_tokens, state.max_positions, "prompt"

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 from splitspec.decoding.loop import Emitted, PromptLogprobs
 from splitspec.decoding.processors import LogitsProcessor
@@ -87,8 +88,9 @@ class Generation:
         self.max_tokens = max_tokens
         self.params = params
         context = self.prompt_ids[-CONTEXT_TOKENS:] if continues_prompt else []
-        decode = state.decode if skip_special else state.decode_all
-        self.text = StopTextStream(decode, stops, min_tokens, context, include_stop)
+        self.text = StopTextStream(
+            partial(state.decode, skip_special=skip_special), stops, min_tokens, context, include_stop
+        )
         self.stop_token_ids = stop_token_ids  # end the reply (finish_reason "stop"), not shown
         self.disconnected = disconnected  # polled between tokens: the HTTP client went away
         self.processor = processor

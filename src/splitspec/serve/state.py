@@ -83,9 +83,7 @@ class ServeState:
         await self.pool.close()
         await self.engine.close()
 
-    def decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
-
-    def decode_all(self, token_ids: list[int]) -> str:
-        """The text of ``token_ids`` with special tokens' text in it (vLLM's ``skip_special_tokens: false``)."""
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+    def decode(self, token_ids: list[int], skip_special: bool = True) -> str:
+        """The text of ``token_ids``; ``skip_special`` False keeps special tokens' text (vLLM's
+        ``skip_special_tokens: false``)."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special))
